@@ -1,0 +1,41 @@
+"""A chat request through a host's entry port, with the standard library (the demo's smoke test)."""
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+from .errors import FleetError
+from .inventory import HostVars
+
+
+def entry_url(hv: HostVars) -> str:
+    """http://address:port of the host's entry (proxy or nginx) as seen from here."""
+    address = "127.0.0.1" if hv["connection"] == "local" else hv["ssh"]["host"]
+    return f"http://{address}:{hv['proxy']['port']}"
+
+
+def chat(hv: HostVars, prompt: str, max_tokens: int = 64, user: str = "fleet-demo",
+         timeout: float = 120) -> dict:
+    """Send one chat completion; return answer, backend, request id, finish_reason and latency."""
+    body = json.dumps({"model": hv["served_model_name"], "max_tokens": max_tokens, "user": user,
+                       "messages": [{"role": "user", "content": prompt}]}).encode()
+    url = entry_url(hv) + "/v1/chat/completions"
+    req = urllib.request.Request(url, body, {"Content-Type": "application/json"})
+    t0 = time.monotonic()
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            data = json.loads(r.read())
+            headers = r.headers
+    except urllib.error.HTTPError as e:
+        raise FleetError(f"{hv.name}: {url} answered {e.code}: {e.read()[:300].decode('utf-8', 'replace')}; "
+                         "see `inv status` and logs/proxy.log.") from None
+    except OSError as e:
+        raise FleetError(f"{hv.name}: nothing answers at {url} ({e}); run `inv deploy --host {hv.name}` "
+                         "first.") from None
+    choice = data["choices"][0]
+    return {"answer": choice["message"]["content"], "finish_reason": choice.get("finish_reason"),
+            "backend": headers.get("X-Backend"), "request_id": headers.get("X-Request-Id"),
+            "completion_tokens": (data.get("usage") or {}).get("completion_tokens"),
+            "latency_s": round(time.monotonic() - t0, 3)}

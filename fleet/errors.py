@@ -1,0 +1,21 @@
+"""The error tree: every failure a user can cause or fix is a FleetError with one clear sentence."""
+
+
+class FleetError(Exception):
+    """A failure to report as one sentence that says what to do; never shown as a traceback."""
+
+
+class InventoryError(FleetError):
+    """The inventory file or a --set value is wrong."""
+
+
+class TemplateError(FleetError):
+    """A template could not be rendered (a bug in a template, or a value it cannot use)."""
+
+
+class RemoteError(FleetError):
+    """A command or file operation on a host failed."""
+
+
+class UnreachableError(RemoteError):
+    """The host could not be reached at all (connection refused, timeout, auth, host key)."""

@@ -1,0 +1,376 @@
+"""Lifecycle: deploy, status and stop of one host's deployment.
+
+Facts first, then actions: each function reads the host's state (pid files, ports, /health) into plain
+data through `fleet.probe`, compares it with what the inventory wants, and only then acts. An action with
+nothing to do says why and counts as ok, not changed; that is what makes a second deploy report changed=0.
+"""
+from __future__ import annotations
+
+import copy
+import difflib
+import hashlib
+import json
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from .errors import FleetError, RemoteError
+from .inventory import HostVars
+from .render import RenderedFile, render_host
+from .transport import Transport
+
+ROOT = Path(__file__).resolve().parent.parent
+PROBE = (Path(__file__).resolve().parent / "probe.py").read_text()
+
+Emit = Callable[[str], None]
+
+
+@dataclass
+class Step:
+    """One thing a run did or found: status is ok, changed, skipped or failed."""
+
+    name: str
+    status: str
+    message: str = ""
+
+
+@dataclass
+class Report:
+    """What a run did on one host: its steps, and the host's status at the end when known."""
+
+    host: str
+    steps: list[Step] = field(default_factory=list)
+    unreachable: str | None = None
+    status: dict | None = None
+    data: dict = field(default_factory=dict)
+
+    def add(self, name: str, status: str, message: str = "") -> Step:
+        step = Step(name, status, message)
+        self.steps.append(step)
+        return step
+
+    def count(self, status: str) -> int:
+        return sum(1 for s in self.steps if s.status == status)
+
+    @property
+    def failed(self) -> bool:
+        return self.count("failed") > 0
+
+    def recap(self) -> str:
+        """The Ansible-style recap line."""
+        return (f"{self.host} : ok={self.count('ok')} changed={self.count('changed')} "
+                f"skipped={self.count('skipped')} failed={self.count('failed')} "
+                f"unreachable={1 if self.unreachable else 0}")
+
+
+# --- preparing host variables -------------------------------------------------------------------
+
+def prepare(conn: Transport, hv: HostVars) -> HostVars:
+    """Resolve what depends on the host itself: an absolute deploy_dir and the Python to run."""
+    hv = copy.copy(hv)
+    hv.vars = copy.deepcopy(hv.vars)
+    d = hv.vars["deploy_dir"]
+    if d == "~" or d.startswith("~/"):
+        d = conn.home().rstrip("/") + d[1:]
+    if not d.startswith("/"):
+        d = conn.home().rstrip("/") + "/" + d
+    hv.vars["deploy_dir"] = d.rstrip("/") or "/"
+    if not hv.vars["python"]:
+        # The control node's own interpreter has aiohttp; a remote host's python3 comes from env_setup.
+        hv.vars["python"] = sys.executable if hv["connection"] == "local" else "python3"
+    return hv
+
+
+def code_files(hv: HostVars) -> list[RenderedFile]:
+    """The code the host runs besides the engine: the proxy, and the sim engine when engine is sim."""
+    files = [RenderedFile(f"proxy/{p.name}", p.read_text(), 0o644)
+             for p in sorted((ROOT / "proxy").glob("*.py"))]
+    if hv["engine"] == "sim":
+        files.append(RenderedFile("lib/fleet/__init__.py", (ROOT / "fleet" / "__init__.py").read_text()))
+        files += [RenderedFile(f"lib/fleet/sim/{p.name}", p.read_text(), 0o644)
+                  for p in sorted((ROOT / "fleet" / "sim").glob("*.py"))]
+    return files
+
+
+def host_files(hv: HostVars) -> list[RenderedFile]:
+    """Everything deploy puts under deploy_dir."""
+    return render_host(hv) + code_files(hv)
+
+
+# --- facts --------------------------------------------------------------------------------------
+
+def probe(conn: Transport, hv: HostVars, files: list[str] = (), readonly: bool = False) -> dict:
+    """Read the deployment's state on the host (see fleet/probe.py)."""
+    spec = {"deploy_dir": hv["deploy_dir"], "ports": hv.ports, "proxy_port": hv["proxy"]["port"],
+            "admin_port": hv["proxy"]["admin_port"], "deployment_id": hv.deployment_id,
+            "files": list(files), "readonly": readonly}
+    python = sys.executable if hv["connection"] == "local" else "python3"
+    r = conn.run(f"{shlex.quote(python)} - {shlex.quote(json.dumps(spec))}", stdin=PROBE, timeout=60)
+    if not r.ok:
+        if r.exited == 127:
+            raise RemoteError(f"{hv.name}: {python} is not found on the host; install Python 3 there.")
+        raise RemoteError(f"{hv.name}: reading the deployment's state failed: "
+                          f"{(r.stderr.strip().splitlines() or ['no output'])[-1]}")
+    try:
+        return json.loads(r.stdout)
+    except ValueError:
+        raise RemoteError(f"{hv.name}: the state probe printed something that is not JSON; "
+                          "check the host's shell startup files for output.") from None
+
+
+def instance_state(f: dict, health_timeout_s: float) -> str:
+    """loading, healthy, dead, stopped or port-taken, from one instance's facts."""
+    if f["alive"]:
+        if f["health"] == 200:
+            return "healthy"
+        if f["was_ready"] or (f["age_s"] or 0) > health_timeout_s:
+            return "dead"          # it was healthy once (engine death) or never became healthy in time
+        return "loading"
+    if f["listening"]:
+        return "port-taken"
+    return "dead" if f["pidfile"] else "stopped"
+
+
+def proxy_state(f: dict) -> str:
+    """healthy, no-backend (up but no healthy backend), dead, stopped or port-taken."""
+    if f["alive"]:
+        if f["health"] == 200:
+            return "healthy"
+        return "no-backend" if f["health"] == 503 else "dead"
+    if f["listening"]:
+        return "port-taken"
+    return "dead" if f["pidfile"] else "stopped"
+
+
+def status_of(hv: HostVars, facts: dict) -> dict:
+    """The `inv status --json` object of one host."""
+    instances = [{"index": f["index"], "port": f["port"], "accelerator": f["index"], "pid": f["pid"],
+                  "pgid": f["pgid"], "state": instance_state(f, hv["health_timeout_s"])}
+                 for f in facts["instances"]]
+    p = facts["proxy"]
+    proxy = {"pid": p["pid"], "port": p["port"], "state": proxy_state(p), "backends": p["backends"]}
+    mode = facts.get("mode") or "proxy"
+    front = None
+    if mode == "proxy" and proxy["state"] in ("healthy", "no-backend"):
+        front = "proxy"
+    elif mode == "nginx":
+        front = "nginx"
+    return {"host": hv.name, "deployment_id": hv.deployment_id, "deploy_dir": hv["deploy_dir"],
+            "front": front, "proxy": proxy, "instances": instances,
+            "tagged": facts["tagged"]}
+
+
+def status(conn: Transport, hv: HostVars, emit: Emit = lambda line: None) -> Report:
+    """Read the host's state; ok unless an instance or the proxy is not serving."""
+    hv = prepare(conn, hv)
+    report = Report(hv.name)
+    report.status = st = status_of(hv, probe(conn, hv))
+    for inst in st["instances"]:
+        report.add(f"instance {inst['index']}", "ok" if inst["state"] in ("healthy", "loading") else
+                   ("ok" if inst["state"] == "stopped" else "failed"), inst["state"])
+    return report
+
+
+# --- deploy -------------------------------------------------------------------------------------
+
+def _sha(content: str) -> str:
+    return hashlib.sha256(content.encode()).hexdigest()
+
+
+def deploy(conn: Transport, hv: HostVars, emit: Emit = lambda line: None,
+           check: bool = False, diff: bool = False) -> Report:
+    """Put changed files, start what is not running, wait for /health, start the proxy."""
+    hv = prepare(conn, hv)
+    report = Report(hv.name)
+    files = host_files(hv)
+    facts = probe(conn, hv, [f.path for f in files], readonly=check)
+    d = hv["deploy_dir"]
+
+    changed_files = _put_files(conn, hv, files, facts, report, emit, check, diff)
+    if hv["accelerator"] == "sim" and not check:
+        # Device files are created once and never replaced: holders keep the inode they opened.
+        devs = " ".join(shlex.quote(f"{d}/sim-dev/{n}") for n in
+                        ["kfd"] + [f"renderD{128 + i}" for i in range(hv["accelerators"])])
+        conn.run(f"mkdir -p {shlex.quote(d + '/sim-dev')} && touch {devs}")
+
+    states = [instance_state(f, hv["health_timeout_s"]) for f in facts["instances"]]
+    to_start = []
+    for f, state in zip(facts["instances"], states):
+        name = f"instance {f['index']}"
+        if state in ("healthy", "loading"):
+            note = "" if "bin/start_cluster.sh" not in changed_files else \
+                " (runs with the previous settings; `inv restart --rolling` applies the new ones)"
+            report.add(name, "ok", f"already {state} on :{f['port']}, pid {f['pid']}{note}")
+        elif state == "port-taken":
+            report.add(name, "failed", f"port {f['port']} is taken by a process that is not this "
+                       "deployment's; free the port or change base_port")
+        else:
+            to_start.append(f)
+            if state == "dead" and f["alive"]:
+                report.data.setdefault("restart", []).append(f["index"])
+
+    if check:
+        for f in to_start:
+            verb = "restart (dead)" if f["index"] in report.data.get("restart", []) else "start"
+            report.add(f"instance {f['index']}", "changed", f"would {verb} on :{f['port']}")
+    elif to_start:
+        _start_instances(conn, hv, to_start, report, emit)
+
+    _deploy_front(conn, hv, facts, changed_files, report, emit, check)
+    for step in report.steps:
+        if step.message:
+            emit(f"{step.status}: {step.name}: {step.message}")
+    report.status = status_of(hv, probe(conn, hv, readonly=check))
+    return report
+
+
+def _put_files(conn, hv, files, facts, report, emit, check, diff) -> set[str]:
+    changed = set()
+    for f in files:
+        have = facts["files"].get(f.path)
+        if have == _sha(f.content):
+            report.add(f"file {f.path}", "ok")
+            continue
+        changed.add(f.path)
+        path = f"{hv['deploy_dir']}/{f.path}"
+        if diff:
+            old = conn.read(path) if have else None
+            old_text = old.decode("utf-8", "replace") if old is not None else ""
+            for line in difflib.unified_diff(old_text.splitlines(), f.content.splitlines(),
+                                             f"{hv.name}:{f.path}", f"rendered:{f.path}", lineterm=""):
+                emit(line)
+        if not check:
+            conn.put(path, f.content.encode(), f.mode)
+        report.add(f"file {f.path}", "changed", ("would put" if check else "put") +
+                   (" (new)" if have is None else " (content changed)"))
+    return changed
+
+
+def _start_instances(conn, hv, to_start, report, emit):
+    d = hv["deploy_dir"]
+    bin_dir = shlex.quote(f"{d}/bin")
+    for index in report.data.get("restart", []):
+        emit(f"instance {index}: alive but not healthy, stopping it before the start")
+        conn.run(f"{bin_dir}/stop_cluster.sh --instance {index}", on_line=emit)
+    r = conn.run(f"{bin_dir}/start_cluster.sh", on_line=lambda line: emit(line))
+    if r.exited == 3:
+        raise RemoteError(f"{hv.name}: {r.stderr.strip()}")
+    if not r.ok:
+        raise RemoteError(f"{hv.name}: start_cluster.sh failed (exit {r.exited}): {r.stderr.strip()[-300:]}")
+    _wait_healthy(conn, hv, [f["index"] for f in to_start], report, emit)
+
+
+def _wait_healthy(conn, hv, indexes, report, emit):
+    """Poll /health until each started instance is ready, a line per instance as it comes up."""
+    t0 = time.monotonic()
+    waiting = set(indexes)
+    while waiting:
+        facts = probe(conn, hv)
+        elapsed = time.monotonic() - t0
+        for f in facts["instances"]:
+            i = f["index"]
+            if i not in waiting:
+                continue
+            if f["alive"] and f["health"] == 200:
+                emit(f"instance {i}: healthy on :{f['port']} after {elapsed:.1f}s")
+                report.add(f"instance {i}", "changed", f"started, pid {f['pid']}, healthy on :{f['port']}")
+                waiting.discard(i)
+            elif not f["alive"] or elapsed > hv["health_timeout_s"]:
+                why = "exited" if not f["alive"] else f"not healthy after {hv['health_timeout_s']:g}s"
+                tail = _log_tail(conn, hv, f"logs/vllm_{i}.log")
+                report.add(f"instance {i}", "failed", f"{why} on :{f['port']}; last lines of "
+                           f"logs/vllm_{i}.log:\n{tail}")
+                waiting.discard(i)
+        if waiting:
+            time.sleep(0.3)
+
+
+def _log_tail(conn, hv, rel, n=15) -> str:
+    r = conn.run(f"tail -n {n} {shlex.quote(hv['deploy_dir'] + '/' + rel)} 2>/dev/null")
+    return "\n".join("    " + line for line in r.stdout.splitlines()) or "    (empty)"
+
+
+def _deploy_front(conn, hv, facts, changed_files, report, emit, check):
+    """Start the proxy, or restart it when its code or config changed."""
+    p = facts["proxy"]
+    state = proxy_state(p)
+    stale = any(f == "conf/proxy.yaml" or f.startswith("proxy/") for f in changed_files)
+    if state == "port-taken":
+        report.add("proxy", "failed", f"port {hv['proxy']['port']} is taken by a process that is not this "
+                   "deployment's proxy; free it or change proxy.port")
+        return
+    if state in ("healthy", "no-backend") and not stale:
+        report.add("proxy", "ok", f"already running on :{p['port']}, pid {p['pid']}")
+        return
+    verb = "restart" if state in ("healthy", "no-backend") else "start"
+    if check:
+        report.add("proxy", "changed", f"would {verb} on :{hv['proxy']['port']}")
+        return
+    bin_dir = shlex.quote(f"{hv['deploy_dir']}/bin")
+    if verb == "restart" or p["alive"]:
+        conn.run(f"{bin_dir}/stop_cluster.sh --proxy", on_line=emit)
+    r = conn.run(f"{bin_dir}/start_proxy.sh", on_line=emit)
+    if not r.ok:
+        report.add("proxy", "failed", f"start_proxy.sh failed (exit {r.exited}): {r.stderr.strip()[-300:]}")
+        return
+    t0 = time.monotonic()
+    while True:
+        f = probe(conn, hv)["proxy"]
+        if f["alive"] and f["health"] == 200:
+            report.add("proxy", "changed", f"{verb}ed, pid {f['pid']}, healthy on :{f['port']}")
+            return
+        if not f["alive"] or time.monotonic() - t0 > 30:
+            tail = _log_tail(conn, hv, "logs/proxy.log")
+            why = "exited" if not f["alive"] else "not healthy after 30s (no backend healthy?)"
+            report.add("proxy", "failed", f"{why}; last lines of logs/proxy.log:\n{tail}")
+            return
+        time.sleep(0.2)
+
+
+# --- stop ---------------------------------------------------------------------------------------
+
+def stop(conn: Transport, hv: HostVars, emit: Emit = lambda line: None, instance: int | None = None,
+         check: bool = False) -> Report:
+    """Stop the proxy and the instances by process group, then sweep what carries the tag."""
+    hv = prepare(conn, hv)
+    if instance is not None and not 0 <= instance < hv["instances"]:
+        raise FleetError(f"{hv.name}: there is no instance {instance}; instances are 0-{hv['instances'] - 1}.")
+    report = Report(hv.name)
+    before = probe(conn, hv, readonly=True)
+    script = next(f for f in render_host(hv) if f.path == "bin/stop_cluster.sh").content
+    args = (["--instance", str(instance)] if instance is not None else []) + (["--check"] if check else [])
+    # The freshly rendered stop script goes on stdin: it works even where deploy never put one.
+    r = conn.run(f"bash -s -- {shlex.join(args)}", stdin=script, on_line=emit)
+    after = probe(conn, hv, readonly=True)
+    targets = [f for f in before["instances"] if instance is None or f["index"] == instance]
+    for f in targets:
+        name = f"instance {f['index']}"
+        if not f["alive"]:
+            report.add(name, "ok", "already stopped")
+        elif check:
+            report.add(name, "changed", f"would stop process group {f['pgid']}")
+        else:
+            still = after["instances"][f["index"]]["alive"]
+            report.add(name, "failed" if still else "changed",
+                       f"pid {f['pid']} still alive" if still else f"stopped process group {f['pgid']}")
+    if instance is None:
+        p = before["proxy"]
+        if not p["alive"]:
+            report.add("proxy", "ok", "already stopped")
+        else:
+            report.add("proxy", "changed", ("would stop" if check else "stopped") + f" pid {p['pid']}")
+    left = after["tagged"] if instance is None else \
+        [t for t in after["tagged"] if t["tag"] == f"{hv.deployment_id}/{instance}"]
+    if left and not check:
+        pids = ", ".join(f"{t['pid']} ({t['cmdline'][:60]})" for t in left)
+        report.add("tag sweep", "failed", f"processes with the deployment's tag are still alive: {pids}")
+    elif not r.ok and not check:
+        report.add("tag sweep", "failed", f"stop_cluster.sh exited {r.exited}: {r.stderr.strip()[-300:]}")
+    else:
+        report.add("tag sweep", "ok", "no process with the deployment's tag is left" if not check else
+                   f"{len(before['tagged'])} tagged process(es) found")
+    report.status = status_of(hv, after)
+    return report

@@ -1,0 +1,111 @@
+"""Rendering: host variables -> the files put on a host. A pure function: no I/O but reading templates."""
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+
+from . import accelerators
+from .errors import TemplateError
+from .inventory import HostVars
+
+TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+
+
+@dataclass(frozen=True)
+class RenderedFile:
+    """One file for the host: its path under deploy_dir, its text, its mode."""
+
+    path: str
+    content: str
+    mode: int = 0o644
+
+
+def quote(value) -> str:
+    """Quote a value for a POSIX shell line, so it reaches the command as one literal argument."""
+    return shlex.quote(str(value))
+
+
+def nginx_quote(value) -> str:
+    """Quote a value for nginx.conf: double quotes, with backslashes and quotes escaped."""
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def environment() -> jinja2.Environment:
+    """The one Jinja environment: a missing variable is an error, files keep their last newline."""
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATES)),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        autoescape=False,
+    )
+    env.filters["quote"] = quote
+    env.filters["shjoin"] = lambda argv: " ".join(quote(a) for a in argv)
+    env.filters["oneline"] = lambda text: " ".join(str(text).split())   # safe inside a # comment
+    env.filters["nginx_quote"] = nginx_quote
+    return env
+
+
+# Rendered file -> (template, mode). The order is the order files are put on the host.
+FILES = {
+    "bin/start_cluster.sh": ("start_cluster.sh.j2", 0o755),
+    "bin/start_proxy.sh": ("start_proxy.sh.j2", 0o755),
+    "bin/stop_cluster.sh": ("stop_cluster.sh.j2", 0o755),
+    "conf/proxy.yaml": ("proxy.yaml.j2", 0o644),
+    "conf/nginx.conf": ("nginx.conf.j2", 0o644),
+}
+
+
+def engine_argv(hv: HostVars) -> list[str]:
+    """The engine command before its per-instance flags: `vllm serve MODEL` or the sim's equivalent."""
+    v = hv.vars
+    if v["engine"] == "sim":
+        sim = v["sim"]
+        argv = [v["python"], "-m", "fleet.sim", "serve", v["model"],
+                "--sim-load-s", _num(sim["load_s"]), "--sim-prefill-ms", _num(sim["prefill_ms"]),
+                "--sim-token-ms", _num(sim["token_ms"]), "--sim-output-tokens", str(sim["output_tokens"])]
+        if sim["instant"]:
+            argv.append("--sim-instant")
+        return argv
+    return [v["vllm_bin"] or "vllm", "serve", v["model"]]
+
+
+def _num(x) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def context(hv: HostVars) -> dict:
+    """The template variables: the host's own plus what is derived from them."""
+    v = hv.vars
+    return {
+        **v,
+        "host": hv.name,
+        "inventory_path": hv.inventory_path,
+        "deployment_id": hv.deployment_id,
+        "ports": hv.ports,
+        "backends": hv.backends,
+        "engine_argv": engine_argv(hv),
+        "visibility_var": accelerators.kind(v["accelerator"]).visibility_var,
+        "num": _num,
+    }
+
+
+def render_host(hv: HostVars) -> list[RenderedFile]:
+    """Every file the host needs, rendered from its variables (deploy_dir and python already resolved)."""
+    env = environment()
+    ctx = context(hv)
+    files = []
+    for path, (template, mode) in FILES.items():
+        try:
+            content = env.get_template(template).render(ctx)
+        except jinja2.UndefinedError as e:
+            raise TemplateError(f"templates/{template}: {e.message}; the template uses a variable "
+                                "the inventory does not define.") from None
+        except jinja2.TemplateError as e:
+            raise TemplateError(f"templates/{template}: {e}.") from None
+        files.append(RenderedFile(path, content, mode))
+    return files

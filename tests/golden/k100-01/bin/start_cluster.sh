@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Start the vllm instances of k100-01: instance i -> accelerator i -> port BASE_PORT+i.
+# Rendered by vllm-fleet from /work/main/inventory/hosts.yml; the next deploy overwrites edits.
+# Usable by hand; these environment variables override the inventory:
+#   N=4 ./start_cluster.sh          start instances 0..3 only
+#   MAX_SEQS=1 ./start_cluster.sh   one sequence per instance (deterministic, for debugging)
+#   BASE_PORT, MAX_LEN, EAGER=1, ONLY=i (just instance i), STAGGER_S
+# An instance whose port already listens is skipped, so running it again is harmless.
+set -u
+
+DEPLOY_DIR=/data/aiops/vllm-fleet
+FLEET_ID=k100-01-014e7873
+N="${N:-8}"
+BASE_PORT="${BASE_PORT:-8002}"
+MAX_LEN="${MAX_LEN:-8192}"
+MAX_SEQS="${MAX_SEQS:-4}"
+EAGER="${EAGER:-0}"
+STAGGER_S="${STAGGER_S:-5}"
+ONLY="${ONLY:-}"
+
+# The host's environment (env_setup from the inventory: shell code by design). Activation
+# scripts (conda's among them) often read unset variables, so set -u is off around it.
+set +u
+source /opt/dtk/env.sh && source ~/miniconda3/bin/activate vllm-serve
+set -u
+
+ENGINE=(vllm serve /data/models/MiniCPM-V-4_5)
+EXTRA_ARGS=(--trust-remote-code --limit-mm-per-prompt '{"image": 4}' --dtype bfloat16)
+SERVED_NAME=MiniCPM-V-4_5
+
+mkdir -p "$DEPLOY_DIR/run" "$DEPLOY_DIR/logs" || exit 1
+command -v ss >/dev/null || { echo "ss not found: install iproute2" >&2; exit 3; }
+command -v setsid >/dev/null || { echo "setsid not found: install util-linux" >&2; exit 3; }
+
+port_listening() {
+    ss -ltnH 2>/dev/null | awk '{print $4}' | grep -Eq "[:.]$1\$"
+}
+
+start_instance() {
+    local i=$1 port=$((BASE_PORT + $1)) log="$DEPLOY_DIR/logs/vllm_$1.log"
+    local pidfile="$DEPLOY_DIR/run/instance_$1.pid"
+    if port_listening "$port"; then
+        echo "instance $i: port $port already listening, skipped"
+        return 1
+    fi
+    [ -f "$log" ] && mv -f "$log" "$log.1"
+    rm -f "$DEPLOY_DIR/run/instance_$i.ready"
+    local args=(--port "$port" --max-num-seqs "$MAX_SEQS" --max-model-len "$MAX_LEN"
+                --served-model-name "$SERVED_NAME")
+    [ "$EAGER" = 1 ] && args+=(--enforce-eager)
+    # setsid: the instance leads its own process group, so a stop reaches its spawned children too.
+    FLEET_TAG="$FLEET_ID/$i" HIP_VISIBLE_DEVICES="$i" \
+        setsid "${ENGINE[@]}" "${args[@]}" "${EXTRA_ARGS[@]}" >"$log" 2>&1 </dev/null &
+    local pid=$! pgid="" tries=0
+    # setsid runs in the child; wait (briefly) until the child leads its group before recording it.
+    while [ $tries -lt 50 ]; do
+        pgid=$(ps -o pgid= -p "$pid" 2>/dev/null | tr -d ' ')
+        [ "$pgid" = "$pid" ] && break
+        tries=$((tries + 1)); sleep 0.02
+    done
+    echo "$pid ${pgid:-$pid}" >"$pidfile"
+    echo "instance $i: started pid $pid on port $port, accelerator $i, log $log"
+    return 0
+}
+
+started=0
+for ((i = 0; i < N; i++)); do
+    [ -n "$ONLY" ] && [ "$ONLY" != "$i" ] && continue
+    if [ $started -gt 0 ] && [ "$STAGGER_S" != 0 ]; then
+        sleep "$STAGGER_S"   # staggered: 8 instances reading 17 GB at once saturate the disk
+    fi
+    start_instance "$i" && started=$((started + 1))
+done
+echo "started $started instance(s)"

@@ -1,0 +1,154 @@
+"""Rendering: golden files of k100-01, the quoting proof, and start_cluster.sh's idempotence."""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from fleet import inventory, render
+
+from conftest import PYTHON, ROOT, free_ports, wait_until, require_tool
+
+GOLDEN = Path(__file__).parent / "golden" / "k100-01"
+
+
+def k100(overrides=()):
+    hv = inventory.load(ROOT / "inventory" / "hosts.yml").host_vars("k100-01", overrides)
+    hv.vars["python"] = "python3"
+    return hv
+
+
+def rendered(hv) -> dict[str, render.RenderedFile]:
+    return {f.path: f for f in render.render_host(hv)}
+
+
+@pytest.mark.parametrize("path", ["bin/start_cluster.sh", "bin/stop_cluster.sh", "conf/proxy.yaml",
+                                  "conf/nginx.conf"])
+def test_k100_renders_its_golden_file(path):
+    """Compare with tests/golden; after an intended change: UPDATE_GOLDEN=1 pytest tests/test_render.py."""
+    content = rendered(k100())[path].content
+    golden = GOLDEN / path
+    if os.environ.get("UPDATE_GOLDEN") == "1":
+        golden.parent.mkdir(parents=True, exist_ok=True)
+        golden.write_text(content)
+    assert content == golden.read_text()
+
+
+def test_render_is_pure_and_modes_are_set():
+    a, b = render.render_host(k100()), render.render_host(k100())
+    assert a == b
+    modes = {f.path: f.mode for f in a}
+    assert modes["bin/start_cluster.sh"] == 0o755 and modes["conf/proxy.yaml"] == 0o644
+
+
+def test_scripts_are_valid_bash():
+    for f in render.render_host(k100()):
+        if f.path.endswith(".sh"):
+            r = subprocess.run(["bash", "-n"], input=f.content, text=True, capture_output=True)
+            assert r.returncode == 0, (f.path, r.stderr)
+
+
+def test_k100_engine_command_and_device_visibility():
+    script = rendered(k100())["bin/start_cluster.sh"].content
+    assert "ENGINE=(vllm serve /data/models/MiniCPM-V-4_5)" in script
+    assert 'HIP_VISIBLE_DEVICES="$i"' in script and "ROCR_VISIBLE_DEVICES" not in script
+    nvidia = rendered(k100(["accelerator=nvidia"]))["bin/start_cluster.sh"].content
+    assert 'CUDA_VISIBLE_DEVICES="$i"' in nvidia and "HIP_VISIBLE_DEVICES" not in nvidia
+
+
+RECORDER = textwrap.dedent("""\
+    #!{python}
+    # An engine that records its argv and environment, then listens on --port like vllm serve.
+    import json, os, socket, sys, time
+    port = int(sys.argv[sys.argv.index("--port") + 1])
+    with open(os.environ["RECORD_DIR"] + "/argv_%d.json" % port, "w") as f:
+        json.dump({{"argv": sys.argv[1:], "tag": os.environ.get("FLEET_TAG"),
+                   "hip": os.environ.get("HIP_VISIBLE_DEVICES"), "pgid": os.getpgid(0), "pid": os.getpid()}}, f)
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", port)); s.listen(8)
+    time.sleep(120)
+""")
+
+NASTY = """/data/my models/Mini "CPM" 'V' $(touch PWNED) `touch PWNED2`; touch PWNED3 && echo \\ $HOME"""
+
+
+@pytest.fixture
+def recorder_host(tmp_path):
+    """k100-01 rendered into tmp_path with a recording engine in place of vllm."""
+    require_tool("ss")
+    engine = tmp_path / "fake-vllm"
+    engine.write_text(RECORDER.format(python=PYTHON))
+    engine.chmod(0o755)
+    base = free_ports(2)
+    hv = k100([f"vllm_bin={engine}", f"deploy_dir={tmp_path / 'deploy'}", f"base_port={base}",
+               "proxy.port=1", "proxy.admin_port=2", "stagger_s=0", "env_setup=", "instances=2"])
+    hv.vars["model"] = NASTY
+    hv.vars["served_model_name"] = "name with 'quotes' and $(x)"
+    hv.vars["extra_args"] = ["--limit-mm-per-prompt", '{"image": 4}', "; touch PWNED4"]
+    for f in render.render_host(hv):
+        p = tmp_path / "deploy" / f.path
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(f.content)
+        p.chmod(f.mode)
+    env = {**os.environ, "RECORD_DIR": str(tmp_path)}
+    yield hv, tmp_path, env
+    # Stop what the script started, by the pids it recorded.
+    for i in range(2):
+        pidfile = tmp_path / "deploy" / "run" / f"instance_{i}.pid"
+        if pidfile.exists():
+            pid, pgid = map(int, pidfile.read_text().split())
+            try:
+                os.killpg(pgid, 9)
+            except ProcessLookupError:
+                pass
+
+
+def test_nasty_values_reach_the_engine_as_one_literal_argument(recorder_host):
+    hv, tmp, env = recorder_host
+    script = tmp / "deploy" / "bin" / "start_cluster.sh"
+    r = subprocess.run([str(script)], cwd=tmp, env=env, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    rec = wait_until(lambda: (tmp / f"argv_{hv.ports[0]}.json").exists() and
+                     json.loads((tmp / f"argv_{hv.ports[0]}.json").read_text()), what="the engine's argv")
+    argv = rec["argv"]
+    assert argv[:2] == ["serve", NASTY]
+    assert argv[argv.index("--served-model-name") + 1] == "name with 'quotes' and $(x)"
+    assert argv[-3:] == ["--limit-mm-per-prompt", '{"image": 4}', "; touch PWNED4"]
+    assert not list(tmp.glob("PWNED*")) and not list((tmp / "deploy").glob("**/PWNED*"))
+    # Device visibility, tag, and its own process group (setsid) with pid and pgid recorded.
+    assert rec["hip"] == "0" and rec["tag"] == f"{hv.deployment_id}/0"
+    assert rec["pgid"] == rec["pid"]
+    pid, pgid = map(int, (tmp / "deploy" / "run" / "instance_0.pid").read_text().split())
+    assert (pid, pgid) == (rec["pid"], rec["pgid"])
+
+
+def test_start_twice_skips_every_instance_and_honours_env_overrides(recorder_host):
+    hv, tmp, env = recorder_host
+    script = str(tmp / "deploy" / "bin" / "start_cluster.sh")
+    first = subprocess.run([script], env={**env, "MAX_SEQS": "1", "MAX_LEN": "4096"}, capture_output=True,
+                           text=True, timeout=30)
+    assert first.stdout.count(": started pid") == 2, first.stdout
+    for port in hv.ports:
+        wait_until(lambda: subprocess.run(["ss", "-ltnH"], capture_output=True, text=True).stdout.count(
+            f":{port} ") > 0, what=f"port {port} listening")
+    rec = json.loads((tmp / f"argv_{hv.ports[1]}.json").read_text())["argv"]
+    assert rec[rec.index("--max-num-seqs") + 1] == "1" and rec[rec.index("--max-model-len") + 1] == "4096"
+    second = subprocess.run([script], env=env, capture_output=True, text=True, timeout=30)
+    assert second.returncode == 0
+    for i, port in enumerate(hv.ports):
+        assert f"instance {i}: port {port} already listening, skipped" in second.stdout
+    assert "started 0 instance(s)" in second.stdout
+    # The previous log is kept as .1 on a real restart; N=1 starts only instance 0.
+    assert (tmp / "deploy" / "logs" / "vllm_0.log").exists()
+
+
+def test_n_override_starts_fewer(recorder_host):
+    hv, tmp, env = recorder_host
+    r = subprocess.run([str(tmp / "deploy" / "bin" / "start_cluster.sh")], env={**env, "N": "1"},
+                       capture_output=True, text=True, timeout=30)
+    assert "started 1 instance(s)" in r.stdout and "instance 1" not in r.stdout
