@@ -1,0 +1,84 @@
+"""The command line: `serve` (vllm serve's flags, the unknown ones accepted and ignored) and `smi`."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from fleet.sim import devices
+from fleet.sim.config import settle
+
+
+def parser() -> argparse.ArgumentParser:
+    """The `python -m fleet.sim` argument parser."""
+    top = argparse.ArgumentParser(prog="python -m fleet.sim",
+                                  description="A simulated vLLM engine and its accelerator's smi.")
+    sub = top.add_subparsers(dest="command", required=True)
+
+    # allow_abbrev off: an unknown vllm flag must never be taken for a prefix of one of ours.
+    serve = sub.add_parser("serve", allow_abbrev=False, help="serve a model like `vllm serve`",
+                           description="Serve MODEL like `vllm serve`. Other vllm serve flags are accepted "
+                                       "and ignored. Timing flags override FLEET_SIM_* variables.")
+    serve.add_argument("model", nargs="?", help="the model (also --model)")
+    serve.add_argument("--model", dest="model_flag", help=argparse.SUPPRESS)
+    serve.add_argument("--host", default="0.0.0.0")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--max-num-seqs", type=int, default=256)
+    serve.add_argument("--max-model-len", type=int, default=32768)
+    serve.add_argument("--served-model-name", nargs="+", help="names served (default: MODEL)")
+    serve.add_argument("--enforce-eager", action="store_true", help="accepted; no effect")
+    serve.add_argument("--sim-load-s", dest="load_s", type=float,
+                       help="'loading weights' delay, /health 503 meanwhile (FLEET_SIM_LOAD_S, 3.0)")
+    serve.add_argument("--sim-prefill-ms", dest="prefill_ms", type=float,
+                       help="time to first token, plus 1 ms per image (FLEET_SIM_PREFILL_MS, 100)")
+    serve.add_argument("--sim-token-ms", dest="token_ms", type=float,
+                       help="time per output token (FLEET_SIM_TOKEN_MS, 10)")
+    serve.add_argument("--sim-output-tokens", dest="output_tokens", type=int,
+                       help="natural answer length in tokens (FLEET_SIM_OUTPUT_TOKENS, 200)")
+    serve.add_argument("--sim-instant", dest="instant", action="store_true",
+                       help="no load, prefill or token time (FLEET_SIM_INSTANT=1)")
+
+    smi = sub.add_parser("smi", help="print `hy-smi --showmeminfo vram` for the sim's cards")
+    smi.add_argument("--dev-dir", help="device directory (FLEET_SIM_DEV_DIR, ./sim-dev)")
+    smi.add_argument("--showuse", action="store_true", help="also print HCU use (%%)")
+    return top
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The parsed arguments and the ones ignored (vllm serve flags the sim has no use for)."""
+    args, ignored = parser().parse_known_args(argv)
+    if args.command != "serve" and ignored:
+        parser().error(f"unrecognized arguments: {' '.join(ignored)}")
+    if args.command == "serve":
+        args.model = args.model or args.model_flag
+        if not args.model:
+            parser().error("serve: MODEL is required")
+    return args, ignored
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, ignored = parse(sys.argv[1:] if argv is None else argv)
+    if args.command == "smi":
+        return smi(args.dev_dir, args.showuse)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    if ignored:
+        logging.getLogger("fleet.sim").info("ignored vllm serve arguments: %s", " ".join(ignored))
+    config = settle(vars(args))
+    asyncio.run(_serve(config))
+    return 0
+
+
+async def _serve(config) -> None:
+    from fleet.sim.server import serve  # aiohttp only where it is needed: smi runs without it
+    await serve(config)
+
+
+def smi(dev_dir: str | None, show_use: bool) -> int:
+    """Print the smi report; 1 when DEV_DIR holds no renderD files."""
+    d = dev_dir or devices.default_dev_dir()
+    if not devices.cards(d):
+        print(f"smi: no sim devices (renderD*) found in {d}", file=sys.stderr)
+        return 1
+    sys.stdout.write(devices.smi_report(d, show_use))
+    return 0

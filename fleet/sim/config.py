@@ -1,0 +1,66 @@
+"""The settings of one simulated engine, settled from flags, then environment, then defaults."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fleet.sim import devices
+
+# name: (environment variable, default, type)
+TIMING = {
+    "load_s": ("FLEET_SIM_LOAD_S", 3.0, float),
+    "prefill_ms": ("FLEET_SIM_PREFILL_MS", 100.0, float),
+    "token_ms": ("FLEET_SIM_TOKEN_MS", 10.0, float),
+    "output_tokens": ("FLEET_SIM_OUTPUT_TOKENS", 200, int),
+}
+
+
+@dataclass
+class SimConfig:
+    """What one `fleet.sim serve` instance is."""
+
+    model: str
+    served_model_names: list[str]
+    host: str = "0.0.0.0"
+    port: int = 8000
+    max_num_seqs: int = 256
+    max_model_len: int = 32768
+    load_s: float = 3.0
+    prefill_ms: float = 100.0
+    token_ms: float = 10.0
+    output_tokens: int = 200
+    dev_dir: Path = field(default_factory=devices.default_dev_dir)
+    card: int = 0
+
+    @property
+    def served_name(self) -> str:
+        """The first served name: the one metrics are labelled with."""
+        return self.served_model_names[0]
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def settle(flags: dict, environ=None) -> SimConfig:
+    """A SimConfig from parsed flags (None = not given), falling back to environ, then defaults."""
+    env = os.environ if environ is None else environ
+    timing = {}
+    for name, (var, default, kind) in TIMING.items():
+        given = flags.get(name)
+        timing[name] = kind(given if given is not None else env.get(var) or default)
+    if flags.get("instant") or _truthy(env.get("FLEET_SIM_INSTANT")):
+        timing.update(load_s=0.0, prefill_ms=0.0, token_ms=0.0)
+    model = flags["model"]
+    return SimConfig(
+        model=model,
+        served_model_names=flags.get("served_model_name") or [model],
+        host=flags.get("host") or "0.0.0.0",
+        port=flags.get("port") or 8000,
+        max_num_seqs=flags.get("max_num_seqs") or 256,
+        max_model_len=flags.get("max_model_len") or 32768,
+        dev_dir=devices.default_dev_dir(env),
+        card=devices.visible_card(env),
+        **timing,
+    )

@@ -1,0 +1,106 @@
+"""The engine child: a spawned process that holds the card's device files, as vLLM's EngineCore holds VRAM."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import signal
+
+from fleet.sim import devices
+
+log = logging.getLogger("fleet.sim")
+
+# What ends the child cleanly. Nothing else is handled, on purpose: like an orphaned EngineCore it
+# must outlive a SIGKILL of its parent and never notice a pipe closing.
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+
+
+def engine_core_main(dev_dir: str, card: int, ready) -> None:
+    """Child entry point: open kfd and the card's renderD file, report ready, hold them until SIGTERM/SIGINT."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    held = [open(p, "rb") for p in devices.ensure_card(dev_dir, card)]
+    ready.send(os.getpid())
+    ready.close()
+    signal.sigwait(_STOP_SIGNALS)
+    for f in held:
+        f.close()
+
+
+class EngineCore:
+    """The server's handle on its engine child: start it, learn when it died, stop it."""
+
+    def __init__(self, dev_dir, card: int):
+        self.dev_dir = str(dev_dir)
+        self.card = card
+        self.process = None
+        self.dead = False
+        self._stopping = False
+        self._ready = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and not self.dead
+
+    def start(self) -> None:
+        """Spawn the child (spawn, not fork: its command line is multiprocessing's, with no port in it)."""
+        ctx = multiprocessing.get_context("spawn")
+        self._ready, child_end = ctx.Pipe(duplex=False)
+        # daemon: an orderly exit of the server always takes the child along; only a SIGKILL orphans it.
+        self.process = ctx.Process(target=engine_core_main, args=(self.dev_dir, self.card, child_end),
+                                   name="EngineCore_0", daemon=True)
+        self.process.start()
+        child_end.close()
+        asyncio.get_running_loop().add_reader(self.process.sentinel, self._exited)
+        log.info("engine core started, pid %d, card %d", self.process.pid, self.card)
+
+    async def wait_ready(self) -> bool:
+        """Wait until the child holds its device files; False when it died first."""
+        try:
+            await asyncio.to_thread(self._ready.recv)
+            return True
+        except (EOFError, OSError):
+            return False
+        finally:
+            self._ready.close()
+
+    def _exited(self) -> None:
+        asyncio.get_running_loop().remove_reader(self.process.sentinel)
+        self.process.join(0)  # reap it: a zombie would still look alive to a pid check
+        if not self.dead:
+            log.error("engine core (pid %d) died, exit code %s", self.process.pid, self.process.exitcode)
+        self.dead = True
+
+    def kill(self) -> None:
+        """Engine death on demand: SIGKILL the child, as a crash would end it."""
+        self.dead = True
+        if self.process and self.process.exitcode is None:
+            try:
+                os.kill(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    async def shutdown(self, grace_s: float = 5.0) -> None:
+        """Stop watching the child, then stop it (the waiting happens off the event loop)."""
+        if self.process is None or self._stopping:
+            return
+        self._stopping = True
+        asyncio.get_running_loop().remove_reader(self.process.sentinel)
+        await asyncio.to_thread(self.stop, grace_s)
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Terminate the child, wait up to grace_s, then kill it."""
+        p = self.process
+        if p is None or p.exitcode is not None:
+            return
+        self.dead = True
+        p.terminate()
+        p.join(grace_s)
+        if p.exitcode is None:
+            p.kill()
+            p.join(2)
+        log.info("engine core (pid %d) stopped", p.pid)

@@ -1,0 +1,135 @@
+"""The `sim` accelerator: device files under a directory, who holds them, and an hy-smi look-alike."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+RENDER_BASE = 128
+TOTAL_MIB = 65520
+IDLE_MIB = 2
+# What one engine process "allocates": a K100_AI running vLLM at --gpu-memory-utilization 0.8.
+ENGINE_MIB = 52000
+# A utilisation file older than this is a leftover, not a measurement.
+USE_MAX_AGE_S = 5.0
+
+_RENDER_RE = re.compile(r"renderD(\d+)$")
+
+
+def default_dev_dir(environ=None) -> Path:
+    """DEV_DIR from FLEET_SIM_DEV_DIR, else ./sim-dev."""
+    env = os.environ if environ is None else environ
+    return Path(env.get("FLEET_SIM_DEV_DIR") or "sim-dev")
+
+
+def visible_card(environ=None) -> int:
+    """The card this engine uses: the first of SIM_VISIBLE_DEVICES, default 0."""
+    env = os.environ if environ is None else environ
+    first = (env.get("SIM_VISIBLE_DEVICES") or "0").split(",")[0].strip()
+    return int(first) if first.isdigit() else 0
+
+
+def render_path(dev_dir, card: int) -> Path:
+    """The renderD file of a card."""
+    return Path(dev_dir) / f"renderD{RENDER_BASE + card}"
+
+
+def use_path(dev_dir, card: int) -> Path:
+    """The per-card utilisation file the engine writes."""
+    return Path(dev_dir) / f"use{card}"
+
+
+def ensure_card(dev_dir, card: int) -> list[Path]:
+    """Create DEV_DIR, kfd and one card's renderD file if missing; their paths."""
+    d = Path(dev_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    paths = [d / "kfd", render_path(d, card)]
+    for p in paths:
+        p.touch(exist_ok=True)
+    return paths
+
+
+def ensure_devices(dev_dir, cards: int) -> None:
+    """Create kfd and renderD128 .. renderD(128+cards-1) under dev_dir."""
+    for card in range(cards):
+        ensure_card(dev_dir, card)
+
+
+def cards(dev_dir) -> list[int]:
+    """The cards whose renderD file exists, sorted."""
+    try:
+        names = os.listdir(dev_dir)
+    except OSError:
+        return []
+    found = (_RENDER_RE.match(n) for n in names)
+    return sorted(int(m.group(1)) - RENDER_BASE for m in found if m and int(m.group(1)) >= RENDER_BASE)
+
+
+def holders(dev_dir) -> dict[int, list[int]]:
+    """Card -> pids of the live processes (any user) holding its renderD file open."""
+    wanted = {os.path.realpath(render_path(dev_dir, c)): c for c in cards(dev_dir)}
+    held: dict[int, set[int]] = {c: set() for c in wanted.values()}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        fd_dir = f"/proc/{entry.name}/fd"
+        try:
+            fds = os.listdir(fd_dir)
+        except OSError:  # another user's process, or gone: skipped, as hy-smi's view would be partial too
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"{fd_dir}/{fd}")
+            except OSError:
+                continue
+            card = wanted.get(target)
+            if card is not None:
+                held[card].add(int(entry.name))
+    return {c: sorted(p) for c, p in held.items()}
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (zombies count as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def write_use(dev_dir, card: int, percent: float) -> None:
+    """Record this process's utilisation of a card (atomically, so smi never reads half a file)."""
+    path = use_path(dev_dir, card)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"pid": os.getpid(), "use": round(percent, 1), "time": time.time()}))
+    os.replace(tmp, path)
+
+
+def read_use(dev_dir, card: int) -> float:
+    """A card's utilisation in percent: the engine's file when fresh and its writer alive, else 0."""
+    try:
+        rec = json.loads(use_path(dev_dir, card).read_text())
+        fresh = time.time() - float(rec["time"]) <= USE_MAX_AGE_S
+        return float(rec["use"]) if fresh and pid_alive(int(rec["pid"])) else 0.0
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0.0
+
+
+def smi_report(dev_dir, show_use: bool = False) -> str:
+    """The text of `hy-smi --showmeminfo vram [--showuse]` for the cards under dev_dir."""
+    held = holders(dev_dir)
+    mem, use = [], []
+    for card, pids in held.items():
+        prefix = f"{f'HCU[{card}]':<16}: "
+        mem.append(f"{prefix}vram Total Memory (MiB): {TOTAL_MIB}")
+        mem.append(f"{prefix}vram Total Used Memory (MiB): {IDLE_MIB + ENGINE_MIB * len(pids)}")
+        use.append(f"{prefix}HCU use (%): {read_use(dev_dir, card):g}")
+    return "\n".join(mem + (use if show_use else [])) + "\n"

@@ -1,0 +1,232 @@
+"""The OpenAI-compatible surface as vLLM speaks it: request checks, output text, response bodies."""
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+import zlib
+from dataclasses import dataclass
+
+# A rough tokenizer: English averages about four characters a token.
+CHARS_PER_TOKEN = 4
+# The chat template's tokens around each message (role markers, separators).
+TOKENS_PER_MESSAGE = 4
+# What one image costs in the prompt (a vision encoder's patch tokens at a modest resolution).
+TOKENS_PER_IMAGE = 256
+
+_DATA_IMAGE = re.compile(r"data:image/[\w.+-]+;base64,")
+_FILLER = ("the quick model answers every question with calm and plausible words while the fleet "
+           "keeps its engines busy and its queues short so that nobody waits longer than needed "
+           "for a reply about weather tea trains clouds maps rivers and small brown foxes").split()
+
+
+class ApiError(Exception):
+    """A request refused with a vLLM-style error body."""
+
+    def __init__(self, status: int, message: str, err_type: str = "BadRequestError", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.err_type, self.param = status, message, err_type, param
+
+    def body(self) -> dict:
+        return {"object": "error", "message": self.message, "type": self.err_type,
+                "param": self.param, "code": self.status}
+
+
+def engine_dead_error() -> ApiError:
+    """What vLLM answers once its EngineCore is gone."""
+    return ApiError(500, "EngineCore encountered an issue. See stack trace (above) for the root cause.",
+                    "InternalServerError")
+
+
+@dataclass
+class Job:
+    """One generation request, reduced to what the timing and text model need."""
+
+    kind: str  # "chat" or "completion"
+    model: str
+    prompt_tokens: int
+    images: int
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    thinking: bool
+    seed: int
+
+
+def _validation_error(kind: str, loc: str, message: str, value) -> ApiError:
+    # The shape of pydantic's message, which is what vLLM puts in its 400 bodies.
+    cls = "ChatCompletionRequest" if kind == "chat" else "CompletionRequest"
+    return ApiError(400, f"1 validation error for {cls}\n{loc}\n  {message} "
+                         f"[input_value={value!r}, input_type={type(value).__name__}]")
+
+
+def _int_field(kind: str, body: dict, name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _validation_error(kind, name, "Input should be a valid integer", value)
+    if value < 1:
+        raise ApiError(400, f"{name} must be at least 1, got {value}.", param=name)
+    return value
+
+
+def _text_tokens(text: str) -> int:
+    return -(-len(text) // CHARS_PER_TOKEN)
+
+
+def _chat_prompt(messages) -> tuple[int, int, str]:
+    """Prompt tokens, image count and the text of a chat's messages."""
+    if not isinstance(messages, list) or not messages:
+        raise _validation_error("chat", "messages", "Input should be a non-empty list", messages)
+    tokens, images, texts = 0, 0, []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+            raise _validation_error("chat", f"messages.{i}", "Input should be a message with a role", msg)
+        content = msg.get("content")
+        parts = [{"type": "text", "text": content}] if isinstance(content, str) else content or []
+        if not isinstance(parts, list):
+            raise _validation_error("chat", f"messages.{i}.content", "Input should be a string or a list", content)
+        tokens += TOKENS_PER_MESSAGE
+        for part in parts:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+                tokens += _text_tokens(part["text"])
+            elif kind == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                if not isinstance(url, str) or (url.startswith("data:") and not _DATA_IMAGE.match(url)):
+                    raise ApiError(400, "Invalid image_url: expected an http(s) URL or a "
+                                        "data:image/...;base64,... URL.", param="messages")
+                images += 1
+                tokens += TOKENS_PER_IMAGE
+            else:
+                raise ApiError(400, f"Unsupported content part in messages.{i}: {part!r:.80}", param="messages")
+    return tokens, images, "\n".join(texts)
+
+
+def _completion_prompt(prompt) -> tuple[int, str]:
+    """Prompt tokens and text of a completion's prompt: a string, [string] or a list of token ids."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return max(1, _text_tokens(prompt)), prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return len(prompt), " ".join(map(str, prompt))
+    raise ApiError(400, "prompt must be a string, a list of one string, or a list of token ids "
+                        "(the sim serves one prompt per request).", param="prompt")
+
+
+def parse(kind: str, body, served_names: list[str], max_model_len: int) -> Job:
+    """Check a request body as vLLM would and reduce it to a Job; raises ApiError."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "The request body must be a JSON object.")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise _validation_error(kind, "user", "Input should be a valid string", user)
+    model = body.get("model")
+    if model is None:
+        model = served_names[0]
+    if model not in served_names:
+        raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+    if kind == "chat":
+        prompt_tokens, images, text = _chat_prompt(body.get("messages"))
+        max_tokens = _int_field(kind, body, "max_completion_tokens") or _int_field(kind, body, "max_tokens")
+    else:
+        prompt_tokens, text = _completion_prompt(body.get("prompt"))
+        images, max_tokens = 0, _int_field(kind, body, "max_tokens")
+    if prompt_tokens >= max_model_len or (max_tokens and prompt_tokens + max_tokens > max_model_len):
+        asked = prompt_tokens + (max_tokens or 0)
+        raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
+                            f"requested {asked} tokens ({prompt_tokens} in the messages, {max_tokens or 0} "
+                            "in the completion). Please reduce the length of the messages or completion.")
+    stream = bool(body.get("stream"))
+    options = body.get("stream_options") or {}
+    kwargs = body.get("chat_template_kwargs") or {}
+    return Job(kind=kind, model=model, prompt_tokens=prompt_tokens, images=images,
+               max_tokens=max_tokens or max_model_len - prompt_tokens, stream=stream,
+               include_usage=stream and isinstance(options, dict) and bool(options.get("include_usage")),
+               thinking=isinstance(kwargs, dict) and bool(kwargs.get("enable_thinking")),
+               seed=zlib.crc32(text.encode()))
+
+
+def output_tokens(job: Job, natural: int) -> tuple[list[str], str]:
+    """The tokens the engine emits for a job and its finish_reason.
+
+    natural: the answer's length without max_tokens; a thinking request's is three times as long,
+    and opens with a <think> block of two thirds of it.
+    """
+    natural = max(1, natural)
+    total = natural * 3 if job.thinking else natural
+    words = [_FILLER[(job.seed + i * 7) % len(_FILLER)] for i in range(total)]
+    words = [w + "." if i % 12 == 11 else w for i, w in enumerate(words)]
+    if job.thinking:
+        think = total - natural  # the block's tokens, its two markers included
+        tokens = ["<think>\n", *_spaced(words[1:think - 1]), "\n</think>\n\n", *_spaced(words[think:], first="")]
+    else:
+        tokens = _spaced(words, first="")
+    if job.max_tokens < total:
+        return tokens[:job.max_tokens], "length"
+    return tokens, "stop"
+
+
+def _spaced(words: list[str], first: str = " ") -> list[str]:
+    return [(first if i == 0 else " ") + w for i, w in enumerate(words)]
+
+
+def request_id(kind: str) -> str:
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def usage(job: Job, completion_tokens: int) -> dict:
+    return {"prompt_tokens": job.prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": job.prompt_tokens + completion_tokens}
+
+
+def response_body(job: Job, rid: str, created: int, text: str, n_tokens: int, finish: str) -> dict:
+    """The non-stream response."""
+    if job.kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text, "tool_calls": []},
+                  "logprobs": None, "finish_reason": finish, "stop_reason": None}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": job.model, "choices": [choice],
+            "usage": usage(job, n_tokens)}
+
+
+def chunk(job: Job, rid: str, created: int, text: str | None, finish: str | None = None,
+          role: bool = False) -> bytes:
+    """One SSE event of a stream; text None with finish None is the chat's opening role chunk."""
+    if job.kind == "chat":
+        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        obj = "text_completion"
+    body = {"id": rid, "object": obj, "created": created, "model": job.model, "choices": [choice]}
+    if job.include_usage:
+        body["usage"] = None
+    return sse(body)
+
+
+def usage_chunk(job: Job, rid: str, created: int, n_tokens: int) -> bytes:
+    """The closing usage event of stream_options.include_usage."""
+    obj = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
+    return sse({"id": rid, "object": obj, "created": created, "model": job.model, "choices": [],
+                "usage": usage(job, n_tokens)})
+
+
+def sse(obj) -> bytes:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+def now() -> int:
+    return int(time.time())

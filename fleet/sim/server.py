@@ -1,0 +1,336 @@
+"""The aiohttp app of the simulated engine: vLLM's HTTP surface, its timing model and its faults."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import time
+
+from aiohttp import web
+
+from fleet.sim import devices, protocol
+from fleet.sim.config import SimConfig
+from fleet.sim.core import EngineCore
+from fleet.sim.protocol import ApiError, Job
+from fleet.sim.scheduler import Scheduler
+
+log = logging.getLogger("fleet.sim")
+
+LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
+FAULTS = ("engine-death", "hang", "recover")
+# How often the utilisation file is rewritten at most, and at least (so smi can tell it is fresh).
+USE_MIN_INTERVAL_S = 0.1
+USE_HEARTBEAT_S = 1.0
+
+
+class Engine:
+    """Everything one served model is: config, engine child, scheduler, readiness and faults."""
+
+    def __init__(self, config: SimConfig):
+        self.config = config
+        self.core = EngineCore(config.dev_dir, config.card)
+        self.scheduler = Scheduler(config.max_num_seqs, self._load_changed)
+        self.ready = False
+        self.unhung = asyncio.Event()
+        self.unhung.set()
+        self._use_changed = asyncio.Event()
+        self.started = protocol.now()
+
+    @property
+    def alive(self) -> bool:
+        return self.core.alive
+
+    def fault(self, name: str) -> None:
+        """Inject a fault: engine-death, hang, or recover (from a hang; a dead engine stays dead)."""
+        log.warning("fault injected: %s", name)
+        if name == "engine-death":
+            self.core.kill()
+            self._use_changed.set()
+        elif name == "hang":
+            self.unhung.clear()
+        elif name == "recover":
+            self.unhung.set()
+
+    def stats(self) -> dict:
+        s = self.scheduler
+        return {"running": s.running, "waiting": s.waiting, "peak_running": s.peak_running,
+                "peak_in_flight": s.peak_in_flight, "requests_total": s.requests_total,
+                "aborted_total": s.aborted_total, "engine_alive": self.alive, "ready": self.ready,
+                "hung": not self.unhung.is_set(), "engine_pid": self.core.pid}
+
+    def use_percent(self) -> float:
+        return 100.0 * self.scheduler.running / self.config.max_num_seqs if self.alive else 0.0
+
+    def _load_changed(self) -> None:
+        self._use_changed.set()
+
+    async def load(self) -> None:
+        """'Load the weights': ready once the load delay passed and the child holds its devices."""
+        held, _ = await asyncio.gather(self.core.wait_ready(), asyncio.sleep(self.config.load_s))
+        self.ready = held and self.alive
+        if self.ready:
+            log.info("Application startup complete: %s ready (card %d)", self.config.served_name,
+                     self.config.card)
+
+    async def write_use(self) -> None:
+        """Keep DEV_DIR/use<card> current for `smi --showuse`: on load changes, and as a heartbeat."""
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._use_changed.wait(), USE_HEARTBEAT_S)
+            self._use_changed.clear()
+            try:
+                devices.write_use(self.config.dev_dir, self.config.card, self.use_percent())
+            except OSError as e:  # a full or vanished DEV_DIR must not take the server down
+                log.warning("cannot write utilisation file: %s", e)
+            await asyncio.sleep(USE_MIN_INTERVAL_S)
+
+    async def generate(self, job: Job, tokens: list[str], emit) -> None:
+        """Run a job through a slot: prefill, then one token per token_ms, each passed to `emit`.
+
+        Raises ApiError when the engine dies; counts a request that ends by cancellation or a
+        vanished client as aborted.
+        """
+        cfg = self.config
+        self.scheduler.requests_total += 1
+        try:
+            async with self.scheduler.slot():
+                self._check_alive()
+                await asyncio.sleep((cfg.prefill_ms + job.images) / 1000)
+                start = time.monotonic()
+                for i, tok in enumerate(tokens):
+                    # A fixed schedule rather than sleep-per-token, so timer slack does not accumulate.
+                    delay = start + (i + 1) * cfg.token_ms / 1000 - time.monotonic()
+                    await asyncio.sleep(max(0.0, delay))
+                    await self.unhung.wait()
+                    self._check_alive()
+                    await emit(tok)
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.scheduler.aborted_total += 1
+            raise
+
+    def _check_alive(self) -> None:
+        if not self.alive:
+            raise protocol.engine_dead_error()
+
+
+ENGINE = web.AppKey("engine", Engine)
+
+
+def error_response(err: ApiError) -> web.Response:
+    return web.json_response(err.body(), status=err.status)
+
+
+@web.middleware
+async def api_errors(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except ApiError as e:
+        return error_response(e)
+
+
+@web.middleware
+async def hang_gate(request: web.Request, handler):
+    # A hung engine answers nothing, /health included; the control routes stay open to recover.
+    if not request.path.startswith("/sim/"):
+        await request.app[ENGINE].unhung.wait()
+    return await handler(request)
+
+
+async def health(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    return web.Response(status=200 if engine.ready and engine.alive else 503)
+
+
+async def models(request: web.Request) -> web.Response:
+    # Answers whatever the engine's state: the vLLM trap, a dead engine still lists its model.
+    engine = request.app[ENGINE]
+    cfg = engine.config
+    data = [{"id": name, "object": "model", "created": engine.started, "owned_by": "vllm",
+             "root": cfg.model, "parent": None, "max_model_len": cfg.max_model_len, "permission": []}
+            for name in cfg.served_model_names]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": "0.0.0+fleet.sim"})
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _completions(request, "chat")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _completions(request, "completion")
+
+
+async def _completions(request: web.Request, kind: str) -> web.StreamResponse:
+    engine = request.app[ENGINE]
+    cfg = engine.config
+    try:
+        body = await request.json()
+    except ValueError as e:
+        raise ApiError(400, f"Invalid JSON in request body: {e}")
+    job = protocol.parse(kind, body, cfg.served_model_names, cfg.max_model_len)
+    if not engine.alive:
+        raise protocol.engine_dead_error()
+    if not engine.ready:
+        raise ApiError(503, "The engine is still loading.", "ServiceUnavailableError")
+    tokens, finish = protocol.output_tokens(job, cfg.output_tokens)
+    rid, created = protocol.request_id(kind), protocol.now()
+    if job.stream:
+        return await _stream(request, engine, job, tokens, finish, rid, created)
+    out: list[str] = []
+
+    async def collect(tok: str) -> None:
+        out.append(tok)
+
+    await engine.generate(job, tokens, collect)
+    return web.json_response(protocol.response_body(job, rid, created, "".join(out), len(out), finish))
+
+
+async def _stream(request, engine: Engine, job: Job, tokens, finish, rid, created) -> web.StreamResponse:
+    """SSE: a chunk per token, the finish_reason on the last one, usage if asked, then [DONE]."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    last = len(tokens) - 1
+    sent = 0
+
+    async def emit(tok: str) -> None:
+        nonlocal sent
+        await resp.write(protocol.chunk(job, rid, created, tok, finish if sent == last else None))
+        sent += 1
+
+    try:
+        if job.kind == "chat":
+            await resp.write(protocol.chunk(job, rid, created, None, role=True))
+        await engine.generate(job, tokens, emit)
+        if not tokens:
+            await resp.write(protocol.chunk(job, rid, created, None, finish))
+        if job.include_usage:
+            await resp.write(protocol.usage_chunk(job, rid, created, sent))
+        await resp.write(protocol.DONE)
+    except ApiError as e:
+        # Headers are gone already: vLLM reports a failure inside the stream.
+        with contextlib.suppress(ConnectionResetError):
+            await resp.write(protocol.sse({"error": e.body()}) + protocol.DONE)
+    except ConnectionResetError:
+        return resp  # the client left; generate() counted it
+    with contextlib.suppress(ConnectionResetError):
+        await resp.write_eof()
+    return resp
+
+
+def is_loopback(remote: str | None) -> bool:
+    """Whether a peer address is this host's loopback (faults are for the host's own operators)."""
+    return remote in LOOPBACK
+
+
+async def fault(request: web.Request) -> web.Response:
+    if not is_loopback(request.remote):
+        return web.json_response({"error": "faults are loopback-only"}, status=403)
+    try:
+        name = (await request.json()).get("fault")
+    except (ValueError, AttributeError):
+        name = None
+    if name not in FAULTS:
+        return web.json_response({"error": f"fault must be one of {', '.join(FAULTS)}"}, status=400)
+    request.app[ENGINE].fault(name)
+    return web.json_response({"ok": True, "fault": name})
+
+
+async def sim_stats(request: web.Request) -> web.Response:
+    return web.json_response(request.app[ENGINE].stats())
+
+
+async def reset_stats(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    engine.scheduler.reset_stats()
+    return web.json_response(engine.stats())
+
+
+def metrics_text(engine: Engine) -> str:
+    """vLLM's load gauges plus the sim's peaks and counters, in Prometheus text format."""
+    s = engine.scheduler
+    labels = f'{{engine="0",model_name={json.dumps(engine.config.served_name)}}}'
+    series = [
+        ("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", s.running),
+        ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", s.waiting),
+        ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
+         s.running / s.max_num_seqs),
+        ("fleet_sim:peak_running", "gauge", "Most requests ever running at once.", s.peak_running),
+        ("fleet_sim:peak_in_flight", "gauge", "Most requests ever running plus waiting at once.",
+         s.peak_in_flight),
+        ("fleet_sim:requests_total", "counter", "Generation requests accepted.", s.requests_total),
+        ("fleet_sim:aborted_total", "counter", "Requests ended by a client leaving.", s.aborted_total),
+        ("fleet_sim:engine_alive", "gauge", "1 while the engine child lives.", int(engine.alive)),
+    ]
+    lines = []
+    for name, kind, doc, value in series:
+        family = name.removesuffix("_total") if kind == "counter" else name
+        lines += [f"# HELP {family} {doc}", f"# TYPE {family} {kind}", f"{name}{labels} {float(value)}"]
+    return "\n".join(lines) + "\n"
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(body=metrics_text(request.app[ENGINE]).encode(),
+                        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+async def engine_ctx(app: web.Application):
+    """Start the engine child and the background tasks; on the way out, stop the child first."""
+    engine = app[ENGINE]
+    engine.core.start()
+    tasks = [asyncio.create_task(engine.load()), asyncio.create_task(engine.write_use())]
+    yield
+    for t in tasks:
+        t.cancel()
+    await engine.core.shutdown()
+    with contextlib.suppress(OSError):
+        devices.use_path(engine.config.dev_dir, engine.config.card).unlink()
+
+
+def make_app(config: SimConfig) -> web.Application:
+    """The simulated engine's application (the engine child starts with the app)."""
+    app = web.Application(middlewares=[api_errors, hang_gate], client_max_size=64 * 1024 * 1024)
+    app[ENGINE] = Engine(config)
+    app.cleanup_ctx.append(engine_ctx)
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/version", version)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/sim/stats", sim_stats)
+    app.router.add_post("/sim/reset-stats", reset_stats)
+    app.router.add_post("/sim/fault", fault)
+    return app
+
+
+async def serve(config: SimConfig) -> None:
+    """Run the server until SIGTERM or SIGINT; then stop the engine child, then the HTTP side."""
+    app = make_app(config)
+    # handler_cancellation: a client that hangs up cancels its handler, freeing its slot at once.
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=2.0, access_log=None)
+    await runner.setup()
+    engine = app[ENGINE]
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    # Handlers only set flags or inject a fault; the work happens below or in the engine.
+    loop.add_signal_handler(signal.SIGTERM, stop.set)  # orderly stop (what stop_cluster.sh sends)
+    loop.add_signal_handler(signal.SIGINT, stop.set)   # Ctrl-C in a terminal
+    loop.add_signal_handler(signal.SIGUSR1, engine.fault, "engine-death")
+    loop.add_signal_handler(signal.SIGUSR2, engine.fault, "hang")
+    try:
+        site = web.TCPSite(runner, config.host, config.port)
+        await site.start()
+        log.info("fleet.sim serving %s as %s on http://%s:%d (pid %d, max_num_seqs %d)", config.model,
+                 ",".join(config.served_model_names), config.host, config.port, os.getpid(),
+                 config.max_num_seqs)
+        await stop.wait()
+        log.info("shutting down: engine core first")
+        await engine.core.shutdown()
+    finally:
+        await runner.cleanup()

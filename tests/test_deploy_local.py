@@ -1,0 +1,99 @@
+"""The vertical slice: deploy a local sim cluster, talk to it with the official openai client, stop it."""
+from __future__ import annotations
+
+import json
+import re
+
+import openai
+import pytest
+
+from fleet_helpers import deployment_id, inv, kill_tagged, status_json, tagged_pids, write_inventory
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """A deployed 4-instance sim cluster; stopped (and swept by tag) whatever the test does."""
+    inventory = write_inventory(tmp_path)
+    dep = deployment_id(inventory)
+    first = inv("deploy", "--host", "t", inventory=inventory)
+    try:
+        assert first.returncode == 0, first.stdout + first.stderr
+        yield inventory, dep, first, tmp_path
+    finally:
+        inv("stop", "--host", "t", inventory=inventory)
+        kill_tagged(dep + "/")
+
+
+def recap(output: str) -> dict:
+    m = re.search(r"^t : ok=(\d+) changed=(\d+) skipped=(\d+) failed=(\d+) unreachable=(\d+)$", output, re.M)
+    assert m, output
+    return dict(zip(["ok", "changed", "skipped", "failed", "unreachable"], map(int, m.groups())))
+
+
+def test_deploy_then_redeploy_changes_nothing(cluster):
+    inventory, dep, first, _ = cluster
+    for i in range(4):
+        assert re.search(rf"^instance {i}: healthy on :\d+ after [\d.]+s$", first.stdout, re.M), first.stdout
+    r1 = recap(first.stdout)
+    assert r1["failed"] == 0 and r1["changed"] >= 5
+    second = inv("deploy", "--host", "t", inventory=inventory)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert recap(second.stdout)["changed"] == 0
+    assert "started pid" not in second.stdout and second.stdout.count("already healthy") == 4
+
+
+def test_status_json_contract(cluster):
+    inventory, dep, _, tmp = cluster
+    st = status_json(inventory)
+    assert st["host"] == "t" and st["front"] == "proxy"
+    assert st["proxy"]["state"] == "healthy" and st["proxy"]["pid"]
+    assert [i["index"] for i in st["instances"]] == [0, 1, 2, 3]
+    for i in st["instances"]:
+        assert i["state"] == "healthy" and i["pid"] == i["pgid"] and i["accelerator"] == i["index"]
+    # The table form names every instance with its state.
+    table = inv("status", "--host", "t", inventory=inventory).stdout
+    assert table.count("healthy") >= 5
+
+
+def test_openai_client_through_proxy_stream_and_not(cluster):
+    inventory, dep, _, tmp = cluster
+    st = status_json(inventory)
+    backends = {f"127.0.0.1:{i['port']}" for i in st["instances"]}
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{st['proxy']['port']}/v1", api_key="none")
+
+    raw = client.chat.completions.with_raw_response.create(
+        model="Test-Model", max_tokens=16, user="trace-abc-123",
+        messages=[{"role": "user", "content": "hello"}])
+    assert raw.headers["x-backend"] in backends
+    answer = raw.parse()
+    assert answer.choices[0].message.content and answer.usage.completion_tokens == 16
+    assert answer.choices[0].finish_reason == "length"
+
+    stream = client.chat.completions.create(
+        model="Test-Model", max_tokens=8, user="trace-stream-9", stream=True,
+        messages=[{"role": "user", "content": "hello"}])
+    assert stream.response.headers["x-backend"] in backends
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text
+
+    log = tmp / "deploy" / "logs" / "req_results.log"
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    by_trace = {line["trace_id"]: line for line in lines}
+    assert by_trace["trace-abc-123"]["status"] == 200
+    assert by_trace["trace-abc-123"]["backend"] in backends
+    assert by_trace["trace-abc-123"]["completion_tokens"] == 16
+    assert by_trace["trace-stream-9"]["status"] == 200
+
+
+def test_stop_leaves_no_tagged_process(cluster):
+    inventory, dep, _, tmp = cluster
+    before = tagged_pids(dep + "/")
+    assert len(before) >= 9      # 4 API servers + 4 spawned engine children + the proxy
+    r = inv("stop", "--host", "t", inventory=inventory)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert tagged_pids(dep + "/") == []
+    assert recap(r.stdout)["failed"] == 0
+    st = status_json(inventory)
+    assert {i["state"] for i in st["instances"]} == {"stopped"} and st["front"] is None
+    again = inv("stop", "--host", "t", inventory=inventory)
+    assert again.returncode == 0 and recap(again.stdout)["changed"] == 0
