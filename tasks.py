@@ -100,7 +100,7 @@ def status(c, host="", json_=False, set_=None, inventory_="", forks=5):
 @task(help=_help("host", "inventory", "set", "forks",
                  instance="stop only this instance (its process group and its tag)",
                  check="list what would be stopped, stop nothing"),
-      iterable=["set"])
+      iterable=["set"], auto_shortflags=False)   # -i would be ambiguous: --instance and --inventory
 def stop(c, host="", instance=None, check=False, set_=None, inventory_="", forks=5):
     """Stop the proxy and every instance by process group, then every process still carrying the tag."""
     index = None

@@ -46,7 +46,7 @@ def inv(*args, inventory: Path | None = None, timeout: float = 180, check: bool 
     """Run `inv ARGS -i INVENTORY` from the project root; returns the CompletedProcess."""
     argv = [PYTHON, "-m", "invoke", *args]
     if inventory is not None:
-        argv += ["-i", str(inventory)]
+        argv += ["--inventory", str(inventory)]
     env = {k: v for k, v in os.environ.items() if k != "FLEET_TAG"}
     r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     if check and r.returncode != 0:

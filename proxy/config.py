@@ -1,0 +1,205 @@
+"""The proxy's configuration: a YAML file loaded and validated into a frozen dataclass."""
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+MIB = 1024 * 1024
+
+
+class ConfigError(Exception):
+    """A configuration mistake, told in one sentence."""
+
+
+@dataclass(frozen=True)
+class Address:
+    """A host and port to listen on."""
+
+    host: str
+    port: int
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    """Active health checks: GET path on every backend every interval_s."""
+
+    path: str = "/health"
+    interval_s: float = 5.0
+    timeout_s: float = 3.0
+
+
+@dataclass(frozen=True)
+class ResultsLogConfig:
+    """The results log: one JSON line per chat/completions request, rotated at max_mb."""
+
+    path: str = "logs/req_results.log"
+    max_mb: float = 50.0
+    backups: int = 3
+
+    @property
+    def max_bytes(self) -> int:
+        """The rotation size in bytes (max_mb may be fractional)."""
+        return max(1, int(self.max_mb * MIB))
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """Everything the proxy needs to run."""
+
+    backends: tuple[str, ...]
+    listen: Address = Address("0.0.0.0", 8000)
+    admin: Address = Address("127.0.0.1", 8001)
+    health: HealthConfig = HealthConfig()
+    timeout_s: float = 300.0
+    connect_timeout_s: float = 5.0
+    max_body_mb: float = 64.0
+    results_log: ResultsLogConfig = ResultsLogConfig()
+
+    @property
+    def max_body_bytes(self) -> int:
+        """The request body limit in bytes."""
+        return int(self.max_body_mb * MIB)
+
+
+TOP_KEYS = ("listen", "admin", "backends", "health", "timeout_s", "connect_timeout_s",
+            "max_body_mb", "results_log")
+
+
+def load_config(path: str | Path) -> ProxyConfig:
+    """Read and validate the YAML config file at path."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror or e}.") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"config file {path} is not valid YAML{where}.") from None
+    return parse_config(data, source=str(path))
+
+
+def parse_config(data: Any, source: str = "config") -> ProxyConfig:
+    """Validate already-parsed YAML data into a ProxyConfig."""
+    if data is None:
+        raise ConfigError(f"{source} is empty; it needs at least 'backends'.")
+    top = _mapping(data, source, TOP_KEYS, prefix="")
+    if "backends" not in top:
+        raise ConfigError(f"{source}: 'backends' is required (a list of host:port).")
+    defaults = ProxyConfig(backends=())
+    health = _mapping(top.get("health", {}), "health", ("path", "interval_s", "timeout_s"))
+    results = _mapping(top.get("results_log", {}), "results_log", ("path", "max_mb", "backups"))
+    admin = _address(top.get("admin", {}), "admin", defaults.admin)
+    if not _is_loopback(admin.host):
+        raise ConfigError(f"admin.host must be a loopback address, not {admin.host!r}.")
+    listen = _address(top.get("listen", {}), "listen", defaults.listen)
+    if listen.port == admin.port:
+        raise ConfigError(f"listen and admin cannot share port {admin.port}.")
+    return ProxyConfig(
+        backends=_backends(top["backends"]),
+        listen=listen,
+        admin=admin,
+        health=HealthConfig(
+            path=_health_path(health.get("path", defaults.health.path)),
+            interval_s=_positive(health, "interval_s", defaults.health.interval_s, "health."),
+            timeout_s=_positive(health, "timeout_s", defaults.health.timeout_s, "health."),
+        ),
+        timeout_s=_positive(top, "timeout_s", defaults.timeout_s),
+        connect_timeout_s=_positive(top, "connect_timeout_s", defaults.connect_timeout_s),
+        max_body_mb=_positive(top, "max_body_mb", defaults.max_body_mb),
+        results_log=ResultsLogConfig(
+            path=_text(results.get("path", defaults.results_log.path), "results_log.path"),
+            max_mb=_positive(results, "max_mb", defaults.results_log.max_mb, "results_log."),
+            backups=_backups(results.get("backups", defaults.results_log.backups)),
+        ),
+    )
+
+
+def _mapping(value: Any, where: str, allowed: tuple[str, ...], prefix: str | None = None) -> dict:
+    """value as a dict whose keys are all in allowed; prefix names its keys in errors."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where} must be a mapping, not {type(value).__name__}.")
+    prefix = f"{where}." if prefix is None else prefix
+    for key in value:
+        if key not in allowed:
+            raise ConfigError(f"unknown config key '{prefix}{key}' (known: {', '.join(allowed)}).")
+    return value
+
+
+def _address(value: Any, where: str, default: Address) -> Address:
+    """A {host, port} mapping with defaults."""
+    m = _mapping(value, where, ("host", "port"))
+    host = _text(m.get("host", default.host), f"{where}.host")
+    return Address(host=host, port=_port(m.get("port", default.port), f"{where}.port"))
+
+
+def _backends(value: Any) -> tuple[str, ...]:
+    """A non-empty list of distinct host:port names."""
+    if not isinstance(value, list) or not value:
+        raise ConfigError("backends must be a non-empty list of host:port.")
+    names: list[str] = []
+    for item in value:
+        host, _, port = item.rpartition(":") if isinstance(item, str) else ("", "", "")
+        if not host or "/" in item:
+            raise ConfigError(f"backend {item!r} must be written host:port.")
+        _port(port, f"backend {item!r}", from_text=True)
+        if item in names:
+            raise ConfigError(f"backend {item} is listed twice.")
+        names.append(item)
+    return tuple(names)
+
+
+def _port(value: Any, where: str, from_text: bool = False) -> int:
+    """A TCP port number in 1..65535."""
+    if from_text and isinstance(value, str) and value.isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
+        raise ConfigError(f"{where} must be a port number from 1 to 65535, not {value!r}.")
+    return value
+
+
+def _positive(m: dict, key: str, default: float, prefix: str = "") -> float:
+    """m[key] (or default) as a number greater than zero."""
+    value = m.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"{prefix}{key} must be a number greater than 0, not {value!r}.")
+    return float(value)
+
+
+def _backups(value: Any) -> int:
+    """The number of rotated results log files kept (at least 1, or rotation would truncate)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"results_log.backups must be a whole number of at least 1, not {value!r}.")
+    return value
+
+
+def _text(value: Any, where: str) -> str:
+    """A non-empty string."""
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{where} must be a non-empty string, not {value!r}.")
+    return value
+
+
+def _health_path(value: Any) -> str:
+    """An absolute URL path."""
+    path = _text(value, "health.path")
+    if not path.startswith("/"):
+        raise ConfigError(f"health.path must start with '/', not {path!r}.")
+    return path
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether host names the loopback interface."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,182 @@
+"""The results log: one JSON line per chat/completions request, written off the event loop."""
+from __future__ import annotations
+
+import json
+import logging
+import logging.handlers
+import os
+import queue
+import re
+
+from .config import ResultsLogConfig
+
+SNIPPET_CHARS = 120
+PREFIX_CHARS = 256  # content kept per response: the snippet, and room to see an opening <think>
+BODY_KEEP_BYTES = 4 * 1024 * 1024  # a non-stream or error body is kept whole up to this size
+LOGGED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+
+# A JSON key "user" followed by a scalar. Only a key can be followed by ':' and an escaped quote
+# inside a string never matches '"user"', so this finds the request's user field without parsing
+# a body that may carry tens of MiB of base64 images.
+_USER_KEY = b'"user"'
+_USER_VALUE = re.compile(
+    rb'\s*:\s*("(?:[^"\\]|\\.)*"|-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?|true|false|null)')
+
+
+def trace_id_of(body: bytes) -> str | None:
+    """The request's `user` field as a string (a number stays its digits), None when absent."""
+    at = body.find(_USER_KEY)
+    while at != -1:
+        m = _USER_VALUE.match(body, at + len(_USER_KEY))
+        if m:
+            try:
+                value = json.loads(m.group(1))
+            except ValueError:
+                return None
+            return value if isinstance(value, str) or value is None else json.dumps(value)
+        at = body.find(_USER_KEY, at + len(_USER_KEY))
+    return None
+
+
+class ResponseObserver:
+    """Sums up a chat/completions response as its chunks pass by on their way to the client.
+
+    status: the upstream status. streamed: the response is SSE (parsed event by event, only the
+    first PREFIX_CHARS of content kept); otherwise the body is kept (bounded) and parsed once.
+    """
+
+    def __init__(self, status: int, streamed: bool):
+        self.status = status
+        self.streamed = streamed and status == 200
+        self.finish_reason: str | None = None
+        self.completion_tokens: int | None = None
+        self.prompt_tokens: int | None = None
+        self.error: str | None = None
+        self._content_chunks = 0
+        self._reasoning = False
+        self._prefix: list[str] = []
+        self._prefix_len = 0
+        self._pending = b""  # an SSE line cut by a chunk boundary
+        self._body: list[bytes] = []
+        self._body_len = 0
+
+    def feed(self, chunk: bytes) -> None:
+        """Take the next chunk of the response body."""
+        if self.streamed:
+            self._feed_sse(chunk)
+        elif self._body_len < BODY_KEEP_BYTES:
+            self._body.append(chunk)
+            self._body_len += len(chunk)
+
+    def summary(self) -> dict:
+        """The results log fields this response determines."""
+        if not self.streamed:
+            self._parse_body()
+        elif self.completion_tokens is None and self._content_chunks:
+            # No usage chunk (the client did not ask for include_usage): one chunk is one token.
+            self.completion_tokens = self._content_chunks
+        prefix = "".join(self._prefix)
+        return {
+            "finish_reason": self.finish_reason,
+            "completion_tokens": self.completion_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "think": self._reasoning or "<think>" in prefix,
+            "snippet": prefix[:SNIPPET_CHARS],
+            "error": self.error,
+        }
+
+    def _feed_sse(self, chunk: bytes) -> None:
+        """Parse the complete SSE lines in pending + chunk."""
+        lines = (self._pending + chunk).split(b"\n")
+        self._pending = lines.pop()
+        for line in lines:
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]" or not payload:
+                continue
+            try:
+                event = json.loads(payload)
+            except ValueError:
+                continue
+            if isinstance(event, dict):
+                self._absorb(event, "delta")
+
+    def _parse_body(self) -> None:
+        """Parse the kept body once: a completion when 200, else the backend's error text."""
+        body = b"".join(self._body)
+        if self.status != 200:
+            self.error = body.decode("utf-8", "replace")
+            return
+        try:
+            event = json.loads(body)
+        except ValueError:
+            return
+        if isinstance(event, dict):
+            self._absorb(event, "message")
+
+    def _absorb(self, event: dict, part: str) -> None:
+        """Take usage, finish_reason and content from one response object or SSE event."""
+        if "error" in event and self.status == 200:
+            self.error = json.dumps(event["error"], ensure_ascii=False)  # vLLM's mid-stream error
+        usage = event.get("usage")
+        if isinstance(usage, dict):
+            self.completion_tokens = usage.get("completion_tokens", self.completion_tokens)
+            self.prompt_tokens = usage.get("prompt_tokens", self.prompt_tokens)
+        choices = event.get("choices")
+        if not isinstance(choices, list):
+            return
+        for choice in choices:
+            if not isinstance(choice, dict):
+                continue
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+            inner = choice.get(part)
+            inner = inner if isinstance(inner, dict) else {}
+            content = inner.get("content") or choice.get("text")  # chat, or legacy completions
+            reasoning = inner.get("reasoning_content") or inner.get("reasoning")
+            if reasoning:
+                self._reasoning = True
+            if content or reasoning:
+                self._content_chunks += 1
+            if content and self._prefix_len < PREFIX_CHARS:
+                self._prefix.append(content)
+                self._prefix_len += len(content)
+
+
+class ResultsLog:
+    """A rotated JSON-lines file fed through a queue, so the event loop never waits on the disk."""
+
+    def __init__(self, config: ResultsLogConfig):
+        self.config = config
+        self._logger = logging.Logger("proxy.results", logging.INFO)  # not in the global tree
+        self._logger.propagate = False
+        self._listener: logging.handlers.QueueListener | None = None
+        self._file: logging.Handler | None = None
+
+    def start(self) -> None:
+        """Open the file (creating its directory) and start the writer thread."""
+        path = os.path.abspath(self.config.path)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self._file = logging.handlers.RotatingFileHandler(
+            path, maxBytes=self.config.max_bytes, backupCount=self.config.backups,
+            encoding="utf-8")
+        self._file.setFormatter(logging.Formatter("%(message)s"))
+        records: queue.SimpleQueue = queue.SimpleQueue()
+        self._listener = logging.handlers.QueueListener(records, self._file)
+        self._listener.start()
+        self._logger.addHandler(logging.handlers.QueueHandler(records))
+
+    def write(self, entry: dict) -> None:
+        """Queue one entry as a JSON line."""
+        self._logger.info(json.dumps(entry, ensure_ascii=False, separators=(",", ":")))
+
+    def stop(self) -> None:
+        """Write what is queued, then close the file."""
+        if self._listener is not None:
+            self._listener.stop()
+            self._listener = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        self._logger.handlers.clear()
