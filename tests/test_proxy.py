@@ -146,3 +146,19 @@ def test_no_healthy_backend_is_503_json(procs, tmp_path):
         urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions",
                                                       data=b"{}", method="POST"))
     assert e.value.code == 503 and json.loads(e.value.read())["error"]["type"] == "no_backend"
+
+
+def test_results_log_rotates_with_size_and_count(procs, tmp_path):
+    """The seed's log reached 769 MB unrotated: with max_mb tiny and backups 2, old files stop at .2."""
+    ports = start_sims(procs, 1, token_ms=0)
+    port, _ = start_proxy(procs, tmp_path, ports, results_log={"path": str(tmp_path / "req_results.log"),
+                                                               "max_mb": 0.001, "backups": 2})
+    import urllib.request
+    for i in range(30):
+        urllib.request.urlopen(urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/chat/completions", method="POST",
+            data=json.dumps({"model": "m", "max_tokens": 2, "user": f"t{i}",
+                             "messages": [{"role": "user", "content": "hi"}]}).encode())).read()
+    wait_until(lambda: (tmp_path / "req_results.log.2").exists(), what="two rotated files")
+    assert not (tmp_path / "req_results.log.3").exists()
+    assert all(p.stat().st_size <= 2048 for p in tmp_path.glob("req_results.log*"))
