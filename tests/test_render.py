@@ -20,6 +20,7 @@ GOLDEN = Path(__file__).parent / "golden" / "k100-01"
 def k100(overrides=()):
     hv = inventory.load(ROOT / "inventory" / "hosts.yml").host_vars("k100-01", overrides)
     hv.vars["python"] = "python3"
+    hv.inventory_path = "inventory/hosts.yml"    # as `inv` shows it from the project root, wherever that is
     return hv
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Start the vllm instances of k100-01: instance i -> accelerator i -> port BASE_PORT+i.
-# Rendered by vllm-fleet from /work/main/inventory/hosts.yml; the next deploy overwrites edits.
+# Rendered by vllm-fleet from inventory/hosts.yml; the next deploy overwrites edits.
 # Usable by hand; these environment variables override the inventory:
 #   N=4 ./start_cluster.sh          start instances 0..3 only
 #   MAX_SEQS=1 ./start_cluster.sh   one sequence per instance (deterministic, for debugging)

@@ -2,7 +2,7 @@
 # Stop the deployment of k100-01: the proxy and every instance, by process group, then every
 # process of this user still carrying the deployment's FLEET_TAG (vLLM's spawned EngineCore children
 # have no port and no "vllm" in their command line; the tag is how they are found).
-# Rendered by vllm-fleet from /work/main/inventory/hosts.yml; the next deploy overwrites edits.
+# Rendered by vllm-fleet from inventory/hosts.yml; the next deploy overwrites edits.
 #   ./stop_cluster.sh                 everything
 #   ./stop_cluster.sh --instance 3    instance 3 only (its group and its tag)
 #   ./stop_cluster.sh --check         list what would be stopped, stop nothing
