@@ -7,6 +7,8 @@ import re
 import openai
 import pytest
 
+from conftest import wait_until
+
 from fleet_helpers import deployment_id, inv, kill_tagged, status_json, tagged_pids, write_inventory
 
 
@@ -76,9 +78,16 @@ def test_openai_client_through_proxy_stream_and_not(cluster):
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert text
 
+    # The line is written off the event loop once the response has ended: wait for both.
     log = tmp / "deploy" / "logs" / "req_results.log"
-    lines = [json.loads(line) for line in log.read_text().splitlines()]
-    by_trace = {line["trace_id"]: line for line in lines}
+
+    def logged():
+        if not log.exists():
+            return {}
+        lines = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+        found = {line["trace_id"]: line for line in lines}
+        return found if {"trace-abc-123", "trace-stream-9"} <= found.keys() else {}
+    by_trace = wait_until(logged, timeout=10, what="both results-log lines")
     assert by_trace["trace-abc-123"]["status"] == 200
     assert by_trace["trace-abc-123"]["backend"] in backends
     assert by_trace["trace-abc-123"]["completion_tokens"] == 16

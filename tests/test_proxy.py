@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 
 import aiohttp
@@ -12,12 +13,14 @@ import yaml
 from conftest import PYTHON, ROOT, free_port, free_ports, http_status, wait_until
 
 
-def start_sims(procs, n, seqs=4, token_ms=5):
+def start_sims(procs, tmp_path, n, seqs=4, token_ms=5):
+    """n sim engines on free loopback ports, their device files under tmp_path/sim-dev."""
     base = free_ports(n)
+    env = {**os.environ, "FLEET_SIM_DEV_DIR": str(tmp_path / "sim-dev")}
     for i in range(n):
         procs.start([PYTHON, "-m", "fleet.sim", "serve", "m", "--host", "127.0.0.1", "--port", str(base + i),
                      "--max-num-seqs", str(seqs), "--sim-load-s", "0", "--sim-prefill-ms", "20",
-                     "--sim-token-ms", str(token_ms)], cwd=ROOT)
+                     "--sim-token-ms", str(token_ms)], cwd=ROOT, env=env)
     ports = [base + i for i in range(n)]
     for p in ports:
         wait_until(lambda: http_status(f"http://127.0.0.1:{p}/health") == 200, what=f"sim :{p} healthy")
@@ -51,7 +54,7 @@ async def slow_body_request(session, url, body: bytes, pieces=5, pause=0.15):
 def test_pile_up_64_slow_bodies_over_8_backends(procs, tmp_path):
     """1. 8 sim backends, max_num_seqs 4; 2. 64 concurrent requests whose bodies arrive slowly;
     3. the peak concurrency any backend saw is at most 9 (the seed saw 22 with the late count)."""
-    ports = start_sims(procs, 8)
+    ports = start_sims(procs, tmp_path, 8)
     port, _ = start_proxy(procs, tmp_path, ports)
     body = json.dumps({"model": "m", "max_tokens": 16, "messages": [
         {"role": "user", "content": "x" * 20000}]}).encode()
@@ -73,7 +76,7 @@ def test_pile_up_64_slow_bodies_over_8_backends(procs, tmp_path):
 def test_backend_with_dead_engine_gets_no_requests(procs, tmp_path):
     """1. engine death on one backend: /health 503 while /v1/models stays 200;
     2. after the next health check the proxy sends it nothing: every answer comes from the others."""
-    ports = start_sims(procs, 2)
+    ports = start_sims(procs, tmp_path, 2)
     port, admin = start_proxy(procs, tmp_path, ports)
     dead = f"127.0.0.1:{ports[0]}"
     import urllib.request
@@ -95,7 +98,7 @@ def test_backend_with_dead_engine_gets_no_requests(procs, tmp_path):
 
 
 def test_limits_errors_and_results_log(procs, tmp_path):
-    ports = start_sims(procs, 1)
+    ports = start_sims(procs, tmp_path, 1)
     port, admin = start_proxy(procs, tmp_path, ports, max_body_mb=1)
     url = f"http://127.0.0.1:{port}"
 
@@ -150,7 +153,7 @@ def test_no_healthy_backend_is_503_json(procs, tmp_path):
 
 def test_results_log_rotates_with_size_and_count(procs, tmp_path):
     """The seed's log reached 769 MB unrotated: with max_mb tiny and backups 2, old files stop at .2."""
-    ports = start_sims(procs, 1, token_ms=0)
+    ports = start_sims(procs, tmp_path, 1, token_ms=0)
     port, _ = start_proxy(procs, tmp_path, ports, results_log={"path": str(tmp_path / "req_results.log"),
                                                                "max_mb": 0.001, "backups": 2})
     import urllib.request
