@@ -69,7 +69,8 @@ SCHEMA: dict[str, Any] = {
     "sim": Mapping(load_s=float, prefill_ms=float, token_ms=float, output_tokens=int, instant=bool),
     "proxy": Mapping(
         port=Port, admin_port=Port, bind=Str(), health_interval_s=float, timeout_s=float,
-        connect_timeout_s=float, max_body_mb=float,
+        connect_timeout_s=float, max_body_mb=float, retries=int, max_fails=int, shutdown_timeout_s=float,
+        fix_numeric_user=bool, api_keys_file=Str(),
         results_log=Mapping(max_mb=float, backups=int),
     ),
 }
@@ -104,6 +105,8 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
     "proxy": {
         "port": 8000, "admin_port": 8001, "bind": "0.0.0.0", "health_interval_s": 5.0,
         "timeout_s": 300.0, "connect_timeout_s": 5.0, "max_body_mb": 64.0,
+        "retries": 2, "max_fails": 3, "shutdown_timeout_s": 30.0, "fix_numeric_user": True,
+        "api_keys_file": "",
         "results_log": {"max_mb": 50.0, "backups": 3},
     },
 }
@@ -354,6 +357,9 @@ class HostVars:
                                  "give the admin listener its own port.")
         if proxy["max_body_mb"] <= 0 or proxy["timeout_s"] <= 0:
             raise InventoryError(f"{where}.proxy: max_body_mb and timeout_s must be above 0.")
+        if proxy["retries"] < 0 or proxy["max_fails"] < 1 or proxy["shutdown_timeout_s"] <= 0:
+            raise InventoryError(f"{where}.proxy: retries must be 0 or more, max_fails 1 or more and "
+                                 "shutdown_timeout_s above 0.")
         if not v["served_model_name"]:
             v["served_model_name"] = os.path.basename(v["model"].rstrip("/")) or v["model"]
         v["extra_args"] = [str(a) for a in v["extra_args"]]

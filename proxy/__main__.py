@@ -9,32 +9,50 @@ import sys
 
 from aiohttp import web
 
-from .app import BALANCER, make_admin_app, make_app
-from .config import ConfigError, load_config
+from .app import make_admin_app, make_app
+from .state import PROXY
+from .config import ConfigError, load_api_keys, load_config
 
 log = logging.getLogger("proxy")
 
 
-async def serve(config) -> None:
-    app = make_app(config)
-    admin = make_admin_app(app[BALANCER])
+async def serve(config, config_path: str) -> None:
+    app = make_app(config, config_path)
+    proxy = app[PROXY]
+    admin = make_admin_app(proxy)
     # handler_cancellation: a client that goes away cancels its handler, which aborts the upstream request.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    # shutdown_timeout: how long requests in flight may run on after SIGTERM.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=config.shutdown_timeout_s)
     admin_runner = web.AppRunner(admin, access_log=None)
     await runner.setup()
     await admin_runner.setup()
-    await web.TCPSite(runner, config.listen.host, config.listen.port, shutdown_timeout=5).start()
+    await web.TCPSite(runner, config.listen.host, config.listen.port,
+                      reuse_port=config.listen.reuse_port or None).start()
     await web.TCPSite(admin_runner, config.admin.host, config.admin.port).start()
     log.info("listening on %s:%d, admin on %s:%d, backends %s", config.listen.host, config.listen.port,
              config.admin.host, config.admin.port, ", ".join(config.backends))
-    stop = asyncio.Event()
+
+    # Signal handlers only set a flag; the work happens here, in order.
+    stop, reload = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):   # the handler only sets a flag; shutdown runs below
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("stopping: no new connections, in-flight requests get up to 5 s")
+    loop.add_signal_handler(signal.SIGTERM, stop.set)   # deploy, stop, swap-to-nginx: drain then exit 0
+    loop.add_signal_handler(signal.SIGINT, stop.set)    # Ctrl-C by hand: the same
+    loop.add_signal_handler(signal.SIGHUP, reload.set)  # deploy after a config change: re-read it
+    while not stop.is_set():
+        waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(reload.wait())]
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        for w in waiters:
+            w.cancel()
+        if reload.is_set() and not stop.is_set():
+            reload.clear()
+            proxy.reload()
+    in_flight = sum(b.in_flight for b in proxy.balancer.backends.values())
+    log.info("stopping: no new connections; %d requests in flight get up to %g s",
+             in_flight, proxy.config.shutdown_timeout_s)
     await runner.cleanup()
     await admin_runner.cleanup()
+    log.info("stopped")
 
 
 def main(argv=None) -> int:
@@ -44,11 +62,12 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = load_config(args.config)
+        load_api_keys(config.api_keys_file)
     except ConfigError as e:
         print(f"proxy: {e}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(serve(config))
+        asyncio.run(serve(config, args.config))
     except OSError as e:
         print(f"proxy: cannot listen ({e.strerror or e}); is the port taken?", file=sys.stderr)
         return 1

@@ -21,6 +21,7 @@ class Address:
 
     host: str
     port: int
+    reuse_port: bool = True  # SO_REUSEPORT, so nginx can take the port over without a gap
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,11 @@ class ProxyConfig:
     connect_timeout_s: float = 5.0
     max_body_mb: float = 64.0
     results_log: ResultsLogConfig = ResultsLogConfig()
+    retries: int = 2              # other backends tried when the connection failed or 502/503 came first
+    max_fails: int = 3            # consecutive 5xx answers that take a backend out until its next good /health
+    shutdown_timeout_s: float = 30.0
+    fix_numeric_user: bool = True  # the seed's incident: vLLM answers 400 to a numeric `user`
+    api_keys_file: str | None = None
 
     @property
     def max_body_bytes(self) -> int:
@@ -66,7 +72,8 @@ class ProxyConfig:
 
 
 TOP_KEYS = ("listen", "admin", "backends", "health", "timeout_s", "connect_timeout_s",
-            "max_body_mb", "results_log")
+            "max_body_mb", "results_log", "retries", "max_fails", "shutdown_timeout_s",
+            "fix_numeric_user", "api_keys_file")
 
 
 def load_config(path: str | Path) -> ProxyConfig:
@@ -82,6 +89,20 @@ def load_config(path: str | Path) -> ProxyConfig:
         where = f" at line {mark.line + 1}" if mark else ""
         raise ConfigError(f"config file {path} is not valid YAML{where}.") from None
     return parse_config(data, source=str(path))
+
+
+def load_api_keys(path: str | None) -> frozenset[bytes] | None:
+    """The client API keys in path, one per line (# comments), or None when auth is off."""
+    if path is None:
+        return None
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise ConfigError(f"cannot read api_keys_file {path}: {e.strerror or e}.") from None
+    keys = frozenset(k.strip().encode() for k in lines if k.strip() and not k.strip().startswith("#"))
+    if not keys:
+        raise ConfigError(f"api_keys_file {path} holds no key; put one key per line, or drop the setting.")
+    return keys
 
 
 def parse_config(data: Any, source: str = "config") -> ProxyConfig:
@@ -117,6 +138,11 @@ def parse_config(data: Any, source: str = "config") -> ProxyConfig:
             max_mb=_positive(results, "max_mb", defaults.results_log.max_mb, "results_log."),
             backups=_backups(results.get("backups", defaults.results_log.backups)),
         ),
+        retries=_count(top, "retries", defaults.retries, minimum=0),
+        max_fails=_count(top, "max_fails", defaults.max_fails, minimum=1),
+        shutdown_timeout_s=_positive(top, "shutdown_timeout_s", defaults.shutdown_timeout_s),
+        fix_numeric_user=_flag(top, "fix_numeric_user", defaults.fix_numeric_user),
+        api_keys_file=_optional_text(top.get("api_keys_file"), "api_keys_file"),
     )
 
 
@@ -134,10 +160,11 @@ def _mapping(value: Any, where: str, allowed: tuple[str, ...], prefix: str | Non
 
 
 def _address(value: Any, where: str, default: Address) -> Address:
-    """A {host, port} mapping with defaults."""
-    m = _mapping(value, where, ("host", "port"))
+    """A {host, port, reuse_port} mapping with defaults."""
+    m = _mapping(value, where, ("host", "port", "reuse_port"))
     host = _text(m.get("host", default.host), f"{where}.host")
-    return Address(host=host, port=_port(m.get("port", default.port), f"{where}.port"))
+    return Address(host=host, port=_port(m.get("port", default.port), f"{where}.port"),
+                   reuse_port=_flag(m, "reuse_port", default.reuse_port, f"{where}."))
 
 
 def _backends(value: Any) -> tuple[str, ...]:
@@ -171,6 +198,27 @@ def _positive(m: dict, key: str, default: float, prefix: str = "") -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ConfigError(f"{prefix}{key} must be a number greater than 0, not {value!r}.")
     return float(value)
+
+
+def _count(m: dict, key: str, default: int, minimum: int) -> int:
+    """m[key] (or default) as a whole number of at least minimum."""
+    value = m.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{key} must be a whole number of at least {minimum}, not {value!r}.")
+    return value
+
+
+def _flag(m: dict, key: str, default: bool, prefix: str = "") -> bool:
+    """m[key] (or default) as true or false."""
+    value = m.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{prefix}{key} must be true or false, not {value!r}.")
+    return value
+
+
+def _optional_text(value: Any, where: str) -> str | None:
+    """A non-empty string, or None when absent, null or empty."""
+    return None if value in (None, "") else _text(value, where)
 
 
 def _backups(value: Any) -> int:

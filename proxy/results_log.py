@@ -23,19 +23,27 @@ _USER_VALUE = re.compile(
     rb'\s*:\s*("(?:[^"\\]|\\.)*"|-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?|true|false|null)')
 
 
-def trace_id_of(body: bytes) -> str | None:
-    """The request's `user` field as a string (a number stays its digits), None when absent."""
+def user_value(body: bytes) -> bytes | None:
+    """The raw JSON text of the request's `user` value (b'"abc"', b'42', b'null'), None when absent."""
     at = body.find(_USER_KEY)
     while at != -1:
         m = _USER_VALUE.match(body, at + len(_USER_KEY))
         if m:
-            try:
-                value = json.loads(m.group(1))
-            except ValueError:
-                return None
-            return value if isinstance(value, str) or value is None else json.dumps(value)
+            return m.group(1)
         at = body.find(_USER_KEY, at + len(_USER_KEY))
     return None
+
+
+def trace_id_of(body: bytes) -> str | None:
+    """The request's `user` field as a string (a number stays its digits), None when absent."""
+    raw = user_value(body)
+    if raw is None:
+        return None
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return None
+    return value if isinstance(value, str) or value is None else json.dumps(value)
 
 
 class ResponseObserver:

@@ -3,40 +3,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 
 import aiohttp
 import pytest
 import yaml
 
-from conftest import PYTHON, ROOT, free_port, free_ports, http_status, wait_until
-
-
-def start_sims(procs, tmp_path, n, seqs=4, token_ms=5):
-    """n sim engines on free loopback ports, their device files under tmp_path/sim-dev."""
-    base = free_ports(n)
-    env = {**os.environ, "FLEET_SIM_DEV_DIR": str(tmp_path / "sim-dev")}
-    for i in range(n):
-        procs.start([PYTHON, "-m", "fleet.sim", "serve", "m", "--host", "127.0.0.1", "--port", str(base + i),
-                     "--max-num-seqs", str(seqs), "--sim-load-s", "0", "--sim-prefill-ms", "20",
-                     "--sim-token-ms", str(token_ms)], cwd=ROOT, env=env)
-    ports = [base + i for i in range(n)]
-    for p in ports:
-        wait_until(lambda: http_status(f"http://127.0.0.1:{p}/health") == 200, what=f"sim :{p} healthy")
-    return ports
-
-
-def start_proxy(procs, tmp_path, ports, **extra):
-    port, admin = free_port(), free_port()
-    conf = {"listen": {"host": "127.0.0.1", "port": port}, "admin": {"host": "127.0.0.1", "port": admin},
-            "backends": [f"127.0.0.1:{p}" for p in ports], "health": {"interval_s": 0.3, "timeout_s": 1},
-            "results_log": {"path": str(tmp_path / "req_results.log")}, **extra}
-    path = tmp_path / "proxy.yaml"
-    path.write_text(yaml.safe_dump(conf))
-    procs.start([PYTHON, "-m", "proxy", "--config", str(path)], cwd=ROOT)
-    wait_until(lambda: http_status(f"http://127.0.0.1:{port}/health") == 200, what="proxy healthy")
-    return port, admin
+from conftest import PYTHON, ROOT, free_port, http_status, wait_until
+from proxy_helpers import start_proxy, start_sims
 
 
 async def slow_body_request(session, url, body: bytes, pieces=5, pause=0.15):
@@ -99,7 +73,8 @@ def test_backend_with_dead_engine_gets_no_requests(procs, tmp_path):
 
 def test_limits_errors_and_results_log(procs, tmp_path):
     ports = start_sims(procs, tmp_path, 1)
-    port, admin = start_proxy(procs, tmp_path, ports, max_body_mb=1)
+    # The fixup off: the backend's 400 and its error body reach the client and the log, as in the seed.
+    port, admin = start_proxy(procs, tmp_path, ports, max_body_mb=1, fix_numeric_user=False)
     url = f"http://127.0.0.1:{port}"
 
     async def run():

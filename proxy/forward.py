@@ -1,0 +1,268 @@
+"""The request path: pick a backend, count it, read the body, try it (and others), stream the answer back."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+import aiohttp
+from aiohttp import web
+
+from .balancer import Backend
+from .fixups import fix_numeric_user
+from .results_log import LOGGED_PATHS, ResponseObserver, trace_id_of
+from .state import PROXY
+
+# Hop-by-hop headers (RFC 9110 7.6.1) never cross the proxy; length and encoding are the proxy's own.
+HOP_BY_HOP = frozenset(h.lower() for h in (
+    "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE", "Trailer",
+    "Transfer-Encoding", "Upgrade", "Proxy-Connection"))
+RETRY_STATUSES = frozenset({502, 503})
+ERROR_BODY_BYTES = 1024 * 1024   # a 502/503 body kept to hand on when no other backend is left
+CLIENT_CLOSED = 499              # nginx's status for "the client went away first"
+
+
+def upstream_headers(headers) -> dict:
+    """The client's headers as sent to the backend (the client's API key stays with the proxy)."""
+    return {k: v for k, v in headers.items()
+            if k.lower() not in HOP_BY_HOP and k.lower() not in ("host", "content-length")}
+
+
+def downstream_headers(headers) -> dict:
+    """The backend's headers as sent to the client."""
+    return {k: v for k, v in headers.items()
+            if k.lower() not in HOP_BY_HOP and k.lower() != "content-length"}
+
+
+def json_error(status: int, message: str, kind: str, headers: dict | None = None) -> web.Response:
+    """An OpenAI-style JSON error response."""
+    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status,
+                             headers=headers)
+
+
+class ClientGone(Exception):
+    """The client closed its connection while the answer was being written to it."""
+
+
+@dataclass
+class Outcome:
+    """How one attempt on one backend ended."""
+
+    status: int = 0
+    error: str | None = None
+    retryable: bool = False        # nothing reached the client and another backend may do better
+    sent: bool = False             # the response was started toward the client
+    observer: ResponseObserver | None = None
+    buffered: tuple | None = None  # (status, headers, body) of a 502/503 held back for a retry
+    attempt_ms: float = 0.0
+
+
+@dataclass
+class Exchange:
+    """One client request as it moves through the proxy."""
+
+    request: web.Request
+    request_id: str
+    t0: float = field(default_factory=time.monotonic)
+    body: bytes = b""
+    logged: bool = False
+    trace_id: str | None = None
+    fixups: list = field(default_factory=list)
+    attempts: int = 0
+
+
+async def proxy_handler(request: web.Request) -> web.StreamResponse:
+    """Pick a backend and count the request on it, then read the body and forward it."""
+    proxy = request.app[PROXY]
+    request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+    if proxy.api_keys is not None and not _authorized(request, proxy.api_keys):
+        return json_error(401, "missing or wrong API key; send `Authorization: Bearer <key>`.",
+                          "unauthorized", {"X-Request-Id": request_id, "WWW-Authenticate": "Bearer"})
+    balancer = proxy.balancer
+    backend = balancer.acquire()       # counted here, before the body is read (the seed's pile-up fix)
+    if backend is None:
+        return json_error(503, "no healthy backend is available; check `inv status`.", "no_backend",
+                          {"X-Request-Id": request_id})
+    ex = Exchange(request, request_id)
+    outcome = Outcome()
+    try:
+        response = await _read_body(ex, proxy, backend)
+        if response is not None:
+            outcome.status = response.status
+            return response
+        tried: list[Backend] = []
+        while True:
+            outcome = await _attempt(ex, proxy, backend)
+            tried.append(backend)
+            if not outcome.retryable or len(tried) > proxy.config.retries:
+                break
+            other = balancer.acquire(exclude=tried)
+            if other is None:
+                break
+            proxy.metrics.retries.labels(backend.name).inc()
+            _log_attempt(ex, proxy, backend, outcome, final=False)
+            balancer.release(backend)
+            backend = other
+        return _finish(ex, proxy, backend, outcome)
+    except ClientGone:
+        _client_gone(ex, proxy, backend, outcome)
+        return request["response"]      # already started; aiohttp has nobody left to send it to
+    except asyncio.CancelledError:      # handler_cancellation: the client hung up while we waited
+        _client_gone(ex, proxy, backend, outcome)
+        raise
+    finally:
+        balancer.release(backend)
+        proxy.metrics.requests.labels(backend.name, str(outcome.status)).inc()
+        proxy.metrics.duration.labels(backend.name).observe(time.monotonic() - ex.t0)
+
+
+def _client_gone(ex: Exchange, proxy, backend: Backend, outcome: Outcome) -> None:
+    outcome.status, outcome.error = CLIENT_CLOSED, "the client went away"
+    proxy.metrics.aborted.labels(backend.name).inc()
+    _log_attempt(ex, proxy, backend, outcome, final=True)
+
+
+def _authorized(request: web.Request, keys: frozenset) -> bool:
+    scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+    key = key.strip().encode()
+    return scheme.lower() == "bearer" and any(hmac.compare_digest(key, k) for k in keys)
+
+
+async def _read_body(ex: Exchange, proxy, backend: Backend) -> web.Response | None:
+    """Read and fix the body; a response when the request ends here (413)."""
+    request, config = ex.request, proxy.config
+    too_large = json_error(413, f"request body over {config.max_body_mb:g} MiB", "too_large",
+                           {"X-Backend": backend.name, "X-Request-Id": ex.request_id})
+    if (request.content_length or 0) > config.max_body_bytes:
+        return too_large
+    try:
+        ex.body = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        return too_large
+    ex.logged = request.method == "POST" and request.path in LOGGED_PATHS
+    if ex.logged:
+        ex.trace_id = trace_id_of(ex.body)
+        if config.fix_numeric_user:
+            ex.body, ex.fixups = fix_numeric_user(ex.body)
+    return None
+
+
+async def _attempt(ex: Exchange, proxy, backend: Backend) -> Outcome:
+    """Send the request to backend; stream a good answer to the client, hold back a 502/503."""
+    request, config = ex.request, proxy.config
+    ex.attempts += 1
+    headers = upstream_headers(request.headers)
+    headers["X-Request-Id"] = ex.request_id
+    if proxy.api_keys is not None:
+        headers.pop("Authorization", None)
+    timeout = aiohttp.ClientTimeout(total=config.timeout_s, sock_connect=config.connect_timeout_s)
+    out = Outcome()
+    t_attempt = time.monotonic()
+    try:
+        async with proxy.session.request(request.method, backend.url + request.path_qs, headers=headers,
+                                         data=ex.body or None, allow_redirects=False, timeout=timeout) as up:
+            out.status = up.status
+            if proxy.balancer.answered(backend, up.status, config.max_fails):
+                _ejected(proxy, backend, "5xx")
+            if up.status in RETRY_STATUSES:
+                body = await up.content.read(ERROR_BODY_BYTES)
+                out.retryable, out.error = True, body.decode("utf-8", "replace")
+                out.buffered = (up.status, downstream_headers(up.headers), body)
+                return out
+            streamed = up.headers.get("Content-Type", "").startswith("text/event-stream")
+            out.observer = ResponseObserver(up.status, streamed) if ex.logged else None
+            resp = web.StreamResponse(status=up.status,
+                                      headers={**downstream_headers(up.headers), **_ids(ex, backend)})
+            await resp.prepare(request)
+            out.sent = True
+            ex.request["response"] = resp
+            async for chunk in up.content.iter_any():
+                if out.observer is not None:
+                    out.observer.feed(chunk)
+                try:
+                    await resp.write(chunk)
+                except ConnectionResetError as e:
+                    raise ClientGone() from e
+            await resp.write_eof()
+    except aiohttp.ConnectionTimeoutError:
+        _upstream_error(proxy, backend, out, "connect_timeout",
+                        f"no connection to {backend.name} within {config.connect_timeout_s:g}s", eject=True)
+        out.status = 504
+    except aiohttp.ClientConnectorError as e:
+        _upstream_error(proxy, backend, out, "connect", f"cannot connect to {backend.name}: {e.os_error}",
+                        eject=True)
+    except aiohttp.ServerDisconnectedError:
+        # Before any byte: the engine died or closed a kept-alive connection; another backend may take it.
+        _upstream_error(proxy, backend, out, "disconnected", f"{backend.name} closed the connection")
+        if not out.sent and proxy.balancer.answered(backend, 502, config.max_fails):
+            _ejected(proxy, backend, "5xx")
+    except asyncio.TimeoutError:
+        out.status = 504
+        out.error = f"{backend.name} did not answer within {config.timeout_s:g}s"
+        proxy.metrics.upstream_errors.labels(backend.name, "timeout").inc()
+        if proxy.balancer.answered(backend, 504, config.max_fails):
+            _ejected(proxy, backend, "5xx")
+    except aiohttp.ClientPayloadError as e:
+        _upstream_error(proxy, backend, out, "payload", f"{backend.name} broke off its answer: {e}")
+    except aiohttp.ClientOSError as e:
+        _upstream_error(proxy, backend, out, "connection", f"connection to {backend.name} failed: {e}")
+    finally:
+        out.attempt_ms = round((time.monotonic() - t_attempt) * 1000, 1)
+    if out.sent:
+        out.retryable = False   # never retry once a byte went to the client
+    return out
+
+
+def _upstream_error(proxy, backend: Backend, out: Outcome, kind: str, message: str, eject=False) -> None:
+    proxy.metrics.upstream_errors.labels(backend.name, kind).inc()
+    out.error = message
+    if out.sent:
+        out.error = f"stream interrupted: {message}"
+        return
+    out.status, out.retryable = out.status or 502, True
+    if eject and proxy.balancer.eject(backend, message):
+        _ejected(proxy, backend, kind)
+
+
+def _ejected(proxy, backend: Backend, reason: str) -> None:
+    proxy.metrics.ejections.labels(backend.name, reason).inc()
+    proxy.log.warning("backend %s taken out until its next good /health: %s", backend.name, backend.last_error)
+
+
+def _ids(ex: Exchange, backend: Backend) -> dict:
+    return {"X-Backend": backend.name, "X-Request-Id": ex.request_id, "X-Retries": str(ex.attempts - 1)}
+
+
+def _finish(ex: Exchange, proxy, backend: Backend, out: Outcome) -> web.StreamResponse:
+    """Log the last attempt and give the client what it gets."""
+    _log_attempt(ex, proxy, backend, out, final=True)
+    if out.sent:
+        return ex.request["response"]
+    if out.buffered is not None:
+        status, headers, body = out.buffered
+        return web.Response(status=status, body=body, headers={**headers, **_ids(ex, backend)})
+    kind = "upstream_timeout" if out.status == 504 else "upstream_error"
+    return json_error(out.status or 502, out.error or "upstream failed", kind, _ids(ex, backend))
+
+
+def _log_attempt(ex: Exchange, proxy, backend: Backend, out: Outcome, final: bool) -> None:
+    """One results-log line per attempt at a chat/completions request."""
+    if not ex.logged:
+        return
+    entry = {"ts": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+             "trace_id": ex.trace_id, "request_id": ex.request_id, "backend": backend.name,
+             "path": ex.request.path, "status": out.status,
+             "latency_ms": round((time.monotonic() - ex.t0) * 1000, 1),
+             "attempt": ex.attempts, "attempt_ms": out.attempt_ms, "final": final,
+             "retries": ex.attempts - 1,
+             "stream": bool(out.observer and out.observer.streamed)}
+    if ex.fixups:
+        entry["fixups"] = ex.fixups
+    summary = out.observer.summary() if out.observer else {"error": out.error}
+    if out.error and not summary.get("error"):
+        summary["error"] = out.error
+    entry.update(summary)
+    proxy.results.write(entry)

@@ -1,0 +1,54 @@
+"""The proxy's Prometheus metrics, in a registry of its own (GET /metrics on the public port)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+from .balancer import Balancer
+
+DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class BackendState:
+    """Per-backend gauges read from the balancer at scrape time, so a reload needs no bookkeeping."""
+
+    def __init__(self, balancer_of):
+        self._balancer_of = balancer_of  # a callable: the balancer changes object never, its list does
+
+    def collect(self):
+        balancer: Balancer = self._balancer_of()
+        in_flight = GaugeMetricFamily("proxy_backend_in_flight", "Requests in flight per backend",
+                                      labels=["backend"])
+        peak = GaugeMetricFamily("proxy_backend_peak_in_flight", "Peak in-flight per backend since start",
+                                 labels=["backend"])
+        healthy = GaugeMetricFamily("proxy_backend_healthy",
+                                    "1 when the backend takes requests by its health (its /health, no ejection)",
+                                    labels=["backend"])
+        drained = GaugeMetricFamily("proxy_backend_drained", "1 while the backend is drained by the admin",
+                                    labels=["backend"])
+        for b in balancer.backends.values():
+            in_flight.add_metric([b.name], b.in_flight)
+            peak.add_metric([b.name], b.peak_in_flight)
+            healthy.add_metric([b.name], 1 if b.healthy else 0)
+            drained.add_metric([b.name], 1 if b.drained else 0)
+        return [in_flight, peak, healthy, drained]
+
+
+class Metrics:
+    """Counters the request path bumps, plus the backend gauges."""
+
+    def __init__(self, balancer_of):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("proxy_requests", "Proxied requests by backend and status",
+                                ["backend", "status"], registry=r)
+        self.duration = Histogram("proxy_request_duration_seconds", "Time to the last byte",
+                                  ["backend"], buckets=DURATION_BUCKETS, registry=r)
+        self.retries = Counter("proxy_retries", "Attempts moved to another backend, by the one that failed",
+                               ["backend"], registry=r)
+        self.ejections = Counter("proxy_ejections", "Backends taken out by the proxy, by reason",
+                                 ["backend", "reason"], registry=r)
+        self.upstream_errors = Counter("proxy_upstream_errors", "Upstream failures by kind",
+                                       ["backend", "kind"], registry=r)
+        self.aborted = Counter("proxy_client_aborts", "Requests whose client went away first",
+                               ["backend"], registry=r)
+        r.register(BackendState(balancer_of))

@@ -1,0 +1,60 @@
+"""What a running proxy holds: its config, backends, metrics, results log and client session; and reload."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+
+import aiohttp
+from aiohttp import web
+
+from .balancer import Balancer
+from .config import ConfigError, ProxyConfig, load_api_keys, load_config
+from .metrics import Metrics
+from .results_log import ResultsLog
+
+log = logging.getLogger("proxy")
+
+
+class Proxy:
+    """The live state behind both applications; SIGHUP swaps its config without dropping a request."""
+
+    def __init__(self, config: ProxyConfig, config_path: str | None = None):
+        self.config = config
+        self.config_path = config_path
+        self.api_keys = load_api_keys(config.api_keys_file)
+        self.balancer = Balancer(config.backends)
+        self.metrics = Metrics(lambda: self.balancer)
+        self.results = ResultsLog(config.results_log)
+        self.session: aiohttp.ClientSession | None = None
+        self.log = log
+        self.check_now = asyncio.Event()  # wakes the health loop early (after a reload)
+
+    def reload(self) -> bool:
+        """Re-read the config file and apply it; an invalid one is refused and the old one stays."""
+        try:
+            new = load_config(self.config_path)
+            keys = load_api_keys(new.api_keys_file)
+        except ConfigError as e:
+            log.error("reload refused, the running config stays: %s", e)
+            return False
+        old = self.config
+        if (new.listen, new.admin) != (old.listen, old.admin):
+            log.warning("reload: listen and admin addresses stay %s:%d and %s:%d until a restart",
+                        old.listen.host, old.listen.port, old.admin.host, old.admin.port)
+            new = dataclasses.replace(new, listen=old.listen, admin=old.admin)
+        if new.results_log != old.results_log:
+            results = ResultsLog(new.results_log)
+            results.start()
+            self.results, old_results = results, self.results
+            old_results.stop()
+        added, removed = self.balancer.update(new.backends)
+        self.config, self.api_keys = new, keys
+        self.check_now.set()
+        log.info("reloaded %s: %d backends (added %s, removed %s)%s", self.config_path, len(new.backends),
+                 ", ".join(added) or "none", ", ".join(removed) or "none",
+                 ", API keys on" if keys is not None else "")
+        return True
+
+
+PROXY = web.AppKey("proxy", Proxy)
