@@ -13,6 +13,7 @@ from pathlib import Path
 from invoke import Exit, task
 
 from fleet import display, inventory, lifecycle, render, runner
+from fleet import logs as fleet_logs
 from fleet.client import chat as chat_request
 from fleet.errors import FleetError
 
@@ -68,7 +69,7 @@ def _finish(code):
 
 @task(help=_help("host", "inventory", "set", "forks", check="show what would change, change nothing",
                  diff="show a unified diff of every rendered file against the host's copy"),
-      iterable=["set"])
+      iterable=["set_"])
 def deploy(c, host="", check=False, diff=False, set_=None, inventory_="", forks=5):
     """Render, put changed files, start the instances (staggered) and the proxy, wait for /health."""
     def action(conn, hv, emit):
@@ -81,7 +82,7 @@ def deploy(c, host="", check=False, diff=False, set_=None, inventory_="", forks=
 
 @task(help=_help("host", "inventory", "set", "forks",
                  json="print a JSON list, one object per host, and nothing else on stdout"),
-      iterable=["set"])
+      iterable=["set_"])
 def status(c, host="", json_=False, set_=None, inventory_="", forks=5):
     """Show each instance's port, accelerator, pid and state, and the proxy's."""
     stream = sys.stderr if json_ else sys.stdout
@@ -100,22 +101,17 @@ def status(c, host="", json_=False, set_=None, inventory_="", forks=5):
 @task(help=_help("host", "inventory", "set", "forks",
                  instance="stop only this instance (its process group and its tag)",
                  check="list what would be stopped, stop nothing"),
-      iterable=["set"], auto_shortflags=False)   # -i would be ambiguous: --instance and --inventory
+      iterable=["set_"], auto_shortflags=False)   # -i would be ambiguous: --instance and --inventory
 def stop(c, host="", instance=None, check=False, set_=None, inventory_="", forks=5):
     """Stop the proxy and every instance by process group, then every process still carrying the tag."""
-    index = None
-    if instance is not None:
-        try:
-            index = int(instance)
-        except ValueError:
-            raise Exit(f"--instance takes an instance number, got {instance!r}.", code=2)
+    index = _instance_number(instance)
 
     def action(conn, hv, emit):
         return lifecycle.stop(conn, hv, emit, instance=index, check=check)
     _finish(_run(host, inventory_, set_, action, forks)[1])
 
 
-@task(help=_help("host", "inventory", "set", out="directory to write the rendered files into"), iterable=["set"], name="render")
+@task(help=_help("host", "inventory", "set", out="directory to write the rendered files into"), iterable=["set_"], name="render")
 def render_(c, host="", out="", set_=None, inventory_=""):
     """Write what deploy would put on a host into a local directory (no host contacted)."""
     if not host or not out:
@@ -156,3 +152,40 @@ def chat(c, host="local", prompt="Describe a sunrise over the sea in one sentenc
     print(f"answer ({r['completion_tokens']} tokens, finish_reason={r['finish_reason']}, "
           f"{r['latency_s']}s, X-Backend: {r['backend']}, X-Request-Id: {r['request_id']}):")
     print(f"  {r['answer']}")
+
+
+@task(help=_help("host", "inventory", "set",
+                 instance="show instance I's engine log (logs/vllm_I.log)", proxy="show the proxy's log (the default)",
+                 results="show the results log (one JSON line per request)", n="how many lines (default 50)",
+                 follow="keep printing as the file grows (Ctrl-C to end)"),
+      iterable=["set_"], auto_shortflags=False)
+def logs(c, host="", instance=None, proxy=False, results=False, n=50, follow=False, set_=None, inventory_=""):
+    """Tail the right log file on the right host."""
+    index = _instance_number(instance)
+
+    def action(conn, hv, emit):
+        return fleet_logs.tail(conn, hv, emit, lines=int(n), follow=follow, instance=index,
+                               proxy=proxy, results=results)
+    _finish(_run(host, inventory_, set_, action, forks=1)[1])
+
+
+@task(help=_help("host", "inventory", "set", ident="a trace id (the request's `user`) or an X-Request-Id"),
+      iterable=["set_"], auto_shortflags=False)
+def trace(c, ident, host="", set_=None, inventory_=""):
+    """Show every results-log line of one request, across the rotated files, oldest first."""
+    if not ident:
+        raise Exit("trace needs the id to look for: inv trace ID --host H.", code=2)
+
+    def action(conn, hv, emit):
+        return fleet_logs.trace(conn, hv, emit, ident)
+    _finish(_run(host, inventory_, set_, action, forks=1)[1])
+
+
+def _instance_number(instance):
+    """--instance as an int, or None when not given."""
+    if instance is None:
+        return None
+    try:
+        return int(instance)
+    except ValueError:
+        raise Exit(f"--instance takes an instance number, got {instance!r}.", code=2)

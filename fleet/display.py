@@ -29,3 +29,20 @@ def failures(report: Report) -> list[str]:
     lines = [f"{report.host}: UNREACHABLE: {report.unreachable}"] if report.unreachable else []
     lines += [f"{report.host}: FAILED: {s.name}: {s.message}" for s in report.steps if s.status == "failed"]
     return lines
+
+
+def request_block(e: dict) -> str:
+    """One results-log line as a block a person can read at 3 a.m."""
+    def v(key, unit=""):
+        value = e.get(key)
+        return "-" if value is None or value == [] else f"{value}{unit}"
+    attempt = f"attempt {v('attempt')}" + ("" if e.get("final", True) else " (retried elsewhere)")
+    lines = [f"{v('ts')}  trace {v('trace_id')}  request {v('request_id')}  {v('path')}  {attempt}",
+             f"  backend {v('backend')}  status {v('status')}  finish_reason {v('finish_reason')}  "
+             f"tokens {v('completion_tokens')}  latency {v('latency_ms', ' ms')}  retries {v('retries')}  "
+             f"stream {v('stream')}",
+             f"  fixups {', '.join(e.get('fixups') or []) or '-'}  think {v('think')}  snippet {e.get('snippet')!r}"
+             if e.get("snippet") or e.get("fixups") else None]
+    if e.get("error"):
+        lines.append(f"  error: {e['error']}")
+    return "\n".join(line for line in lines if line is not None)

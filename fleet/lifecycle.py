@@ -305,6 +305,16 @@ def _deploy_front(conn, hv, facts, changed_files, report, emit, check):
     if state in ("healthy", "no-backend") and not stale:
         report.add("proxy", "ok", f"already running on :{p['port']}, pid {p['pid']}")
         return
+    # Only the config changed, and the running proxy answers on the ports it names: SIGHUP re-reads it
+    # without dropping a request. New code, or a proxy that does not answer there, needs a restart.
+    reloadable = (state in ("healthy", "no-backend") and p["backends"] is not None
+                  and not any(f.startswith("proxy/") for f in changed_files))
+    if reloadable:
+        if check:
+            report.add("proxy", "changed", f"would reload (SIGHUP) pid {p['pid']} with the new config")
+            return
+        if _reload_proxy(conn, hv, p, report):
+            return
     verb = "restart" if state in ("healthy", "no-backend") else "start"
     if check:
         report.add("proxy", "changed", f"would {verb} on :{hv['proxy']['port']}")
@@ -328,6 +338,20 @@ def _deploy_front(conn, hv, facts, changed_files, report, emit, check):
             report.add("proxy", "failed", f"{why}; last lines of logs/proxy.log:\n{tail}")
             return
         time.sleep(0.2)
+
+
+def _reload_proxy(conn, hv, p, report) -> bool:
+    """SIGHUP the running proxy and wait until its admin lists the new backends; False if it did not."""
+    conn.run(f"kill -HUP {int(p['pid'])}")
+    want = hv.backends
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        f = probe(conn, hv)["proxy"]
+        if f["alive"] and f["backends"] is not None and [b["name"] for b in f["backends"]] == want:
+            report.add("proxy", "changed", f"reloaded (SIGHUP), pid {p['pid']}, {len(want)} backends")
+            return True
+        time.sleep(0.2)
+    return False
 
 
 # --- stop ---------------------------------------------------------------------------------------

@@ -84,8 +84,9 @@ def kill_tagged(prefix: str) -> None:
         time.sleep(0.05)
 
 
-def status_json(inventory: Path, host: str = "t") -> dict:
-    r = inv("status", "--host", host, "--json", inventory=inventory)
+def status_json(inventory: Path, *args: str, host: str = "t") -> dict:
+    """The host's object from `inv status --json` (args: more options, such as --set)."""
+    r = inv("status", "--host", host, "--json", *args, inventory=inventory)
     return json.loads(r.stdout)[0]
 
 

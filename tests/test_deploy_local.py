@@ -43,6 +43,14 @@ def test_deploy_then_redeploy_changes_nothing(cluster):
     assert recap(second.stdout)["changed"] == 0
     assert "started pid" not in second.stdout and second.stdout.count("already healthy") == 4
 
+    # Only the backend list changes: the running proxy re-reads its config on SIGHUP, no restart.
+    proxy_pid = status_json(inventory)["proxy"]["pid"]
+    third = inv("deploy", "--host", "t", "--set", "instances=3", inventory=inventory)
+    assert third.returncode == 0, third.stdout + third.stderr
+    assert f"reloaded (SIGHUP), pid {proxy_pid}, 3 backends" in third.stdout, third.stdout
+    st = status_json(inventory, "--set", "instances=3")
+    assert st["proxy"]["pid"] == proxy_pid and len(st["proxy"]["backends"]) == 3
+
 
 def test_status_json_contract(cluster):
     inventory, dep, _, tmp = cluster

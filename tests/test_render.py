@@ -152,3 +152,15 @@ def test_n_override_starts_fewer(recorder_host):
     r = subprocess.run([str(tmp / "deploy" / "bin" / "start_cluster.sh")], env={**env, "N": "1"},
                        capture_output=True, text=True, timeout=30)
     assert "started 1 instance(s)" in r.stdout and "instance 1" not in r.stdout
+
+
+def test_inv_render_applies_every_set_override(tmp_path):
+    """`--set` is repeatable: each override lands in the rendered files, later ones on top."""
+    from fleet_helpers import inv
+    out = tmp_path / "out"
+    r = inv("render", "--host", "k100-01", "--out", str(out), "--set", "instances=2",
+            "--set", "max_num_seqs=6", "--set", "proxy.retries=0", inventory=ROOT / "inventory" / "hosts.yml")
+    assert r.returncode == 0, r.stderr
+    proxy = (out / "conf" / "proxy.yaml").read_text()
+    assert proxy.count('  - "127.0.0.1:') == 2 and "retries: 0" in proxy
+    assert 'MAX_SEQS="${MAX_SEQS:-6}"' in (out / "bin" / "start_cluster.sh").read_text()
