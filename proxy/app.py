@@ -61,7 +61,7 @@ async def health_loop(proxy: Proxy) -> None:
 async def _context(app: web.Application):
     proxy = app[PROXY]
     proxy.session = aiohttp.ClientSession(
-        auto_decompress=False,
+        auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),  # a proxy keeps no cookies
         connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S))
     proxy.results.start()
     task = asyncio.create_task(health_loop(proxy))

@@ -10,6 +10,7 @@ from datetime import datetime, timezone
 
 import aiohttp
 from aiohttp import web
+from yarl import URL  # aiohttp's own URL type; encoded=True passes the client's path through as sent
 
 from .balancer import Backend
 from .fixups import fix_numeric_user
@@ -22,6 +23,7 @@ HOP_BY_HOP = frozenset(h.lower() for h in (
     "Transfer-Encoding", "Upgrade", "Proxy-Connection"))
 RETRY_STATUSES = frozenset({502, 503})
 ERROR_BODY_BYTES = 1024 * 1024   # a 502/503 body kept to hand on when no other backend is left
+WHOLE_BODY_BYTES = 8 * 1024 * 1024  # a non-SSE answer up to this size is read whole, then sent in one write
 CLIENT_CLOSED = 499              # nginx's status for "the client went away first"
 
 
@@ -58,6 +60,7 @@ class Outcome:
     observer: ResponseObserver | None = None
     buffered: tuple | None = None  # (status, headers, body) of a 502/503 held back for a retry
     attempt_ms: float = 0.0
+    whole: web.Response | None = None  # a complete answer, read whole, to send in one write
 
 
 @dataclass
@@ -158,11 +161,12 @@ async def _attempt(ex: Exchange, proxy, backend: Backend) -> Outcome:
     headers["X-Request-Id"] = ex.request_id
     if proxy.api_keys is not None:
         headers.pop("Authorization", None)
-    timeout = aiohttp.ClientTimeout(total=config.timeout_s, sock_connect=config.connect_timeout_s)
+    timeout = proxy.upstream_timeout
     out = Outcome()
     t_attempt = time.monotonic()
     try:
-        async with proxy.session.request(request.method, backend.url + request.path_qs, headers=headers,
+        async with proxy.session.request(request.method, URL(backend.url + request.raw_path, encoded=True),
+                                         headers=headers,
                                          data=ex.body or None, allow_redirects=False, timeout=timeout) as up:
             out.status = up.status
             if proxy.balancer.answered(backend, up.status, config.max_fails):
@@ -174,6 +178,15 @@ async def _attempt(ex: Exchange, proxy, backend: Backend) -> Outcome:
                 return out
             streamed = up.headers.get("Content-Type", "").startswith("text/event-stream")
             out.observer = ResponseObserver(up.status, streamed) if ex.logged else None
+            if not streamed and up.content_length is not None and up.content_length <= WHOLE_BODY_BYTES:
+                # A whole answer (not SSE) of known, bounded size goes out in one write with its
+                # headers: nothing is gained by streaming what the engine sent all at once.
+                body = await up.read()
+                if out.observer is not None:
+                    out.observer.feed(body)
+                out.whole = web.Response(status=up.status, body=body,
+                                         headers={**downstream_headers(up.headers), **_ids(ex, backend)})
+                return out
             resp = web.StreamResponse(status=up.status,
                                       headers={**downstream_headers(up.headers), **_ids(ex, backend)})
             await resp.prepare(request)
@@ -241,6 +254,8 @@ def _finish(ex: Exchange, proxy, backend: Backend, out: Outcome) -> web.StreamRe
     _log_attempt(ex, proxy, backend, out, final=True)
     if out.sent:
         return ex.request["response"]
+    if out.whole is not None:
+        return out.whole
     if out.buffered is not None:
         status, headers, body = out.buffered
         return web.Response(status=status, body=body, headers={**headers, **_ids(ex, backend)})

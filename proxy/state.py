@@ -30,6 +30,15 @@ class Proxy:
         self.log = log
         self.check_now = asyncio.Event()  # wakes the health loop early (after a reload)
 
+    @property
+    def upstream_timeout(self) -> aiohttp.ClientTimeout:
+        """The per-request upstream timeouts of the current config (built once per config)."""
+        config = self.config
+        if getattr(self, "_timeout_for", None) is not config:
+            self._timeout = aiohttp.ClientTimeout(total=config.timeout_s, sock_connect=config.connect_timeout_s)
+            self._timeout_for = config
+        return self._timeout
+
     def reload(self) -> bool:
         """Re-read the config file and apply it; an invalid one is refused and the old one stays."""
         try:
