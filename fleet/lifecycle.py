@@ -344,10 +344,16 @@ def _reload_proxy(conn, hv, p, report) -> bool:
     """SIGHUP the running proxy and wait until its admin lists the new backends; False if it did not."""
     conn.run(f"kill -HUP {int(p['pid'])}")
     want = hv.backends
+    px = hv["proxy"]
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         f = probe(conn, hv)["proxy"]
-        if f["alive"] and f["backends"] is not None and [b["name"] for b in f["backends"]] == want:
+        running = f.get("config") or {}
+        if f["alive"] and running.get("backends") == want:
+            # What a running proxy keeps until a restart (its listeners, the body limit, the drain time).
+            if (running.get("max_body_mb"), running.get("shutdown_timeout_s")) != (
+                    float(px["max_body_mb"]), float(px["shutdown_timeout_s"])):
+                return False
             report.add("proxy", "changed", f"reloaded (SIGHUP), pid {p['pid']}, {len(want)} backends")
             return True
         time.sleep(0.2)

@@ -107,21 +107,28 @@ def instance_facts(d, index, port, readonly):
     }
 
 
+def admin_json(admin_port, path):
+    """The proxy admin API's JSON answer at path, or None."""
+    code, body = http_get(admin_port, path)
+    if code != 200:
+        return None
+    try:
+        return json.loads(body)
+    except ValueError:
+        return None
+
+
 def proxy_facts(d, port, admin_port):
     pid, pgid, started = read_pidfile(os.path.join(d, "run", "proxy.pid"))
     is_alive = alive(pid)
     status, _ = http_get(port, "/health") if is_alive or listening(port) else (None, "")
-    backends = None
+    backends = config = None
     if is_alive:
-        code, body = http_get(admin_port, "/admin/backends")
-        if code == 200:
-            try:
-                backends = json.loads(body)
-            except ValueError:
-                backends = None
+        backends = admin_json(admin_port, "/admin/backends")
+        config = admin_json(admin_port, "/admin/config")
     return {"pid": pid if is_alive else None, "pgid": pgid if is_alive else None, "pidfile": pid is not None,
             "alive": is_alive, "port": port, "listening": is_alive or listening(port), "health": status,
-            "backends": backends}
+            "backends": backends, "config": config}
 
 
 def main():

@@ -50,8 +50,8 @@ async def _check(proxy: Proxy, backend: Backend) -> None:
 async def health_loop(proxy: Proxy) -> None:
     """Active checks on /health (never /v1/models: vLLM answers it after its engine died)."""
     while True:
+        proxy.check_now.clear()   # before the round: a reload during it asks for another at once
         await asyncio.gather(*(_check(proxy, b) for b in list(proxy.balancer.backends.values())))
-        proxy.check_now.clear()
         try:
             await asyncio.wait_for(proxy.check_now.wait(), proxy.config.health.interval_s)
         except asyncio.TimeoutError:
@@ -103,6 +103,16 @@ def make_admin_app(proxy: Proxy) -> web.Application:
         log.info("backend %s %s (%d in flight)", b.name, "drained" if b.drained else "enabled", b.in_flight)
         return web.json_response(b.as_dict())
 
+    async def running_config(request):
+        c = proxy.config
+        return web.json_response({"backends": list(c.backends), "listen": [c.listen.host, c.listen.port],
+                                  "admin": [c.admin.host, c.admin.port], "timeout_s": c.timeout_s,
+                                  "connect_timeout_s": c.connect_timeout_s, "max_body_mb": c.max_body_mb,
+                                  "retries": c.retries, "max_fails": c.max_fails,
+                                  "shutdown_timeout_s": c.shutdown_timeout_s,
+                                  "fix_numeric_user": c.fix_numeric_user, "api_keys": c.api_keys_file is not None,
+                                  "health_interval_s": c.health.interval_s})
+
     async def reload(request):
         ok = proxy.reload()
         return web.json_response({"reloaded": ok, "backends": list(proxy.balancer.backends)},
@@ -111,4 +121,5 @@ def make_admin_app(proxy: Proxy) -> web.Application:
     admin.router.add_get("/admin/backends", list_backends)
     admin.router.add_post("/admin/backends/{name}/{action:drain|enable}", set_drain)
     admin.router.add_post("/admin/reload", reload)
+    admin.router.add_get("/admin/config", running_config)
     return admin

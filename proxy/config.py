@@ -82,6 +82,8 @@ def load_config(path: str | Path) -> ProxyConfig:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror or e}.") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path} is not UTF-8 text.") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -99,6 +101,8 @@ def load_api_keys(path: str | None) -> frozenset[bytes] | None:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except OSError as e:
         raise ConfigError(f"cannot read api_keys_file {path}: {e.strerror or e}.") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"api_keys_file {path} is not UTF-8 text.") from None
     keys = frozenset(k.strip().encode() for k in lines if k.strip() and not k.strip().startswith("#"))
     if not keys:
         raise ConfigError(f"api_keys_file {path} holds no key; put one key per line, or drop the setting.")
@@ -176,6 +180,8 @@ def _backends(value: Any) -> tuple[str, ...]:
         host, _, port = item.rpartition(":") if isinstance(item, str) else ("", "", "")
         if not host or "/" in item:
             raise ConfigError(f"backend {item!r} must be written host:port.")
+        if ":" in host and not (host.startswith("[") and host.endswith("]")):
+            raise ConfigError(f"backend {item!r}: write an IPv6 address in brackets, as [::1]:8000.")
         _port(port, f"backend {item!r}", from_text=True)
         if item in names:
             raise ConfigError(f"backend {item} is listed twice.")

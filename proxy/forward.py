@@ -25,6 +25,7 @@ RETRY_STATUSES = frozenset({502, 503})
 ERROR_BODY_BYTES = 1024 * 1024   # a 502/503 body kept to hand on when no other backend is left
 WHOLE_BODY_BYTES = 8 * 1024 * 1024  # a non-SSE answer up to this size is read whole, then sent in one write
 CLIENT_CLOSED = 499              # nginx's status for "the client went away first"
+NO_BACKEND = "none"              # the metrics label of answers no backend saw (401, 413, 503)
 
 
 def upstream_headers(headers) -> dict:
@@ -82,11 +83,13 @@ async def proxy_handler(request: web.Request) -> web.StreamResponse:
     proxy = request.app[PROXY]
     request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
     if proxy.api_keys is not None and not _authorized(request, proxy.api_keys):
+        proxy.metrics.requests.labels(NO_BACKEND, "401").inc()
         return json_error(401, "missing or wrong API key; send `Authorization: Bearer <key>`.",
                           "unauthorized", {"X-Request-Id": request_id, "WWW-Authenticate": "Bearer"})
     balancer = proxy.balancer
     backend = balancer.acquire()       # counted here, before the body is read (the seed's pile-up fix)
     if backend is None:
+        proxy.metrics.requests.labels(NO_BACKEND, "503").inc()
         return json_error(503, "no healthy backend is available; check `inv status`.", "no_backend",
                           {"X-Request-Id": request_id})
     ex = Exchange(request, request_id)
@@ -105,32 +108,35 @@ async def proxy_handler(request: web.Request) -> web.StreamResponse:
             other = balancer.acquire(exclude=tried)
             if other is None:
                 break
-            proxy.metrics.retries.labels(backend.name).inc()
-            _log_attempt(ex, proxy, backend, outcome, final=False)
-            balancer.release(backend)
-            backend = other
+            failed, backend = backend, other   # swap first: `backend` is what `finally` releases
+            balancer.release(failed)
+            proxy.metrics.requests.labels(failed.name, str(outcome.status)).inc()
+            proxy.metrics.retries.labels(failed.name).inc()
+            _log_attempt(ex, proxy, failed, outcome, final=False)
         return _finish(ex, proxy, backend, outcome)
     except ClientGone:
-        _client_gone(ex, proxy, backend, outcome)
+        outcome = _client_gone(ex, proxy, backend)
         return request["response"]      # already started; aiohttp has nobody left to send it to
     except asyncio.CancelledError:      # handler_cancellation: the client hung up while we waited
-        _client_gone(ex, proxy, backend, outcome)
+        outcome = _client_gone(ex, proxy, backend)
         raise
     finally:
         balancer.release(backend)
-        proxy.metrics.requests.labels(backend.name, str(outcome.status)).inc()
-        proxy.metrics.duration.labels(backend.name).observe(time.monotonic() - ex.t0)
+        label = backend.name if ex.attempts else NO_BACKEND   # a 413 never reached a backend
+        proxy.metrics.requests.labels(label, str(outcome.status)).inc()
+        proxy.metrics.duration.labels(label).observe(time.monotonic() - ex.t0)
 
 
-def _client_gone(ex: Exchange, proxy, backend: Backend, outcome: Outcome) -> None:
-    outcome.status, outcome.error = CLIENT_CLOSED, "the client went away"
+def _client_gone(ex: Exchange, proxy, backend: Backend) -> Outcome:
+    outcome = Outcome(status=CLIENT_CLOSED, error="the client went away")
     proxy.metrics.aborted.labels(backend.name).inc()
     _log_attempt(ex, proxy, backend, outcome, final=True)
+    return outcome
 
 
 def _authorized(request: web.Request, keys: frozenset) -> bool:
     scheme, _, key = request.headers.get("Authorization", "").partition(" ")
-    key = key.strip().encode()
+    key = key.strip().encode("utf-8", "surrogateescape")  # aiohttp keeps undecodable bytes as surrogates
     return scheme.lower() == "bearer" and any(hmac.compare_digest(key, k) for k in keys)
 
 
@@ -172,7 +178,7 @@ async def _attempt(ex: Exchange, proxy, backend: Backend) -> Outcome:
             if proxy.balancer.answered(backend, up.status, config.max_fails):
                 _ejected(proxy, backend, "5xx")
             if up.status in RETRY_STATUSES:
-                body = await up.content.read(ERROR_BODY_BYTES)
+                body = await _read_up_to(up, ERROR_BODY_BYTES)
                 out.retryable, out.error = True, body.decode("utf-8", "replace")
                 out.buffered = (up.status, downstream_headers(up.headers), body)
                 return out
@@ -199,7 +205,10 @@ async def _attempt(ex: Exchange, proxy, backend: Backend) -> Outcome:
                     await resp.write(chunk)
                 except ConnectionResetError as e:
                     raise ClientGone() from e
-            await resp.write_eof()
+            try:
+                await resp.write_eof()
+            except ConnectionResetError as e:
+                raise ClientGone() from e
     except aiohttp.ConnectionTimeoutError:
         _upstream_error(proxy, backend, out, "connect_timeout",
                         f"no connection to {backend.name} within {config.connect_timeout_s:g}s", eject=True)
@@ -220,13 +229,26 @@ async def _attempt(ex: Exchange, proxy, backend: Backend) -> Outcome:
             _ejected(proxy, backend, "5xx")
     except aiohttp.ClientPayloadError as e:
         _upstream_error(proxy, backend, out, "payload", f"{backend.name} broke off its answer: {e}")
-    except aiohttp.ClientOSError as e:
+    except (aiohttp.ClientOSError, ConnectionResetError) as e:
         _upstream_error(proxy, backend, out, "connection", f"connection to {backend.name} failed: {e}")
+    except aiohttp.ClientError as e:   # anything else aiohttp can raise: still one clear answer
+        _upstream_error(proxy, backend, out, "other", f"{backend.name}: {type(e).__name__}: {e}")
     finally:
         out.attempt_ms = round((time.monotonic() - t_attempt) * 1000, 1)
     if out.sent:
         out.retryable = False   # never retry once a byte went to the client
     return out
+
+
+async def _read_up_to(up: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The upstream body, whole up to limit bytes (content.read(n) returns only what has arrived)."""
+    chunks, size = [], 0
+    async for chunk in up.content.iter_any():
+        chunks.append(chunk)
+        size += len(chunk)
+        if size >= limit:
+            break
+    return b"".join(chunks)[:limit]
 
 
 def _upstream_error(proxy, backend: Backend, out: Outcome, kind: str, message: str, eject=False) -> None:
@@ -235,7 +257,7 @@ def _upstream_error(proxy, backend: Backend, out: Outcome, kind: str, message: s
     if out.sent:
         out.error = f"stream interrupted: {message}"
         return
-    out.status, out.retryable = out.status or 502, True
+    out.status, out.retryable = 502, True   # whatever status line came first, no answer went out
     if eject and proxy.balancer.eject(backend, message):
         _ejected(proxy, backend, kind)
 
@@ -253,6 +275,10 @@ def _finish(ex: Exchange, proxy, backend: Backend, out: Outcome) -> web.StreamRe
     """Log the last attempt and give the client what it gets."""
     _log_attempt(ex, proxy, backend, out, final=True)
     if out.sent:
+        if out.error and ex.request.transport is not None:
+            # The upstream broke off mid-answer: cut the client's connection too, so it sees a broken
+            # stream rather than a cleanly terminated (and silently truncated) one.
+            ex.request.transport.abort()
         return ex.request["response"]
     if out.whole is not None:
         return out.whole

@@ -155,9 +155,9 @@ class ResponseObserver:
 class ResultsLog:
     """A rotated JSON-lines file written by a thread of its own, so the event loop never waits on the disk.
 
-    The writer takes every line queued since its last write and writes them at once: one write and one
-    flush per batch, and the size tracked in memory, so a busy proxy does not pay a stat and a flush
-    per request (RotatingFileHandler does) while holding the GIL its event loop needs.
+    The writer takes every line queued since its last write and writes them at once: one write, one
+    flush and one stat (to notice a file deleted or moved under it) per batch, the size tracked in
+    memory, so a busy proxy does not pay that per request while holding the GIL its event loop needs.
     """
 
     BATCH = 4096  # lines per write at most
@@ -192,8 +192,32 @@ class ResultsLog:
             self._file = None
 
     def _open(self) -> None:
-        self._file = open(self.path, "a", encoding="utf-8")
+        # backslashreplace: a lone surrogate (a client's broken `user`, a header byte aiohttp kept as
+        # surrogateescape) is written as its JSON escape \udcff instead of killing the writer.
+        self._file = open(self.path, "a", encoding="utf-8", errors="backslashreplace")
         self._size = self._file.tell()
+
+    def _moved(self) -> bool:
+        """Whether the path no longer names the open file (deleted or moved by hand, or by logrotate)."""
+        try:
+            here, ours = os.stat(self.path), os.fstat(self._file.fileno())
+        except OSError:
+            return True
+        return (here.st_dev, here.st_ino) != (ours.st_dev, ours.st_ino)
+
+    def _reopen(self) -> None:
+        """After a failed write: open the file again (it may have been deleted), or try next batch."""
+        try:
+            if self._file is not None:
+                self._file.close()
+        except OSError:
+            pass
+        self._file = None
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            self._open()
+        except OSError:
+            pass
 
     def _run(self) -> None:
         done = False
@@ -209,17 +233,20 @@ class ResultsLog:
                 lines = [x for x in lines if x is not None]
             try:
                 self._write(lines)
-            except OSError as e:   # a full disk must not stop the proxy; say so once per batch
+            except Exception as e:   # a full disk or a deleted file must not stop the log for good
                 logging.getLogger("proxy").error("results log %s: cannot write %d lines: %s",
                                                  self.path, len(lines), e)
+                self._reopen()
 
     def _write(self, lines: list[str]) -> None:
         """Write lines, rotating first whenever the next line would take the file past max_bytes."""
         limit = self.config.max_bytes
         batch: list[str] = []
         batch_size = 0
+        if self._file is None or self._moved():
+            self._reopen()
         for line in lines:
-            n = len(line.encode("utf-8"))
+            n = len(line.encode("utf-8", "backslashreplace"))
             if self._size + batch_size + n > limit and (self._size + batch_size) > 0:
                 self._flush(batch)
                 self._rotate()
@@ -237,9 +264,13 @@ class ResultsLog:
     def _rotate(self) -> None:
         """req_results.log -> .1 -> .2 ... up to backups; the oldest goes."""
         self._file.close()
-        for k in range(self.config.backups - 1, 0, -1):
-            src = f"{self.path}.{k}"
-            if os.path.exists(src):
-                os.replace(src, f"{self.path}.{k + 1}")
-        os.replace(self.path, f"{self.path}.1")
-        self._open()
+        self._file = None
+        try:
+            for k in range(self.config.backups - 1, 0, -1):
+                src = f"{self.path}.{k}"
+                if os.path.exists(src):
+                    os.replace(src, f"{self.path}.{k + 1}")
+            if os.path.exists(self.path):
+                os.replace(self.path, f"{self.path}.1")
+        finally:
+            self._open()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import threading
 
 import aiohttp
 from aiohttp import web
@@ -44,19 +45,21 @@ class Proxy:
         try:
             new = load_config(self.config_path)
             keys = load_api_keys(new.api_keys_file)
+            new = self._keep_restart_only(new)
+            results = None
+            if new.results_log != self.config.results_log:
+                results = ResultsLog(new.results_log)
+                results.start()   # may fail (an unwritable path): then nothing has changed yet
         except ConfigError as e:
             log.error("reload refused, the running config stays: %s", e)
             return False
-        old = self.config
-        if (new.listen, new.admin) != (old.listen, old.admin):
-            log.warning("reload: listen and admin addresses stay %s:%d and %s:%d until a restart",
-                        old.listen.host, old.listen.port, old.admin.host, old.admin.port)
-            new = dataclasses.replace(new, listen=old.listen, admin=old.admin)
-        if new.results_log != old.results_log:
-            results = ResultsLog(new.results_log)
-            results.start()
+        except Exception as e:   # whatever it is, a reload must never take the running proxy down
+            log.error("reload refused, the running config stays: %s: %s", type(e).__name__, e)
+            return False
+        if results is not None:
             self.results, old_results = results, self.results
-            old_results.stop()
+            # Flushing the old file joins its writer thread: not on the event loop.
+            threading.Thread(target=old_results.stop, name="results-log-stop", daemon=True).start()
         added, removed = self.balancer.update(new.backends)
         self.config, self.api_keys = new, keys
         self.check_now.set()
@@ -64,6 +67,20 @@ class Proxy:
                  ", ".join(added) or "none", ", ".join(removed) or "none",
                  ", API keys on" if keys is not None else "")
         return True
+
+    def _keep_restart_only(self, new: ProxyConfig) -> ProxyConfig:
+        """new, with the settings a running proxy cannot change put back to the running ones (logged)."""
+        old = self.config
+        fixed = {k: getattr(old, k) for k in RESTART_ONLY if getattr(new, k) != getattr(old, k)}
+        if fixed:
+            log.warning("reload: %s stay as they are until the proxy restarts (`inv deploy` restarts it "
+                        "when its code changes; `inv stop` then `inv deploy` otherwise)", ", ".join(fixed))
+            new = dataclasses.replace(new, **fixed)
+        return new
+
+
+# Bound when the listeners and the application are built.
+RESTART_ONLY = ("listen", "admin", "shutdown_timeout_s", "max_body_mb")
 
 
 PROXY = web.AppKey("proxy", Proxy)

@@ -101,8 +101,10 @@ def test_limits_errors_and_results_log(procs, tmp_path):
             async with s.get(url + "/admin/backends") as r:
                 assert r.status == 404          # admin is not on the public port
     asyncio.run(run())
-    time.sleep(0.3)   # the results log is written off the event loop
-    lines = [json.loads(x) for x in (tmp_path / "req_results.log").read_text().splitlines()]
+    # The results log is written off the event loop: wait for the last line.
+    path = tmp_path / "req_results.log"
+    wait_until(lambda: path.exists() and "sse-1" in path.read_text(), what="the SSE request logged")
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
     bad = next(x for x in lines if x["request_id"] == "rid-1")
     assert bad["status"] == 400 and bad["trace_id"] == "12345" and "valid string" in bad["error"]
     sse = next(x for x in lines if x["trace_id"] == "sse-1")
