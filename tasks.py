@@ -39,7 +39,7 @@ def _inventory(path):
     return inventory.load(path)
 
 
-def _run(host, inv_path, overrides, action, forks=5, stream=None, quiet=False):
+def _run(host, inv_path, overrides, action, forks=5, stream=None, quiet=False, order=None):
     """Run an action on the selected hosts, print failures and recap lines, exit with the contract's code."""
     if not host:
         raise Exit("--host is required: name a host, a comma list, a group or all "
@@ -47,7 +47,7 @@ def _run(host, inv_path, overrides, action, forks=5, stream=None, quiet=False):
     out = stream or sys.stdout
     try:
         inv = _inventory(inv_path)
-        reports = runner.run_hosts(inv, host, action, overrides, forks=forks, stream=out)
+        reports = runner.run_hosts(inv, host, action, overrides, forks=int(forks), stream=out, order=order)
     except FleetError as e:
         raise Exit(f"error: {e}", code=2)
     for r in reports:
@@ -68,7 +68,7 @@ def _finish(code):
 
 @task(help=_help("host", "inventory", "set", "forks", check="show what would change, change nothing",
                  diff="show a unified diff of every rendered file against the host's copy"),
-      iterable=["set"])
+      iterable=["set_"])
 def deploy(c, host="", check=False, diff=False, set_=None, inventory_="", forks=5):
     """Render, put changed files, start the instances (staggered) and the proxy, wait for /health."""
     def action(conn, hv, emit):
@@ -76,12 +76,12 @@ def deploy(c, host="", check=False, diff=False, set_=None, inventory_="", forks=
         if report.status and not check:
             emit(display.status_table(report.status))
         return report
-    _finish(_run(host, inventory_, set_, action, forks)[1])
+    _finish(_run(host, inventory_, set_, action, forks, order="entry-last")[1])
 
 
 @task(help=_help("host", "inventory", "set", "forks",
                  json="print a JSON list, one object per host, and nothing else on stdout"),
-      iterable=["set"])
+      iterable=["set_"])
 def status(c, host="", json_=False, set_=None, inventory_="", forks=5):
     """Show each instance's port, accelerator, pid and state, and the proxy's."""
     stream = sys.stderr if json_ else sys.stdout
@@ -100,7 +100,7 @@ def status(c, host="", json_=False, set_=None, inventory_="", forks=5):
 @task(help=_help("host", "inventory", "set", "forks",
                  instance="stop only this instance (its process group and its tag)",
                  check="list what would be stopped, stop nothing"),
-      iterable=["set"], auto_shortflags=False)   # -i would be ambiguous: --instance and --inventory
+      iterable=["set_"], auto_shortflags=False)   # -i would be ambiguous: --instance and --inventory
 def stop(c, host="", instance=None, check=False, set_=None, inventory_="", forks=5):
     """Stop the proxy and every instance by process group, then every process still carrying the tag."""
     index = None
@@ -112,10 +112,10 @@ def stop(c, host="", instance=None, check=False, set_=None, inventory_="", forks
 
     def action(conn, hv, emit):
         return lifecycle.stop(conn, hv, emit, instance=index, check=check)
-    _finish(_run(host, inventory_, set_, action, forks)[1])
+    _finish(_run(host, inventory_, set_, action, forks, order="entry-first")[1])
 
 
-@task(help=_help("host", "inventory", "set", out="directory to write the rendered files into"), iterable=["set"], name="render")
+@task(help=_help("host", "inventory", "set", out="directory to write the rendered files into"), iterable=["set_"], name="render")
 def render_(c, host="", out="", set_=None, inventory_=""):
     """Write what deploy would put on a host into a local directory (no host contacted)."""
     if not host or not out:
