@@ -270,11 +270,8 @@ class SSHTransport(Transport):
         try:
             try:
                 sftp.putfo(io.BytesIO(content), tmp)
-            except FileNotFoundError:      # the directory is new: one shell round trip, only then
-                r = self.run(f"mkdir -p {shlex.quote(directory)}")
-                if not r.ok:
-                    raise RemoteError(f"{self.host}: cannot create {directory} ({r.stderr.strip()}); check "
-                                      "deploy_dir and its permissions.") from None
+            except FileNotFoundError:      # the directory is new: create it and its parents
+                self._makedirs(sftp, directory)
                 sftp.putfo(io.BytesIO(content), tmp)
             sftp.chmod(tmp, mode)
             sftp.posix_rename(tmp, path)
@@ -282,6 +279,20 @@ class SSHTransport(Transport):
             self.run(f"rm -f {shlex.quote(tmp)}")
             raise RemoteError(f"{self.host}: cannot write {path} ({e}); check deploy_dir and its permissions.") \
                 from None
+
+    @staticmethod
+    def _makedirs(sftp, directory: str) -> None:
+        """mkdir -p over SFTP (no shell round trip)."""
+        missing = []
+        while directory not in ("", "/"):
+            try:
+                sftp.stat(directory)
+                break
+            except FileNotFoundError:
+                missing.append(directory)
+                directory = os.path.dirname(directory)
+        for d in reversed(missing):
+            sftp.mkdir(d)
 
     def read(self, path) -> bytes | None:
         import io

@@ -103,9 +103,13 @@ def cleanup():
     """Stop what the test deployed: inv stop per inventory, then a sweep by tag (never by name)."""
     deployed: list[tuple[Path, str]] = []
     yield deployed
+    by_inventory: dict[Path, list[str]] = {}
     for inventory, host in deployed:
-        inv("stop", "--host", host, inventory=inventory)
-        kill_tagged(dep_id(inventory, host) + "/")
+        by_inventory.setdefault(inventory, []).append(host)
+    for inventory, hosts in by_inventory.items():      # one stop per inventory: its hosts in parallel
+        inv("stop", "--host", ",".join(hosts), inventory=inventory)
+        for host in hosts:
+            kill_tagged(dep_id(inventory, host) + "/")
 
 
 def test_deploy_status_stop_over_ssh(sshd, tmp_path, cleanup):
