@@ -34,7 +34,8 @@ class Sshd:
                 "known_hosts": str(self.known_hosts), "connect_timeout_s": 10, **extra}
 
 
-def _keygen(path: Path) -> str:
+def keygen(path: Path) -> str:
+    """Make an ed25519 key pair without passphrase at path; return the public key line."""
     subprocess.run([require_tool("ssh-keygen"), "-q", "-t", "ed25519", "-N", "", "-C", "fleet-test",
                     "-f", str(path)], check=True, capture_output=True)
     return path.with_suffix(".pub").read_text().strip()
@@ -55,9 +56,9 @@ def start_sshd(directory: Path) -> Sshd:
     require_tool("ssh-keygen")
     directory.mkdir(parents=True, exist_ok=True)
     host_key = directory / "host_ed25519"
-    host_pub = _keygen(host_key)
+    host_pub = keygen(host_key)
     client_key = directory / "client_ed25519"
-    (directory / "authorized_keys").write_text(_keygen(client_key) + "\n")
+    (directory / "authorized_keys").write_text(keygen(client_key) + "\n")
     if os.geteuid() == 0:
         # sshd started by root insists on its privilege-separation directory.
         os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
@@ -83,8 +84,9 @@ def start_sshd(directory: Path) -> Sshd:
             "Subsystem sftp internal-sftp",
         ]) + "\n")
         log = directory / "sshd.log"
-        proc = subprocess.Popen([sshd, "-D", "-e", "-f", str(config)], stdin=subprocess.DEVNULL,
-                                stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+        with open(log, "ab") as out:
+            proc = subprocess.Popen([sshd, "-D", "-e", "-f", str(config)], stdin=subprocess.DEVNULL,
+                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 10
         while proc.poll() is None and time.monotonic() < deadline and not _answers_ssh(port):
             time.sleep(0.05)

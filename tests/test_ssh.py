@@ -18,7 +18,7 @@ import yaml
 
 from conftest import PYTHON, ROOT, free_port, free_ports
 from fleet_helpers import kill_tagged, tagged_pids
-from sshd import _keygen, sshd  # noqa: F401  (the module-scoped fixture)
+from sshd import keygen, sshd  # noqa: F401  (the module-scoped fixture)
 
 SIM = {"load_s": 0.3, "prefill_ms": 5, "token_ms": 1, "output_tokens": 8}
 
@@ -82,11 +82,6 @@ def tree(d: Path) -> dict:
         out[rel] = (hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir",
                     st.st_mode, st.st_mtime_ns)
     return out
-
-
-def get(url: str, timeout: float = 10):
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return r.status, dict(r.headers), r.read()
 
 
 def chat(port: int):
@@ -218,7 +213,7 @@ def test_host_keys(sshd, tmp_path):
     2. no entry and no accept_new_host_key: refused, naming the way out; 3. accept_new_host_key records
     the key; 4. ~/.ssh/config is honoured: a Host alias gives HostName, Port, User, IdentityFile."""
     other = tmp_path / "other_key"
-    other_pub = _keygen(other)
+    other_pub = keygen(other)
     changed = tmp_path / "changed_known_hosts"
     changed.write_text(f"[127.0.0.1]:{sshd.port} {other_pub}\n")
     empty = tmp_path / "new_known_hosts"
