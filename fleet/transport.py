@@ -173,7 +173,8 @@ class SSHTransport(Transport):
         # A new host key is accepted only when the inventory says so; a changed one never (paramiko
         # raises BadHostKeyException before it asks the policy).
         accept = bool(self.ssh.get("accept_new_host_key"))
-        client.set_missing_host_key_policy(paramiko.AutoAddPolicy() if accept else paramiko.RejectPolicy())
+        recorder = _RecordNewKey()
+        client.set_missing_host_key_policy(recorder if accept else paramiko.RejectPolicy())
         where = f"{conn.host}:{conn.port}"
         try:
             conn.open()
@@ -194,10 +195,12 @@ class SSHTransport(Transport):
         except OSError as e:
             raise UnreachableError(f"{self.host}: cannot reach {where} ({e.strerror or e}); check the address "
                                    "and that sshd runs there.") from None
-        if accept:
+        if recorder.line:
+            # Appended, never rewritten: the user's file keeps its comments, markers and hashed names.
             try:
-                os.makedirs(os.path.dirname(known) or ".", exist_ok=True)
-                client.save_host_keys(known)
+                os.makedirs(os.path.dirname(known) or ".", mode=0o700, exist_ok=True)
+                with open(known, "a") as f:
+                    f.write(recorder.line)
             except OSError as e:
                 raise RemoteError(f"{self.host}: cannot record the host key in {known} ({e.strerror}).") \
                     from None
@@ -319,6 +322,17 @@ class SSHTransport(Transport):
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+
+
+class _RecordNewKey:
+    """Missing-host-key policy for ssh.accept_new_host_key: accept an unknown key and remember its
+    known_hosts line (paramiko only gets here when no key at all is recorded for the host)."""
+
+    line = ""
+
+    def missing_host_key(self, client, hostname, key):
+        client.get_host_keys().add(hostname, key.get_name(), key)
+        self.line = f"{hostname} {key.get_name()} {key.get_base64()}\n"
 
 
 def connect(hv) -> Transport:

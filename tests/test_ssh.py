@@ -209,7 +209,8 @@ def test_one_host_unreachable_the_other_deploys(sshd, tmp_path, cleanup):
 
 
 def test_host_keys(sshd, tmp_path):
-    """1. a known_hosts holding another key for the server: refused as CHANGED, exit 4, nothing written;
+    """1. a known_hosts holding another key for the server: refused as CHANGED (accept_new_host_key or
+    not), exit 4, nothing written;
     2. no entry and no accept_new_host_key: refused, naming the way out; 3. accept_new_host_key records
     the key; 4. ~/.ssh/config is honoured: a Host alias gives HostName, Port, User, IdentityFile."""
     other = tmp_path / "other_key"
@@ -217,7 +218,9 @@ def test_host_keys(sshd, tmp_path):
     changed = tmp_path / "changed_known_hosts"
     changed.write_text(f"[127.0.0.1]:{sshd.port} {other_pub}\n")
     empty = tmp_path / "new_known_hosts"
-    hosts = {"changed": ssh_host(sshd, tmp_path, "changed", ssh={**sshd.ssh_block(), "known_hosts": str(changed)}),
+    empty.write_text("# the user's own file: comments stay\n")
+    hosts = {"changed": ssh_host(sshd, tmp_path, "changed", ssh={**sshd.ssh_block(), "known_hosts": str(changed),
+                                                              "accept_new_host_key": True}),
              "unknown": ssh_host(sshd, tmp_path, "unknown", ssh={**sshd.ssh_block(), "known_hosts": str(empty)})}
     inventory = write(tmp_path, hosts)
     r = inv("status", "--host", "changed,unknown", inventory=inventory)
@@ -227,14 +230,18 @@ def test_host_keys(sshd, tmp_path):
     assert re.search(r"^unknown: UNREACHABLE: .* is not in .*new_known_hosts; ssh to it once .* or set "
                      r"ssh\.accept_new_host_key: true", r.stderr, re.M), r.stderr
     assert "Traceback" not in r.stderr
-    assert not (tmp_path / "changed").exists() and not empty.exists()
+    assert not (tmp_path / "changed").exists()
+    assert empty.read_text() == "# the user's own file: comments stay\n"
     assert changed.read_text() == f"[127.0.0.1]:{sshd.port} {other_pub}\n"
 
     hosts["unknown"]["ssh"]["accept_new_host_key"] = True
     write(tmp_path, hosts)
     r = inv("status", "--host", "unknown", inventory=inventory)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert sshd.host_pub.split()[1] in empty.read_text()
+    assert empty.read_text() == ("# the user's own file: comments stay\n"
+                                 f"[127.0.0.1]:{sshd.port} {' '.join(sshd.host_pub.split()[:2])}\n")
+    r = inv("status", "--host", "unknown", inventory=inventory)     # recorded once, then simply known
+    assert r.returncode == 0 and empty.read_text().count(sshd.host_pub.split()[1]) == 1
 
     home = tmp_path / "home"
     (home / ".ssh").mkdir(parents=True)
