@@ -40,7 +40,7 @@ def _inventory(path):
     return inventory.load(path)
 
 
-def _run(host, inv_path, overrides, action, forks=5, stream=None, quiet=False):
+def _run(host, inv_path, overrides, action, forks=5, stream=None, quiet=False, order=None):
     """Run an action on the selected hosts, print failures and recap lines, exit with the contract's code."""
     if not host:
         raise Exit("--host is required: name a host, a comma list, a group or all "
@@ -48,7 +48,7 @@ def _run(host, inv_path, overrides, action, forks=5, stream=None, quiet=False):
     out = stream or sys.stdout
     try:
         inv = _inventory(inv_path)
-        reports = runner.run_hosts(inv, host, action, overrides, forks=forks, stream=out)
+        reports = runner.run_hosts(inv, host, action, overrides, forks=int(forks), stream=out, order=order)
     except FleetError as e:
         raise Exit(f"error: {e}", code=2)
     for r in reports:
@@ -77,7 +77,7 @@ def deploy(c, host="", check=False, diff=False, set_=None, inventory_="", forks=
         if report.status and not check:
             emit(display.status_table(report.status))
         return report
-    _finish(_run(host, inventory_, set_, action, forks)[1])
+    _finish(_run(host, inventory_, set_, action, forks, order="entry-last")[1])
 
 
 @task(help=_help("host", "inventory", "set", "forks",
@@ -108,7 +108,7 @@ def stop(c, host="", instance=None, check=False, set_=None, inventory_="", forks
 
     def action(conn, hv, emit):
         return lifecycle.stop(conn, hv, emit, instance=index, check=check)
-    _finish(_run(host, inventory_, set_, action, forks)[1])
+    _finish(_run(host, inventory_, set_, action, forks, order="entry-first")[1])
 
 
 @task(help=_help("host", "inventory", "set", out="directory to write the rendered files into"), iterable=["set_"], name="render")

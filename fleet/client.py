@@ -12,8 +12,8 @@ from .inventory import HostVars
 
 def entry_url(hv: HostVars) -> str:
     """http://address:port of the host's entry (proxy or nginx) as seen from here."""
-    address = "127.0.0.1" if hv["connection"] == "local" else hv["ssh"]["host"]
-    return f"http://{address}:{hv['proxy']['port']}"
+    from .cluster import address
+    return f"http://{address(hv)}:{hv['proxy']['port']}"
 
 
 def chat(hv: HostVars, prompt: str, max_tokens: int = 64, user: str = "fleet-demo",

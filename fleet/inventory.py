@@ -45,7 +45,7 @@ class Mapping(dict):
 SCHEMA: dict[str, Any] = {
     "connection": Str("local", "ssh"),
     "ssh": Mapping(host=Str(), port=Port, user=Str(), key_file=Str(),
-                   accept_new_host_key=bool, connect_timeout_s=float),
+                   accept_new_host_key=bool, connect_timeout_s=float, known_hosts=Str()),
     "engine": Str("vllm", "sim"),
     "accelerator": Str("dcu", "rocm", "nvidia", "sim"),
     "accelerators": int,
@@ -67,6 +67,8 @@ SCHEMA: dict[str, Any] = {
     "stop_grace_s": float,
     "release_timeout_s": float,
     "sim": Mapping(load_s=float, prefill_ms=float, token_ms=float, output_tokens=int, instant=bool),
+    "address": Str(),
+    "fronts": StrList,
     "proxy": Mapping(
         port=Port, admin_port=Port, bind=Str(), health_interval_s=float, timeout_s=float,
         connect_timeout_s=float, max_body_mb=float, retries=int, max_fails=int, shutdown_timeout_s=float,
@@ -76,7 +78,7 @@ SCHEMA: dict[str, Any] = {
 }
 
 # Keys that may be null (meaning "work it out": the host's python3, the model path as served name...).
-OPTIONAL = {"connection", "python", "served_model_name", "ssh", "vllm_bin"}
+OPTIONAL = {"address", "connection", "python", "served_model_name", "ssh", "vllm_bin"}
 
 BUILTIN_DEFAULTS: dict[str, Any] = {
     "connection": None,
@@ -101,6 +103,8 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
     "stop_grace_s": 10.0,
     "release_timeout_s": 60.0,
     "ssh": None,
+    "address": None,
+    "fronts": [],
     "sim": {"load_s": 3.0, "prefill_ms": 100.0, "token_ms": 10.0, "output_tokens": 200, "instant": False},
     "proxy": {
         "port": 8000, "admin_port": 8001, "bind": "0.0.0.0", "health_interval_s": 5.0,
@@ -152,7 +156,11 @@ class Inventory:
         _merge(merged, parse_overrides(overrides))
         if merged["connection"] is None:          # not said anywhere: an ssh block means ssh
             merged["connection"] = "ssh" if merged.get("ssh") else "local"
-        return HostVars.build(name, merged, self.path)
+        hv = HostVars.build(name, merged, self.path)
+        if hv["fronts"]:
+            from .cluster import front_backends   # an entry host's backends are its members' instances
+            hv.front_backends = front_backends(self, hv, overrides)
+        return hv
 
 
 def _merge(into: dict, layer: dict) -> None:
@@ -313,6 +321,7 @@ class HostVars:
     inventory_path: str = ""
     deployment_id: str = ""
     ports: list[int] = field(default_factory=list)
+    front_backends: list[str] | None = None    # set on an entry host (`fronts`): its members' instances
 
     def __getitem__(self, key):
         return self.vars[key]
@@ -324,7 +333,9 @@ class HostVars:
         where = f"{path}: hosts.{name}"
         if v["connection"] == "ssh" and not (v.get("ssh") or {}).get("host"):
             raise InventoryError(f"{where}.ssh.host: connection is ssh but no ssh.host is given; add it.")
-        if v["instances"] < 1:
+        if v["fronts"] and name not in v["fronts"]:
+            v["instances"] = 0                    # an entry host that fronts others only runs the proxy
+        elif v["instances"] < 1:
             raise InventoryError(f"{where}.instances: expected at least 1 instance, got {v['instances']}.")
         if v["instances"] > v["accelerators"]:
             raise InventoryError(
@@ -343,7 +354,7 @@ class HostVars:
             raise InventoryError(f"{where}.accelerator: the sim accelerator only runs the sim engine; "
                                  "set engine: sim.")
         ports = [v["base_port"] + i for i in range(v["instances"])]
-        if ports[-1] > 65535:
+        if ports and ports[-1] > 65535:
             raise InventoryError(f"{where}.base_port: instances would need ports up to {ports[-1]}, "
                                  "past 65535; lower base_port.")
         proxy = v["proxy"]
@@ -370,6 +381,8 @@ class HostVars:
     @property
     def backends(self) -> list[str]:
         """The proxy's backends, named host:port as in X-Backend and the admin API."""
+        if self.front_backends is not None:
+            return list(self.front_backends)
         return [f"127.0.0.1:{p}" for p in self.ports]
 
 

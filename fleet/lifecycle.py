@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from . import preflight
 from .errors import FleetError, RemoteError
 from .inventory import HostVars
 from .render import RenderedFile, render_host
@@ -107,11 +108,11 @@ def probe(conn: Transport, hv: HostVars, files: list[str] = (), readonly: bool =
     spec = {"deploy_dir": hv["deploy_dir"], "ports": hv.ports, "proxy_port": hv["proxy"]["port"],
             "admin_port": hv["proxy"]["admin_port"], "deployment_id": hv.deployment_id,
             "files": list(files), "readonly": readonly}
-    python = sys.executable if hv["connection"] == "local" else "python3"
-    r = conn.run(f"{shlex.quote(python)} - {shlex.quote(json.dumps(spec))}", stdin=PROBE, timeout=60)
+    r = conn.run(preflight.probe_python(hv, f"- {shlex.quote(json.dumps(spec))}"), stdin=PROBE, timeout=60)
     if not r.ok:
         if r.exited == 127:
-            raise RemoteError(f"{hv.name}: {python} is not found on the host; install Python 3 there.")
+            raise RemoteError(f"{hv.name}: no python3 on the host's PATH, nor {hv['python'] or 'python3'} "
+                              "after env_setup; install Python 3 there or set python.")
         raise RemoteError(f"{hv.name}: reading the deployment's state failed: "
                           f"{(r.stderr.strip().splitlines() or ['no output'])[-1]}")
     try:
@@ -186,6 +187,7 @@ def deploy(conn: Transport, hv: HostVars, emit: Emit = lambda line: None,
     hv = prepare(conn, hv)
     report = Report(hv.name)
     files = host_files(hv)
+    preflight.check(conn, hv, "deploy")
     facts = probe(conn, hv, [f.path for f in files], readonly=check)
     d = hv["deploy_dir"]
 
@@ -228,25 +230,41 @@ def deploy(conn: Transport, hv: HostVars, emit: Emit = lambda line: None,
 
 
 def _put_files(conn, hv, files, facts, report, emit, check, diff) -> set[str]:
+    """Put each file whose content or mode differs from the host's copy; with diff, show how."""
     changed = set()
+    modes = facts.get("file_modes") or {}
     for f in files:
         have = facts["files"].get(f.path)
-        if have == _sha(f.content):
+        have_mode = modes.get(f.path)
+        same_content = have == _sha(f.content)
+        if same_content and have_mode in (None, f.mode):
             report.add(f"file {f.path}", "ok")
             continue
         changed.add(f.path)
         path = f"{hv['deploy_dir']}/{f.path}"
         if diff:
-            old = conn.read(path) if have else None
-            old_text = old.decode("utf-8", "replace") if old is not None else ""
-            for line in difflib.unified_diff(old_text.splitlines(), f.content.splitlines(),
-                                             f"{hv.name}:{f.path}", f"rendered:{f.path}", lineterm=""):
+            for line in _diff_lines(conn, hv, f, path, have, have_mode, same_content):
                 emit(line)
         if not check:
             conn.put(path, f.content.encode(), f.mode)
-        report.add(f"file {f.path}", "changed", ("would put" if check else "put") +
-                   (" (new)" if have is None else " (content changed)"))
+        why = ("new" if have is None else "content changed" if not same_content
+               else f"mode {have_mode:04o} -> {f.mode:04o}")
+        report.add(f"file {f.path}", "changed", ("would put" if check else "put") + f" ({why})")
     return changed
+
+
+def _diff_lines(conn, hv, f, path, have, have_mode, same_content) -> list[str]:
+    """A unified diff of the host's copy (or /dev/null) against the rendered file, git style for modes."""
+    lines = []
+    if have is not None and have_mode not in (None, f.mode):
+        lines += [f"old mode {have_mode:04o} {hv.name}:{f.path}", f"new mode {f.mode:04o} rendered:{f.path}"]
+    if not same_content:
+        old = conn.read(path) if have is not None else None
+        old_text = old.decode("utf-8", "replace") if old is not None else ""
+        lines += difflib.unified_diff(old_text.splitlines(), f.content.splitlines(),
+                                      f"{hv.name}:{f.path}" if have is not None else "/dev/null",
+                                      f"rendered:{f.path}", lineterm="")
+    return lines
 
 
 def _start_instances(conn, hv, to_start, report, emit):

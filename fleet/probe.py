@@ -64,6 +64,13 @@ def sha256(path):
         return None
 
 
+def file_mode(path):
+    try:
+        return os.stat(path).st_mode & 0o7777
+    except OSError:
+        return None
+
+
 def tagged(prefix):
     """Processes of this user whose environment carries FLEET_TAG=<prefix>..."""
     me = os.getuid()
@@ -144,6 +151,7 @@ def main():
             "instances": [f.result() for f in inst],
             "proxy": prox.result(),
             "files": {rel: f.result() for rel, f in files.items()},
+            "file_modes": {rel: file_mode(os.path.join(d, rel)) for rel in spec.get("files", [])},
             "tagged": tagged(spec["deployment_id"] + "/"),
         }
     try:

@@ -6,6 +6,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
+from . import cluster
 from .errors import FleetError, UnreachableError
 from .inventory import HostVars, Inventory
 from .lifecycle import Report
@@ -25,8 +26,10 @@ def line_printer(host: str, prefix: bool, stream=None):
 
 
 def run_hosts(inv: Inventory, pattern: str, action: Action, overrides=(), forks: int = 5,
-              stream=None) -> list[Report]:
-    """Resolve --host, then run action on each host; reports come back in inventory order."""
+              stream=None, order: str | None = None) -> list[Report]:
+    """Resolve --host, then run action on each host, at most `forks` at once; reports come back in
+    inventory order. order "entry-last" (deploy) or "entry-first" (stop) runs the entry hosts of a
+    cluster across hosts after, or before, the others (see fleet.cluster)."""
     names = inv.select(pattern)
     host_vars = [inv.host_vars(n, overrides) for n in names]   # every host validated before any runs
     many = len(names) > 1
@@ -37,17 +40,27 @@ def run_hosts(inv: Inventory, pattern: str, action: Action, overrides=(), forks:
         try:
             return action(conn, hv, emit)
         except UnreachableError as e:
-            report = Report(hv.name, unreachable=str(e))
-            return report
+            return Report(hv.name, unreachable=str(e))
         except FleetError as e:
             report = Report(hv.name)
             report.add("run", "failed", str(e))
             return report
+        except Exception as e:   # a bug or an unforeseen remote failure: this host fails, the others go on
+            report = Report(hv.name)
+            report.add("run", "failed", f"unexpected error ({type(e).__name__}: {e}); please report it.")
+            return report
         finally:
-            conn.close()
+            try:
+                conn.close()
+            except Exception:
+                pass
 
-    with ThreadPoolExecutor(max_workers=max(1, forks)) as pool:
-        return list(pool.map(one, host_vars))
+    reports: dict[str, Report] = {}
+    for batch in cluster.phases(host_vars, order):
+        with ThreadPoolExecutor(max_workers=max(1, forks)) as pool:
+            for hv, report in zip(batch, pool.map(one, batch)):
+                reports[hv.name] = report
+    return [reports[hv.name] for hv in host_vars]
 
 
 def exit_code(reports: list[Report]) -> int:

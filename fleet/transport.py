@@ -8,6 +8,7 @@ import os
 import shlex
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -118,7 +119,12 @@ class LocalTransport(Transport):
 
 
 class SSHTransport(Transport):
-    """A host reached over SSH with Fabric; ~/.ssh/config is honoured, host keys are checked."""
+    """A host reached over SSH: Fabric opens the connection (~/.ssh/config honoured: HostName, Port,
+    User, IdentityFile, ProxyJump, UserKnownHostsFile), commands run on plain paramiko channels.
+
+    Host keys are checked against known_hosts (ssh.known_hosts, else ~/.ssh/known_hosts); an unknown
+    key is accepted and recorded only with ssh.accept_new_host_key; a changed key is always refused.
+    """
 
     def __init__(self, host: str, ssh: dict):
         self.host = host
@@ -131,97 +137,176 @@ class SSHTransport(Transport):
             self._conn = self._connect()
         return self._conn
 
+    @property
+    def address(self) -> str:
+        return f"{self.ssh['host']}:{self.ssh.get('port') or 22}"
+
+    def _known_hosts(self, conn) -> str:
+        """The known_hosts file to check against and record into."""
+        if self.ssh.get("known_hosts"):
+            return os.path.expanduser(self.ssh["known_hosts"])
+        configured = (conn.ssh_config.get("userknownhostsfile") or "").split()
+        return os.path.expanduser(configured[0] if configured else "~/.ssh/known_hosts")
+
     def _connect(self):
         import paramiko
         from fabric import Config, Connection
 
-        kwargs = {"timeout": float(self.ssh.get("connect_timeout_s") or 10)}
+        kwargs = {}
         if self.ssh.get("key_file"):
-            kwargs["key_filename"] = os.path.expanduser(self.ssh["key_file"])
-        config = Config(overrides={"load_ssh_configs": True})
+            key = os.path.expanduser(self.ssh["key_file"])
+            if not os.path.isfile(key):
+                raise UnreachableError(f"{self.host}: ssh.key_file {key} does not exist; fix the path in "
+                                       "the inventory.")
+            kwargs["key_filename"] = key
         conn = Connection(self.ssh["host"], user=self.ssh.get("user"), port=self.ssh.get("port"),
-                          connect_kwargs=kwargs, config=config)
+                          connect_timeout=int(max(1, float(self.ssh.get("connect_timeout_s") or 10))),
+                          connect_kwargs=kwargs, config=Config(overrides={"load_ssh_configs": True}))
         client = conn.client
+        known = self._known_hosts(conn)
         client.load_system_host_keys()
-        known = os.path.expanduser("~/.ssh/known_hosts")
         if os.path.exists(known):
-            client.load_host_keys(known)
-        # A new host key is accepted only when the inventory says so; a changed one never.
-        client.set_missing_host_key_policy(
-            paramiko.AutoAddPolicy() if self.ssh.get("accept_new_host_key") else paramiko.RejectPolicy())
+            try:
+                client.load_host_keys(known)
+            except (OSError, paramiko.SSHException) as e:
+                raise UnreachableError(f"{self.host}: cannot read {known} ({e}); fix or remove it.") from None
+        # A new host key is accepted only when the inventory says so; a changed one never (paramiko
+        # raises BadHostKeyException before it asks the policy).
+        accept = bool(self.ssh.get("accept_new_host_key"))
+        recorder = _RecordNewKey()
+        client.set_missing_host_key_policy(recorder if accept else paramiko.RejectPolicy())
+        where = f"{conn.host}:{conn.port}"
         try:
             conn.open()
         except paramiko.BadHostKeyException:
             raise UnreachableError(
-                f"{self.host}: the SSH host key of {self.ssh['host']} has CHANGED since it was recorded in "
-                "known_hosts; if the host was reinstalled, remove the old key with ssh-keygen -R and retry."
-            ) from None
+                f"{self.host}: the SSH host key of {where} has CHANGED since it was recorded in {known}; "
+                f"refusing to connect. If the host was reinstalled, remove the old key (ssh-keygen -f {known} "
+                f"-R '[{conn.host}]:{conn.port}') and retry; otherwise someone may be in the middle.") from None
+        except paramiko.AuthenticationException as e:
+            raise UnreachableError(f"{self.host}: SSH login as {conn.user} to {where} was refused ({e}); "
+                                   "check ssh.user and ssh.key_file.") from None
         except paramiko.SSHException as e:
             if "not found in known_hosts" in str(e):
                 raise UnreachableError(
-                    f"{self.host}: {self.ssh['host']} is not in known_hosts; ssh to it once to check and "
+                    f"{self.host}: the SSH host key of {where} is not in {known}; ssh to it once to check and "
                     "record its key, or set ssh.accept_new_host_key: true in the inventory.") from None
-            raise UnreachableError(f"{self.host}: SSH to {self.ssh['host']} failed ({e}).") from None
+            raise UnreachableError(f"{self.host}: SSH to {where} failed ({e}).") from None
         except OSError as e:
-            raise UnreachableError(f"{self.host}: cannot reach {self.ssh['host']}:{self.ssh.get('port') or 22} "
-                                   f"({e.strerror or e}); check the address and that sshd runs.") from None
-        if self.ssh.get("accept_new_host_key") and os.path.isdir(os.path.dirname(known)):
+            raise UnreachableError(f"{self.host}: cannot reach {where} ({e.strerror or e}); check the address "
+                                   "and that sshd runs there.") from None
+        if recorder.line:
+            # Appended, never rewritten: the user's file keeps its comments, markers and hashed names.
             try:
-                client.save_host_keys(known)
-            except OSError:
-                pass
+                os.makedirs(os.path.dirname(known) or ".", mode=0o700, exist_ok=True)
+                with open(known, "a") as f:
+                    f.write(recorder.line)
+            except OSError as e:
+                raise RemoteError(f"{self.host}: cannot record the host key in {known} ({e.strerror}).") \
+                    from None
         return conn
 
     def run(self, command, *, stdin=None, timeout=None, on_line=None) -> Result:
-        import io
+        import select
 
-        class Lines(io.StringIO):
-            def __init__(self, cb):
-                super().__init__()
-                self.cb, self.buf = cb, ""
+        import paramiko
 
-            def write(self, s):
-                self.buf += s
-                while "\n" in self.buf:
-                    line, self.buf = self.buf.split("\n", 1)
-                    self.cb(line)
-                return super().write(s)
-
-        out = Lines(on_line) if on_line else io.StringIO()
-        err = io.StringIO()
+        transport = self.conn.transport
         try:
-            r = self.conn.run(f"bash -c {shlex.quote(command)}", warn=True, hide=True, timeout=timeout,
-                              in_stream=io.StringIO(stdin) if stdin is not None else False,
-                              out_stream=out, err_stream=err)
-        except UnreachableError:
-            raise
-        except Exception as e:  # invoke's CommandTimedOut, paramiko's transport errors
-            raise RemoteError(f"{self.host}: command failed over SSH ({type(e).__name__}: {e}).") from None
-        return Result(r.exited, out.getvalue(), err.getvalue())
+            chan = transport.open_session(timeout=30)
+            chan.exec_command(f"bash -c {shlex.quote(command)}")
+            if stdin is not None:
+                chan.sendall(stdin.encode())
+            chan.shutdown_write()
+        except (paramiko.SSHException, OSError, EOFError) as e:
+            raise RemoteError(f"{self.host}: lost the SSH connection to {self.address} ({e}).") from None
+        out, err, pending = bytearray(), bytearray(), b""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        exited_at = None
+        try:
+            while True:
+                select.select([chan], [], [], 0.02)
+                while chan.recv_ready():
+                    data = chan.recv(65536)
+                    out += data
+                    if on_line:
+                        pending += data
+                        *lines, pending = pending.split(b"\n")
+                        for line in lines:
+                            on_line(line.decode("utf-8", "replace"))
+                while chan.recv_stderr_ready():
+                    err += chan.recv_stderr(65536)
+                if chan.exit_status_ready():
+                    exited_at = exited_at or time.monotonic()
+                    # Output may trail the exit status; a background child holding stdout may never
+                    # send EOF, so wait for it briefly only.
+                    if (chan.eof_received or time.monotonic() - exited_at > 2) and not chan.recv_ready() \
+                            and not chan.recv_stderr_ready():
+                        break
+                elif not transport.is_active():
+                    raise RemoteError(f"{self.host}: lost the SSH connection to {self.address} while running "
+                                      f"{command[:80]}.")
+                if deadline is not None and time.monotonic() > deadline:
+                    raise RemoteError(f"{self.host}: command timed out after {timeout}s: {command[:80]}")
+            if on_line and pending:
+                on_line(pending.decode("utf-8", "replace"))
+            return Result(chan.recv_exit_status(), out.decode("utf-8", "replace"),
+                          err.decode("utf-8", "replace"))
+        finally:
+            chan.close()
+
+    def _sftp(self):
+        import paramiko
+        try:
+            return self.conn.sftp()
+        except (paramiko.SSHException, OSError, EOFError) as e:
+            raise RemoteError(f"{self.host}: the SFTP subsystem of {self.address} is not available ({e}); "
+                              "enable it in the host's sshd_config (Subsystem sftp).") from None
 
     def put(self, path, content, mode) -> None:
         import io
+
+        import paramiko
         directory = os.path.dirname(path)
-        self.run(f"mkdir -p {shlex.quote(directory)}")
         tmp = f"{directory}/.fleet-{os.getpid()}-{os.path.basename(path)}"
+        sftp = self._sftp()
         try:
-            sftp = self.conn.sftp()
-            sftp.putfo(io.BytesIO(content), tmp)
+            try:
+                sftp.putfo(io.BytesIO(content), tmp)
+            except FileNotFoundError:      # the directory is new: create it and its parents
+                self._makedirs(sftp, directory)
+                sftp.putfo(io.BytesIO(content), tmp)
             sftp.chmod(tmp, mode)
             sftp.posix_rename(tmp, path)
-        except OSError as e:
+        except (OSError, paramiko.SSHException) as e:
             self.run(f"rm -f {shlex.quote(tmp)}")
             raise RemoteError(f"{self.host}: cannot write {path} ({e}); check deploy_dir and its permissions.") \
                 from None
 
+    @staticmethod
+    def _makedirs(sftp, directory: str) -> None:
+        """mkdir -p over SFTP (no shell round trip)."""
+        missing = []
+        while directory not in ("", "/"):
+            try:
+                sftp.stat(directory)
+                break
+            except FileNotFoundError:
+                missing.append(directory)
+                directory = os.path.dirname(directory)
+        for d in reversed(missing):
+            sftp.mkdir(d)
+
     def read(self, path) -> bytes | None:
         import io
+
+        import paramiko
         buf = io.BytesIO()
         try:
-            self.conn.sftp().getfo(path, buf)
+            self._sftp().getfo(path, buf)
         except FileNotFoundError:
             return None
-        except OSError as e:
+        except (OSError, paramiko.SSHException) as e:
             if getattr(e, "errno", None) == 2:
                 return None
             raise RemoteError(f"{self.host}: cannot read {path} ({e}).") from None
@@ -236,6 +321,18 @@ class SSHTransport(Transport):
     def close(self) -> None:
         if self._conn is not None:
             self._conn.close()
+            self._conn = None
+
+
+class _RecordNewKey:
+    """Missing-host-key policy for ssh.accept_new_host_key: accept an unknown key and remember its
+    known_hosts line (paramiko only gets here when no key at all is recorded for the host)."""
+
+    line = ""
+
+    def missing_host_key(self, client, hostname, key):
+        client.get_host_keys().add(hostname, key.get_name(), key)
+        self.line = f"{hostname} {key.get_name()} {key.get_base64()}\n"
 
 
 def connect(hv) -> Transport:

@@ -1,0 +1,61 @@
+"""A cluster across hosts: one entry host whose proxy fronts the instances of several hosts.
+
+The entry host names its members with `fronts: [k100-01, k100-02]`; its proxy's backends are then
+every member's instances, addressed `address:port` (a member's `address`, else its `ssh.host`; the
+entry's own instances, when it lists itself, stay on 127.0.0.1). An entry host that does not list
+itself runs the proxy only. Deploy brings the members' instances up first, then the entry's proxy;
+stop goes the other way.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .errors import InventoryError
+
+if TYPE_CHECKING:
+    from .inventory import HostVars, Inventory
+
+
+def address(hv: "HostVars") -> str:
+    """How other hosts (an entry host's proxy, `inv chat`) reach this host's ports."""
+    if hv["address"]:
+        return hv["address"]
+    if hv["connection"] == "ssh":
+        return hv["ssh"]["host"]
+    return "127.0.0.1"
+
+
+def front_backends(inv: "Inventory", entry: "HostVars", overrides=()) -> list[str]:
+    """The backends of an entry host's proxy: the instances of every host it fronts, in its order."""
+    where = f"{inv.path}: hosts.{entry.name}.fronts"
+    backends: list[str] = []
+    owner: dict[str, str] = {}
+    for member in entry["fronts"]:
+        if member not in inv.hosts:
+            raise InventoryError(f"{where}: {member!r} is not defined under hosts; add it or drop it here.")
+        if member == entry.name:
+            names = [f"127.0.0.1:{p}" for p in entry.ports]
+        else:
+            mv = inv.host_vars(member, overrides)
+            if mv["fronts"]:
+                raise InventoryError(f"{where}: {member!r} is itself an entry host (it has fronts); "
+                                     "an entry host fronts instances, not other entry hosts.")
+            names = [f"{address(mv)}:{p}" for p in mv.ports]
+        for name in names:
+            if name in owner:
+                raise InventoryError(f"{where}: {owner[name]} and {member} both put an instance at {name}; "
+                                     "give them different base_port or address.")
+            owner[name] = member
+            backends.append(name)
+    return backends
+
+
+def phases(host_vars: list["HostVars"], order: str | None) -> list[list["HostVars"]]:
+    """Hosts in the batches a run takes them: `entry-last` (deploy: members' instances before the
+    entry proxies), `entry-first` (stop: the entry proxies before what they front), else one batch."""
+    if order not in ("entry-last", "entry-first"):
+        return [host_vars]
+    entries = [hv for hv in host_vars if hv["fronts"]]
+    members = [hv for hv in host_vars if not hv["fronts"]]
+    batches = [members, entries] if order == "entry-last" else [entries, members]
+    return [b for b in batches if b]

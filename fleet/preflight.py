@@ -1,0 +1,96 @@
+"""What a step needs on the host, checked before the step changes anything.
+
+One read-only command after the host's env_setup finds every missing tool, the engine binary and a
+Python with the proxy's modules; the step then fails that host with one sentence naming them all.
+"""
+from __future__ import annotations
+
+import shlex
+import sys
+
+from .errors import RemoteError
+from .inventory import HostVars
+from .transport import Transport
+
+# Tool -> the Debian package that brings it. Used by the scripts deploy puts (ss, setsid, ps) and by
+# stop's check that the cards were given back (fuser): a cluster that cannot be stopped cleanly is
+# not deployed.
+TOOLS = {"ss": "iproute2", "setsid": "util-linux", "ps": "procps", "fuser": "psmisc"}
+STEP_TOOLS = {"deploy": ("ss", "setsid", "ps", "fuser")}
+
+# What the proxy (and the sim engine) import besides the standard library.
+PROXY_MODULES = ("aiohttp", "yaml", "prometheus_client")
+MODULE_PACKAGES = {"yaml": "pyyaml", "prometheus_client": "prometheus-client"}
+
+_FIND_MODULES = ("import importlib.util, sys; "
+                 "print(' '.join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))")
+
+
+def with_env_setup(hv: HostVars, command: str) -> str:
+    """A shell line running command after the host's env_setup, whose output goes to stderr so that
+    it cannot mix with what command prints, and which cannot read command's standard input."""
+    setup = hv["env_setup"] or ":"
+    return f"{{ {setup}\n}} </dev/null >&2\n{command}"
+
+
+def probe_python(hv: HostVars, args: str) -> str:
+    """The shell line running the state probe (standard library only) with the host's Python:
+    python3 from the login PATH when there is one, else the inventory's `python` after env_setup."""
+    if hv["connection"] == "local":
+        return f"{shlex.quote(sys.executable)} {args}"
+    return (f"if command -v python3 >/dev/null 2>&1; then exec python3 {args}; fi\n"
+            + with_env_setup(hv, f"exec {shlex.quote(hv['python'] or 'python3')} {args}"))
+
+
+def script(hv: HostVars, step: str) -> str:
+    """The check's shell code: one `missing KIND NAME...` line per thing that is not there."""
+    python = shlex.quote(hv["python"] or "python3")
+    lines = [f"for t in {' '.join(STEP_TOOLS[step])}; do",
+             '    command -v "$t" >/dev/null 2>&1 || echo "missing tool $t"',
+             "done",
+             f"if command -v {python} >/dev/null 2>&1; then",
+             f"    m=$({python} -c {shlex.quote(_FIND_MODULES)} {' '.join(PROXY_MODULES)} 2>/dev/null) "
+             "|| m=unusable",
+             '    if [ -n "$m" ]; then echo "missing modules $m"; fi',
+             "else",
+             "    echo missing python",
+             "fi"]
+    if hv["engine"] == "vllm":
+        engine = shlex.quote(hv["vllm_bin"] or "vllm")
+        lines.append(f"command -v {engine} >/dev/null 2>&1 || echo missing engine")
+    return "\n".join(lines)
+
+
+def check(conn: Transport, hv: HostVars, step: str = "deploy") -> None:
+    """Raise RemoteError naming everything the host lacks for step; return when nothing is missing."""
+    setup = hv["env_setup"] or ":"
+    r = conn.run(f"{{ {setup}\n}} </dev/null >&2 || echo \"failed env_setup $?\"\n" + script(hv, step),
+                 timeout=120)
+    last = (r.stderr.strip().splitlines() or ["no output"])[-1]
+    if not r.ok:
+        raise RemoteError(f"{hv.name}: the check of what {step} needs failed ({last}); run env_setup by hand "
+                          "on the host and fix it.")
+    missing = []
+    python = hv["python"] or "python3"
+    for line in r.stdout.splitlines():
+        if line.startswith("failed env_setup "):
+            raise RemoteError(f"{hv.name}: env_setup exited {line.split()[-1]} on the host ({last}); fix "
+                              "env_setup in the inventory.")
+        if not line.startswith("missing "):
+            continue
+        kind, _, what = line[len("missing "):].partition(" ")
+        if kind == "tool":
+            missing.append(f"{what} (install {TOOLS.get(what, what)})")
+        elif kind == "python":
+            missing.append(f"the Python {python} (set python, or make env_setup put it on PATH)")
+        elif kind == "modules" and what == "unusable":
+            missing.append(f"a working {python} (it fails to start)")
+        elif kind == "modules":
+            pkgs = " ".join(MODULE_PACKAGES.get(m, m) for m in what.split())
+            missing.append(f"the modules {', '.join(what.split())} in {python} (pip install {pkgs} there, or "
+                           "set python to the vLLM environment's Python)")
+        elif kind == "engine":
+            missing.append(f"the engine binary {hv['vllm_bin'] or 'vllm'} after env_setup (set vllm_bin, or "
+                           "fix env_setup)")
+    if missing:
+        raise RemoteError(f"{hv.name}: the host lacks what {step} needs: " + "; ".join(missing) + ".")

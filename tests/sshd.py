@@ -1,0 +1,122 @@
+"""A real OpenSSH server on 127.0.0.1 for the SSH tests: its own host key, one authorized client key,
+a known_hosts file that trusts it, running as the current user (root in CI) and stopped by pid."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from conftest import free_port, require_tool
+
+
+@dataclass
+class Sshd:
+    """What a test needs to reach the server: address, port, user, client key and known_hosts."""
+
+    host: str
+    port: int
+    user: str
+    key_file: Path
+    known_hosts: Path
+    host_pub: str          # the server's public key line, "ssh-ed25519 AAAA..."
+    log: Path
+    proc: subprocess.Popen
+
+    def ssh_block(self, **extra) -> dict:
+        """The inventory's ssh block for this server."""
+        return {"host": self.host, "port": self.port, "user": self.user, "key_file": str(self.key_file),
+                "known_hosts": str(self.known_hosts), "connect_timeout_s": 10, **extra}
+
+
+def keygen(path: Path) -> str:
+    """Make an ed25519 key pair without passphrase at path; return the public key line."""
+    subprocess.run([require_tool("ssh-keygen"), "-q", "-t", "ed25519", "-N", "", "-C", "fleet-test",
+                    "-f", str(path)], check=True, capture_output=True)
+    return path.with_suffix(".pub").read_text().strip()
+
+
+def _answers_ssh(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+            s.settimeout(2)
+            return s.recv(64).startswith(b"SSH-")
+    except OSError:
+        return False
+
+
+def start_sshd(directory: Path) -> Sshd:
+    """Start `sshd -D -e -f CONFIG` on a free loopback port with everything under directory."""
+    sshd = require_tool("sshd")
+    require_tool("ssh-keygen")
+    directory.mkdir(parents=True, exist_ok=True)
+    host_key = directory / "host_ed25519"
+    host_pub = keygen(host_key)
+    client_key = directory / "client_ed25519"
+    (directory / "authorized_keys").write_text(keygen(client_key) + "\n")
+    if os.geteuid() == 0:
+        # sshd started by root insists on its privilege-separation directory.
+        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
+    user = os.environ.get("USER") or __import__("pwd").getpwuid(os.getuid()).pw_name
+    for _ in range(5):           # the port is free when picked; another process may take it first
+        port = free_port()
+        config = directory / "sshd_config"
+        config.write_text("\n".join([
+            f"ListenAddress 127.0.0.1:{port}",
+            f"HostKey {host_key}",
+            f"PidFile {directory / 'sshd.pid'}",
+            f"AuthorizedKeysFile {directory / 'authorized_keys'}",
+            "PubkeyAuthentication yes",
+            "PasswordAuthentication no",
+            "KbdInteractiveAuthentication no",
+            "PermitRootLogin prohibit-password",
+            "UsePAM no",
+            "StrictModes no",
+            "PermitUserEnvironment no",
+            "MaxStartups 50:30:100",
+            "MaxSessions 50",
+            "LogLevel ERROR",
+            "Subsystem sftp internal-sftp",
+        ]) + "\n")
+        log = directory / "sshd.log"
+        with open(log, "ab") as out:
+            proc = subprocess.Popen([sshd, "-D", "-e", "-f", str(config)], stdin=subprocess.DEVNULL,
+                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 10
+        while proc.poll() is None and time.monotonic() < deadline and not _answers_ssh(port):
+            time.sleep(0.05)
+        if proc.poll() is None and _answers_ssh(port):
+            known = directory / "known_hosts"
+            known.write_text(f"[127.0.0.1]:{port} {host_pub}\n")
+            return Sshd("127.0.0.1", port, user, client_key, known, host_pub, log, proc)
+        stop_sshd(proc)
+    pytest.fail(f"sshd did not start; its log:\n{log.read_text()[-2000:]}")
+
+
+def stop_sshd(proc: subprocess.Popen) -> None:
+    """Stop the server by its pid (its session children with it), SIGKILL after a grace period."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=5)
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory):
+    """One sshd for the module's tests."""
+    server = start_sshd(tmp_path_factory.mktemp("sshd"))
+    try:
+        yield server
+    finally:
+        stop_sshd(server.proc)
