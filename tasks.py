@@ -99,9 +99,10 @@ def status(c, host="", json_=False, set_=None, inventory_="", forks=5):
 
 @task(help=_help("host", "inventory", "set", "forks",
                  instance="stop only this instance (its process group and its tag)",
-                 check="list what would be stopped, stop nothing"),
+                 check="list what would be stopped, stop nothing",
+                 force="also kill your processes still holding the accelerator's device files"),
       iterable=["set"], auto_shortflags=False)   # -i would be ambiguous: --instance and --inventory
-def stop(c, host="", instance=None, check=False, set_=None, inventory_="", forks=5):
+def stop(c, host="", instance=None, check=False, force=False, set_=None, inventory_="", forks=5):
     """Stop the proxy and every instance by process group, then every process still carrying the tag."""
     index = None
     if instance is not None:
@@ -111,7 +112,7 @@ def stop(c, host="", instance=None, check=False, set_=None, inventory_="", forks
             raise Exit(f"--instance takes an instance number, got {instance!r}.", code=2)
 
     def action(conn, hv, emit):
-        return lifecycle.stop(conn, hv, emit, instance=index, check=check)
+        return lifecycle.stop(conn, hv, emit, instance=index, check=check, force=force)
     _finish(_run(host, inventory_, set_, action, forks)[1])
 
 

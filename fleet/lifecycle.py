@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from . import release
 from .errors import FleetError, RemoteError
 from .inventory import HostVars
 from .render import RenderedFile, render_host
@@ -333,13 +334,15 @@ def _deploy_front(conn, hv, facts, changed_files, report, emit, check):
 # --- stop ---------------------------------------------------------------------------------------
 
 def stop(conn: Transport, hv: HostVars, emit: Emit = lambda line: None, instance: int | None = None,
-         check: bool = False) -> Report:
-    """Stop the proxy and the instances by process group, then sweep what carries the tag."""
+         check: bool = False, force: bool = False) -> Report:
+    """Stop the proxy and the instances by process group, sweep what carries the tag, then wait until
+    the cards are released (fleet.release: --force kills your processes still holding the devices)."""
     hv = prepare(conn, hv)
     if instance is not None and not 0 <= instance < hv["instances"]:
         raise FleetError(f"{hv.name}: there is no instance {instance}; instances are 0-{hv['instances'] - 1}.")
     report = Report(hv.name)
     before = probe(conn, hv, readonly=True)
+    cards_before, cards_why = release.read_cards(conn, hv)
     script = next(f for f in render_host(hv) if f.path == "bin/stop_cluster.sh").content
     args = (["--instance", str(instance)] if instance is not None else []) + (["--check"] if check else [])
     # The freshly rendered stop script goes on stdin: it works even where deploy never put one.
@@ -372,5 +375,7 @@ def stop(conn: Transport, hv: HostVars, emit: Emit = lambda line: None, instance
     else:
         report.add("tag sweep", "ok", "no process with the deployment's tag is left" if not check else
                    f"{len(before['tagged'])} tagged process(es) found")
+    cards = [instance] if instance is not None else list(range(hv["instances"]))
+    release.settle(conn, hv, report, emit, cards, cards_before, cards_why, instance, check, force)
     report.status = status_of(hv, after)
     return report
