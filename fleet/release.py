@@ -139,7 +139,7 @@ def settle(conn, hv, report, emit: Emit, indexes: list[int], before: dict[int, s
     scope = None if instance is None else [instance]
     if check:
         found = holders(conn, hv, scope, instance)
-        _check_holders(report, found, force, hv.deployment_id + "/")
+        _check_holders(report, emit, found, force, hv.deployment_id + "/")
         if before:
             emit("cards now:")
             for line in card_table(indexes, before, before, threshold, check=True):
@@ -185,7 +185,7 @@ def settle(conn, hv, report, emit: Emit, indexes: list[int], before: dict[int, s
         report.add("release", "ok", f"every card at or under {threshold:g} MiB used{note}")
 
 
-def _check_holders(report, found: dict, force: bool, tag_prefix: str) -> None:
+def _check_holders(report, emit: Emit, found: dict, force: bool, tag_prefix: str) -> None:
     """--check: list who holds the device files and what --force would do with each."""
     if found.get("error"):
         report.add("holders", "skipped", found["error"])
@@ -203,8 +203,9 @@ def _check_holders(report, found: dict, force: bool, tag_prefix: str) -> None:
             what = "left alone (another instance of this deployment)"
         else:
             what = "never killed (another user's); reported as a holder"
-        report.add(f"holder {h['pid']}", "changed" if what.startswith("would") else "ok",
-                   f"{show_holder(h)} holds {', '.join(h['files'])}: {what}")
+        step = report.add(f"holder {h['pid']}", "changed" if what.startswith("would") else "ok",
+                          f"{show_holder(h)} holds {', '.join(h['files'])}: {what}")
+        emit(f"{step.name}: {step.message}")
 
 
 def _not_released_message(hv, pending, after, found, instance) -> str:
