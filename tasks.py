@@ -157,3 +157,26 @@ def chat(c, host="local", prompt="Describe a sunrise over the sea in one sentenc
     print(f"answer ({r['completion_tokens']} tokens, finish_reason={r['finish_reason']}, "
           f"{r['latency_s']}s, X-Backend: {r['backend']}, X-Request-Id: {r['request_id']}):")
     print(f"  {r['answer']}")
+
+
+@task(help=_help("host", "inventory", "set", "forks",
+                 instance="restart only this instance",
+                 rolling="restart every instance in turn, never more than one out of service"),
+      iterable=["set"], auto_shortflags=False)   # -i would be ambiguous: --instance and --inventory
+def restart(c, host="", instance=None, rolling=False, set_=None, inventory_="", forks=5):
+    """Drain, stop, wait for the card, start, wait for /health, enable: one instance or all in turn."""
+    from fleet import restart as restart_mod
+    if (instance is None) == (not rolling):
+        raise Exit("restart needs either --instance I or --rolling.", code=2)
+    index = None
+    if instance is not None:
+        try:
+            index = int(instance)
+        except ValueError:
+            raise Exit(f"--instance takes an instance number, got {instance!r}.", code=2)
+
+    def action(conn, hv, emit):
+        report = restart_mod.restart(conn, hv, emit, instance=index, rolling=rolling)
+        emit(display.status_table(report.status))
+        return report
+    _finish(_run(host, inventory_, set_, action, forks)[1])
