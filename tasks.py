@@ -67,12 +67,13 @@ def _finish(code):
 
 
 @task(help=_help("host", "inventory", "set", "forks", check="show what would change, change nothing",
-                 diff="show a unified diff of every rendered file against the host's copy"),
+                 diff="show a unified diff of every rendered file against the host's copy",
+                 doctor="run `inv doctor`'s checks first and stop on a failure (default; --no-doctor skips)"),
       iterable=["set"])
-def deploy(c, host="", check=False, diff=False, set_=None, inventory_="", forks=5):
+def deploy(c, host="", check=False, diff=False, set_=None, inventory_="", forks=5, doctor=True):
     """Render, put changed files, start the instances (staggered) and the proxy, wait for /health."""
     def action(conn, hv, emit):
-        report = lifecycle.deploy(conn, hv, emit, check=check, diff=diff)
+        report = lifecycle.deploy(conn, hv, emit, check=check, diff=diff, doctor=doctor)
         if report.status and not check:
             emit(display.status_table(report.status))
         return report
@@ -179,4 +180,14 @@ def restart(c, host="", instance=None, rolling=False, set_=None, inventory_="", 
         report = restart_mod.restart(conn, hv, emit, instance=index, rolling=rolling)
         emit(display.status_table(report.status))
         return report
+    _finish(_run(host, inventory_, set_, action, forks)[1])
+
+
+@task(help=_help("host", "inventory", "set", "forks"), iterable=["set"])
+def doctor(c, host="", set_=None, inventory_="", forks=5):
+    """Check the host before a deploy: engine, model path, ports, free memory per card, tools, log room."""
+    from fleet import doctor as doctor_mod
+
+    def action(conn, hv, emit):
+        return doctor_mod.doctor(conn, hv, emit)
     _finish(_run(host, inventory_, set_, action, forks)[1])

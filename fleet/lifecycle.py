@@ -182,10 +182,19 @@ def _sha(content: str) -> str:
 
 
 def deploy(conn: Transport, hv: HostVars, emit: Emit = lambda line: None,
-           check: bool = False, diff: bool = False) -> Report:
-    """Put changed files, start what is not running, wait for /health, start the proxy."""
+           check: bool = False, diff: bool = False, doctor: bool = True) -> Report:
+    """Put changed files, start what is not running, wait for /health, start the proxy.
+
+    doctor: run fleet.doctor's checks first; a failed check stops the deploy before it changes anything.
+    """
     hv = prepare(conn, hv)
     report = Report(hv.name)
+    if doctor:
+        from .doctor import doctor as run_doctor
+        run_doctor(conn, hv, emit, report)
+        if report.failed:
+            emit("doctor: a check failed; fix it, or deploy with --no-doctor to skip the checks")
+            return report
     files = host_files(hv)
     facts = probe(conn, hv, [f.path for f in files], readonly=check)
     d = hv["deploy_dir"]
