@@ -158,3 +158,30 @@ def test_another_users_holder_is_never_killed_and_is_named(bare_host, procs):
                      r"\[another user's\]; ask the holder's owner", r.stderr), r.stderr
     assert "force: killed" not in r.stdout
     assert table_rows(r.stdout)[2] == "NOT RELEASED"
+
+
+def test_force_on_one_instance_spares_the_others(tmp_path, procs):
+    """1. a running 2-instance cluster, and an untagged process of yours holding card 0's device file;
+    2. `inv stop --instance 0 --force` kills instance 0 and that holder; 3. instance 1, its engine child
+    and the proxy live on, untouched."""
+    require_tool("fuser")
+    inventory = write_inventory(tmp_path, instances=2, extra="release_timeout_s: 10\n")
+    dep = deployment_id(inventory)
+    try:
+        r = inv("deploy", "--host", "t", inventory=inventory)
+        assert r.returncode == 0, r.stdout + r.stderr
+        others = set(tagged_pids(f"{dep}/1")) | set(tagged_pids(f"{dep}/proxy"))
+        assert len(others) >= 3
+        holder = hold(procs, tmp_path / "deploy" / "sim-dev" / "renderD128")
+        r = inv("stop", "--host", "t", "--instance", "0", "--force", inventory=inventory)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert f"force: killed pid {holder.pid}" in r.stdout
+        assert holder.wait(timeout=5) is not None
+        assert table_rows(r.stdout) == {0: "released"}, r.stdout
+        assert set(tagged_pids(f"{dep}/1")) | set(tagged_pids(f"{dep}/proxy")) == others
+        assert tagged_pids(f"{dep}/0") == []
+        st = status_json(inventory)
+        assert [i["state"] for i in st["instances"]] == ["stopped", "healthy"]
+    finally:
+        inv("stop", "--host", "t", inventory=inventory)
+        kill_tagged(dep + "/")
