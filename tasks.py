@@ -68,12 +68,13 @@ def _finish(code):
 
 
 @task(help=_help("host", "inventory", "set", "forks", check="show what would change, change nothing",
-                 diff="show a unified diff of every rendered file against the host's copy"),
+                 diff="show a unified diff of every rendered file against the host's copy",
+                 doctor="run `inv doctor`'s checks first and stop on a failure (default; --no-doctor skips)"),
       iterable=["set_"])
-def deploy(c, host="", check=False, diff=False, set_=None, inventory_="", forks=5):
+def deploy(c, host="", check=False, diff=False, set_=None, inventory_="", forks=5, doctor=True):
     """Render, put changed files, start the instances (staggered) and the proxy, wait for /health."""
     def action(conn, hv, emit):
-        report = lifecycle.deploy(conn, hv, emit, check=check, diff=diff)
+        report = lifecycle.deploy(conn, hv, emit, check=check, diff=diff, doctor=doctor)
         if report.status and not check:
             emit(display.status_table(report.status))
         return report
@@ -100,14 +101,15 @@ def status(c, host="", json_=False, set_=None, inventory_="", forks=5):
 
 @task(help=_help("host", "inventory", "set", "forks",
                  instance="stop only this instance (its process group and its tag)",
-                 check="list what would be stopped, stop nothing"),
+                 check="list what would be stopped, stop nothing",
+                 force="also kill your processes still holding the accelerator's device files"),
       iterable=["set_"], auto_shortflags=False)   # -i would be ambiguous: --instance and --inventory
-def stop(c, host="", instance=None, check=False, set_=None, inventory_="", forks=5):
+def stop(c, host="", instance=None, check=False, force=False, set_=None, inventory_="", forks=5):
     """Stop the proxy and every instance by process group, then every process still carrying the tag."""
     index = _instance_number(instance)
 
     def action(conn, hv, emit):
-        return lifecycle.stop(conn, hv, emit, instance=index, check=check)
+        return lifecycle.stop(conn, hv, emit, instance=index, check=check, force=force)
     _finish(_run(host, inventory_, set_, action, forks, order="entry-first")[1])
 
 
@@ -189,3 +191,31 @@ def _instance_number(instance):
         return int(instance)
     except ValueError:
         raise Exit(f"--instance takes an instance number, got {instance!r}.", code=2)
+
+
+@task(help=_help("host", "inventory", "set", "forks",
+                 instance="restart only this instance",
+                 rolling="restart every instance in turn, never more than one out of service"),
+      iterable=["set_"], auto_shortflags=False)   # -i would be ambiguous: --instance and --inventory
+def restart(c, host="", instance=None, rolling=False, set_=None, inventory_="", forks=5):
+    """Drain, stop, wait for the card, start, wait for /health, enable: one instance or all in turn."""
+    from fleet import restart as restart_mod
+    if (instance is None) == (not rolling):
+        raise Exit("restart needs either --instance I or --rolling.", code=2)
+    index = _instance_number(instance)
+
+    def action(conn, hv, emit):
+        report = restart_mod.restart(conn, hv, emit, instance=index, rolling=rolling)
+        emit(display.status_table(report.status))
+        return report
+    _finish(_run(host, inventory_, set_, action, forks)[1])
+
+
+@task(help=_help("host", "inventory", "set", "forks"), iterable=["set_"])
+def doctor(c, host="", set_=None, inventory_="", forks=5):
+    """Check the host before a deploy: engine, model path, ports, free memory per card, tools, log room."""
+    from fleet import doctor as doctor_mod
+
+    def action(conn, hv, emit):
+        return doctor_mod.doctor(conn, hv, emit)
+    _finish(_run(host, inventory_, set_, action, forks)[1])

@@ -66,6 +66,9 @@ SCHEMA: dict[str, Any] = {
     "health_timeout_s": float,
     "stop_grace_s": float,
     "release_timeout_s": float,
+    "release_threshold_mib": float,
+    "drain_timeout_s": float,
+    "smi": Str(),
     "sim": Mapping(load_s=float, prefill_ms=float, token_ms=float, output_tokens=int, instant=bool),
     "address": Str(),
     "fronts": StrList,
@@ -78,7 +81,7 @@ SCHEMA: dict[str, Any] = {
 }
 
 # Keys that may be null (meaning "work it out": the host's python3, the model path as served name...).
-OPTIONAL = {"address", "connection", "python", "served_model_name", "ssh", "vllm_bin"}
+OPTIONAL = {"address", "connection", "python", "served_model_name", "ssh", "vllm_bin", "smi"}
 
 BUILTIN_DEFAULTS: dict[str, Any] = {
     "connection": None,
@@ -102,6 +105,9 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
     "health_timeout_s": 600.0,
     "stop_grace_s": 10.0,
     "release_timeout_s": 60.0,
+    "release_threshold_mib": 1024.0,
+    "drain_timeout_s": 60.0,
+    "smi": None,
     "ssh": None,
     "address": None,
     "fronts": [],

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from . import preflight
+from . import preflight, release
 from .errors import FleetError, RemoteError
 from .inventory import HostVars
 from .render import RenderedFile, render_host
@@ -182,12 +182,21 @@ def _sha(content: str) -> str:
 
 
 def deploy(conn: Transport, hv: HostVars, emit: Emit = lambda line: None,
-           check: bool = False, diff: bool = False) -> Report:
-    """Put changed files, start what is not running, wait for /health, start the proxy."""
+           check: bool = False, diff: bool = False, doctor: bool = True) -> Report:
+    """Put changed files, start what is not running, wait for /health, start the proxy.
+
+    doctor: run fleet.doctor's checks first; a failed check stops the deploy before it changes anything.
+    """
     hv = prepare(conn, hv)
     report = Report(hv.name)
+    preflight.check(conn, hv, "deploy")   # the tools every step needs: one sentence naming what is missing
+    if doctor:
+        from .doctor import doctor as run_doctor
+        run_doctor(conn, hv, emit, report)
+        if report.failed:
+            emit("doctor: a check failed; fix it, or deploy with --no-doctor to skip the checks")
+            return report
     files = host_files(hv)
-    preflight.check(conn, hv, "deploy")
     facts = probe(conn, hv, [f.path for f in files], readonly=check)
     d = hv["deploy_dir"]
 
@@ -381,13 +390,15 @@ def _reload_proxy(conn, hv, p, report) -> bool:
 # --- stop ---------------------------------------------------------------------------------------
 
 def stop(conn: Transport, hv: HostVars, emit: Emit = lambda line: None, instance: int | None = None,
-         check: bool = False) -> Report:
-    """Stop the proxy and the instances by process group, then sweep what carries the tag."""
+         check: bool = False, force: bool = False) -> Report:
+    """Stop the proxy and the instances by process group, sweep what carries the tag, then wait until
+    the cards are released (fleet.release: --force kills your processes still holding the devices)."""
     hv = prepare(conn, hv)
     if instance is not None and not 0 <= instance < hv["instances"]:
         raise FleetError(f"{hv.name}: there is no instance {instance}; instances are 0-{hv['instances'] - 1}.")
     report = Report(hv.name)
     before = probe(conn, hv, readonly=True)
+    cards_before, cards_why = release.read_cards(conn, hv)
     script = next(f for f in render_host(hv) if f.path == "bin/stop_cluster.sh").content
     args = (["--instance", str(instance)] if instance is not None else []) + (["--check"] if check else [])
     # The freshly rendered stop script goes on stdin: it works even where deploy never put one.
@@ -420,5 +431,7 @@ def stop(conn: Transport, hv: HostVars, emit: Emit = lambda line: None, instance
     else:
         report.add("tag sweep", "ok", "no process with the deployment's tag is left" if not check else
                    f"{len(before['tagged'])} tagged process(es) found")
+    cards = [instance] if instance is not None else list(range(hv["instances"]))
+    release.settle(conn, hv, report, emit, cards, cards_before, cards_why, instance, check, force)
     report.status = status_of(hv, after)
     return report

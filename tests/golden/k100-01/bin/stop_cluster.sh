@@ -13,6 +13,7 @@ DEPLOY_DIR=/data/aiops/vllm-fleet
 FLEET_ID=k100-01-014e7873
 GRACE_S="${GRACE_S:-10}"
 N=8
+BASE_PORT=8002
 
 only="" proxy=1 check=0
 while [ $# -gt 0 ]; do
@@ -24,12 +25,21 @@ while [ $# -gt 0 ]; do
     esac
 done
 
+# This script and its ancestors: never signalled, whatever they carry.
+ancestors=" "
+p=$$
+while [ -n "$p" ] && [ "$p" -gt 0 ] 2>/dev/null; do
+    ancestors+="$p "
+    p=$(awk '/^PPid:/ { print $2 }' "/proc/$p/status" 2>/dev/null)
+done
+spared() { case "$ancestors" in *" $1 "*) return 0 ;; esac; [ "$1" = "${BASHPID:-$$}" ]; }
+
 # Processes of this user whose environment holds FLEET_TAG=<prefix>... (exact when $2 = exact).
 tagged_pids() {
     local prefix=$1 exact=${2:-} d p kv
     for d in /proc/[0-9]*; do
         p=${d#/proc/}
-        [ "$p" = "$$" ] && continue
+        spared "$p" && continue
         [ -O "$d" ] || continue
         while IFS= read -r -d '' kv; do
             case "$kv" in
@@ -43,51 +53,104 @@ tagged_pids() {
 
 group_alive() { kill -0 -- "-$1" 2>/dev/null; }
 
-# SIGTERM a process group, wait up to GRACE_S, then SIGKILL what is left.
-stop_group() {
-    local what=$1 pgid=$2 ticks=0 limit
-    limit=$(awk -v g="$GRACE_S" 'BEGIN { printf "%d", g * 5 }')   # 0.2 s ticks
-    if ! group_alive "$pgid"; then
-        echo "$what: process group $pgid already gone"
-        return 0
-    fi
-    if [ $check = 1 ]; then
-        echo "$what: would stop process group $pgid"
-        return 0
-    fi
-    kill -TERM -- "-$pgid" 2>/dev/null
-    while group_alive "$pgid" && [ $ticks -lt "$limit" ]; do
+# Wait up to $2 seconds (0.2 s ticks) until none of the pids in $1 is alive.
+wait_gone() {
+    local pids=$1 ticks=0 limit p any
+    limit=$(awk -v g="$2" 'BEGIN { printf "%d", g * 5 }')
+    while [ $ticks -lt "$limit" ]; do
+        any=0
+        for p in $pids; do kill -0 "$p" 2>/dev/null && any=1; done
+        [ $any = 0 ] && return 0
         sleep 0.2; ticks=$((ticks + 1))
     done
-    if group_alive "$pgid"; then
-        kill -KILL -- "-$pgid" 2>/dev/null
-        echo "$what: process group $pgid killed (SIGKILL after ${GRACE_S}s)"
-    else
-        echo "$what: process group $pgid stopped"
-    fi
+    return 1
 }
 
-stop_pidfile() {
-    local what=$1 pidfile=$2 pid pgid
-    [ -f "$pidfile" ] || return 0
-    read -r pid pgid <"$pidfile"
-    stop_group "$what" "${pgid:-$pid}"
-    [ $check = 1 ] || rm -f "$pidfile" "${pidfile%.pid}.ready"
+
+# SIGTERM every process group given as "what:pgid" at once, wait up to GRACE_S for them all, then
+# SIGKILL what is left: eight instances stop in one grace period, not eight.
+stop_groups() {
+    local item ticks=0 limit live=() still
+    limit=$(awk -v g="$GRACE_S" 'BEGIN { printf "%d", g * 5 }')   # 0.2 s ticks
+    for item in "$@"; do
+        if ! group_alive "${item##*:}"; then
+            echo "${item%:*}: process group ${item##*:} already gone"
+        elif [ $check = 1 ]; then
+            echo "${item%:*}: would stop process group ${item##*:}"
+        else
+            kill -TERM -- "-${item##*:}" 2>/dev/null
+            live+=("$item")
+        fi
+    done
+    while [ ${#live[@]} -gt 0 ]; do
+        still=()
+        for item in "${live[@]}"; do
+            if group_alive "${item##*:}"; then
+                still+=("$item")
+            else
+                echo "${item%:*}: process group ${item##*:} stopped"
+            fi
+        done
+        live=(${still[@]+"${still[@]}"})
+        [ ${#live[@]} -gt 0 ] && [ $ticks -ge "$limit" ] && break
+        [ ${#live[@]} -gt 0 ] && { sleep 0.2; ticks=$((ticks + 1)); }
+    done
+    for item in ${live[@]+"${live[@]}"}; do
+        kill -KILL -- "-${item##*:}" 2>/dev/null
+        echo "${item%:*}: process group ${item##*:} killed (SIGKILL after ${GRACE_S}s)"
+    done
+}
+
+# Stop the process groups recorded in the pid files given as "what=pidfile", then remove the files.
+stop_pidfiles() {
+    local item pid pgid groups=() files=()
+    for item in "$@"; do
+        [ -f "${item#*=}" ] || continue
+        read -r pid pgid <"${item#*=}"
+        groups+=("${item%%=*}:${pgid:-$pid}")
+        files+=("${item#*=}")
+    done
+    [ ${#groups[@]} -gt 0 ] || return 0
+    stop_groups "${groups[@]}"
+    if [ $check = 0 ]; then
+        for item in "${files[@]}"; do rm -f "$item" "${item%.pid}.ready"; done
+    fi
 }
 
 if [ "$only" = none ]; then
-    stop_pidfile proxy "$DEPLOY_DIR/run/proxy.pid"
+    stop_pidfiles "proxy=$DEPLOY_DIR/run/proxy.pid"
     exit 0
 fi
-[ $proxy = 1 ] && stop_pidfile proxy "$DEPLOY_DIR/run/proxy.pid"
+targets=()
+[ $proxy = 1 ] && targets+=("proxy=$DEPLOY_DIR/run/proxy.pid")   # stopped with the instances, at once
 for ((i = 0; i < N; i++)); do
     [ -n "$only" ] && [ "$only" != "$i" ] && continue
-    stop_pidfile "instance $i" "$DEPLOY_DIR/run/instance_$i.pid"
+    targets+=("instance $i=$DEPLOY_DIR/run/instance_$i.pid")
 done
 for f in "$DEPLOY_DIR"/run/instance_*.pid; do     # instances beyond N from an earlier, larger deploy
     [ -e "$f" ] && [ -z "$only" ] || continue
     i=${f##*/instance_}; i=${i%.pid}
-    stop_pidfile "instance $i" "$f"
+    [ "$i" -ge "$N" ] 2>/dev/null || continue
+    targets+=("instance $i=$f")
+done
+stop_pidfiles ${targets[@]+"${targets[@]}"}
+
+# The process still listening on an instance's port without a pid file (started by hand, or a pid
+# file lost): stopped when it is this user's; another user's is only named.
+for ((i = 0; i < N; i++)); do
+    [ -n "$only" ] && [ "$only" != "$i" ] && continue
+    port=$((BASE_PORT + i))
+    for p in $(ss -ltnpH "sport = :$port" 2>/dev/null | grep -o 'pid=[0-9]*' | cut -d= -f2 | sort -u); do
+        spared "$p" && continue
+        if [ ! -O "/proc/$p" ]; then
+            echo "port $port: held by pid $p of another user; not touched"
+        elif [ $check = 1 ]; then
+            echo "port $port: pid $p ($(tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null | cut -c1-60)): would be stopped"
+        else
+            kill -TERM "$p" 2>/dev/null && echo "port $port: pid $p sent SIGTERM"
+            wait_gone "$p" "$GRACE_S" || { kill -KILL "$p" 2>/dev/null && echo "port $port: pid $p killed (SIGKILL)"; }
+        fi
+    done
 done
 
 # The tag sweep: what the process groups missed (children that left the group, orphans of a SIGKILL).
@@ -102,11 +165,12 @@ for p in $pids; do
     fi
 done
 if [ $check = 0 ] && [ -n "$pids" ]; then
-    sleep 1
-    for p in $(tagged_pids "$prefix" "$exact"); do
-        kill -KILL "$p" 2>/dev/null && echo "tagged pid $p: killed (SIGKILL)"
-    done
-    sleep 0.2
+    if ! wait_gone "$pids" "$GRACE_S"; then
+        for p in $(tagged_pids "$prefix" "$exact"); do
+            kill -KILL "$p" 2>/dev/null && echo "tagged pid $p: killed (SIGKILL after ${GRACE_S}s)"
+        done
+        wait_gone "$(tagged_pids "$prefix" "$exact")" 5
+    fi
 fi
 left=$(tagged_pids "$prefix" "$exact" | wc -l)
 echo "left with tag $prefix: $left"

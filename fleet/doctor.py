@@ -1,0 +1,189 @@
+"""`inv doctor`: is this host ready to run the deployment? Each check says ok, warn or fail, with the fix.
+
+One probe-style script (fleet/doctor_probe.py) reads the facts on the host after env_setup; the checks
+here judge them: the engine binary runs, the model path exists (and its size), each port is free or
+ours, each card has gpu_memory_utilization x total free (else its holders), smi/fuser/ss are found,
+and there is room for logs.
+"""
+from __future__ import annotations
+
+import json
+import math
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import lifecycle, release, smi
+from .errors import FleetError
+from .inventory import HostVars
+from .lifecycle import Emit, Report
+
+PROBE = (Path(__file__).resolve().parent / "doctor_probe.py").read_text()
+
+LOG_WARN_BYTES = 2 * 2**30      # vLLM logs plus the results log (50 MB x 4) plus room to breathe
+LOG_FAIL_BYTES = 256 * 2**20
+
+
+@dataclass
+class Check:
+    """One line of the doctor's report."""
+
+    name: str
+    status: str          # ok, warn, fail
+    message: str
+    fix: str = ""
+
+    def line(self) -> str:
+        return f"{self.status:<5} {self.name}: {self.message}" + (f"\n      fix: {self.fix}" if self.fix else "")
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def engine_cmd(hv: HostVars) -> list[str]:
+    """The command that proves the engine runs: `vllm --version`, or the sim's Python importing aiohttp."""
+    if hv["engine"] == "sim":
+        return [hv["python"], "-c", "import aiohttp"]
+    return [hv["vllm_bin"] or "vllm", "--version"]
+
+
+def facts(conn, hv: HostVars) -> dict:
+    """Run the doctor's probe on the host, after env_setup (so PATH is the engine's)."""
+    ports = [{"port": p, "what": f"instance {i}", "pidfile": f"run/instance_{i}.pid"}
+             for i, p in enumerate(hv.ports)]
+    ports += [{"port": hv["proxy"]["port"], "what": "proxy", "pidfile": "run/proxy.pid"},
+              {"port": hv["proxy"]["admin_port"], "what": "proxy admin", "pidfile": "run/proxy.pid"}]
+    spec = {"deploy_dir": hv["deploy_dir"], "engine_cmd": engine_cmd(hv), "model": hv["model"],
+            "check_model": hv["engine"] != "sim", "ports": ports, "smi_cmd": smi.smi_command(hv)}
+    python = release.host_python(hv)
+    setup = f"set +u\n{hv['env_setup']}\n" if hv["env_setup"] else ""
+    r = conn.run(f"{setup}{shlex.quote(python)} - {shlex.quote(json.dumps(spec))}", stdin=PROBE, timeout=300)
+    if not r.ok:
+        raise FleetError(f"{hv.name}: the doctor's probe failed (exit {r.exited}): "
+                         f"{(r.stderr.strip().splitlines() or ['no output'])[-1]}; check env_setup and python.")
+    try:
+        return json.loads(r.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        raise FleetError(f"{hv.name}: the doctor's probe printed something that is not JSON; check the "
+                         "host's shell startup files and env_setup for output.") from None
+
+
+def checks(conn, hv: HostVars, f: dict) -> list[Check]:
+    """Judge the facts: one Check per line (holders are looked up only for a card that is short)."""
+    out: list[Check] = []
+    # engine
+    e = f["engine"]
+    cmd = " ".join(engine_cmd(hv))
+    if e["exit"] == 0:
+        out.append(Check("engine", "ok", f"`{cmd}` runs" + (f" ({e['output'].strip()})" if e["output"].strip()
+                                                              and hv["engine"] != "sim" else "")))
+    elif hv["engine"] == "sim":
+        out.append(Check("engine", "fail", f"`{cmd}` failed: {e['output'].strip()[-150:]}",
+                         f"install aiohttp for {hv['python']} (or set python to one that has it)"))
+    else:
+        out.append(Check("engine", "fail", f"`{cmd}` " + ("is not found" if e["exit"] is None else
+                                                          f"failed (exit {e['exit']}): {e['output'][-150:]}"),
+                         "install vLLM in the environment env_setup activates, or set vllm_bin"))
+    # model
+    m = f["model"]
+    if hv["engine"] == "sim":
+        out.append(Check("model", "ok", f"engine sim: the model {hv['model']!r} is only a name, no path to check"))
+    elif m["exists"]:
+        status = "ok" if m["bytes"] > 0 else "warn"
+        out.append(Check("model", status, f"{hv['model']} exists, {_gib(m['bytes'])} in {m['files']} file(s)",
+                         "" if status == "ok" else "the model directory is empty: copy the weights there"))
+    elif not hv["model"].startswith(("/", "~", ".")):
+        out.append(Check("model", "warn", f"{hv['model']!r} is not a path: vLLM will try to download it",
+                         "set model to the weights' directory on the host"))
+    else:
+        out.append(Check("model", "fail", f"the model path {hv['model']} does not exist on the host",
+                         "copy the weights there, or set model to where they are"))
+    # ports
+    for p in f["ports"]:
+        label = f"port {p['port']} ({p['what']})"
+        if not p["listening"]:
+            out.append(Check(label, "ok", "free"))
+        elif p["ours"]:
+            out.append(Check(label, "ok", f"ours (pid {p['ours']})"))
+        else:
+            who = ", ".join(f"pid {h['pid']} ({h['command']})" for h in p["holders"]) or \
+                "a process not visible to you (another user's)"
+            key = "base_port" if p["what"].startswith("instance") else \
+                ("proxy.port" if p["what"] == "proxy" else "proxy.admin_port")
+            out.append(Check(label, "fail", f"taken by {who}, not this deployment",
+                             f"stop that process, or change {key}"))
+    # cards
+    out += _card_checks(conn, hv, f)
+    # tools
+    tools = f["tools"]
+    out.append(Check("ss", "ok" if tools["ss"] else "fail", tools["ss"] or "not found",
+                     "" if tools["ss"] else "install iproute2 (start_cluster.sh needs ss)"))
+    out.append(Check("fuser", "ok" if tools["fuser"] else "warn", tools["fuser"] or "not found",
+                     "" if tools["fuser"] else "install psmisc (stop needs fuser to name and --force the holders "
+                     "of the device files)"))
+    # logs
+    d = f["disk"]
+    status = "ok" if d["free"] >= LOG_WARN_BYTES else ("warn" if d["free"] >= LOG_FAIL_BYTES else "fail")
+    out.append(Check("logs", status, f"{_gib(d['free'])} free under {d['dir']}",
+                     "" if status == "ok" else "free disk space there, or move deploy_dir"))
+    return out
+
+
+def _card_checks(conn, hv: HostVars, f: dict) -> list[Check]:
+    s = f["smi"]
+    if hv["accelerator"] == "sim" and not f["sim_devices"]:
+        return [Check("smi", "ok", "sim devices are created by the first deploy; nothing to read yet")]
+    if s["exit"] == 127 and smi.MARKER not in s["output"]:
+        return [Check("smi", "warn", f"no smi found (looked for {smi.locate_note(hv)})",
+                      "install it or name it with the inventory key smi; without it stop cannot verify "
+                      "that the cards' memory is released")]
+    tool = next((ln[len(smi.MARKER):] for ln in s["output"].splitlines() if ln.startswith(smi.MARKER)),
+                smi.locate_note(hv))
+    if s["exit"] != 0:
+        last = (s["output"].strip().splitlines() or ["no output"])[-1]
+        return [Check("smi", "fail", f"`{tool}` failed (exit {s['exit']}): {last[:150]}",
+                      "check the driver, or name the right smi with the inventory key smi")]
+    tool = smi.KIND_TOOL["sim"] if tool == "sim" else tool
+    try:
+        cards = {c.index: c for c in smi.parse_output(hv, s["output"])}
+    except smi.SmiError as e:
+        return [Check("smi", "fail", str(e), "name the right smi with the inventory key smi")]
+    out = [Check("smi", "ok", f"{tool}: {len(cards)} card(s)")]
+    gmu = hv["gpu_memory_utilization"]
+    running = {i for i, p in enumerate(f["ports"][:hv["instances"]]) if p["ours"]}
+    for i in range(hv["instances"]):
+        c = cards.get(i)
+        label = f"card {i}"
+        if c is None:
+            out.append(Check(label, "fail", f"the smi reports no card {i} ({len(cards)} card(s) seen)",
+                             "lower instances and accelerators to the cards the host has"))
+        elif i in running:
+            out.append(Check(label, "ok", f"{c.show()}, used by instance {i} of this deployment"))
+        elif math.isnan(c.used_mib) or math.isnan(c.total_mib):
+            out.append(Check(label, "warn", f"{c.show()}: free memory not reported, cannot check",
+                             "run the smi by hand on the host"))
+        elif c.total_mib - c.used_mib >= gmu * c.total_mib:
+            out.append(Check(label, "ok", f"{c.total_mib - c.used_mib:.0f} MiB free of {c.total_mib:.0f} "
+                             f"(needs {gmu:g} x total = {gmu * c.total_mib:.0f})"))
+        else:
+            found = release.holders(conn, hv, [i])
+            hs = [h for h in found.get("holders", []) if h["class"] != "self"]
+            who = ("held by " + "; ".join(release.show_holder(h) for h in hs)) if hs else \
+                (found.get("error") or "no holder visible to you")
+            out.append(Check(label, "fail", f"only {c.total_mib - c.used_mib:.0f} MiB free of "
+                             f"{c.total_mib:.0f}, needs {gmu:g} x total = {gmu * c.total_mib:.0f}; {who}",
+                             f"`inv stop --host {hv.name} --force` if the holders are yours, or lower "
+                             "gpu_memory_utilization"))
+    return out
+
+
+def doctor(conn, hv: HostVars, emit: Emit = lambda line: None, report: Report | None = None) -> Report:
+    """Run every check on the host, emit a line each, and add them to report (a warn counts as ok)."""
+    hv = lifecycle.prepare(conn, hv)
+    report = report or Report(hv.name)
+    for c in checks(conn, hv, facts(conn, hv)):
+        emit(c.line())
+        report.add(f"doctor {c.name}", "failed" if c.status == "fail" else "ok",
+                   c.message + (f"; fix: {c.fix}" if c.fix and c.status == "fail" else ""))
+    return report

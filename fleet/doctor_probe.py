@@ -1,0 +1,122 @@
+"""What `inv doctor` needs to know, read on the host: run there (after env_setup) as `python3 - SPEC_JSON`
+with this file on standard input, it prints one JSON object. Standard library only, Python 3.6+, no side
+effects. The control node turns these facts into ok/warn/fail lines (fleet/doctor.py).
+"""
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+
+
+def which(name):
+    return shutil.which(name) or next((p for p in ("/usr/sbin/" + name, "/sbin/" + name) if os.path.exists(p)),
+                                      None)
+
+
+def run(argv, timeout, shell=False):
+    """(exit code or None when not found, last output line)."""
+    try:
+        r = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout,
+                           universal_newlines=True, shell=shell, executable="/bin/bash" if shell else None)
+        lines = r.stdout.strip().splitlines()
+        return r.returncode, r.stdout if shell else (lines[-1] if lines else "")
+    except FileNotFoundError:
+        return None, "not found"
+    except PermissionError:
+        return 126, "not executable"
+    except subprocess.TimeoutExpired:
+        return 124, "no answer within %ds" % timeout
+
+
+def model_size(path):
+    """(exists, bytes, files) of a model path (a directory of weights or one file)."""
+    path = os.path.expanduser(path)
+    if not os.path.exists(path):
+        return False, 0, 0
+    if os.path.isfile(path):
+        return True, os.path.getsize(path), 1
+    total = count = 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.path.getsize(os.path.join(root, f))
+                count += 1
+            except OSError:
+                pass
+    return True, total, count
+
+
+def alive(pid):
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError, ValueError):
+        return False
+
+
+def pidfile_pid(path):
+    try:
+        with open(path) as f:
+            pid = int(f.read().split()[0])
+        return pid if alive(pid) else None
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def listening(port):
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def port_facts(spec, ss):
+    out = []
+    for item in spec["ports"]:
+        port = item["port"]
+        ours = pidfile_pid(os.path.join(spec["deploy_dir"], item["pidfile"]))
+        busy = listening(port)
+        holders = []
+        if busy and ss:     # ss names the holder's pid for your processes (every user's as root)
+            text = subprocess.run([ss, "-ltnpH", "sport = :%d" % port], stdout=subprocess.PIPE,
+                                  stderr=subprocess.DEVNULL, universal_newlines=True).stdout
+            for m in re.finditer(r'\("([^"]*)",pid=(\d+)', text):
+                holders.append({"pid": int(m.group(2)), "command": m.group(1)})
+        out.append({"port": port, "what": item["what"], "listening": busy, "ours": ours,
+                    "holders": holders})
+    return out
+
+
+def disk(path):
+    """(directory checked, free bytes) for the nearest existing directory of path."""
+    d = os.path.expanduser(path)
+    while d and not os.path.isdir(d):
+        d = os.path.dirname(d.rstrip("/")) or "/"
+    st = os.statvfs(d)
+    return d, st.f_bavail * st.f_frsize
+
+
+def main():
+    spec = json.loads(sys.argv[1])
+    ss = which("ss")
+    engine_code, engine_out = run(spec["engine_cmd"], 180)
+    exists, size, files = model_size(spec["model"]) if spec["check_model"] else (None, 0, 0)
+    smi_code, smi_out = run(spec["smi_cmd"], 60, shell=True)
+    where, free = disk(spec["deploy_dir"])
+    json.dump({
+        "engine": {"exit": engine_code, "output": engine_out[-300:]},
+        "model": {"exists": exists, "bytes": size, "files": files},
+        "ports": port_facts(spec, ss),
+        "smi": {"exit": smi_code, "output": smi_out},
+        "tools": {name: which(name) for name in ("fuser", "ss")},
+        "disk": {"dir": where, "free": free},
+        "sim_devices": os.path.isdir(os.path.join(spec["deploy_dir"], "sim-dev")),
+    }, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""`inv doctor`: each check ok, warn or fail with its fix; deploy runs it first."""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import textwrap
+
+from conftest import PYTHON, free_ports
+
+from fleet_helpers import inv
+
+
+def test_doctor_names_a_missing_model_path_and_a_taken_port(tmp_path):
+    """1. a vllm host whose model path does not exist and whose instance 1 port is taken by a process
+    that is not the deployment's; 2. doctor fails naming both, each with its fix; 3. deploy runs the doctor
+    first and stops before changing anything; 4. --no-doctor skips it."""
+    base = free_ports(4)
+    inventory = tmp_path / "hosts.yml"
+    inventory.write_text(textwrap.dedent(f"""\
+        hosts:
+          t:
+            connection: local
+            engine: vllm
+            vllm_bin: {PYTHON}
+            accelerator: nvidia
+            smi: {tmp_path / 'no-such-smi'}
+            accelerators: 2
+            instances: 2
+            base_port: {base}
+            model: {tmp_path / 'models' / 'MiniCPM-V-4_5'}
+            deploy_dir: {tmp_path / 'deploy'}
+            proxy: {{port: {base + 2}, admin_port: {base + 3}}}
+        """))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", base + 1))
+        taken.listen()
+        r = inv("doctor", "--host", "t", inventory=inventory)
+        assert r.returncode == 2, r.stdout + r.stderr
+        out = r.stdout
+        assert re.search(r"^ok    engine: `\S+ --version` runs", out, re.M), out
+        assert re.search(rf"^fail  model: the model path {tmp_path}/models/MiniCPM-V-4_5 does not exist on "
+                         r"the host\n      fix: copy the weights there, or set model to where they are$", out, re.M), out
+        assert re.search(rf"^ok    port {base} \(instance 0\): free$", out, re.M), out
+        assert re.search(rf"^fail  port {base + 1} \(instance 1\): taken by pid {os.getpid()} \([^)]+\), not this "
+                         r"deployment\n      fix: stop that process, or change base_port$", out, re.M), out
+        assert re.search(r"^warn  smi: no smi found .*\n      fix: install it or name it with the inventory key smi",
+                         out, re.M), out
+        assert re.search(r"^ok    (fuser|ss): /", out, re.M) and re.search(r"^ok    logs: [\d.]+ GiB free", out, re.M)
+        assert "t : ok=" in out and "failed=2" in out
+
+        r = inv("deploy", "--host", "t", inventory=inventory)
+        assert r.returncode == 2 and "doctor: a check failed" in r.stdout, r.stdout + r.stderr
+        assert not (tmp_path / "deploy" / "bin").exists()
+        assert "FAILED: doctor model:" in r.stderr and "FAILED: doctor port" in r.stderr
+
+    moved = tmp_path / "models" / "MiniCPM-V-4_5"
+    moved.mkdir(parents=True)
+    (moved / "model.safetensors").write_bytes(b"\0" * 4096)
+    r = inv("doctor", "--host", "t", inventory=inventory)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert re.search(r"^ok    model: \S+ exists, 0.0 GiB in 1 file\(s\)$", r.stdout, re.M), r.stdout
+    r = inv("deploy", "--host", "t", "--check", "--no-doctor", inventory=inventory)
+    assert r.returncode == 0 and "would start" in r.stdout and "model:" not in r.stdout, r.stdout + r.stderr

@@ -1,0 +1,187 @@
+"""`inv stop` done right on the sim accelerator, which runs the same code as a DCU host: process groups,
+the tag sweep, the wait for release read from the smi, --force, and another user's holder."""
+from __future__ import annotations
+
+import os
+import pwd
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+
+from conftest import require_tool, wait_until
+
+from fleet import inventory as inv_mod
+from fleet import smi
+from fleet.lifecycle import prepare
+from fleet.sim import devices
+from fleet.transport import LocalTransport
+from fleet_helpers import deployment_id, inv, kill_tagged, status_json, tagged_pids, write_inventory
+
+OTHER_USER = "fleet-other"
+
+
+def cards_used(inventory) -> dict[int, float]:
+    """Card -> used MiB, read with the real smi path (python -m fleet.sim smi through the transport)."""
+    hv = prepare(LocalTransport("t"), inv_mod.load(inventory).host_vars("t"))
+    return {c.index: c.used_mib for c in smi.read_cards(LocalTransport("t"), hv)}
+
+
+def table_rows(output: str) -> dict[int, str]:
+    """The per-card table of a stop: card -> its state word(s)."""
+    return {int(m.group(1)): m.group(2).strip() for m in
+            re.finditer(r"^\s+(\d+)\s+\S+ MiB\s+\S+ MiB\s+(.+)$", output, re.M)}
+
+
+def test_orphans_of_killed_api_servers_are_found_by_tag_and_every_card_released(tmp_path):
+    """1. deploy 4 sim instances; 2. SIGKILL every API server and lose the pid files, so neither a port
+    nor a process group leads to the spawned engine children; 3. the orphans keep their cards used;
+    4. `inv stop` (no --force) finds them by FLEET_TAG; 5. the table shows every card released."""
+    inventory = write_inventory(tmp_path, extra="release_timeout_s: 20\n")
+    dep = deployment_id(inventory)
+    try:
+        r = inv("deploy", "--host", "t", inventory=inventory)
+        assert r.returncode == 0, r.stdout + r.stderr
+        st = status_json(inventory)
+        for i in st["instances"]:
+            os.kill(i["pid"], signal.SIGKILL)
+        for i in range(4):
+            (tmp_path / "deploy" / "run" / f"instance_{i}.pid").unlink()
+        wait_until(lambda: all(not os.path.exists(f"/proc/{i['pid']}") or
+                               open(f"/proc/{i['pid']}/stat").read().split(")")[1].split()[0] == "Z"
+                               for i in st["instances"]), timeout=10, what="API servers gone")
+        orphans = [p for p in tagged_pids(dep + "/") if p != st["proxy"]["pid"]]
+        assert len(orphans) >= 4
+        used = cards_used(inventory)
+        assert all(used[c] >= devices.ENGINE_MIB for c in range(4)), used
+
+        r = inv("stop", "--host", "t", inventory=inventory)
+        assert r.returncode == 0, r.stdout + r.stderr
+        swept = {int(p) for p in re.findall(r"^tagged pid (\d+) \(FLEET_TAG=", r.stdout, re.M)}
+        assert set(orphans) <= swept, r.stdout
+        assert table_rows(r.stdout) == {c: "released" for c in range(4)}, r.stdout
+        assert tagged_pids(dep + "/") == []
+        assert all(u <= devices.IDLE_MIB for u in cards_used(inventory).values())
+    finally:
+        inv("stop", "--host", "t", inventory=inventory)
+        kill_tagged(dep + "/")
+
+
+@pytest.fixture
+def bare_host(tmp_path):
+    """A sim host with its device files but nothing deployed, and a short release timeout."""
+    inventory = write_inventory(tmp_path, extra="release_timeout_s: 2\n")
+    devices.ensure_devices(tmp_path / "deploy" / "sim-dev", 4)
+    return inventory, tmp_path / "deploy" / "sim-dev"
+
+
+def hold(procs, path, user: str | None = None):
+    """A process holding `path` open (as `user` via setpriv, the file opened before the switch)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        argv = ["sleep", "120"]
+        if user:
+            pw = pwd.getpwnam(user)
+            argv = [require_tool("setpriv"), f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--clear-groups",
+                    "--", *argv]
+        p = procs.start(argv, pass_fds=(fd,))
+    finally:
+        os.close(fd)
+    return p
+
+
+def test_untagged_holder_is_listed_by_check_and_killed_only_by_force(bare_host, procs):
+    """1. a process of this user, with no tag, holds card 1's device file; 2. `--check` lists it and kills
+    nothing; 3. a plain stop leaves it, fails naming it and says --force; 4. `--force` kills it and the
+    card is released."""
+    require_tool("fuser")
+    inventory, dev = bare_host
+    holder = hold(procs, dev / "renderD129")
+    wait_until(lambda: cards_used(inventory)[1] >= devices.ENGINE_MIB, what="card 1 used")
+
+    r = inv("stop", "--host", "t", "--check", inventory=inventory)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert re.search(rf"holder {holder.pid}: pid {holder.pid} \(user \S+: sleep 120\) holds \S+renderD129: "
+                     r"would be killed with --force", r.stdout), r.stdout
+    r = inv("stop", "--host", "t", "--check", "--force", inventory=inventory)
+    assert re.search(rf"holder {holder.pid}: .*: would be killed$", r.stdout, re.M), r.stdout
+    assert holder.poll() is None
+
+    r = inv("stop", "--host", "t", inventory=inventory)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert table_rows(r.stdout)[1] == "NOT RELEASED" and table_rows(r.stdout)[0] == "released"
+    assert re.search(rf"FAILED: release: not released after 2s: card 1 \(52002/65520 MiB\); held by pid "
+                     rf"{holder.pid} .*--force` kills the ones that are yours", r.stderr), r.stderr
+    assert holder.poll() is None
+
+    t0 = time.monotonic()
+    r = inv("stop", "--host", "t", "--force", inventory=inventory)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"force: killed pid {holder.pid}" in r.stdout
+    assert table_rows(r.stdout) == {c: "released" for c in range(4)}, r.stdout
+    assert holder.wait(timeout=5) == -signal.SIGTERM
+    assert time.monotonic() - t0 < 30
+
+
+def ensure_other_user() -> str:
+    """A second local user for the holder of another user (CI runs as root; skipped elsewhere)."""
+    if os.geteuid() != 0:
+        if os.environ.get("CI") == "true":
+            pytest.fail("CI must run as root to create a second user")
+        pytest.skip("needs root to run a process as another user")
+    try:
+        pwd.getpwnam(OTHER_USER)
+    except KeyError:
+        subprocess.run([require_tool("useradd"), "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
+                        OTHER_USER], check=True, capture_output=True)
+    return OTHER_USER
+
+
+def test_another_users_holder_is_never_killed_and_is_named(bare_host, procs):
+    """1. a process of another user holds card 2's device file; 2. `--check --force` says it is never
+    killed; 3. `--force` leaves it alive, and the stop fails naming it as the holder."""
+    require_tool("fuser")
+    user = ensure_other_user()
+    inventory, dev = bare_host
+    holder = hold(procs, dev / "renderD130", user=user)
+    wait_until(lambda: cards_used(inventory)[2] >= devices.ENGINE_MIB, what="card 2 used")
+
+    r = inv("stop", "--host", "t", "--check", "--force", inventory=inventory)
+    assert re.search(rf"holder {holder.pid}: pid {holder.pid} \(user {user}: sleep 120\) .*never killed",
+                     r.stdout), r.stdout
+    r = inv("stop", "--host", "t", "--force", inventory=inventory)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert holder.poll() is None
+    assert re.search(rf"card 2 \(52002/65520 MiB\); held by pid {holder.pid} \(user {user}: sleep 120\) "
+                     r"\[another user's\]; ask the holder's owner", r.stderr), r.stderr
+    assert "force: killed" not in r.stdout
+    assert table_rows(r.stdout)[2] == "NOT RELEASED"
+
+
+def test_force_on_one_instance_spares_the_others(tmp_path, procs):
+    """1. a running 2-instance cluster, and an untagged process of yours holding card 0's device file;
+    2. `inv stop --instance 0 --force` kills instance 0 and that holder; 3. instance 1, its engine child
+    and the proxy live on, untouched."""
+    require_tool("fuser")
+    inventory = write_inventory(tmp_path, instances=2, extra="release_timeout_s: 10\n")
+    dep = deployment_id(inventory)
+    try:
+        r = inv("deploy", "--host", "t", inventory=inventory)
+        assert r.returncode == 0, r.stdout + r.stderr
+        others = set(tagged_pids(f"{dep}/1")) | set(tagged_pids(f"{dep}/proxy"))
+        assert len(others) >= 3
+        holder = hold(procs, tmp_path / "deploy" / "sim-dev" / "renderD128")
+        r = inv("stop", "--host", "t", "--instance", "0", "--force", inventory=inventory)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert f"force: killed pid {holder.pid}" in r.stdout
+        assert holder.wait(timeout=5) is not None
+        assert table_rows(r.stdout) == {0: "released"}, r.stdout
+        assert set(tagged_pids(f"{dep}/1")) | set(tagged_pids(f"{dep}/proxy")) == others
+        assert tagged_pids(f"{dep}/0") == []
+        st = status_json(inventory)
+        assert [i["state"] for i in st["instances"]] == ["stopped", "healthy"]
+    finally:
+        inv("stop", "--host", "t", inventory=inventory)
+        kill_tagged(dep + "/")
