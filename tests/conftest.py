@@ -90,6 +90,20 @@ class Processes:
         self.started.append(p)
         return p
 
+    def stop(self, p: subprocess.Popen) -> None:
+        """Stop one of them (its process group) now, and forget it."""
+        for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 2)):
+            try:
+                os.killpg(p.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                p.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+        self.started.remove(p)
+
     def stop_all(self):
         for p in self.started:
             if p.poll() is None:
