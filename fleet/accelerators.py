@@ -1,4 +1,4 @@
-"""Accelerator kinds: which variable hides the other cards, which device files an engine holds."""
+"""Accelerator kinds: which variable hides the other cards, which device files an engine holds, which smi."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,15 +11,27 @@ class Kind:
     name: str
     visibility_var: str            # set to the instance's card index
     device_globs: tuple[str, ...]  # files an engine process holds open while it owns a card
+    card_files: tuple[str, ...]    # the files of card {i} alone (kfd is shared by every card)
+    # Where the smi is looked for, in order. Absolute paths first: PATH over non-interactive SSH
+    # lacks /opt/hyhal/bin and /opt/dtk/bin. The arguments follow from the binary's name (fleet.smi).
+    smi_candidates: tuple[str, ...]
 
+
+_HIP_SMI = ("/opt/hyhal/bin/hy-smi", "/opt/dtk/bin/rocm-smi", "/opt/rocm/bin/rocm-smi", "hy-smi", "rocm-smi")
 
 KINDS = {
     # dcu and rocm set HIP_VISIBLE_DEVICES only: setting ROCR_VISIBLE_DEVICES too can hide every card.
-    "dcu": Kind("dcu", "HIP_VISIBLE_DEVICES", ("/dev/kfd", "/dev/dri/renderD*", "/dev/dri/card*")),
-    "rocm": Kind("rocm", "HIP_VISIBLE_DEVICES", ("/dev/kfd", "/dev/dri/renderD*", "/dev/dri/card*")),
-    "nvidia": Kind("nvidia", "CUDA_VISIBLE_DEVICES", ("/dev/nvidia*",)),
-    # The sim accelerator's device files are plain files under deploy_dir/sim-dev (see fleet.sim).
-    "sim": Kind("sim", "SIM_VISIBLE_DEVICES", ("{deploy_dir}/sim-dev/kfd", "{deploy_dir}/sim-dev/renderD*")),
+    "dcu": Kind("dcu", "HIP_VISIBLE_DEVICES", ("/dev/kfd", "/dev/dri/renderD*", "/dev/dri/card*"),
+                ("/dev/dri/renderD{render}",), _HIP_SMI),
+    "rocm": Kind("rocm", "HIP_VISIBLE_DEVICES", ("/dev/kfd", "/dev/dri/renderD*", "/dev/dri/card*"),
+                 ("/dev/dri/renderD{render}",),
+                 ("/opt/rocm/bin/rocm-smi", "/opt/dtk/bin/rocm-smi", "rocm-smi", "/opt/hyhal/bin/hy-smi")),
+    "nvidia": Kind("nvidia", "CUDA_VISIBLE_DEVICES", ("/dev/nvidia*",), ("/dev/nvidia{index}",),
+                   ("/usr/bin/nvidia-smi", "nvidia-smi")),
+    # The sim accelerator's device files are plain files under deploy_dir/sim-dev (see fleet.sim);
+    # its smi is `python -m fleet.sim smi`, built by fleet.smi.smi_command.
+    "sim": Kind("sim", "SIM_VISIBLE_DEVICES", ("{deploy_dir}/sim-dev/kfd", "{deploy_dir}/sim-dev/renderD*"),
+                ("{deploy_dir}/sim-dev/renderD{render}",), ("fleet.sim",)),
 }
 
 
@@ -31,3 +43,8 @@ def kind(name: str) -> Kind:
 def device_globs(name: str, deploy_dir: str) -> list[str]:
     """The device file patterns of a kind on a host whose deploy_dir is given."""
     return [g.format(deploy_dir=deploy_dir) for g in KINDS[name].device_globs]
+
+
+def card_files(name: str, deploy_dir: str, index: int) -> list[str]:
+    """The device files of card `index` alone (render node 128 + index, /dev/nvidiaN)."""
+    return [f.format(deploy_dir=deploy_dir, index=index, render=128 + index) for f in KINDS[name].card_files]

@@ -66,6 +66,9 @@ SCHEMA: dict[str, Any] = {
     "health_timeout_s": float,
     "stop_grace_s": float,
     "release_timeout_s": float,
+    "release_threshold_mib": float,
+    "drain_timeout_s": float,
+    "smi": Str(),
     "sim": Mapping(load_s=float, prefill_ms=float, token_ms=float, output_tokens=int, instant=bool),
     "proxy": Mapping(
         port=Port, admin_port=Port, bind=Str(), health_interval_s=float, timeout_s=float,
@@ -75,7 +78,7 @@ SCHEMA: dict[str, Any] = {
 }
 
 # Keys that may be null (meaning "work it out": the host's python3, the model path as served name...).
-OPTIONAL = {"connection", "python", "served_model_name", "ssh", "vllm_bin"}
+OPTIONAL = {"connection", "python", "served_model_name", "ssh", "vllm_bin", "smi"}
 
 BUILTIN_DEFAULTS: dict[str, Any] = {
     "connection": None,
@@ -99,6 +102,9 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
     "health_timeout_s": 600.0,
     "stop_grace_s": 10.0,
     "release_timeout_s": 60.0,
+    "release_threshold_mib": 1024.0,
+    "drain_timeout_s": 60.0,
+    "smi": None,
     "ssh": None,
     "sim": {"load_s": 3.0, "prefill_ms": 100.0, "token_ms": 10.0, "output_tokens": 200, "instant": False},
     "proxy": {
