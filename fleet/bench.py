@@ -273,10 +273,17 @@ class UtilSampler:
                 self.reason = f"smi failed: {e}"
                 self.read = None
                 return
-            self.samples.append({"t_s": round(t - origin, 3), "cards": [
-                {"index": c.index, "util_pct": c.util_pct, "used_mib": c.used_mib, "total_mib": c.total_mib}
-                for c in cards]})
+            self.samples.append({"t_s": round(t - origin, 3), "cards": [card_figures(c) for c in cards]})
             self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - t)))
+
+
+def card_figures(card) -> dict:
+    """A fleet.smi Card as JSON-safe figures (what the smi did not report is None)."""
+    def known(x):
+        return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
+    used = card.used_fraction
+    return {"index": card.index, "util_pct": known(card.util_pct), "used_mib": known(card.used_mib),
+            "total_mib": known(card.total_mib), "mem_pct": None if used is None else round(100 * used, 1)}
 
 
 def smi_reader(hv: HostVars) -> tuple[Callable[[], list] | None, str, Callable[[], None]]:
@@ -300,9 +307,9 @@ def util_summary(samples: list[dict]) -> dict | None:
         known = [c["util_pct"] for c in cards if c["util_pct"] is not None]
         if known:
             util.append(sum(known) / len(known))
-        total = sum(c["total_mib"] or 0 for c in cards)
-        if total:
-            mem.append(100.0 * sum(c["used_mib"] or 0 for c in cards) / total)
+        used = [c["mem_pct"] for c in cards if c["mem_pct"] is not None]
+        if used:
+            mem.append(sum(used) / len(used))
     if not util and not mem:
         return None
     return {"util_pct": round(statistics.median(util), 1) if util else None,

@@ -64,7 +64,14 @@ def test_throughput_stops_growing_at_capacity_and_the_slots_run_in_parallel(swee
     assert len(levels[32]["by_backend"]) == 8          # every backend took part
     assert levels[64]["latency_s"]["p95"] > 1.5 * single  # beyond capacity: queueing, not speed
 
+    # The sim's smi reports each card's busy slots: 1 of 4 at concurrency 8, 4 of 4 at 32.
+    util = {c: lv["utilisation"] for c, lv in levels.items()}
+    assert util[32]["cards"] == 8 and util[32]["samples"] >= 1, util
+    assert util[8]["util_pct"] < util[32]["util_pct"] and util[32]["util_pct"] >= 60, util
+    assert 70 <= util[32]["mem_pct"] <= 90, util        # an engine's 52000 of 65520 MiB
+
     out = r.stdout
+    assert "Accelerators at concurrency 32: median utilisation" in out
     assert "Throughput stops growing at concurrency 32" in out
     assert "beyond the server's capacity only adds queueing" in out
     assert "the slots run in parallel" in out
@@ -192,3 +199,16 @@ def test_percentile_interpolates_between_ranks():
     assert bench.percentile([3.0], 99) == 3.0
     assert bench.percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
     assert bench.percentile(list(range(101)), 95) == 95
+
+
+def test_util_summary_is_the_median_of_the_cards_mean():
+    """Cards as fleet.smi reads them (hy-smi's default table gives VRAM% only: MiB unknown, NaN)."""
+    from fleet.smi import Card
+    samples = [{"cards": [bench.card_figures(Card(0, 52000, 65520, 50.0)),
+                          bench.card_figures(Card(1, util_pct=90.0, vram_pct=70.0))]},
+               {"cards": [bench.card_figures(Card(0, 52000, 65520, 100.0)),
+                          bench.card_figures(Card(1, util_pct=100.0, vram_pct=70.0))]},
+               {"cards": [bench.card_figures(Card(0, 2, 65520, 0.0)), bench.card_figures(Card(1, vram_pct=0.0))]}]
+    json.dumps(samples, allow_nan=False)                   # NaN never reaches bench.json
+    u = bench.util_summary(samples)
+    assert u == {"util_pct": 70.0, "mem_pct": 74.7, "samples": 3, "cards": 2}
