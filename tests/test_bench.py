@@ -17,11 +17,19 @@ from fleet_helpers import deployment_id, inv, kill_tagged, status_json, write_in
 SLOW_SIM = "{load_s: 0.3, prefill_ms: 300, token_ms: 40, output_tokens: 16}"
 
 
-def deployed(tmp_path, **kw):
-    inventory = write_inventory(tmp_path, **kw)
-    r = inv("deploy", "--host", "t", inventory=inventory)
-    assert r.returncode == 0, r.stdout + r.stderr
-    return inventory
+def deployed(tmp_path, edit=lambda text: text, **kw):
+    """A deployed sim cluster. The machine is shared: when another session took one of the ports picked
+    free a moment before, deploy once more on fresh ports (twice at most)."""
+    for attempt in range(2):
+        inventory = write_inventory(tmp_path, **kw)
+        inventory.write_text(edit(inventory.read_text()))
+        r = inv("deploy", "--host", "t", inventory=inventory)
+        if r.returncode == 0:
+            return inventory
+        undeploy(inventory)
+        if "address already in use" not in r.stdout + r.stderr:
+            break
+    raise AssertionError(r.stdout + r.stderr)
 
 
 def undeploy(inventory):
@@ -110,13 +118,10 @@ def test_dead_backend_failures_counted_by_status(tmp_path):
     2. engine death on instance 0 (its /health 503, /v1/models 200), unseen by the proxy yet;
     3. bench: its requests fail with 500, counted by status, the engine's error body shown;
     the others succeed, so the run itself succeeds."""
-    inventory = write_inventory(tmp_path, instances=4, max_num_seqs=4,
-                                sim="{load_s: 0.3, prefill_ms: 20, token_ms: 5, output_tokens: 16}")
-    text = inventory.read_text().replace("health_interval_s: 0.5", "health_interval_s: 60")
-    inventory.write_text(text)
-    r = inv("deploy", "--host", "t", inventory=inventory)
+    inventory = deployed(tmp_path, instances=4, max_num_seqs=4,
+                         sim="{load_s: 0.3, prefill_ms: 20, token_ms: 5, output_tokens: 16}",
+                         edit=lambda text: text.replace("health_interval_s: 0.5", "health_interval_s: 60"))
     try:
-        assert r.returncode == 0, r.stdout + r.stderr
         dead = status_json(inventory)["instances"][0]["port"]
         req = urllib.request.Request(f"http://127.0.0.1:{dead}/sim/fault", json.dumps(
             {"fault": "engine-death"}).encode(), {"Content-Type": "application/json"})
