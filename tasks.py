@@ -219,3 +219,31 @@ def doctor(c, host="", set_=None, inventory_="", forks=5):
     def action(conn, hv, emit):
         return doctor_mod.doctor(conn, hv, emit)
     _finish(_run(host, inventory_, set_, action, forks)[1])
+
+
+@task(help=_help("host", "inventory", "set",
+                 scenario="comma list of short, detailed, thinking (default: all three)",
+                 concurrency="comma list of concurrency levels (default 8,16,32,48,64)",
+                 requests="requests per level (default: one per concurrent client, a single wave)",
+                 image="an image file to send (default: a generated PNG)",
+                 out="directory for bench.json, report.md and chart.svg "
+                     "(default bench-results/HOST-YYYYmmdd-HHMMSS)"),
+      iterable=["set_"])
+def bench(c, host="", inventory_="", set_=None, scenario="short,detailed,thinking",
+          concurrency="8,16,32,48,64", requests=0, image="", out=""):
+    """Load-test a host through its entry port: a concurrency sweep per scenario, tables, JSON, Markdown, SVG."""
+    from fleet import bench as bench_mod
+    try:
+        scenarios = bench_mod.parse_scenarios(scenario)
+        levels = bench_mod.parse_concurrency(concurrency)
+        n = int(requests)
+        many = bool(host) and len(_inventory(inventory_).select(host)) > 1
+    except FleetError as e:
+        raise Exit(f"error: {e}", code=2)
+    except ValueError:
+        raise Exit(f"--requests takes a number of requests per level, got {requests!r}.", code=2)
+
+    def action(conn, hv, emit):
+        target = (Path(out) / hv.name if many else Path(out)) if out else None
+        return bench_mod.run_host(conn, hv, emit, scenarios, levels, n, image or None, target)
+    _finish(_run(host, inventory_, set_, action, forks=1)[1])

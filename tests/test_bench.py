@@ -1,0 +1,219 @@
+"""`inv bench` against real sim clusters deployed through the real command line."""
+from __future__ import annotations
+
+import json
+import struct
+import urllib.request
+import xml.etree.ElementTree as ET
+import zlib
+
+import pytest
+
+from fleet import bench
+from fleet_helpers import deployment_id, inv, kill_tagged, status_json, write_inventory
+
+# One request: 300 ms prefill + 16 tokens x 40 ms, about 1 s, long enough that process start-up
+# jitter on a loaded machine stays well inside the 20% the parallel check allows.
+SLOW_SIM = "{load_s: 0.3, prefill_ms: 300, token_ms: 40, output_tokens: 16}"
+
+
+def deployed(tmp_path, edit=lambda text: text, **kw):
+    """A deployed sim cluster. The machine is shared: when another session took one of the ports picked
+    free a moment before, deploy once more on fresh ports (twice at most)."""
+    for attempt in range(2):
+        inventory = write_inventory(tmp_path, **kw)
+        inventory.write_text(edit(inventory.read_text()))
+        r = inv("deploy", "--host", "t", inventory=inventory)
+        if r.returncode == 0:
+            return inventory
+        undeploy(inventory)
+        if "address already in use" not in r.stdout + r.stderr:
+            break
+    raise AssertionError(r.stdout + r.stderr)
+
+
+def undeploy(inventory):
+    inv("stop", "--host", "t", inventory=inventory)
+    kill_tagged(deployment_id(inventory) + "/")
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """8 instances x max_num_seqs 4 (capacity 32), then one `inv bench` sweep 8..64 of the short scenario."""
+    tmp = tmp_path_factory.mktemp("bench8")
+    inventory = deployed(tmp, instances=8, max_num_seqs=4, sim=SLOW_SIM)
+    try:
+        out = tmp / "out"
+        r = inv("bench", "--host", "t", "--scenario", "short", "--out", str(out), inventory=inventory)
+        assert r.returncode == 0, r.stdout + r.stderr
+        yield r, json.loads((out / "bench.json").read_text()), out
+    finally:
+        undeploy(inventory)
+
+
+def test_throughput_stops_growing_at_capacity_and_the_slots_run_in_parallel(sweep):
+    """1. capacity 32: throughput grows from 8 to 16 to 32 concurrent requests, then stops;
+    2. the 32 requests of concurrency 32 take about as long, in all, as one request alone;
+    3. the terminal says both, with the queueing sentence and a daily estimate."""
+    r, result, _ = sweep
+    sc = result["scenarios"][0]
+    assert result["capacity"] == 32 and sc["scenario"] == "short" and sc["max_tokens"] == 64
+    levels = {lv["concurrency"]: lv for lv in sc["levels"]}
+    assert list(levels) == [8, 16, 32, 48, 64]
+    assert all(lv["success_rate"] == 1.0 for lv in levels.values()), r.stdout
+    rps = {c: lv["throughput_rps"] for c, lv in levels.items()}
+    assert rps[16] > 1.5 * rps[8] and rps[32] > 1.5 * rps[16], rps
+    assert max(rps[48], rps[64]) < 1.2 * rps[32], rps
+    assert sc["findings"]["saturation"] == 32, rps
+
+    single = sc["single"]["latency_s"]
+    assert 0.5 < single < 2.0, single
+    assert abs(levels[32]["total_s"] / single - 1) <= 0.2, (levels[32]["total_s"], single)
+    assert len(levels[32]["by_backend"]) == 8          # every backend took part
+    assert levels[64]["latency_s"]["p95"] > 1.5 * single  # beyond capacity: queueing, not speed
+
+    # The sim's smi reports each card's busy slots: 1 of 4 at concurrency 8, 4 of 4 at 32.
+    util = {c: lv["utilisation"] for c, lv in levels.items()}
+    assert util[32]["cards"] == 8 and util[32]["samples"] >= 1, util
+    assert util[8]["util_pct"] < util[32]["util_pct"] and util[32]["util_pct"] >= 60, util
+    assert 70 <= util[32]["mem_pct"] <= 90, util        # an engine's 52000 of 65520 MiB
+
+    out = r.stdout
+    assert "Accelerators at concurrency 32: median utilisation" in out
+    assert "Throughput stops growing at concurrency 32" in out
+    assert "beyond the server's capacity only adds queueing" in out
+    assert "the slots run in parallel" in out
+    daily = sc["findings"]["daily_estimate"]
+    assert daily == int(sc["findings"]["peak_throughput_rps"] * 86400 * 0.75)
+    assert f"{daily:,} requests a day" in out
+    assert "t : ok=1 changed=0 skipped=0 failed=0 unreachable=0" in out
+
+
+def test_report_files_exist_and_parse(sweep):
+    """JSON with every request's figures, a Markdown table per scenario, a well-formed SVG chart."""
+    _, result, out = sweep
+    sc = result["scenarios"][0]
+    for lv in sc["levels"]:
+        assert len(lv["samples"]) == lv["requests"] == lv["concurrency"]
+        lat = lv["latency_s"]
+        assert lat["p50"] <= lat["p95"] <= lat["p99"] <= lat["max"]
+        assert 0 < lv["ttft_s"]["p50"] < lat["p50"]       # streamed: first token before the end
+        assert lv["output_tokens"] == 16 * lv["requests"]
+        assert sum(lv["by_backend"].values()) == lv["requests"]
+    md = (out / "report.md").read_text()
+    assert md.startswith("# Load test of t")
+    for c in (8, 16, 32, 48, 64):
+        assert f"\n| {c} | 100% |" in md
+    assert "![throughput and p95 latency against concurrency](chart.svg)" in md
+
+    svg = ET.parse(out / "chart.svg").getroot()
+    ns = "{http://www.w3.org/2000/svg}"
+    assert svg.tag == f"{ns}svg"
+    assert len(svg.findall(f".//{ns}polyline")) == 2       # throughput and p95 latency
+    assert len(svg.findall(f".//{ns}circle")) == 10        # a point per level on each line
+
+
+def test_dead_backend_failures_counted_by_status(tmp_path):
+    """1. a 4-instance cluster whose proxy checks /health only once a minute;
+    2. engine death on instance 0 (its /health 503, /v1/models 200), unseen by the proxy yet;
+    3. bench: its requests fail with 500, counted by status, the engine's error body shown;
+    the others succeed, so the run itself succeeds."""
+    inventory = deployed(tmp_path, instances=4, max_num_seqs=4,
+                         sim="{load_s: 0.3, prefill_ms: 20, token_ms: 5, output_tokens: 16}",
+                         edit=lambda text: text.replace("health_interval_s: 0.5", "health_interval_s: 60"))
+    try:
+        dead = status_json(inventory)["instances"][0]["port"]
+        req = urllib.request.Request(f"http://127.0.0.1:{dead}/sim/fault", json.dumps(
+            {"fault": "engine-death"}).encode(), {"Content-Type": "application/json"})
+        urllib.request.urlopen(req, timeout=5).read()
+        out = tmp_path / "out"
+        r = inv("bench", "--host", "t", "--scenario", "short", "--concurrency", "8,16", "--requests", "24",
+                "--out", str(out), inventory=inventory)
+        assert r.returncode == 0, r.stdout + r.stderr
+        result = json.loads((out / "bench.json").read_text())
+        sc = result["scenarios"][0]
+        failed = 0
+        for lv in sc["levels"]:
+            assert lv["requests"] == 24
+            assert lv["ok"] + sum(lv["failures"].values()) == lv["requests"]
+            assert set(lv["failures"]) <= {"500"}, lv["failures"]
+            assert lv["ok"] > 0
+            failed += lv["failures"].get("500", 0)
+            bad = [s for s in lv["samples"] if not s["ok"]]
+            assert {s["backend"] for s in bad} <= {f"127.0.0.1:{dead}"}
+        assert failed > 0
+        assert sc["errors"] and "EngineCore encountered an issue" in sc["errors"][0]["body"]
+        assert f"{failed} request(s) failed: {failed} x 500" in r.stdout
+        assert f"! 500 from 127.0.0.1:{dead}" in r.stdout and "EngineCore" in r.stdout
+        md = (out / "report.md").read_text()
+        assert "Failures by status" in md and "x 500" in md
+    finally:
+        undeploy(inventory)
+
+
+def test_mistakes_are_one_sentence(tmp_path):
+    """Bad options and a host with nothing deployed: exit 2, one sentence, no traceback, no report."""
+    inventory = write_inventory(tmp_path, instances=2)
+    out = tmp_path / "out"
+    cases = [
+        (["--image", str(tmp_path / "missing.png")], "no such file"),
+        (["--concurrency", "8,x"], "--concurrency takes a comma list of positive integers"),
+        (["--scenario", "long"], "unknown scenario 'long'"),
+        ([], "nothing answers at http://127.0.0.1:"),
+    ]
+    not_an_image = tmp_path / "notes.txt"
+    not_an_image.write_text("hello")
+    cases.append((["--image", str(not_an_image)], "not a PNG, JPEG, GIF or WebP file"))
+    for args, message in cases:
+        r = inv("bench", "--host", "t", "--out", str(out), *args, inventory=inventory)
+        assert r.returncode == 2, (args, r.stdout, r.stderr)
+        assert message in r.stdout + r.stderr, (args, r.stdout, r.stderr)
+        assert "Traceback" not in r.stdout + r.stderr
+    assert not out.exists()
+
+
+def test_generated_png_is_a_valid_image():
+    png = bench.make_png(8, 4)
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and bench.image_mime(png) == "image/png"
+    pos, chunks = 8, {}
+    while pos < len(png):
+        (length,) = struct.unpack(">I", png[pos:pos + 4])
+        kind, data = png[pos + 4:pos + 8], png[pos + 8:pos + 8 + length]
+        assert struct.unpack(">I", png[pos + 8 + length:pos + 12 + length])[0] == zlib.crc32(kind + data)
+        chunks[kind] = data
+        pos += 12 + length
+    assert struct.unpack(">II", chunks[b"IHDR"][:8]) == (8, 4)
+    assert len(zlib.decompress(chunks[b"IDAT"])) == 4 * (1 + 8 * 3)
+    url = bench.load_image(None)["url"]
+    assert url.startswith("data:image/png;base64,")
+
+
+@pytest.mark.parametrize("rps, expected", [
+    ([8, 16, 32, 25, 33], 32),      # the sim's one-wave sweep: flat after capacity
+    ([25.5, 44.4, 67.3, 60.2, 60.5], 32),   # the seed's short answers
+    ([10, 20, 30, 40, 50], None),   # still growing: not saturated
+    ([10, 10.4, 30, 40, 50], 8),    # +4% is not growth
+])
+def test_saturation_is_where_throughput_stops_growing_by_more_than_5_percent(rps, expected):
+    levels = [{"concurrency": c, "throughput_rps": x} for c, x in zip((8, 16, 32, 48, 64), rps)]
+    assert bench.saturation(levels) == expected
+
+
+def test_percentile_interpolates_between_ranks():
+    assert bench.percentile([], 50) is None
+    assert bench.percentile([3.0], 99) == 3.0
+    assert bench.percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert bench.percentile(list(range(101)), 95) == 95
+
+
+def test_util_summary_is_the_median_of_the_cards_mean():
+    """Cards as fleet.smi reads them (hy-smi's default table gives VRAM% only: MiB unknown, NaN)."""
+    from fleet.smi import Card
+    samples = [{"cards": [bench.card_figures(Card(0, 52000, 65520, 50.0)),
+                          bench.card_figures(Card(1, util_pct=90.0, vram_pct=70.0))]},
+               {"cards": [bench.card_figures(Card(0, 52000, 65520, 100.0)),
+                          bench.card_figures(Card(1, util_pct=100.0, vram_pct=70.0))]},
+               {"cards": [bench.card_figures(Card(0, 2, 65520, 0.0)), bench.card_figures(Card(1, vram_pct=0.0))]}]
+    json.dumps(samples, allow_nan=False)                   # NaN never reaches bench.json
+    u = bench.util_summary(samples)
+    assert u == {"util_pct": 70.0, "mem_pct": 74.7, "samples": 3, "cards": 2}
