@@ -172,7 +172,8 @@ def test_check_and_diff_change_nothing(sshd, tmp_path, cleanup):
     assert "c1 | changed: file conf/proxy.yaml: would put (content changed)" in out
     assert re.search(r"^c1 \| changed: instance 1: would start on :\d+$", out, re.M), out
     assert re.search(r"^c1 \| ok: instance 0: already healthy", out, re.M), out
-    assert "c1 | changed: proxy: would restart" in out
+    # Only its config changed: the running proxy would re-read it (SIGHUP), not restart.
+    assert re.search(r"^c1 \| changed: proxy: would reload \(SIGHUP\) pid \d+", out, re.M), out
     assert "c1 | --- c1:bin/start_cluster.sh" in out and "c1 | +++ rendered:bin/start_cluster.sh" in out
     assert re.search(r'^c1 \| -MAX_SEQS="\$\{MAX_SEQS:-4\}"$', out, re.M), out
     assert re.search(r'^c1 \| \+MAX_SEQS="\$\{MAX_SEQS:-3\}"$', out, re.M), out
