@@ -21,6 +21,7 @@ import re
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -246,7 +247,7 @@ def main(argv=None) -> int:
             figures["open_loop"] = {"rate": args.rate, **lat}
         finally:
             stack.stop()
-    report(figures)
+    report(figures)   # adds the per-round ratios to figures
     if args.out:
         Path(args.out).write_text(json.dumps(figures, indent=2))
     return 0
@@ -263,7 +264,11 @@ def report(f: dict) -> None:
     for name, r in runs.items():
         print(f"  {name:<8}{r['rps']:>9.0f}{r['p50_ms']:>9.1f}{r['p99_ms']:>9.1f}  {r['non_2xx'] + r['socket_errors']}")
     if "nginx" in runs:
-        print(f"  proxy / nginx requests/s: {runs['proxy']['rps'] / runs['nginx']['rps']:.0%} (target 45%)")
+        per_round = [p["rps"] / n["rps"] for p, n in zip(f["runs"]["proxy"], f["runs"]["nginx"])]
+        f["proxy_over_nginx_by_round"] = per_round
+        print(f"  proxy / nginx requests/s: {runs['proxy']['rps'] / runs['nginx']['rps']:.0%} of the medians; "
+              f"by round {', '.join(f'{r:.0%}' for r in per_round)}, median {statistics.median(per_round):.0%} "
+              "(target 45%)")
     print(f"  proxy / direct requests/s: {runs['proxy']['rps'] / runs['direct']['rps']:.0%}")
     print(f"  p99 added by the proxy at {f['connections']} connections: "
           f"{runs['proxy']['p99_ms'] - runs['direct']['p99_ms']:.1f} ms (target 5 ms)")
