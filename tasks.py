@@ -156,3 +156,27 @@ def chat(c, host="local", prompt="Describe a sunrise over the sea in one sentenc
     print(f"answer ({r['completion_tokens']} tokens, finish_reason={r['finish_reason']}, "
           f"{r['latency_s']}s, X-Backend: {r['backend']}, X-Request-Id: {r['request_id']}):")
     print(f"  {r['answer']}")
+
+
+@task(help=_help("host", "inventory", "set", "forks"), iterable=["set"], name="swap-to-nginx")
+def swap_to_nginx(c, host="", set_=None, inventory_="", forks=5):
+    """Put nginx on the entry port in place of the aiohttp proxy, with the /health watcher."""
+    from fleet import front
+
+    def action(conn, hv, emit):
+        report = front.swap_to_nginx(conn, hv, emit)
+        emit(display.status_table(report.status))
+        return report
+    _finish(_run(host, inventory_, set_, action, forks)[1])
+
+
+@task(help=_help("host", "inventory", "set", "forks"), iterable=["set"], name="swap-to-proxy")
+def swap_to_proxy(c, host="", set_=None, inventory_="", forks=5):
+    """Give the entry port back to the aiohttp proxy: nginx quits gracefully, the watcher stops."""
+    from fleet import front
+
+    def action(conn, hv, emit):
+        report = front.swap_to_proxy(conn, hv, emit)
+        emit(display.status_table(report.status))
+        return report
+    _finish(_run(host, inventory_, set_, action, forks)[1])

@@ -72,6 +72,8 @@ SCHEMA: dict[str, Any] = {
         connect_timeout_s=float, max_body_mb=float,
         results_log=Mapping(max_mb=float, backups=int),
     ),
+    "nginx": Mapping(bin=Str(), user=Str(), log_dir=Str(), temp_dir=Str(), worker_processes=Str(),
+                     max_fails=int, fail_timeout_s=float, keepalive=int),
 }
 
 # Keys that may be null (meaning "work it out": the host's python3, the model path as served name...).
@@ -106,6 +108,9 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
         "timeout_s": 300.0, "connect_timeout_s": 5.0, "max_body_mb": 64.0,
         "results_log": {"max_mb": 50.0, "backups": 3},
     },
+    # nginx mode (`inv swap-to-nginx`); empty strings mean: found on the host / under deploy_dir.
+    "nginx": {"bin": "", "user": "", "log_dir": "", "temp_dir": "", "worker_processes": "auto",
+              "max_fails": 1, "fail_timeout_s": 5.0, "keepalive": 64},
 }
 
 
