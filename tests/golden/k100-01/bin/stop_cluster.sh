@@ -80,6 +80,10 @@ if [ "$only" = none ]; then
     exit 0
 fi
 [ $proxy = 1 ] && stop_pidfile proxy "$DEPLOY_DIR/run/proxy.pid"
+if [ $proxy = 1 ]; then     # nginx mode: the /health watcher, then nginx (SIGTERM: fast shutdown)
+    stop_pidfile "nginx watcher" "$DEPLOY_DIR/run/nginx_watch.pid"
+    stop_pidfile nginx "$DEPLOY_DIR/run/nginx.pid"
+fi
 for ((i = 0; i < N; i++)); do
     [ -n "$only" ] && [ "$only" != "$i" ] && continue
     stop_pidfile "instance $i" "$DEPLOY_DIR/run/instance_$i.pid"
