@@ -164,6 +164,9 @@ def bind_listener(cfg: dict, backlog: int = 511) -> socket.socket | None:
     try:
         s.bind((cfg["bind"] or "0.0.0.0", cfg["port"]))
         s.listen(backlog)
+        # nginx takes an inherited socket as it is: a blocking one would leave a worker that lost the
+        # race for a connection stuck in accept() (and every request of that worker with it).
+        s.setblocking(False)
         return s
     except PermissionError:
         s.close()

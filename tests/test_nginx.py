@@ -188,13 +188,20 @@ def test_least_connections(nginx_front):
         urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{p}/sim/reset-stats", data=b""),
                                timeout=5).read()
     results = []
-    threads = [threading.Thread(target=lambda: results.append(post(port, chat(100))[0])) for _ in range(16)]
+
+    def one():
+        try:
+            results.append(post(port, chat(300))[0])
+        except Exception as e:          # noqa: BLE001 - the test reports it
+            results.append(repr(e))
+    threads = [threading.Thread(target=one) for _ in range(16)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=60)
     peaks = [sim_stats(p)["peak_in_flight"] for p in ports]
-    assert results == [200] * 16 and max(peaks) <= 5 and min(peaks) >= 3, peaks
+    assert results == [200] * 16, results
+    assert max(peaks) <= 5 and min(peaks) >= 3, peaks
 
 
 def test_sse_first_chunk_before_the_last_token(nginx_front):
