@@ -247,3 +247,27 @@ def bench(c, host="", inventory_="", set_=None, scenario="short,detailed,thinkin
         target = (Path(out) / hv.name if many else Path(out)) if out else None
         return bench_mod.run_host(conn, hv, emit, scenarios, levels, n, image or None, target)
     _finish(_run(host, inventory_, set_, action, forks=1)[1])
+
+
+@task(help=_help("host", "inventory", "set", "forks"), iterable=["set_"], name="swap-to-nginx")
+def swap_to_nginx(c, host="", set_=None, inventory_="", forks=5):
+    """Put nginx on the entry port in place of the aiohttp proxy, with the /health watcher."""
+    from fleet import front
+
+    def action(conn, hv, emit):
+        report = front.swap_to_nginx(conn, hv, emit)
+        emit(display.status_table(report.status))
+        return report
+    _finish(_run(host, inventory_, set_, action, forks)[1])
+
+
+@task(help=_help("host", "inventory", "set", "forks"), iterable=["set_"], name="swap-to-proxy")
+def swap_to_proxy(c, host="", set_=None, inventory_="", forks=5):
+    """Give the entry port back to the aiohttp proxy: nginx quits gracefully, the watcher stops."""
+    from fleet import front
+
+    def action(conn, hv, emit):
+        report = front.swap_to_proxy(conn, hv, emit)
+        emit(display.status_table(report.status))
+        return report
+    _finish(_run(host, inventory_, set_, action, forks)[1])

@@ -12,11 +12,14 @@ def status_table(st: dict) -> str:
     lines = [f"{st['host']}  front={st['front'] or '-'}  deploy_dir={st['deploy_dir']}",
              f"  proxy   :{p['port']}  pid {p['pid'] or '-'}  {p['state']}"
              + (f"  ({healthy}/{len(backends)} backends healthy)" if backends else "")]
+    n = st.get("nginx") or {}
+    if n.get("pid"):
+        lines.append(f"  nginx   :{n['port']}  pid {n['pid']}  {n['state']}  watcher pid {n['watcher_pid'] or '-'}")
     lines.append(f"  {'instance':<9}{'port':<7}{'accel':<7}{'pid':<9}{'pgid':<9}state")
     for i in st["instances"]:
         lines.append(f"  {i['index']:<9}{i['port']:<7}{i['accelerator']:<7}{i['pid'] or '-':<9}"
                      f"{i['pgid'] or '-':<9}{i['state']}")
-    owned = {i["pid"] for i in st["instances"]} | {p["pid"]}
+    owned = {i["pid"] for i in st["instances"]} | {p["pid"]} | {(st.get("nginx") or {}).get("watcher_pid")}
     others = [t for t in st.get("tagged", []) if t["pid"] not in owned]
     if others:
         lines.append(f"  {len(others)} more process(es) carry the deployment's tag (engine children "

@@ -78,6 +78,8 @@ SCHEMA: dict[str, Any] = {
         fix_numeric_user=bool, api_keys_file=Str(),
         results_log=Mapping(max_mb=float, backups=int),
     ),
+    "nginx": Mapping(bin=Str(), user=Str(), log_dir=Str(), temp_dir=Str(), worker_processes=Str(),
+                     max_fails=int, fail_timeout_s=float, keepalive=int),
 }
 
 # Keys that may be null (meaning "work it out": the host's python3, the model path as served name...).
@@ -119,6 +121,9 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
         "api_keys_file": "",
         "results_log": {"max_mb": 50.0, "backups": 3},
     },
+    # nginx mode (`inv swap-to-nginx`); empty strings mean: found on the host / under deploy_dir.
+    "nginx": {"bin": "", "user": "", "log_dir": "", "temp_dir": "", "worker_processes": "auto",
+              "max_fails": 1, "fail_timeout_s": 5.0, "keepalive": 64},
 }
 
 

@@ -87,8 +87,8 @@ def prepare(conn: Transport, hv: HostVars) -> HostVars:
 
 def code_files(hv: HostVars) -> list[RenderedFile]:
     """The code the host runs besides the engine: the proxy, and the sim engine when engine is sim."""
-    files = [RenderedFile(f"proxy/{p.name}", p.read_text(), 0o644)
-             for p in sorted((ROOT / "proxy").glob("*.py"))]
+    files = [RenderedFile(f"{pkg}/{p.name}", p.read_text(), 0o644)
+             for pkg in ("proxy", "fleet_nginx") for p in sorted((ROOT / pkg).glob("*.py"))]
     if hv["engine"] == "sim":
         files.append(RenderedFile("lib/fleet/__init__.py", (ROOT / "fleet" / "__init__.py").read_text()))
         files += [RenderedFile(f"lib/fleet/sim/{p.name}", p.read_text(), 0o644)
@@ -154,13 +154,18 @@ def status_of(hv: HostVars, facts: dict) -> dict:
     p = facts["proxy"]
     proxy = {"pid": p["pid"], "port": p["port"], "state": proxy_state(p), "backends": p["backends"]}
     mode = facts.get("mode") or "proxy"
+    n = facts.get("nginx") or {}
+    nginx = {"pid": n.get("pid"), "port": p["port"], "state": "running" if n.get("alive") else "stopped",
+             "watcher_pid": n.get("watcher_pid")}
+    if n.get("alive") and not p["alive"]:
+        proxy["state"] = "stopped"           # the port is nginx's, not taken by a stranger
     front = None
     if mode == "proxy" and proxy["state"] in ("healthy", "no-backend"):
         front = "proxy"
-    elif mode == "nginx":
+    elif mode == "nginx" and n.get("alive"):
         front = "nginx"
     return {"host": hv.name, "deployment_id": hv.deployment_id, "deploy_dir": hv["deploy_dir"],
-            "front": front, "proxy": proxy, "instances": instances,
+            "front": front, "mode": mode, "proxy": proxy, "nginx": nginx, "instances": instances,
             "tagged": facts["tagged"]}
 
 
@@ -321,7 +326,11 @@ def _log_tail(conn, hv, rel, n=15) -> str:
 
 
 def _deploy_front(conn, hv, facts, changed_files, report, emit, check):
-    """Start the proxy, or restart it when its code or config changed."""
+    """Start the proxy, or restart it when its code or config changed; in nginx mode, keep nginx."""
+    if facts.get("mode") == "nginx":
+        from . import front
+        front.deploy_nginx(conn, hv, facts, changed_files, report, emit, check)
+        return
     p = facts["proxy"]
     state = proxy_state(p)
     stale = any(f == "conf/proxy.yaml" or f.startswith("proxy/") for f in changed_files)
@@ -421,6 +430,10 @@ def stop(conn: Transport, hv: HostVars, emit: Emit = lambda line: None, instance
             report.add("proxy", "ok", "already stopped")
         else:
             report.add("proxy", "changed", ("would stop" if check else "stopped") + f" pid {p['pid']}")
+        n = before.get("nginx") or {}
+        for what, pid in (("nginx", n.get("pid")), ("watcher", n.get("watcher_pid"))):
+            if pid:
+                report.add(what, "changed", ("would stop" if check else "stopped") + f" pid {pid}")
     left = after["tagged"] if instance is None else \
         [t for t in after["tagged"] if t["tag"] == f"{hv.deployment_id}/{instance}"]
     if left and not check:

@@ -138,6 +138,14 @@ def proxy_facts(d, port, admin_port):
             "backends": backends, "config": config}
 
 
+def nginx_facts(d):
+    """nginx's master (run/nginx.pid holds its pid) and the /health watcher of nginx mode."""
+    pid = read_pidfile(os.path.join(d, "run", "nginx.pid"))[0]
+    wpid = read_pidfile(os.path.join(d, "run", "nginx_watch.pid"))[0]
+    return {"pid": pid if alive(pid) else None, "alive": alive(pid),
+            "watcher_pid": wpid if alive(wpid) else None, "watcher_alive": alive(wpid)}
+
+
 def main():
     spec = json.loads(sys.argv[1])
     d = spec["deploy_dir"]
@@ -150,6 +158,7 @@ def main():
             "deploy_dir_exists": os.path.isdir(d),
             "instances": [f.result() for f in inst],
             "proxy": prox.result(),
+            "nginx": nginx_facts(d),
             "files": {rel: f.result() for rel, f in files.items()},
             "file_modes": {rel: file_mode(os.path.join(d, rel)) for rel in spec.get("files", [])},
             "tagged": tagged(spec["deployment_id"] + "/"),

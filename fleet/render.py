@@ -57,6 +57,7 @@ FILES = {
     "bin/stop_cluster.sh": ("stop_cluster.sh.j2", 0o755),
     "conf/proxy.yaml": ("proxy.yaml.j2", 0o644),
     "conf/nginx.conf": ("nginx.conf.j2", 0o644),
+    "conf/nginx_front.json": ("nginx_front.json.j2", 0o644),
 }
 
 

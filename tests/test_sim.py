@@ -449,3 +449,15 @@ async def test_scheduler_fifo_and_cancel_while_queued():
         g.set()
     await asyncio.gather(tasks[0], tasks[2])
     assert order == [0, 2] and (s.running, s.waiting, s.peak_in_flight) == (0, 0, 3)
+
+
+def test_unhealthy_fault_is_reversible(procs, tmp_path):
+    """1. POST /sim/fault unhealthy: /health answers 503 while completions are still served.
+    2. POST /sim/fault recover: /health answers 200 again (a dead engine would not come back).
+    """
+    sim = start_sim(procs, tmp_path)
+    assert request(sim.url("/sim/fault"), {"fault": "unhealthy"}) == (200, {"ok": True, "fault": "unhealthy"})
+    assert http_status(sim.url("/health")) == 503
+    assert request(sim.url("/v1/chat/completions"), chat(max_tokens=2))[0] == 200
+    assert request(sim.url("/sim/fault"), {"fault": "recover"})[0] == 200
+    assert http_status(sim.url("/health")) == 200

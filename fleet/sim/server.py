@@ -20,7 +20,7 @@ from fleet.sim.scheduler import Scheduler
 log = logging.getLogger("fleet.sim")
 
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
-FAULTS = ("engine-death", "hang", "recover")
+FAULTS = ("engine-death", "hang", "unhealthy", "recover")
 # How often the utilisation file is rewritten at most, and at least (so smi can tell it is fresh).
 USE_MIN_INTERVAL_S = 0.1
 USE_HEARTBEAT_S = 1.0
@@ -36,6 +36,7 @@ class Engine:
         self.ready = False
         self.unhung = asyncio.Event()
         self.unhung.set()
+        self.unhealthy = False   # the reversible fault: /health 503 until recover, requests still served
         self._use_changed = asyncio.Event()
         self.started = protocol.now()
 
@@ -44,15 +45,19 @@ class Engine:
         return self.core.alive
 
     def fault(self, name: str) -> None:
-        """Inject a fault: engine-death, hang, or recover (from a hang; a dead engine stays dead)."""
+        """Inject a fault: engine-death, hang, unhealthy, or recover (from a hang or unhealthy; a dead
+        engine stays dead)."""
         log.warning("fault injected: %s", name)
         if name == "engine-death":
             self.core.kill()
             self._use_changed.set()
         elif name == "hang":
             self.unhung.clear()
+        elif name == "unhealthy":
+            self.unhealthy = True
         elif name == "recover":
             self.unhung.set()
+            self.unhealthy = False
 
     def stats(self) -> dict:
         s = self.scheduler
@@ -141,7 +146,7 @@ async def hang_gate(request: web.Request, handler):
 
 async def health(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
-    return web.Response(status=200 if engine.ready and engine.alive else 503)
+    return web.Response(status=200 if engine.ready and engine.alive and not engine.unhealthy else 503)
 
 
 async def models(request: web.Request) -> web.Response:

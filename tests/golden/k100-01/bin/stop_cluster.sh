@@ -122,7 +122,10 @@ if [ "$only" = none ]; then
     exit 0
 fi
 targets=()
-[ $proxy = 1 ] && targets+=("proxy=$DEPLOY_DIR/run/proxy.pid")   # stopped with the instances, at once
+if [ $proxy = 1 ]; then   # stopped with the instances, at once; in nginx mode the /health watcher and nginx too
+    targets+=("proxy=$DEPLOY_DIR/run/proxy.pid" "nginx watcher=$DEPLOY_DIR/run/nginx_watch.pid"
+              "nginx=$DEPLOY_DIR/run/nginx.pid")
+fi
 for ((i = 0; i < N; i++)); do
     [ -n "$only" ] && [ "$only" != "$i" ] && continue
     targets+=("instance $i=$DEPLOY_DIR/run/instance_$i.pid")

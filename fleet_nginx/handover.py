@@ -1,0 +1,231 @@
+"""Preflight, start, reload, and the port handover proxy <-> nginx, run on the host for precise timing.
+
+The aiohttp proxy's listener has no SO_REUSEPORT, so nginx cannot bind the port beside it. Instead the
+handover stops the proxy (SIGTERM: it closes its listener at once and drains in-flight requests within
+its shutdown timeout), binds the port itself the moment it is free (polled every millisecond), and hands
+that listening socket to nginx through nginx's own inherited-sockets variable (`NGINX=fd;`, the
+mechanism of nginx's binary upgrade). From the bind on, connections queue in the socket's backlog
+until nginx's workers accept them, so the port refuses connections only between the proxy's close and
+that bind. Should the proxy's listener ever set SO_REUSEPORT, the bind succeeds at once and the proxy
+is stopped only after nginx answers: no gap at all.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+from . import host
+from .host import FrontError
+
+
+def ms(seconds: float) -> float:
+    return round(seconds * 1000, 1)
+
+
+def preflight(cfg: dict, nginx: str | None = None) -> dict:
+    """nginx found, its directories there, the upstream file written, `nginx -t` passing, the port usable."""
+    nginx = nginx or host.find_nginx(cfg)
+    for d in (cfg["temp_dir"], cfg["log_dir"], os.path.join(cfg["deploy_dir"], "run")):
+        os.makedirs(d, exist_ok=True)
+    if not os.path.exists(cfg["upstream_file"]):
+        host.write_upstream(cfg, host.check_health(cfg))
+    r = subprocess.run(host.nginx_argv(cfg, nginx) + ["-t", "-q"], capture_output=True, text=True,
+                       timeout=30)
+    if r.returncode != 0:
+        why = " ".join(line for line in r.stderr.splitlines() if "emerg" in line or "failed" in line)
+        raise FrontError(f"nginx -t rejects {cfg['conf']}: {why or r.stderr.strip()[-300:]}; "
+                         "fix the inventory (or the template) and deploy again.")
+    if not host.nginx_pid(cfg) and not host.proxy_pid(cfg)[0] and not host.port_free(cfg):
+        raise FrontError(f"port {cfg['port']} is taken by a process that is not this deployment's "
+                         "proxy or nginx; free it or change proxy.port.")
+    return {"nginx": nginx, "version": _version(nginx)}
+
+
+def _version(nginx: str) -> str:
+    r = subprocess.run([nginx, "-v"], capture_output=True, text=True, timeout=10)
+    return r.stderr.strip().split("/")[-1]
+
+
+def _wait(predicate, timeout: float, interval: float = 0.01):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)
+
+
+def _spawn_nginx(cfg: dict, nginx: str, sock) -> int:
+    """Start nginx on an already listening socket; nginx does not daemonize when it inherits sockets,
+    so it gets its own session here and the pid it writes is this child's."""
+    fd = sock.fileno()
+    os.set_inheritable(fd, True)
+    env = {**host.tagged_env(cfg, "nginx"), "NGINX": f"{fd};"}
+    err = open(cfg["error_log"], "a")
+    try:
+        p = subprocess.Popen(host.nginx_argv(cfg, nginx), env=env, pass_fds=(fd,), cwd=cfg["deploy_dir"],
+                             stdin=subprocess.DEVNULL, stdout=err, stderr=err, start_new_session=True)
+    finally:
+        err.close()
+    return p.pid
+
+
+def _start_proxy(cfg: dict, wait_free: str | None = None) -> None:
+    env = {**os.environ, "WAIT_FREE": wait_free} if wait_free else None
+    r = subprocess.run([os.path.join(cfg["deploy_dir"], "bin", "start_proxy.sh")], capture_output=True,
+                       text=True, timeout=60, env=env)
+    if r.returncode != 0:
+        raise FrontError(f"bin/start_proxy.sh failed (exit {r.returncode}): {r.stderr.strip()[-300:]}")
+
+
+def _finish_proxy(cfg: dict, pid: int, pgid: int) -> bool:
+    """Wait for the stopped proxy to finish its in-flight requests, then clear its pid file."""
+    clean = host.stop_group(pgid, pid, float(cfg["proxy_drain_s"]), sig=0) if host.alive(pid) else True
+    try:
+        os.remove(host.run_path(cfg, "proxy.pid"))
+    except OSError:
+        pass
+    return clean
+
+
+def to_nginx(cfg: dict, config_path: str, nginx: str | None = None, say=print) -> dict:
+    """Put nginx on the entry port (taking it over from the proxy when it runs) and start the watcher."""
+    pre = preflight(cfg, nginx)
+    nginx = pre["nginx"]
+    result = {"nginx": nginx, "nginx_version": pre["version"], "changed": False}
+    running = host.nginx_pid(cfg)
+    if running:
+        result["pid"] = running
+        say(f"nginx: already running, pid {running}")
+    else:
+        host.write_upstream(cfg, host.check_health(cfg))
+        proxy_pid, proxy_pgid = host.proxy_pid(cfg)
+        sock = host.bind_listener(cfg)
+        overlap = sock is not None and proxy_pid is not None
+        t_term = t_last_taken = None
+        if sock is None:
+            if not proxy_pid:
+                raise FrontError(f"port {cfg['port']} is taken by a process that is not this deployment's; "
+                                 "free it or change proxy.port.")
+            say(f"proxy: SIGTERM to pid {proxy_pid}: it stops accepting and drains its in-flight requests")
+            t_term = time.monotonic()
+            os.killpg(proxy_pgid, signal.SIGTERM)
+            deadline = t_term + 15
+            while sock is None and time.monotonic() < deadline:
+                t_last_taken = time.monotonic()
+                sock = host.bind_listener(cfg)
+                if sock is None:
+                    time.sleep(0.001)
+            if sock is None:
+                raise FrontError(f"the proxy (pid {proxy_pid}) did not release port {cfg['port']} within 15 s; "
+                                 "look at logs/proxy.log, then retry.")
+        t_bound = time.monotonic()
+        pid = _spawn_nginx(cfg, nginx, sock)
+        sock.close()
+        answered = _wait(lambda: not host.alive(pid) or host.front_answer(cfg) == "nginx", 15)
+        if not host.alive(pid) or not answered:
+            if host.alive(pid):
+                host.stop_group(pid, pid, 3)
+            if proxy_pid and not overlap:
+                _start_proxy(cfg)
+                say("proxy: started again, nginx did not come up")
+            raise FrontError("nginx did not start: " + host.log_tail(cfg["error_log"]) +
+                             "; the proxy keeps the port. Fix what the error log says and retry.")
+        t_ready = time.monotonic()
+        if overlap:
+            say(f"proxy: listener shares the port (SO_REUSEPORT); nginx answers, SIGTERM to pid {proxy_pid}")
+            os.killpg(proxy_pgid, signal.SIGTERM)
+        result.update(changed=True, pid=pid, overlap=overlap,
+                      gap_ms=0.0 if overlap or t_last_taken is None else ms(t_bound - t_last_taken),
+                      release_ms=ms(t_bound - t_term) if t_term else None,
+                      ready_ms=ms(t_ready - t_bound))
+        say(f"nginx: pid {pid} answers on :{cfg['port']}; port refused connections for at most "
+            f"{result['gap_ms']} ms, queued ones waited {result['ready_ms']} ms for nginx's workers")
+        if proxy_pid:
+            result["proxy_drained"] = _finish_proxy(cfg, proxy_pid, proxy_pgid)
+            say(f"proxy: pid {proxy_pid} " + ("finished its in-flight requests and exited" if
+                result["proxy_drained"] else "was killed after proxy_drain_s"))
+    if not host.alive(host.read_pid(host.run_path(cfg, "nginx_watch.pid"))[0]):
+        result["watcher_pid"] = host.start_watcher(cfg, config_path, nginx)
+        result["changed"] = True
+        say(f"watcher: pid {result['watcher_pid']} polls {cfg['health_path']} of {len(cfg['backends'])} "
+            f"backends every {cfg['interval_s']}s, log logs/nginx_watch.log")
+    host.write_atomic(host.run_path(cfg, "mode"), "nginx\n")
+    return result
+
+
+def to_proxy(cfg: dict, config_path: str, nginx: str | None = None, say=print) -> dict:
+    """Give the entry port back to the aiohttp proxy.
+
+    The proxy is started first in a launcher that imports its libraries and then waits for the port;
+    only then does nginx get SIGQUIT (it closes its listener at once and finishes in-flight requests),
+    so the port refuses connections only for the proxy's last steps of start-up, not all of it."""
+    result = {"changed": False}
+    pid = host.nginx_pid(cfg)
+    if pid and not host.proxy_pid(cfg)[0]:
+        ready = host.run_path(cfg, "proxy.waiting")
+        if os.path.exists(ready):
+            os.remove(ready)
+        _start_proxy(cfg, wait_free=f"{cfg['bind']}:{cfg['port']}")
+        proxy_pid = host.proxy_pid(cfg)[0]
+        if not _wait(lambda: os.path.exists(ready) or not host.alive(proxy_pid), 60, 0.01) \
+                or not host.alive(proxy_pid):
+            raise FrontError("the proxy did not start (see logs/proxy.log); nginx keeps the port.")
+        say(f"proxy: pid {proxy_pid} imported, waits for the port; SIGQUIT to nginx pid {pid}: it closes "
+            "its listener and finishes its in-flight requests")
+        if host.stop_watcher(cfg):
+            say("watcher: stopped")
+        t_quit = time.monotonic()
+        os.kill(pid, signal.SIGQUIT)
+        t_refused = None
+        deadline = t_quit + 30
+        while True:
+            who = host.front_answer(cfg, timeout=2)
+            if who == "proxy" or time.monotonic() > deadline:
+                break
+            if who is None and t_refused is None:
+                t_refused = time.monotonic()
+            time.sleep(0.001)
+        t_ready = time.monotonic()
+        if who != "proxy":
+            say("proxy: did not answer; giving the port back to nginx")
+            ppid, ppgid = host.proxy_pid(cfg)
+            if ppid:
+                host.stop_group(ppgid, ppid, 3)
+            _wait(lambda: not host.alive(pid), 15, 0.05)
+            to_nginx(cfg, config_path, nginx, say)
+            raise FrontError("the proxy did not answer on the entry port within 30 s (see logs/proxy.log); "
+                             "nginx is the front again.")
+        result.update(changed=True, release_ms=ms((t_refused or t_ready) - t_quit),
+                      gap_ms=ms(t_ready - t_refused) if t_refused else 0.0)
+        say(f"proxy: answers on :{cfg['port']}; port refused connections for at most {result['gap_ms']} ms")
+        os.remove(ready)
+    elif not host.proxy_pid(cfg)[0]:
+        _start_proxy(cfg)
+        result["changed"] = True
+        if not _wait(lambda: host.front_answer(cfg) == "proxy", 30, 0.01):
+            raise FrontError("the proxy did not answer on the entry port within 30 s; see logs/proxy.log.")
+    if host.stop_watcher(cfg):
+        result["changed"] = True
+        say("watcher: stopped")
+    host.write_atomic(host.run_path(cfg, "mode"), "proxy\n")
+    if pid:
+        gone = _wait(lambda: not host.alive(pid), 10, 0.05)
+        say(f"nginx: pid {pid} " + ("exited" if gone else "still finishes long requests; it exits when they end"))
+    return result
+
+
+def reload(cfg: dict, config_path: str, nginx: str | None = None, say=print) -> dict:
+    """After a deploy changed nginx's files: `nginx -t`, rewrite the upstream file, SIGHUP, new watcher."""
+    pid = host.nginx_pid(cfg)
+    if not pid:
+        return to_nginx(cfg, config_path, nginx, say)
+    pre = preflight(cfg, nginx)
+    host.write_upstream(cfg, host.check_health(cfg))
+    os.kill(pid, signal.SIGHUP)
+    say(f"nginx: pid {pid} reloaded its configuration")
+    watcher = host.start_watcher(cfg, config_path, pre["nginx"])
+    host.write_atomic(host.run_path(cfg, "mode"), "nginx\n")
+    return {"changed": True, "pid": pid, "watcher_pid": watcher, "nginx": pre["nginx"]}

@@ -1,0 +1,57 @@
+"""The /health watcher of nginx mode: open-source nginx has no active health checks, so this polls each
+backend's /health, marks the failing ones `down` in the upstream file and reloads nginx (SIGHUP to its
+master), and undoes it when they recover. Without it nginx would keep sending requests to an instance
+whose engine died (vLLM answers 500 then, which nginx's passive checks do not count as a failure).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+
+from . import host, upstream
+
+log = logging.getLogger("fleet_nginx.watch")
+
+
+def step(cfg: dict) -> tuple[set[str], bool]:
+    """One round: check every backend, rewrite the upstream file, reload nginx when it changed.
+    Returns (the backends down, whether nginx was reloaded)."""
+    down = host.check_health(cfg)
+    try:
+        with open(cfg["upstream_file"]) as f:
+            before = upstream.parse_down(f.read())
+    except OSError:
+        before = None
+    if not host.write_upstream(cfg, down):
+        return down, False
+    pid = host.nginx_pid(cfg)
+    if before is not None:
+        for b in sorted(down - before):
+            log.warning("%s: /health failed, marked down", b)
+        for b in sorted(before - down):
+            log.warning("%s: /health answers 200 again, back in the upstream", b)
+    if len(down) == len(cfg["backends"]):
+        log.warning("every backend fails /health: nginx answers 502 until one recovers")
+    if pid:
+        os.kill(pid, signal.SIGHUP)
+        log.info("nginx pid %d reloaded (down: %s)", pid, ", ".join(sorted(down)) or "none")
+        return down, True
+    log.info("nginx is not running: upstream file written, nothing to reload")
+    return down, False
+
+
+def run(cfg: dict) -> None:
+    """Poll until SIGTERM or SIGINT; the handlers only set a flag."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    log.info("watching %s of %s every %ss", cfg["health_path"], ", ".join(cfg["backends"]), cfg["interval_s"])
+    while not stop.is_set():
+        try:
+            step(cfg)
+        except OSError as e:            # a full disk, a vanished deploy_dir: say so, keep watching
+            log.error("round failed: %s", e)
+        stop.wait(float(cfg["interval_s"]))
+    log.info("stopped")

@@ -1,0 +1,300 @@
+"""nginx mode with real nginx: the rendered config, balancing, SSE, the body limit, the /health watcher,
+and the swap proxy <-> nginx under load (`inv swap-to-nginx`, `inv swap-to-proxy`)."""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from conftest import PYTHON, ROOT, require_tool, wait_until
+
+from fleet_helpers import deployment_id, inv, kill_tagged, status_json, write_inventory
+
+sys.path.insert(0, str(ROOT / "scripts"))
+from swap_under_load import Load  # noqa: E402
+
+sys.path.insert(0, str(ROOT))
+from fleet_nginx import upstream  # noqa: E402
+
+MODEL = "Test-Model"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A deployed 4-instance sim cluster behind the proxy; stopped and swept by tag at the end."""
+    require_tool("nginx")
+    tmp = tmp_path_factory.mktemp("nginx")
+    inventory = write_inventory(tmp)
+    dep = deployment_id(inventory)
+    try:
+        r = inv("deploy", "--host", "t", inventory=inventory)
+        assert r.returncode == 0, r.stdout + r.stderr
+        yield inventory, tmp / "deploy", status_json(inventory)
+    finally:
+        inv("stop", "--host", "t", inventory=inventory)
+        kill_tagged(dep + "/")
+
+
+@pytest.fixture
+def nginx_front(cluster):
+    """The cluster with nginx as its front (swapped if it is not yet)."""
+    inventory, deploy, st = cluster
+    r = inv("swap-to-nginx", "--host", "t", inventory=inventory)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return inventory, deploy, st
+
+
+def post(port: int, body: dict, timeout: float = 30) -> tuple[int, dict, dict]:
+    """Status, headers and JSON body of a chat completion sent to 127.0.0.1:port."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, json.loads(r.read() or b"{}")
+    finally:
+        conn.close()
+
+
+def chat(max_tokens: int = 2, **extra) -> dict:
+    return {"model": MODEL, "max_tokens": max_tokens, "messages": [{"role": "user", "content": "hi"}], **extra}
+
+
+def sim_stats(port: int) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/sim/stats", timeout=5) as r:
+        return json.loads(r.read())
+
+
+def fault(port: int, name: str) -> None:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/sim/fault", data=json.dumps({"fault": name}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    urllib.request.urlopen(req, timeout=5).read()
+
+
+def test_rendered_config_passes_nginx_t(tmp_path):
+    """The config deploy renders passes `nginx -t` (run by fleet_nginx's preflight, with the same
+    -p/-e/-c/-g nginx is started with) and carries the directives the seed's users rely on."""
+    require_tool("nginx")
+    inventory = write_inventory(tmp_path, instances=2)
+    out = tmp_path / "deploy"
+    r = inv("render", "--host", "t", "--out", str(out), inventory=inventory)
+    assert r.returncode == 0, r.stdout + r.stderr
+    conf = (out / "conf" / "nginx.conf").read_text()
+    for directive in ("least_conn;", "keepalive 64;", "proxy_http_version 1.1;", "proxy_buffering off;",
+                      "proxy_read_timeout 300s;", "proxy_send_timeout 300s;", "client_max_body_size 64m;",
+                      "add_header X-Backend $upstream_addr always;", "proxy_next_upstream error timeout;",
+                      "zone vllm_backends", f"listen 0.0.0.0:{status_port(inventory)};"):
+        assert directive in conf, directive
+    assert not any("non_idempotent" in line.split("#")[0] for line in conf.splitlines())
+    check = subprocess.run([PYTHON, "-m", "fleet_nginx", "check", "--config", "conf/nginx_front.json"],
+                           cwd=out, capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+    result = json.loads(check.stdout.splitlines()[-1].split(" ", 1)[1])
+    assert check.returncode == 0 and result["ok"], check.stdout + check.stderr
+    # No instance runs: every backend is marked down, and the config is still valid.
+    assert len(upstream.parse_down((out / "run" / "nginx_upstream.conf").read_text())) == 2
+
+
+def status_port(inventory) -> int:
+    from fleet import inventory as inv_mod
+    return inv_mod.load(inventory).host_vars("t")["proxy"]["port"]
+
+
+def test_swap_under_load_and_in_flight_streams_survive(cluster):
+    """1. 32 clients send chat completions back to back through the entry port, never retrying.
+    2. Four SSE streams (about 1.5 s each) are open when each swap starts.
+    3. swap-to-nginx, then swap-to-proxy: both succeed and say how long the port refused connections.
+    4. Both fronts answered; the streams finished with [DONE] (in-flight requests drain); the failed
+       requests are counted and printed (the figure documented in docs/RUNBOOK.md).
+    """
+    inventory, deploy, st = cluster
+    port = st["proxy"]["port"]
+    streams_ok = []
+
+    def stream():
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("POST", "/v1/chat/completions", json.dumps(chat(300, stream=True)),
+                     {"Content-Type": "application/json"})
+        streams_ok.append(b"data: [DONE]" in conn.getresponse().read())
+        conn.close()
+
+    outputs, spans = [], []
+    with Load(port, MODEL, clients=32) as load:
+        for verb in ("swap-to-nginx", "swap-to-proxy"):
+            time.sleep(0.5)
+            openers = [threading.Thread(target=stream) for _ in range(4)]
+            for t in openers:
+                t.start()
+            time.sleep(0.3)
+            t0 = time.monotonic()
+            r = inv(verb, "--host", "t", inventory=inventory)
+            spans.append((t0, time.monotonic() + 0.2))
+            assert r.returncode == 0, r.stdout + r.stderr
+            outputs.append(r.stdout)
+            for t in openers:
+                t.join(timeout=30)
+        time.sleep(0.5)
+    gaps = [float(o.split("refused connections for at most ")[1].split(" ms")[0]) for o in outputs]
+    per_swap = [sum(1 for t, _ in load.failures if a <= t <= b) for a, b in spans]
+    print(f"\nswap under load: {load.total} requests, {load.failed} failed ({per_swap[0]} in the swap to "
+          f"nginx, {per_swap[1]} in the swap to the proxy); port refused connections for at most "
+          f"{gaps[0]} ms and {gaps[1]} ms; outcomes {dict(load.outcomes)}")
+    assert streams_ok == [True] * 8
+    assert load.outcomes["ok nginx"] > 50 and load.outcomes["ok proxy"] > 50
+    assert load.failed <= 0.1 * load.total, load.outcomes
+    assert gaps[0] < 100 and gaps[1] < 2000
+    assert status_json(inventory)["front"] == "proxy"
+
+
+def test_status_deploy_keeps_nginx_mode(nginx_front):
+    inventory, deploy, st = nginx_front
+    s = status_json(inventory)
+    assert s["front"] == "nginx" and s["nginx"]["pid"] and s["nginx"]["watcher_pid"]
+    assert s["proxy"]["state"] == "stopped" and (deploy / "run" / "mode").read_text().strip() == "nginx"
+    r = inv("deploy", "--host", "t", inventory=inventory)
+    assert r.returncode == 0 and "changed=0" in r.stdout, r.stdout + r.stderr
+    after = status_json(inventory)
+    assert after["front"] == "nginx" and after["nginx"]["pid"] == s["nginx"]["pid"] and not after["proxy"]["pid"]
+
+
+def test_least_connections(nginx_front):
+    """1. Three long requests keep three backends busy (least_conn puts each on an idle one).
+    2. Short requests sent one after another all go to the fourth, idle backend.
+    3. 16 concurrent requests over 4 backends: none sees more than 5 at once.
+    """
+    inventory, deploy, st = nginx_front
+    port = st["proxy"]["port"]
+    ports = [i["port"] for i in st["instances"]]
+    long_backends = []
+    threads = [threading.Thread(target=lambda: long_backends.append(post(port, chat(400))[1]["x-backend"]))
+               for _ in range(3)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: sum(sim_stats(p)["running"] for p in ports) == 3, timeout=10, what="3 long requests")
+    busy = {f"127.0.0.1:{p}" for p in ports if sim_stats(p)["running"]}
+    short = [post(port, chat(1))[1]["x-backend"] for _ in range(6)]
+    for t in threads:
+        t.join(timeout=30)
+    assert len(busy) == 3 and set(long_backends) == busy
+    assert len(set(short)) == 1 and short[0] not in busy, (short, busy)
+
+    for p in ports:
+        urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{p}/sim/reset-stats", data=b""),
+                               timeout=5).read()
+    results = []
+
+    def one():
+        try:
+            results.append(post(port, chat(300))[0])
+        except Exception as e:          # noqa: BLE001 - the test reports it
+            results.append(repr(e))
+    threads = [threading.Thread(target=one) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    peaks = [sim_stats(p)["peak_in_flight"] for p in ports]
+    assert results == [200] * 16, results
+    assert max(peaks) <= 5 and min(peaks) >= 3, peaks
+
+
+def test_sse_first_chunk_before_the_last_token(nginx_front):
+    """A 300-token stream (about 1.5 s of generation): the first chunk reaches the client through
+    nginx long before the stream ends, so nginx does not buffer it."""
+    inventory, deploy, st = nginx_front
+    conn = http.client.HTTPConnection("127.0.0.1", st["proxy"]["port"], timeout=30)
+    t0 = time.monotonic()
+    conn.request("POST", "/v1/chat/completions", json.dumps(chat(300, stream=True)),
+                 {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200 and r.getheader("X-Front") == "nginx" and r.getheader("X-Backend")
+    first = None
+    lines = 0
+    while True:
+        line = r.fp.readline()     # the raw chunked stream: chunk sizes and SSE lines, as they come
+        if not line or line.startswith(b"data: [DONE]"):
+            break
+        if line.startswith(b"data: "):
+            lines += 1
+            first = first or time.monotonic() - t0
+    total = time.monotonic() - t0
+    conn.close()
+    assert lines > 100 and total > 1.0
+    assert first < total / 3, (first, total)
+
+
+def test_body_over_64_mib_gets_413(nginx_front):
+    inventory, deploy, st = nginx_front
+    conn = http.client.HTTPConnection("127.0.0.1", st["proxy"]["port"], timeout=60)
+    conn.request("POST", "/v1/chat/completions", b"x" * (64 * 1024 * 1024 + 1), {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    body = json.loads(r.read())
+    conn.close()
+    assert r.status == 413 and r.getheader("X-Front") == "nginx" and r.getheader("X-Request-Id")
+    assert body["error"]["code"] == 413
+
+
+def test_request_id_forwarded_and_access_log(nginx_front):
+    inventory, deploy, st = nginx_front
+    conn = http.client.HTTPConnection("127.0.0.1", st["proxy"]["port"], timeout=30)
+    conn.request("POST", "/v1/chat/completions", json.dumps(chat()),
+                 {"Content-Type": "application/json", "X-Request-Id": "rid-nginx-42"})
+    r = conn.getresponse()
+    r.read()
+    conn.close()
+    assert r.status == 200 and r.getheader("X-Request-Id") == "rid-nginx-42"
+
+    def logged():
+        lines = (deploy / "logs" / "nginx_access.log").read_text().splitlines()
+        return [json.loads(x) for x in lines if "rid-nginx-42" in x]
+    entry = wait_until(logged, timeout=5, what="the access-log line")[0]
+    assert entry["status"] == 200 and entry["backend"] == r.getheader("X-Backend")
+    assert entry["uri"] == "/v1/chat/completions" and float(entry["upstream_time"]) >= 0
+
+
+def test_watcher_takes_an_unhealthy_backend_out_and_puts_it_back(nginx_front):
+    """1. Backend 0's /health turns 503 (sim fault "unhealthy"; its requests would still work).
+    2. The watcher marks it down in run/nginx_upstream.conf and reloads nginx: no request goes there.
+    3. Fault recover: /health 200 again, the watcher puts it back, requests reach it again.
+    """
+    inventory, deploy, st = nginx_front
+    port = st["proxy"]["port"]
+    b0 = st["instances"][0]["port"]
+    name = f"127.0.0.1:{b0}"
+    upstream_file = deploy / "run" / "nginx_upstream.conf"
+    fault(b0, "unhealthy")
+    try:
+        wait_until(lambda: upstream.parse_down(upstream_file.read_text()) == {name}, timeout=10,
+                   what="the watcher to mark backend 0 down")
+        time.sleep(0.3)      # the reload: new workers take over from the old ones
+        seen = [post(port, chat(1))[1]["x-backend"] for _ in range(12)]
+        assert name not in seen and len(set(seen)) == 3, seen
+    finally:
+        fault(b0, "recover")
+    wait_until(lambda: not upstream.parse_down(upstream_file.read_text()), timeout=10,
+               what="the watcher to put backend 0 back")
+    wait_until(lambda: post(port, chat(1))[1]["x-backend"] == name, timeout=10, interval=0.01,
+               what="a request on backend 0 again")
+    log = (deploy / "logs" / "nginx_watch.log").read_text()
+    assert f"{name}: /health failed, marked down" in log and f"{name}: /health answers 200 again" in log
+
+
+def test_stop_stops_nginx_and_watcher_then_deploy_starts_nginx(nginx_front):
+    inventory, deploy, st = nginx_front
+    s = status_json(inventory)
+    pids = [s["nginx"]["pid"], s["nginx"]["watcher_pid"]]
+    r = inv("stop", "--host", "t", inventory=inventory)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert not any(os.path.exists(f"/proc/{p}") and "Z" not in open(f"/proc/{p}/stat").read().split()[2]
+                   for p in pids)
+    assert status_json(inventory)["front"] is None
+    r = inv("deploy", "--host", "t", inventory=inventory)
+    assert r.returncode == 0, r.stdout + r.stderr
+    after = status_json(inventory)
+    assert after["front"] == "nginx" and not after["proxy"]["pid"]
