@@ -52,7 +52,8 @@ def facts(conn, hv: HostVars) -> dict:
     """Run the doctor's probe on the host, after env_setup (so PATH is the engine's)."""
     ports = [{"port": p, "what": f"instance {i}", "pidfile": f"run/instance_{i}.pid"}
              for i, p in enumerate(hv.ports)]
-    ports += [{"port": hv["proxy"]["port"], "what": "proxy", "pidfile": "run/proxy.pid"},
+    # The entry port is ours when the front holding it is: the proxy, or nginx in nginx mode.
+    ports += [{"port": hv["proxy"]["port"], "what": "proxy", "pidfile": ["run/proxy.pid", "run/nginx.pid"]},
               {"port": hv["proxy"]["admin_port"], "what": "proxy admin", "pidfile": "run/proxy.pid"}]
     spec = {"deploy_dir": hv["deploy_dir"], "engine_cmd": engine_cmd(hv), "model": hv["model"],
             "check_model": hv["engine"] != "sim", "ports": ports, "smi_cmd": smi.smi_command(hv)}

@@ -78,7 +78,8 @@ def port_facts(spec, ss):
     out = []
     for item in spec["ports"]:
         port = item["port"]
-        ours = pidfile_pid(os.path.join(spec["deploy_dir"], item["pidfile"]))
+        files = item["pidfile"] if isinstance(item["pidfile"], list) else [item["pidfile"]]
+        ours = next((pid for pid in (pidfile_pid(os.path.join(spec["deploy_dir"], f)) for f in files) if pid), None)
         busy = listening(port)
         holders = []
         if busy and ss:     # ss names the holder's pid for your processes (every user's as root)
