@@ -11,6 +11,13 @@ from .lifecycle import Emit, Report, prepare
 from .transport import Transport
 
 RESULTS_LOG = "logs/req_results.log"
+NGINX_ACCESS_LOG = "logs/nginx_access.log"   # nginx mode's only per-request record (no results log)
+
+
+def front_mode(conn: Transport, hv: HostVars) -> str:
+    """The front the host runs: "nginx" when run/mode says so, else "proxy"."""
+    mode = conn.read(f"{hv['deploy_dir']}/run/mode")
+    return "nginx" if mode and mode.decode(errors="replace").strip() == "nginx" else "proxy"
 
 
 def log_path(hv: HostVars, instance: int | None = None, proxy: bool = False, results: bool = False) -> str:
@@ -32,6 +39,10 @@ def tail(conn: Transport, hv: HostVars, emit: Emit, lines: int = 50, follow: boo
     hv = prepare(conn, hv)
     path = log_path(hv, instance, proxy, results)
     report = Report(hv.name)
+    if instance is None and front_mode(conn, hv) == "nginx":
+        # nginx is the front: it writes no proxy log and no results log; its access log is the record.
+        emit(f"{hv.name} runs nginx as its front (inv swap-to-proxy to go back): showing its access log")
+        path = f"{hv['deploy_dir']}/{NGINX_ACCESS_LOG}"
     if not conn.exists(path):
         report.add("logs", "failed", f"{path} does not exist yet; has `inv deploy --host {hv.name}` run?")
         return report
@@ -42,27 +53,47 @@ def tail(conn: Transport, hv: HostVars, emit: Emit, lines: int = 50, follow: boo
     return report
 
 
-def find_requests(conn: Transport, hv: HostVars, ident: str) -> list[dict]:
-    """Every results-log line whose trace id (`user`) or request id is ident, oldest first.
+def _grep_oldest_first(conn: Transport, base: str, backups: int, ident: str) -> list[dict]:
+    """The JSON lines of base and its rotated files (.N ... .1, then base) holding ident, oldest first.
 
-    The host filters with grep (a rotated log is tens of MB); the exact match is made here.
-    Rotated files are read oldest first: .N ... .1, then the live file.
+    The host filters with grep (a rotated log is tens of MB); the exact match is made by the caller.
     """
-    base = f"{hv['deploy_dir']}/{RESULTS_LOG}"
-    backups = hv["proxy"]["results_log"]["backups"]
     files = [f"{base}.{k}" for k in range(backups, 0, -1)] + [base]
     cmd = (f"for f in {' '.join(shlex.quote(f) for f in files)}; do "
            f"[ -f \"$f\" ] && grep -hF -e {shlex.quote(ident)} -- \"$f\"; done; true")
-    r = conn.run(cmd)
     found = []
-    for line in r.stdout.splitlines():
+    for line in conn.run(cmd).stdout.splitlines():
         try:
             entry = json.loads(line)
         except ValueError:
             continue
-        if isinstance(entry, dict) and ident in (entry.get("trace_id"), entry.get("request_id")):
+        if isinstance(entry, dict):
             found.append(entry)
     return found
+
+
+def find_requests(conn: Transport, hv: HostVars, ident: str) -> list[dict]:
+    """Every results-log line whose trace id (`user`) or request id is ident, oldest first; then
+    the nginx access-log lines of that request id (nginx mode records no trace id)."""
+    d, backups = hv["deploy_dir"], hv["proxy"]["results_log"]["backups"]
+    found = [e for e in _grep_oldest_first(conn, f"{d}/{RESULTS_LOG}", backups, ident)
+             if ident in (e.get("trace_id"), e.get("request_id"))]
+    for e in _grep_oldest_first(conn, f"{d}/{NGINX_ACCESS_LOG}", backups, ident):
+        if e.get("request_id") == ident:
+            found.append(_from_nginx(e))
+    return found
+
+
+def _from_nginx(e: dict) -> dict:
+    """An nginx access-log line in the results log's terms, for the same readable block."""
+    try:
+        latency = round(float(e.get("request_time")) * 1000, 1)
+    except (TypeError, ValueError):
+        latency = None
+    return {"ts": e.get("ts"), "trace_id": None, "request_id": e.get("request_id"), "path": e.get("uri"),
+            "status": e.get("status"), "backend": e.get("backend"), "latency_ms": latency,
+            "attempt": "nginx", "error": None if e.get("status") == 200 else
+            f"nginx: upstream status {e.get('upstream_status')} (nginx records no error body)"}
 
 
 def trace(conn: Transport, hv: HostVars, emit: Emit, ident: str) -> Report:
@@ -76,6 +107,7 @@ def trace(conn: Transport, hv: HostVars, emit: Emit, ident: str) -> Report:
         report.add("trace", "ok", f"{len(found)} lines for {ident}")
     else:
         report.add("trace", "ok", f"no results-log line has trace id or request id {ident!r} "
-                   f"(searched {RESULTS_LOG} and its {hv['proxy']['results_log']['backups']} rotated files)")
+                   f"(searched {RESULTS_LOG}, {NGINX_ACCESS_LOG} and their "
+                   f"{hv['proxy']['results_log']['backups']} rotated files)")
         emit(report.steps[-1].message)
     return report

@@ -1,13 +1,15 @@
 """Preflight, start, reload, and the port handover proxy <-> nginx, run on the host for precise timing.
 
-The aiohttp proxy's listener has no SO_REUSEPORT, so nginx cannot bind the port beside it. Instead the
-handover stops the proxy (SIGTERM: it closes its listener at once and drains in-flight requests within
-its shutdown timeout), binds the port itself the moment it is free (polled every millisecond), and hands
-that listening socket to nginx through nginx's own inherited-sockets variable (`NGINX=fd;`, the
-mechanism of nginx's binary upgrade). From the bind on, connections queue in the socket's backlog
-until nginx's workers accept them, so the port refuses connections only between the proxy's close and
-that bind. Should the proxy's listener ever set SO_REUSEPORT, the bind succeeds at once and the proxy
-is stopped only after nginx answers: no gap at all.
+The proxy's listener sets SO_REUSEPORT (`listen.reuse_port`, on by default), and so does the socket this
+module binds and hands to nginx through nginx's own inherited-sockets variable (`NGINX=fd;`, the
+mechanism of nginx's binary upgrade). So each front starts beside the other, and the old one leaves
+(proxy: SIGTERM, it closes its listener and drains; nginx: SIGQUIT, the same) only once the new one
+answers on the port: no moment without a listener.
+
+Without SO_REUSEPORT on the proxy (an older proxy, `reuse_port: false`) the handover stops the proxy,
+binds the port the moment it is free (polled every millisecond) and hands that socket to nginx; the way
+back starts the proxy in a launcher that imports first and waits for the port. Then the port refuses
+connections for the few milliseconds between one listener's close and the other's bind.
 """
 from __future__ import annotations
 
@@ -164,7 +166,25 @@ def to_proxy(cfg: dict, config_path: str, nginx: str | None = None, say=print) -
     so the port refuses connections only for the proxy's last steps of start-up, not all of it."""
     result = {"changed": False}
     pid = host.nginx_pid(cfg)
-    if pid and not host.proxy_pid(cfg)[0]:
+    if pid and not host.proxy_pid(cfg)[0] and host.can_share_port(cfg):
+        # nginx's listener and the proxy's both set SO_REUSEPORT: the proxy starts beside nginx, and
+        # nginx leaves only once the proxy answers on the port. No moment without a listener.
+        _start_proxy(cfg)
+        proxy_pid = host.proxy_pid(cfg)[0]
+        if not _wait(lambda: not host.alive(proxy_pid) or host.front_answer(cfg) == "proxy", 30, 0.01) \
+                or not host.alive(proxy_pid):
+            ppid, ppgid = host.proxy_pid(cfg)
+            if ppid:
+                host.stop_group(ppgid, ppid, 3)
+            raise FrontError("the proxy did not start beside nginx (see logs/proxy.log); nginx keeps the port.")
+        if host.stop_watcher(cfg):
+            say("watcher: stopped")
+        say(f"proxy: pid {proxy_pid} shares the port (SO_REUSEPORT) and answers; SIGQUIT to nginx pid {pid}: "
+            "it closes its listener and finishes its in-flight requests")
+        os.kill(pid, signal.SIGQUIT)
+        result.update(changed=True, overlap=True, gap_ms=0.0, release_ms=0.0)
+        say(f"proxy: answers on :{cfg['port']}; port refused connections for at most 0.0 ms")
+    elif pid and not host.proxy_pid(cfg)[0]:
         ready = host.run_path(cfg, "proxy.waiting")
         if os.path.exists(ready):
             os.remove(ready)

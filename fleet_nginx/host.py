@@ -152,6 +152,20 @@ def front_answer(cfg: dict, timeout: float = 1.0) -> str | None:
     return "nginx" if headers.get("X-Front") == "nginx" else "proxy"
 
 
+def can_share_port(cfg: dict) -> bool:
+    """Whether a listener with SO_REUSEPORT could join the entry port now (bind only, never listen: a
+    probe that listened would be handed some of the clients' connections and reset them)."""
+    family = socket.AF_INET6 if ":" in cfg["bind"] else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            s.bind((cfg["bind"] or "0.0.0.0", cfg["port"]))
+            return True
+        except OSError:
+            return False
+
+
 def bind_listener(cfg: dict, backlog: int = 511) -> socket.socket | None:
     """A listening socket on the entry port for nginx to inherit, or None while the port is taken.
 

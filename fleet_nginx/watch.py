@@ -42,6 +42,29 @@ def step(cfg: dict) -> tuple[set[str], bool]:
     return down, False
 
 
+def rotate_access_log(cfg: dict) -> bool:
+    """Rotate nginx's access log like the proxy's results log (max_mb x backups; the seed's unrotated
+    log reached 769 MB): rename .N-1 -> .N ... -> .1, then SIGUSR1 makes nginx reopen its logs."""
+    path = cfg.get("access_log")
+    if not path:
+        return False
+    try:
+        if os.path.getsize(path) < float(cfg["access_log_max_mb"]) * 1024 * 1024:
+            return False
+    except OSError:
+        return False
+    pid = host.nginx_pid(cfg)
+    backups = int(cfg["access_log_backups"])
+    for k in range(backups - 1, 0, -1):
+        if os.path.exists(f"{path}.{k}"):
+            os.replace(f"{path}.{k}", f"{path}.{k + 1}")
+    os.replace(path, f"{path}.1")
+    if pid:
+        os.kill(pid, signal.SIGUSR1)   # nginx: reopen log files
+    log.info("access log rotated to %s.1 (kept %d)", path, backups)
+    return True
+
+
 def run(cfg: dict) -> None:
     """Poll until SIGTERM or SIGINT; the handlers only set a flag."""
     stop = threading.Event()
@@ -51,6 +74,7 @@ def run(cfg: dict) -> None:
     while not stop.is_set():
         try:
             step(cfg)
+            rotate_access_log(cfg)
         except OSError as e:            # a full disk, a vanished deploy_dir: say so, keep watching
             log.error("round failed: %s", e)
         stop.wait(float(cfg["interval_s"]))

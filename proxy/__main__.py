@@ -15,6 +15,8 @@ from .config import ConfigError, load_api_keys, load_config
 
 log = logging.getLogger("proxy")
 
+CLOSE_LINGER_S = 1.0  # after SIGTERM, how long kept-alive connections are answered (and told to close)
+
 
 async def serve(config, config_path: str) -> None:
     app = make_app(config, config_path)
@@ -27,8 +29,8 @@ async def serve(config, config_path: str) -> None:
     admin_runner = web.AppRunner(admin, access_log=None)
     await runner.setup()
     await admin_runner.setup()
-    await web.TCPSite(runner, config.listen.host, config.listen.port,
-                      reuse_port=config.listen.reuse_port or None).start()
+    public = web.TCPSite(runner, config.listen.host, config.listen.port, reuse_port=config.listen.reuse_port or None)
+    await public.start()
     await web.TCPSite(admin_runner, config.admin.host, config.admin.port).start()
     log.info("listening on %s:%d, admin on %s:%d, backends %s", config.listen.host, config.listen.port,
              config.admin.host, config.admin.port, ", ".join(config.backends))
@@ -50,6 +52,13 @@ async def serve(config, config_path: str) -> None:
     in_flight = sum(b.in_flight for b in proxy.balancer.backends.values())
     log.info("stopping: no new connections; %d requests in flight get up to %g s",
              in_flight, proxy.config.shutdown_timeout_s)
+    # 1. Stop listening: new connections go to the port's other listener (nginx during a swap) or are
+    #    refused. 2. For a moment, answer what kept-alive connections still send, with Connection: close,
+    #    so a busy client reconnects instead of racing its next request against our closing the
+    #    connection. 3. Then aiohttp closes the idle connections and waits for the requests in flight.
+    await public.stop()
+    proxy.closing = True
+    await asyncio.sleep(min(CLOSE_LINGER_S, proxy.config.shutdown_timeout_s))
     await runner.cleanup()
     await admin_runner.cleanup()
     log.info("stopped")

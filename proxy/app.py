@@ -75,11 +75,19 @@ async def _context(app: web.Application):
     proxy.results.stop()
 
 
+async def _close_when_stopping(request: web.Request, response: web.StreamResponse) -> None:
+    """While the proxy shuts down, each answer ends its connection, so clients reconnect elsewhere."""
+    if request.app[PROXY].closing:
+        response.force_close()
+        response.headers["Connection"] = "close"  # headers are already prepared when this hook runs
+
+
 def make_app(config: ProxyConfig, config_path: str | None = None) -> web.Application:
     """The public application: everything under /v1/ proxied, plus /health and /metrics."""
     app = web.Application(client_max_size=config.max_body_bytes)
     app[PROXY] = Proxy(config, config_path)
     app.cleanup_ctx.append(_context)
+    app.on_response_prepare.append(_close_when_stopping)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_route("*", "/v1/{tail:.*}", proxy_handler)

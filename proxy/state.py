@@ -30,6 +30,7 @@ class Proxy:
         self.session: aiohttp.ClientSession | None = None
         self.log = log
         self.check_now = asyncio.Event()  # wakes the health loop early (after a reload)
+        self.closing = False              # shutting down: every answer says Connection: close
 
     @property
     def upstream_timeout(self) -> aiohttp.ClientTimeout:

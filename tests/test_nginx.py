@@ -147,7 +147,7 @@ def test_swap_under_load_and_in_flight_streams_survive(cluster):
           f"{gaps[0]} ms and {gaps[1]} ms; outcomes {dict(load.outcomes)}")
     assert streams_ok == [True] * 8
     assert load.outcomes["ok nginx"] > 50 and load.outcomes["ok proxy"] > 50
-    assert load.failed <= 0.1 * load.total, load.outcomes
+    assert load.failed <= 0.01 * load.total, load.outcomes   # measured: 0-2 of 1,600-4,600
     assert gaps[0] < 100 and gaps[1] < 2000
     assert status_json(inventory)["front"] == "proxy"
 
@@ -298,3 +298,40 @@ def test_stop_stops_nginx_and_watcher_then_deploy_starts_nginx(nginx_front):
     assert r.returncode == 0, r.stdout + r.stderr
     after = status_json(inventory)
     assert after["front"] == "nginx" and not after["proxy"]["pid"]
+
+
+def test_trace_and_logs_use_the_access_log_in_nginx_mode(nginx_front):
+    """nginx writes no results log: `inv trace` finds a request by its X-Request-Id in nginx's JSON
+    access log, and `inv logs` shows that log and says why."""
+    inventory, deploy, st = nginx_front
+    port = status_json(inventory)["proxy"]["port"]
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("POST", "/v1/chat/completions", json.dumps(chat()),
+                 {"Content-Type": "application/json", "X-Request-Id": "rid-nginx-7"})
+    r = conn.getresponse()
+    assert r.status == 200 and r.getheader("X-Request-Id") == "rid-nginx-7"
+    r.read()
+    conn.close()
+    access = deploy / "logs" / "nginx_access.log"
+    wait_until(lambda: access.exists() and "rid-nginx-7" in access.read_text(), what="the access-log line")
+    t = inv("trace", "rid-nginx-7", "--host", "t", inventory=inventory)
+    assert t.returncode == 0, t.stdout + t.stderr
+    assert "request rid-nginx-7" in t.stdout and "status 200" in t.stdout and "attempt nginx" in t.stdout
+    lg = inv("logs", "--host", "t", "-n", "5", inventory=inventory)
+    assert "runs nginx as its front" in lg.stdout and "rid-nginx-7" in lg.stdout
+
+
+def test_watcher_rotates_the_access_log(tmp_path):
+    """The access log rotates like the results log (max_mb x backups): the seed's reached 769 MB."""
+    from fleet_nginx import watch
+    log = tmp_path / "nginx_access.log"
+    cfg = {"access_log": str(log), "access_log_max_mb": 0.001, "access_log_backups": 2,
+           "pid_file": str(tmp_path / "nginx.pid")}
+    for n in range(4):
+        log.write_text(f"{n}\n" * 600)
+        assert watch.rotate_access_log(cfg)
+    assert (tmp_path / "nginx_access.log.1").read_text().startswith("3\n")
+    assert (tmp_path / "nginx_access.log.2").read_text().startswith("2\n")
+    assert not (tmp_path / "nginx_access.log.3").exists() and not log.exists()
+    log.write_text("small\n")
+    assert not watch.rotate_access_log(cfg)
