@@ -172,6 +172,13 @@ def _card_checks(conn, hv: HostVars, f: dict) -> list[Check]:
             hs = [h for h in found.get("holders", []) if h["class"] != "self"]
             who = ("held by " + "; ".join(release.show_holder(h) for h in hs)) if hs else \
                 (found.get("error") or "no holder visible to you")
+            ours = hv.deployment_id + "/"
+            if hs and all((h.get("tag") or "").startswith(ours) for h in hs):
+                # Left behind by this deployment (an instance whose API server died): deploy and
+                # restart stop them by tag and wait for the card before starting the instance.
+                out.append(Check(label, "warn", f"{c.show()}, held by this deployment's leftovers: {who}",
+                                 f"`inv deploy` or `inv restart --host {hv.name} --instance {i}` stops them first"))
+                continue
             out.append(Check(label, "fail", f"only {c.total_mib - c.used_mib:.0f} MiB free of "
                              f"{c.total_mib:.0f}, needs {gmu:g} x total = {gmu * c.total_mib:.0f}; {who}",
                              f"`inv stop --host {hv.name} --force` if the holders are yours, or lower "

@@ -177,6 +177,10 @@ def status(conn: Transport, hv: HostVars, emit: Emit = lambda line: None) -> Rep
     for inst in st["instances"]:
         report.add(f"instance {inst['index']}", "ok" if inst["state"] in ("healthy", "loading") else
                    ("ok" if inst["state"] == "stopped" else "failed"), inst["state"])
+    # The entry port is what clients use: a front that should run and does not is a failure.
+    if st.get("mode", "proxy") != "nginx":
+        p = st["proxy"]
+        report.add("proxy", "failed" if p["state"] in ("dead", "port-taken") else "ok", p["state"])
     return report
 
 
@@ -213,6 +217,9 @@ def deploy(conn: Transport, hv: HostVars, emit: Emit = lambda line: None,
         conn.run(f"mkdir -p {shlex.quote(d + '/sim-dev')} && touch {devs}")
 
     states = [instance_state(f, hv["health_timeout_s"]) for f in facts["instances"]]
+    # Instances with processes left behind (an API server killed, its EngineCore children still holding
+    # the card): those are stopped by group and tag, and their card released, before they start again.
+    leftovers = {t["tag"].rpartition("/")[2] for t in facts.get("tagged", [])}
     to_start = []
     for f, state in zip(facts["instances"], states):
         name = f"instance {f['index']}"
@@ -225,7 +232,7 @@ def deploy(conn: Transport, hv: HostVars, emit: Emit = lambda line: None,
                        "deployment's; free the port or change base_port")
         else:
             to_start.append(f)
-            if state == "dead" and f["alive"]:
+            if (state == "dead" and f["alive"]) or str(f["index"]) in leftovers:
                 report.data.setdefault("restart", []).append(f["index"])
 
     if check:
@@ -284,9 +291,17 @@ def _diff_lines(conn, hv, f, path, have, have_mode, same_content) -> list[str]:
 def _start_instances(conn, hv, to_start, report, emit):
     d = hv["deploy_dir"]
     bin_dir = shlex.quote(f"{d}/bin")
-    for index in report.data.get("restart", []):
-        emit(f"instance {index}: alive but not healthy, stopping it before the start")
+    stopped = report.data.get("restart", [])
+    for index in stopped:
+        emit(f"instance {index}: dead, or its processes left behind; stopping them (group and tag) "
+             "before the start")
         conn.run(f"{bin_dir}/stop_cluster.sh --instance {index}", on_line=emit)
+    if stopped:
+        _, pending, _ = release.wait_released(conn, hv, stopped, emit)
+        if pending:
+            raise RemoteError(f"{hv.name}: card(s) {', '.join(map(str, pending))} still hold memory "
+                              f"{hv['release_timeout_s']:g}s after their instance stopped; "
+                              f"`inv stop --host {hv.name} --instance I --check` shows the holders.")
     r = conn.run(f"{bin_dir}/start_cluster.sh", on_line=lambda line: emit(line))
     if r.exited == 3:
         raise RemoteError(f"{hv.name}: {r.stderr.strip()}")

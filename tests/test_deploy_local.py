@@ -114,3 +114,36 @@ def test_stop_leaves_no_tagged_process(cluster):
     assert {i["state"] for i in st["instances"]} == {"stopped"} and st["front"] is None
     again = inv("stop", "--host", "t", inventory=inventory)
     assert again.returncode == 0 and recap(again.stdout)["changed"] == 0
+
+
+def test_deploy_brings_back_an_instance_whose_api_server_was_killed(cluster):
+    """1. SIGKILL instance 0's API server: its spawned engine child lives on, holding card 0.
+    2. `inv status` says dead (or stopped) and fails.  3. `inv deploy` stops the leftovers by tag, waits
+    for card 0, starts instance 0 again: healthy, the orphan gone, the other instances untouched."""
+    import os
+    import signal
+    inventory, dep, _, tmp = cluster
+    before = status_json(inventory)
+    pid = int((tmp / "deploy" / "run" / "instance_0.pid").read_text().split()[0])
+    orphans = [p for p in tagged_pids(dep + "/0") if p != pid]
+    assert orphans, "the sim's engine child should carry the instance's tag"
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: status_json(inventory)["instances"][0]["state"] in ("dead", "stopped"),
+               what="instance 0 seen down")
+    assert inv("status", "--host", "t", inventory=inventory).returncode == 2
+    r = inv("deploy", "--host", "t", inventory=inventory)
+    assert r.returncode == 0, r.stdout + r.stderr
+    after = status_json(inventory)
+    assert after["instances"][0]["state"] == "healthy" and after["instances"][0]["pid"] != pid
+    assert not set(orphans) & set(tagged_pids(dep + "/0"))
+    assert [i["pid"] for i in after["instances"][1:]] == [i["pid"] for i in before["instances"][1:]]
+
+    # The entry port down is a failure of the host, and deploy brings the proxy back.
+    proxy_pid = after["proxy"]["pid"]
+    os.kill(proxy_pid, signal.SIGKILL)
+    wait_until(lambda: status_json(inventory)["proxy"]["state"] == "dead", what="the proxy seen dead")
+    down = inv("status", "--host", "t", inventory=inventory)
+    assert down.returncode == 2 and "FAILED: proxy: dead" in down.stderr, down.stdout + down.stderr
+    again = inv("deploy", "--host", "t", inventory=inventory)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert status_json(inventory)["proxy"]["state"] == "healthy"

@@ -51,7 +51,13 @@ tagged_pids() {
     done
 }
 
-group_alive() { kill -0 -- "-$1" 2>/dev/null; }
+# Alive means existing and not a zombie: an exited process nobody has reaped yet answers kill -0.
+pid_alive() {
+    local s
+    s=$(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null | cut -d' ' -f1)
+    [ -n "$s" ] && [ "$s" != Z ] && [ "$s" != X ]
+}
+group_alive() { ps -e -o pgid=,stat= 2>/dev/null | awk -v g="$1" '$1 == g && $2 !~ /^[ZX]/ { f = 1 } END { exit !f }'; }
 
 # Wait up to $2 seconds (0.2 s ticks) until none of the pids in $1 is alive.
 wait_gone() {
@@ -59,7 +65,7 @@ wait_gone() {
     limit=$(awk -v g="$2" 'BEGIN { printf "%d", g * 5 }')
     while [ $ticks -lt "$limit" ]; do
         any=0
-        for p in $pids; do kill -0 "$p" 2>/dev/null && any=1; done
+        for p in $pids; do pid_alive "$p" && any=1; done
         [ $any = 0 ] && return 0
         sleep 0.2; ticks=$((ticks + 1))
     done
