@@ -12,7 +12,7 @@ from pathlib import Path
 
 from invoke import Exit, task
 
-from fleet import display, inventory, lifecycle, render, runner
+from fleet import display, inventory, lifecycle, runner
 from fleet import logs as fleet_logs
 from fleet.client import chat as chat_request
 from fleet.errors import FleetError
@@ -48,7 +48,7 @@ def _run(host, inv_path, overrides, action, forks=5, stream=None, quiet=False, o
     out = stream or sys.stdout
     try:
         inv = _inventory(inv_path)
-        reports = runner.run_hosts(inv, host, action, overrides, forks=int(forks), stream=out, order=order)
+        reports = runner.run_hosts(inv, host, action, overrides, forks=_number(forks, '--forks', minimum=1), stream=out, order=order)
     except FleetError as e:
         raise Exit(f"error: {e}", code=2)
     for r in reports:
@@ -71,7 +71,7 @@ def _finish(code):
                  diff="show a unified diff of every rendered file against the host's copy",
                  doctor="run `inv doctor`'s checks first and stop on a failure (default; --no-doctor skips)"),
       iterable=["set_"])
-def deploy(c, host="", check=False, diff=False, set_=None, inventory_="", forks=5, doctor=True):
+def deploy(c, host="", check=False, diff=False, set_=None, inventory_="", forks="5", doctor=True):
     """Render, put changed files, start the instances (staggered) and the proxy, wait for /health."""
     def action(conn, hv, emit):
         report = lifecycle.deploy(conn, hv, emit, check=check, diff=diff, doctor=doctor)
@@ -84,7 +84,7 @@ def deploy(c, host="", check=False, diff=False, set_=None, inventory_="", forks=
 @task(help=_help("host", "inventory", "set", "forks",
                  json="print a JSON list, one object per host, and nothing else on stdout"),
       iterable=["set_"])
-def status(c, host="", json_=False, set_=None, inventory_="", forks=5):
+def status(c, host="", json_=False, set_=None, inventory_="", forks="5"):
     """Show each instance's port, accelerator, pid and state, and the proxy's."""
     stream = sys.stderr if json_ else sys.stdout
 
@@ -104,7 +104,7 @@ def status(c, host="", json_=False, set_=None, inventory_="", forks=5):
                  check="list what would be stopped, stop nothing",
                  force="also kill your processes still holding the accelerator's device files"),
       iterable=["set_"], auto_shortflags=False)   # -i would be ambiguous: --instance and --inventory
-def stop(c, host="", instance=None, check=False, force=False, set_=None, inventory_="", forks=5):
+def stop(c, host="", instance=None, check=False, force=False, set_=None, inventory_="", forks="5"):
     """Stop the proxy and every instance by process group, then every process still carrying the tag."""
     index = _instance_number(instance)
 
@@ -128,27 +128,37 @@ def render_(c, host="", out="", set_=None, inventory_=""):
                     "USER", "user")) + hv["deploy_dir"][1:]
             hv.vars["python"] = hv["python"] or "python3"
             target = Path(out) / name if len(names) > 1 else Path(out)
-            for f in render.render_host(hv):
+            files = lifecycle.host_files(hv)
+            # A path in the way (a file where a directory must go) fails before anything is written.
+            dirs = sorted({(target / f.path).parent for f in files})
+            for d in dirs:
+                for a in (d, *d.parents):
+                    if a.exists() and not a.is_dir():
+                        raise Exit(f"error: {a} is a file, and render needs a directory there; "
+                                   "choose another --out.", code=2)
+            for d in dirs:
+                d.mkdir(parents=True, exist_ok=True)
+            for f in files:
                 path = target / f.path
-                path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(f.content)
                 path.chmod(f.mode)
                 print(f"wrote {path}")
     except FleetError as e:
         raise Exit(f"error: {e}", code=2)
     except OSError as e:
-        raise Exit(f"error: cannot write into {out} ({e.strerror}); choose another --out.", code=2)
+        where = e.filename or out
+        raise Exit(f"error: cannot write {where} ({e.strerror}); choose another --out.", code=2)
 
 
 @task(help=_help("inventory", host="the host whose entry port to send to", prompt="the user message",
                  max_tokens="max_tokens of the request"))
-def chat(c, host="local", prompt="Describe a sunrise over the sea in one sentence.", max_tokens=64,
+def chat(c, host="local", prompt="Describe a sunrise over the sea in one sentence.", max_tokens="64",
          inventory_=""):
     """Send one chat completion through the host's entry port and print the answer and its backend."""
     try:
         inv = _inventory(inventory_)
         hv = inv.host_vars(inv.select(host)[0])
-        r = chat_request(hv, prompt, max_tokens=int(max_tokens))
+        r = chat_request(hv, prompt, max_tokens=_number(max_tokens, '--max-tokens', minimum=1))
     except FleetError as e:
         raise Exit(f"error: {e}", code=2)
     print(f"answer ({r['completion_tokens']} tokens, finish_reason={r['finish_reason']}, "
@@ -161,12 +171,13 @@ def chat(c, host="local", prompt="Describe a sunrise over the sea in one sentenc
                  results="show the results log (one JSON line per request)", n="how many lines (default 50)",
                  follow="keep printing as the file grows (Ctrl-C to end)"),
       iterable=["set_"], auto_shortflags=False)
-def logs(c, host="", instance=None, proxy=False, results=False, n=50, follow=False, set_=None, inventory_=""):
+def logs(c, host="", instance=None, proxy=False, results=False, n="50", follow=False, set_=None, inventory_=""):
     """Tail the right log file on the right host."""
     index = _instance_number(instance)
+    lines = _number(n, "-n", minimum=1)
 
     def action(conn, hv, emit):
-        return fleet_logs.tail(conn, hv, emit, lines=int(n), follow=follow, instance=index,
+        return fleet_logs.tail(conn, hv, emit, lines=lines, follow=follow, instance=index,
                                proxy=proxy, results=results)
     _finish(_run(host, inventory_, set_, action, forks=1)[1])
 
@@ -183,6 +194,17 @@ def trace(c, ident, host="", set_=None, inventory_=""):
     _finish(_run(host, inventory_, set_, action, forks=1)[1])
 
 
+def _number(value, flag: str, minimum: int = 0) -> int:
+    """A whole-number option (invoke hands them over as text), or one sentence saying what is wrong."""
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = None
+    if n is None or n < minimum:
+        raise Exit(f"{flag} takes a whole number of at least {minimum}, got {value!r}.", code=2)
+    return n
+
+
 def _instance_number(instance):
     """--instance as an int, or None when not given."""
     if instance is None:
@@ -197,7 +219,7 @@ def _instance_number(instance):
                  instance="restart only this instance",
                  rolling="restart every instance in turn, never more than one out of service"),
       iterable=["set_"], auto_shortflags=False)   # -i would be ambiguous: --instance and --inventory
-def restart(c, host="", instance=None, rolling=False, set_=None, inventory_="", forks=5):
+def restart(c, host="", instance=None, rolling=False, set_=None, inventory_="", forks="5"):
     """Drain, stop, wait for the card, start, wait for /health, enable: one instance or all in turn."""
     from fleet import restart as restart_mod
     if (instance is None) == (not rolling):
@@ -212,7 +234,7 @@ def restart(c, host="", instance=None, rolling=False, set_=None, inventory_="", 
 
 
 @task(help=_help("host", "inventory", "set", "forks"), iterable=["set_"])
-def doctor(c, host="", set_=None, inventory_="", forks=5):
+def doctor(c, host="", set_=None, inventory_="", forks="5"):
     """Check the host before a deploy: engine, model path, ports, free memory per card, tools, log room."""
     from fleet import doctor as doctor_mod
 
@@ -230,7 +252,7 @@ def doctor(c, host="", set_=None, inventory_="", forks=5):
                      "(default bench-results/HOST-YYYYmmdd-HHMMSS)"),
       iterable=["set_"])
 def bench(c, host="", inventory_="", set_=None, scenario="short,detailed,thinking",
-          concurrency="8,16,32,48,64", requests=0, image="", out=""):
+          concurrency="8,16,32,48,64", requests="0", image="", out=""):
     """Load-test a host through its entry port: a concurrency sweep per scenario, tables, JSON, Markdown, SVG."""
     from fleet import bench as bench_mod
     try:
@@ -250,7 +272,7 @@ def bench(c, host="", inventory_="", set_=None, scenario="short,detailed,thinkin
 
 
 @task(help=_help("host", "inventory", "set", "forks"), iterable=["set_"], name="swap-to-nginx")
-def swap_to_nginx(c, host="", set_=None, inventory_="", forks=5):
+def swap_to_nginx(c, host="", set_=None, inventory_="", forks="5"):
     """Put nginx on the entry port in place of the aiohttp proxy, with the /health watcher."""
     from fleet import front
 
@@ -262,7 +284,7 @@ def swap_to_nginx(c, host="", set_=None, inventory_="", forks=5):
 
 
 @task(help=_help("host", "inventory", "set", "forks"), iterable=["set_"], name="swap-to-proxy")
-def swap_to_proxy(c, host="", set_=None, inventory_="", forks=5):
+def swap_to_proxy(c, host="", set_=None, inventory_="", forks="5"):
     """Give the entry port back to the aiohttp proxy: nginx quits gracefully, the watcher stops."""
     from fleet import front
 

@@ -397,7 +397,9 @@ def analyse(scenario: dict, capacity: int, capacity_text: str) -> dict:
         text.append(f"Throughput still grew at the highest concurrency ({levels[-1]['concurrency']}): the "
                     "server was not saturated; add higher levels to --concurrency to find its limit.")
     text.append("Client concurrency beyond the server's capacity only adds queueing: to serve more, raise "
-                "max_num_seqs or add instances, not client concurrency.")
+                "max_num_seqs or add instances, not client concurrency."
+                + ("" if levels[-1]["concurrency"] > capacity else
+                   f" (No level of this run went beyond the capacity of {capacity}.)"))
     util_lv = next((lv for lv in levels if lv["concurrency"] == (sat or peak["concurrency"])), peak)
     u = util_lv["utilisation"]
     if u and u["util_pct"] is not None:
@@ -513,7 +515,8 @@ def run(hv: HostVars, scenarios: list[Scenario], levels: list[int], requests: in
     check_entry(hv, url)
     timeout_s = timeout_s or float(hv["proxy"]["timeout_s"])
     capacity = hv["instances"] * hv["max_num_seqs"]
-    capacity_text = f"{hv['instances']} instances x max_num_seqs {hv['max_num_seqs']}"
+    capacity_text = (f"{hv['instances']} instance{'s' if hv['instances'] != 1 else ''} x max_num_seqs "
+                     f"{hv['max_num_seqs']}")
     read, reason, close = smi_reader(hv)
     sampler = UtilSampler(read, reason=reason)
     started = time.time()
@@ -686,6 +689,20 @@ def write_reports(result: dict, out_dir: str | os.PathLike) -> dict[str, Path]:
     return written
 
 
+def check_writable(d: Path) -> None:
+    """Create d and write a probe file in it, or say in one sentence why the reports could not go there."""
+    made = [p for p in (d, *d.parents) if not p.exists()]   # removed again: a failed run leaves nothing
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        probe = d / ".bench-write-test"
+        probe.write_text("")
+        probe.unlink()
+        for p in made:
+            p.rmdir()
+    except OSError as e:
+        raise BenchError(f"cannot write the reports into {d} ({e.strerror}); choose another --out.") from None
+
+
 def default_out(host: str) -> Path:
     return Path("bench-results") / f"{host}-{time.strftime('%Y%m%d-%H%M%S')}"
 
@@ -700,8 +717,10 @@ def run_host(conn, hv: HostVars, emit: Callable[[str], None], scenarios: list[Sc
     from .lifecycle import Report, prepare
 
     report = Report(hv.name)
+    out_dir = Path(out_dir or default_out(hv.name))
+    check_writable(out_dir)   # before any load is sent: a sweep's results are not to be lost at the end
     result = run(prepare(conn, hv), scenarios, levels, requests, image_path, progress=progress)
-    written = write_reports(result, out_dir or default_out(hv.name))
+    written = write_reports(result, out_dir)
     emit(terminal_report(result))
     emit("")
     emit("wrote " + ", ".join(str(p) for p in written.values()))

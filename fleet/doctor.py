@@ -192,6 +192,8 @@ def doctor(conn, hv: HostVars, emit: Emit = lambda line: None, report: Report | 
     report = report or Report(hv.name)
     for c in checks(conn, hv, facts(conn, hv)):
         emit(c.line())
+        # The line is emitted once, here; a step keeps its message only when it failed (the recap and
+        # the failure list show it), so deploy does not print every check twice.
         report.add(f"doctor {c.name}", "failed" if c.status == "fail" else "ok",
-                   c.message + (f"; fix: {c.fix}" if c.fix and c.status == "fail" else ""))
+                   c.message + (f"; fix: {c.fix}" if c.fix else "") if c.status == "fail" else "")
     return report

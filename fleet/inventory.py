@@ -187,7 +187,9 @@ def load(path: str | os.PathLike | None = None) -> Inventory:
     """Read and check an inventory file (default: $FLEET_INVENTORY, else inventory/hosts.yml)."""
     path = str(path or os.environ.get("FLEET_INVENTORY") or DEFAULT_INVENTORY)
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise InventoryError(f"{path}: cannot read the inventory (it is not UTF-8 text).") from None
     except FileNotFoundError:
         raise InventoryError(f"{path}: no such inventory file; pass -i FILE or set FLEET_INVENTORY.") from None
     except OSError as e:

@@ -55,7 +55,10 @@ def restart(conn, hv: HostVars, emit: Emit = lambda line: None, instance: int | 
         raise FleetError(f"{hv.name}: there is no instance {instance}; instances are 0-{hv['instances'] - 1}.")
     report = Report(hv.name)
     files = lifecycle.host_files(hv)
-    facts = lifecycle.probe(conn, hv, [f.path for f in files])
+    facts = lifecycle.probe(conn, hv, [f.path for f in files], readonly=True)
+    if not facts["files"].get("bin/start_cluster.sh"):
+        raise FleetError(f"{hv.name} is not deployed under {hv['deploy_dir']}; run "
+                         f"`inv deploy --host {hv.name}` first.")
     # The instance starts with the current inventory: put what changed (the proxy keeps running as is).
     lifecycle._put_files(conn, hv, files, facts, report, emit, check=False, diff=False)
     proxy_up = backends(conn, hv) is not None
