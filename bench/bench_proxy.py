@@ -108,6 +108,10 @@ class Stack:
                     path.write_text(f.content)
         for d in ("logs", "run/nginx", "sim-dev"):
             (self.deploy / d).mkdir(parents=True, exist_ok=True)
+        # nginx.conf includes the upstream list the /health watcher keeps: every backend up here.
+        from fleet_nginx import upstream
+        (self.deploy / "run" / "nginx_upstream.conf").write_text(
+            upstream.render([f"127.0.0.1:{p}" for p in self.backend_ports], set(), 1, 5))
 
     def _start(self, argv, log: str, **kw) -> subprocess.Popen:
         out = open(self.deploy / "logs" / log, "ab")

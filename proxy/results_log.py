@@ -7,6 +7,7 @@ import os
 import queue
 import re
 import threading
+import time
 
 from .config import ResultsLogConfig
 
@@ -160,7 +161,8 @@ class ResultsLog:
     memory, so a busy proxy does not pay that per request while holding the GIL its event loop needs.
     """
 
-    BATCH = 4096  # lines per write at most
+    BATCH = 4096     # lines per write at most
+    GATHER_S = 0.05  # how long the writer lets lines gather after the first one of a batch
 
     def __init__(self, config: ResultsLogConfig):
         self.config = config
@@ -223,6 +225,9 @@ class ResultsLog:
         done = False
         while not done:
             lines = [self._queue.get()]
+            # Let a batch gather: woken per line, this thread would take the GIL from the event loop
+            # thousands of times a second under load (measured: a third of the proxy's throughput).
+            time.sleep(self.GATHER_S)
             while len(lines) < self.BATCH:
                 try:
                     lines.append(self._queue.get_nowait())
