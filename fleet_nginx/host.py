@@ -155,15 +155,7 @@ def front_answer(cfg: dict, timeout: float = 1.0) -> str | None:
 def can_share_port(cfg: dict) -> bool:
     """Whether a listener with SO_REUSEPORT could join the entry port now (bind only, never listen: a
     probe that listened would be handed some of the clients' connections and reset them)."""
-    family = socket.AF_INET6 if ":" in cfg["bind"] else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        try:
-            s.bind((cfg["bind"] or "0.0.0.0", cfg["port"]))
-            return True
-        except OSError:
-            return False
+    return port_free(cfg, reuse_port=True)
 
 
 def bind_listener(cfg: dict, backlog: int = 511) -> socket.socket | None:
@@ -191,11 +183,13 @@ def bind_listener(cfg: dict, backlog: int = 511) -> socket.socket | None:
         return None
 
 
-def port_free(cfg: dict) -> bool:
-    """Whether a plain listener (no SO_REUSEPORT, like the aiohttp proxy's) could bind the port now."""
+def port_free(cfg: dict, reuse_port: bool = False) -> bool:
+    """Whether a listener could bind the entry port now: a plain one, or one setting SO_REUSEPORT."""
     family = socket.AF_INET6 if ":" in cfg["bind"] else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         try:
             s.bind((cfg["bind"] or "0.0.0.0", cfg["port"]))
             return True
