@@ -43,7 +43,8 @@ def run_hosts(inv: Inventory, pattern: str, action: Action, overrides=(), forks:
             return Report(hv.name, unreachable=str(e))
         except FleetError as e:
             report = Report(hv.name)
-            report.add("run", "failed", str(e))
+            message = str(e)   # the failure line names the host already: not twice
+            report.add("run", "failed", message[len(hv.name) + 2:] if message.startswith(f"{hv.name}: ") else message)
             return report
         except Exception as e:   # a bug or an unforeseen remote failure: this host fails, the others go on
             report = Report(hv.name)
