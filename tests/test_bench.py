@@ -75,7 +75,9 @@ def test_throughput_stops_growing_at_capacity_and_the_slots_run_in_parallel(swee
     # The sim's smi reports each card's busy slots: 1 of 4 at concurrency 8, 4 of 4 at 32.
     util = {c: lv["utilisation"] for c, lv in levels.items()}
     assert util[32]["cards"] == 8 and util[32]["samples"] >= 1, util
-    assert util[8]["util_pct"] < util[32]["util_pct"] and util[32]["util_pct"] >= 60, util
+    # A level of about 1 s gets 2-3 smi samples (every 0.5 s), one may fall in its ramp or tail: so
+    # compare levels (25% of the slots busy at 8, all of them at 32) rather than expect a fixed figure.
+    assert util[32]["util_pct"] >= 1.5 * util[8]["util_pct"] and util[32]["util_pct"] >= 40, util
     assert 70 <= util[32]["mem_pct"] <= 90, util        # an engine's 52000 of 65520 MiB
 
     out = r.stdout
