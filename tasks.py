@@ -62,6 +62,15 @@ def _run(host, inv_path, overrides, action, forks=5, stream=None, quiet=False, o
     return reports, code
 
 
+def _then_table(step):
+    """An action running step(conn, hv, emit), then printing the host's status table."""
+    def action(conn, hv, emit):
+        report = step(conn, hv, emit)
+        emit(display.status_table(report.status))
+        return report
+    return action
+
+
 def _finish(code):
     if code:
         raise Exit(code=code)
@@ -227,10 +236,8 @@ def restart(c, host="", instance=None, rolling=False, set_=None, inventory_="", 
     index = _instance_number(instance)
 
     def action(conn, hv, emit):
-        report = restart_mod.restart(conn, hv, emit, instance=index, rolling=rolling)
-        emit(display.status_table(report.status))
-        return report
-    _finish(_run(host, inventory_, set_, action, forks)[1])
+        return restart_mod.restart(conn, hv, emit, instance=index, rolling=rolling)
+    _finish(_run(host, inventory_, set_, _then_table(action), forks)[1])
 
 
 @task(help=_help("host", "inventory", "set", "forks"), iterable=["set_"])
@@ -275,21 +282,11 @@ def bench(c, host="", inventory_="", set_=None, scenario="short,detailed,thinkin
 def swap_to_nginx(c, host="", set_=None, inventory_="", forks="5"):
     """Put nginx on the entry port in place of the aiohttp proxy, with the /health watcher."""
     from fleet import front
-
-    def action(conn, hv, emit):
-        report = front.swap_to_nginx(conn, hv, emit)
-        emit(display.status_table(report.status))
-        return report
-    _finish(_run(host, inventory_, set_, action, forks)[1])
+    _finish(_run(host, inventory_, set_, _then_table(front.swap_to_nginx), forks)[1])
 
 
 @task(help=_help("host", "inventory", "set", "forks"), iterable=["set_"], name="swap-to-proxy")
 def swap_to_proxy(c, host="", set_=None, inventory_="", forks="5"):
     """Give the entry port back to the aiohttp proxy: nginx quits gracefully, the watcher stops."""
     from fleet import front
-
-    def action(conn, hv, emit):
-        report = front.swap_to_proxy(conn, hv, emit)
-        emit(display.status_table(report.status))
-        return report
-    _finish(_run(host, inventory_, set_, action, forks)[1])
+    _finish(_run(host, inventory_, set_, _then_table(front.swap_to_proxy), forks)[1])

@@ -3,16 +3,14 @@ from __future__ import annotations
 
 import json
 
-from .results_log import user_value
 
-
-def fix_numeric_user(body: bytes) -> tuple[bytes, list[str]]:
+def fix_numeric_user(body: bytes, raw: bytes | None) -> tuple[bytes, list[str]]:
     """The body with a numeric top-level `user` turned into its string, and the fixups done.
 
+    raw: the `user` value as results_log.user_value found it (the cheap scan, done once per body).
     vLLM's request validation answers 400 to `"user": 12345` (the seed's incident: one client's
-    every request failed). The cheap scan runs on every body; the full parse only on a hit.
+    every request failed). The full parse runs only on a hit.
     """
-    raw = user_value(body)
     if raw is None or not (raw[:1].isdigit() or raw[:1] == b"-"):
         return body, []
     try:

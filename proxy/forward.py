@@ -14,7 +14,7 @@ from yarl import URL  # aiohttp's own URL type; encoded=True passes the client's
 
 from .balancer import Backend
 from .fixups import fix_numeric_user
-from .results_log import LOGGED_PATHS, ResponseObserver, trace_id_of
+from .results_log import LOGGED_PATHS, ResponseObserver, trace_id_of, user_value
 from .state import PROXY
 
 # Hop-by-hop headers (RFC 9110 7.6.1) never cross the proxy; length and encoding are the proxy's own.
@@ -143,19 +143,22 @@ def _authorized(request: web.Request, keys: frozenset) -> bool:
 async def _read_body(ex: Exchange, proxy, backend: Backend) -> web.Response | None:
     """Read and fix the body; a response when the request ends here (413)."""
     request, config = ex.request, proxy.config
-    too_large = json_error(413, f"request body over {config.max_body_mb:g} MiB", "too_large",
-                           {"X-Backend": backend.name, "X-Request-Id": ex.request_id})
+
+    def too_large() -> web.Response:
+        return json_error(413, f"request body over {config.max_body_mb:g} MiB", "too_large",
+                          {"X-Backend": backend.name, "X-Request-Id": ex.request_id})
     if (request.content_length or 0) > config.max_body_bytes:
-        return too_large
+        return too_large()
     try:
         ex.body = await request.read()
     except web.HTTPRequestEntityTooLarge:
-        return too_large
+        return too_large()
     ex.logged = request.method == "POST" and request.path in LOGGED_PATHS
     if ex.logged:
-        ex.trace_id = trace_id_of(ex.body)
+        raw_user = user_value(ex.body)   # one scan of a body that may hold MiBs of base64 images
+        ex.trace_id = trace_id_of(raw_user)
         if config.fix_numeric_user:
-            ex.body, ex.fixups = fix_numeric_user(ex.body)
+            ex.body, ex.fixups = fix_numeric_user(ex.body, raw_user)
     return None
 
 
@@ -175,8 +178,7 @@ async def _attempt(ex: Exchange, proxy, backend: Backend) -> Outcome:
                                          headers=headers,
                                          data=ex.body or None, allow_redirects=False, timeout=timeout) as up:
             out.status = up.status
-            if proxy.balancer.answered(backend, up.status, config.max_fails):
-                _ejected(proxy, backend, "5xx")
+            _answered(proxy, backend, up.status)
             if up.status in RETRY_STATUSES:
                 body = await _read_up_to(up, ERROR_BODY_BYTES)
                 out.retryable, out.error = True, body.decode("utf-8", "replace")
@@ -219,14 +221,13 @@ async def _attempt(ex: Exchange, proxy, backend: Backend) -> Outcome:
     except aiohttp.ServerDisconnectedError:
         # Before any byte: the engine died or closed a kept-alive connection; another backend may take it.
         _upstream_error(proxy, backend, out, "disconnected", f"{backend.name} closed the connection")
-        if not out.sent and proxy.balancer.answered(backend, 502, config.max_fails):
-            _ejected(proxy, backend, "5xx")
+        if not out.sent:
+            _answered(proxy, backend, 502)
     except asyncio.TimeoutError:
         out.status = 504
         out.error = f"{backend.name} did not answer within {config.timeout_s:g}s"
         proxy.metrics.upstream_errors.labels(backend.name, "timeout").inc()
-        if proxy.balancer.answered(backend, 504, config.max_fails):
-            _ejected(proxy, backend, "5xx")
+        _answered(proxy, backend, 504)
     except aiohttp.ClientPayloadError as e:
         _upstream_error(proxy, backend, out, "payload", f"{backend.name} broke off its answer: {e}")
     except (aiohttp.ClientOSError, ConnectionResetError) as e:
@@ -260,6 +261,12 @@ def _upstream_error(proxy, backend: Backend, out: Outcome, kind: str, message: s
     out.status, out.retryable = 502, True   # whatever status line came first, no answer went out
     if eject and proxy.balancer.eject(backend, message):
         _ejected(proxy, backend, kind)
+
+
+def _answered(proxy, backend: Backend, status: int) -> None:
+    """Count an answer (or its failure, as the 5xx it amounts to) toward the backend's max_fails."""
+    if proxy.balancer.answered(backend, status, proxy.config.max_fails):
+        _ejected(proxy, backend, "5xx")
 
 
 def _ejected(proxy, backend: Backend, reason: str) -> None:

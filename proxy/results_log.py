@@ -35,9 +35,8 @@ def user_value(body: bytes) -> bytes | None:
     return None
 
 
-def trace_id_of(body: bytes) -> str | None:
-    """The request's `user` field as a string (a number stays its digits), None when absent."""
-    raw = user_value(body)
+def trace_id_of(raw: bytes | None) -> str | None:
+    """The trace id from the raw `user` value user_value found: a string (a number stays its digits)."""
     if raw is None:
         return None
     try:

@@ -21,7 +21,7 @@ class Proxy:
     """The live state behind both applications; SIGHUP swaps its config without dropping a request."""
 
     def __init__(self, config: ProxyConfig, config_path: str | None = None):
-        self.config = config
+        self._use(config)
         self.config_path = config_path
         self.api_keys = load_api_keys(config.api_keys_file)
         self.balancer = Balancer(config.backends)
@@ -31,15 +31,6 @@ class Proxy:
         self.log = log
         self.check_now = asyncio.Event()  # wakes the health loop early (after a reload)
         self.closing = False              # shutting down: every answer says Connection: close
-
-    @property
-    def upstream_timeout(self) -> aiohttp.ClientTimeout:
-        """The per-request upstream timeouts of the current config (built once per config)."""
-        config = self.config
-        if getattr(self, "_timeout_for", None) is not config:
-            self._timeout = aiohttp.ClientTimeout(total=config.timeout_s, sock_connect=config.connect_timeout_s)
-            self._timeout_for = config
-        return self._timeout
 
     def reload(self) -> bool:
         """Re-read the config file and apply it; an invalid one is refused and the old one stays."""
@@ -62,12 +53,19 @@ class Proxy:
             # Flushing the old file joins its writer thread: not on the event loop.
             threading.Thread(target=old_results.stop, name="results-log-stop", daemon=True).start()
         added, removed = self.balancer.update(new.backends)
-        self.config, self.api_keys = new, keys
+        self._use(new)
+        self.api_keys = keys
         self.check_now.set()
         log.info("reloaded %s: %d backends (added %s, removed %s)%s", self.config_path, len(new.backends),
                  ", ".join(added) or "none", ", ".join(removed) or "none",
                  ", API keys on" if keys is not None else "")
         return True
+
+    def _use(self, config: ProxyConfig) -> None:
+        """Make config the running one, with what follows from it (built once, not per request)."""
+        self.config = config
+        self.upstream_timeout = aiohttp.ClientTimeout(total=config.timeout_s,
+                                                      sock_connect=config.connect_timeout_s)
 
     def _keep_restart_only(self, new: ProxyConfig) -> ProxyConfig:
         """new, with the settings a running proxy cannot change put back to the running ones (logged)."""

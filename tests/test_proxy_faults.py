@@ -220,6 +220,7 @@ class FakeBackend:
         self.last_head = b""
         self._stop = False
         self._filler: socket.socket | None = None
+        self._holed = threading.Event()   # set once the serving thread has stopped accepting
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
 
@@ -229,7 +230,7 @@ class FakeBackend:
 
     def blackhole(self) -> None:
         self.mode = "blackhole"
-        time.sleep(0.1)
+        assert self._holed.wait(5), "the fake backend did not stop accepting"
         self._filler = socket.create_connection(("127.0.0.1", self.port))  # fills the accept queue
 
     def close(self) -> None:
@@ -242,6 +243,7 @@ class FakeBackend:
     def _serve(self) -> None:
         while not self._stop:
             if self.mode == "blackhole":
+                self._holed.set()
                 time.sleep(0.05)
                 continue
             try:
