@@ -109,7 +109,7 @@ class Stack:
         for d in ("logs", "run/nginx", "sim-dev"):
             (self.deploy / d).mkdir(parents=True, exist_ok=True)
         # nginx.conf includes the upstream list the /health watcher keeps: every backend up here.
-        from fleet_nginx import upstream
+        from hostagent import upstream
         (self.deploy / "run" / "nginx_upstream.conf").write_text(
             upstream.render([f"127.0.0.1:{p}" for p in self.backend_ports], set(), 1, 5))
 

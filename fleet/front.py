@@ -1,6 +1,6 @@
 """The front of a host: the aiohttp proxy or nginx on the entry port, and the swap between them.
 
-The work that needs precise timing (the port handover) runs on the host itself, in `fleet_nginx`
+The work that needs precise timing (the port handover) runs on the host itself, in `hostagent`
 (shipped to deploy_dir like the proxy's code); this module settles what to do, puts the files, calls
 it and turns what it prints into report steps.
 """
@@ -26,8 +26,8 @@ class FrontError(FleetError):
 
 
 def host_command(conn: Transport, hv: HostVars, command: str, emit: Emit) -> dict:
-    """Run `python -m fleet_nginx COMMAND` in deploy_dir; its FLEET_RESULT line as a dict."""
-    line = (f"cd {shlex.quote(hv['deploy_dir'])} && {shlex.quote(hv['python'])} -m fleet_nginx {command} "
+    """Run `python -m hostagent COMMAND` in deploy_dir; its FLEET_RESULT line as a dict."""
+    line = (f"cd {shlex.quote(hv['deploy_dir'])} && {shlex.quote(hv['python'])} -m hostagent {command} "
             "--config conf/nginx_front.json")
     results = []
 
@@ -40,7 +40,7 @@ def host_command(conn: Transport, hv: HostVars, command: str, emit: Emit) -> dic
     try:
         result = json.loads(results[-1])
     except (IndexError, ValueError):
-        raise RemoteError(f"{hv.name}: fleet_nginx {command} failed (exit {r.exited}): "
+        raise RemoteError(f"{hv.name}: hostagent {command} failed (exit {r.exited}): "
                           f"{(r.stderr.strip().splitlines() or ['no output'])[-1]}") from None
     if not result["ok"]:
         raise FrontError(f"{hv.name}: {result['error']}")
@@ -115,7 +115,7 @@ def deploy_nginx(conn: Transport, hv: HostVars, facts: dict, changed_files: set[
     """deploy in nginx mode: keep nginx the front, start it when it is down, reload it when its
     configuration changed; the proxy is not started."""
     n = facts.get("nginx") or {}
-    stale = any(f in NGINX_FILES or f.startswith("fleet_nginx/") for f in changed_files)
+    stale = any(f in NGINX_FILES or f.startswith("hostagent/") for f in changed_files)
     if n.get("alive") and n.get("watcher_alive") and not stale:
         report.add("front", "ok", f"nginx already running on :{hv['proxy']['port']}, pid {n['pid']}")
         return

@@ -88,7 +88,7 @@ def prepare(conn: Transport, hv: HostVars) -> HostVars:
 def code_files(hv: HostVars) -> list[RenderedFile]:
     """The code the host runs besides the engine: the proxy, and the sim engine when engine is sim."""
     files = [RenderedFile(f"{pkg}/{p.name}", p.read_text(), 0o644)
-             for pkg in ("proxy", "fleet_nginx") for p in sorted((ROOT / pkg).glob("*.py"))]
+             for pkg in ("proxy", "hostagent") for p in sorted((ROOT / pkg).glob("*.py"))]
     if hv["engine"] == "sim":
         files.append(RenderedFile("lib/fleet/__init__.py", (ROOT / "fleet" / "__init__.py").read_text()))
         files += [RenderedFile(f"lib/fleet/sim/{p.name}", p.read_text(), 0o644)

@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from swap_under_load import Load  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
-from fleet_nginx import upstream  # noqa: E402
+from hostagent import upstream  # noqa: E402
 
 MODEL = "Test-Model"
 
@@ -78,7 +78,7 @@ def fault(port: int, name: str) -> None:
 
 
 def test_rendered_config_passes_nginx_t(tmp_path):
-    """The config deploy renders passes `nginx -t` (run by fleet_nginx's preflight, with the same
+    """The config deploy renders passes `nginx -t` (run by hostagent's preflight, with the same
     -p/-e/-c/-g nginx is started with) and carries the directives the seed's users rely on."""
     require_tool("nginx")
     inventory = write_inventory(tmp_path, instances=2)
@@ -92,7 +92,7 @@ def test_rendered_config_passes_nginx_t(tmp_path):
                       "zone vllm_backends", f"listen 0.0.0.0:{status_port(inventory)};"):
         assert directive in conf, directive
     assert not any("non_idempotent" in line.split("#")[0] for line in conf.splitlines())
-    check = subprocess.run([PYTHON, "-m", "fleet_nginx", "check", "--config", "conf/nginx_front.json"],
+    check = subprocess.run([PYTHON, "-m", "hostagent", "check", "--config", "conf/nginx_front.json"],
                            cwd=out, capture_output=True, text=True, timeout=60,
                            env={**os.environ, "PYTHONPATH": str(ROOT)})
     result = json.loads(check.stdout.splitlines()[-1].split(" ", 1)[1])
@@ -323,7 +323,7 @@ def test_trace_and_logs_use_the_access_log_in_nginx_mode(nginx_front):
 
 def test_watcher_rotates_the_access_log(tmp_path):
     """The access log rotates like the results log (max_mb x backups): the seed's reached 769 MB."""
-    from fleet_nginx import watch
+    from hostagent import watch
     log = tmp_path / "nginx_access.log"
     cfg = {"access_log": str(log), "access_log_max_mb": 0.001, "access_log_backups": 2,
            "pid_file": str(tmp_path / "nginx.pid")}

@@ -12,7 +12,7 @@ import threading
 
 from . import host, upstream
 
-log = logging.getLogger("fleet_nginx.watch")
+log = logging.getLogger("hostagent.watch")
 
 
 def step(cfg: dict) -> tuple[set[str], bool]:

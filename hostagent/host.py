@@ -226,7 +226,7 @@ def start_watcher(cfg: dict, config_path: str, nginx: str) -> int:
     """Start the /health watcher in its own session, tagged; its pid goes to run/nginx_watch.pid."""
     stop_watcher(cfg)
     log = open(os.path.join(cfg["log_dir"], "nginx_watch.log"), "a")
-    p = subprocess.Popen([sys.executable, "-m", "fleet_nginx", "watch", "--config", config_path,
+    p = subprocess.Popen([sys.executable, "-m", "hostagent", "watch", "--config", config_path,
                           "--nginx", nginx], cwd=cfg["deploy_dir"], env=tagged_env(cfg, "nginx-watch"),
                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                          start_new_session=True)

@@ -1,4 +1,4 @@
-"""`python -m fleet_nginx COMMAND --config conf/nginx_front.json [--nginx BIN]`, run in deploy_dir.
+"""`python -m hostagent COMMAND --config conf/nginx_front.json [--nginx BIN]`, run in deploy_dir.
 
 Commands: check (preflight), to-nginx, to-proxy, reload, watch. Each prints progress lines, then one
 line `FLEET_RESULT {json}`; the exit status is 0 on success, 1 on a failure said in that line.
@@ -14,7 +14,7 @@ from . import handover, host, watch
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fleet_nginx", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m hostagent", description=__doc__)
     parser.add_argument("command", choices=["check", "to-nginx", "to-proxy", "reload", "watch"])
     parser.add_argument("--config", required=True)
     parser.add_argument("--nginx", default=None, help="the nginx binary (default: found as check does)")

@@ -11,7 +11,7 @@ def render(backends: list[str], down: set[str] | frozenset = frozenset(), max_fa
     Every backend keeps its line, so the block stays valid even when all are down (nginx then
     answers 502 at once instead of waiting on dead engines).
     """
-    lines = ["# Written by fleet_nginx (the /health watcher): backends failing /health are marked down.",
+    lines = ["# Written by hostagent (the /health watcher): backends failing /health are marked down.",
              f"# down: {', '.join(b for b in backends if b in down) or 'none'}"]
     for b in backends:
         lines.append(f"server {b} max_fails={max_fails} fail_timeout={fail_timeout_s:g}s"
