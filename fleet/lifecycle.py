@@ -249,8 +249,10 @@ def _deploy(conn: Transport, hv: HostVars, emit: Emit, check: bool, diff: bool, 
                 " (runs with the previous settings; `inv restart --rolling` applies the new ones)"
             report.add(name, "ok", f"already {state} on :{f['port']}, pid {f['pid']}{note}")
         elif state == "port-taken":
-            report.add(name, "failed", f"port {f['port']} is taken by a process that is not this "
-                       "deployment's; free the port or change base_port")
+            # Strangers were refused above: this holder carries the instance's tag, but its pid file is
+            # lost or stale. It is stopped (tag and session) and the instance started again.
+            to_start.append(f)
+            report.data.setdefault("restart", []).append(f["index"])
         else:
             to_start.append(f)
             if (state == "dead" and f["alive"]) or str(f["index"]) in leftovers:
@@ -483,13 +485,15 @@ def _stop(conn: Transport, hv: HostVars, emit: Emit, instance: int | None, check
     for f in targets:
         name = f"instance {f['index']}"
         if not f["alive"]:
-            report.add(name, "ok", "already stopped")
+            stale = f.get("stale")
+            report.add(name, "ok", f"its pid file named pid {f['recorded_pid']}, {stale}: not touched" if stale
+                       else "already stopped")
         elif check:
-            report.add(name, "changed", f"would stop process group {f['pgid']}")
+            report.add(name, "changed", f"would stop pid {f['pid']} and its session")
         else:
             still = after["instances"][f["index"]]["alive"]
             report.add(name, "failed" if still else "changed",
-                       f"pid {f['pid']} still alive" if still else f"stopped process group {f['pgid']}")
+                       f"pid {f['pid']} still alive" if still else f"stopped pid {f['pid']} and its session")
     if instance is None:
         p = before["proxy"]
         if not p["alive"]:

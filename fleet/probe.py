@@ -98,7 +98,7 @@ def instance_facts(d, dep, index, port, readonly):
             pass
     return {
         "index": index, "port": port, "pid": pid if is_alive else None, "pgid": pgid if is_alive else None,
-        "pidfile": pid is not None, "alive": is_alive, "stale": stale,
+        "pidfile": pid is not None, "alive": is_alive, "stale": stale, "recorded_pid": pid,
         "listening": is_alive or listening(port), "health": status,
         "holder": None if is_alive else holder(port),
         "was_ready": os.path.exists(marker),
