@@ -72,8 +72,10 @@ def port_facts(spec):
                                      for f, tag in item["pidfiles"]) if pid), None)
         busy = listening(port)
         holders = processes.port_holders(port) if busy else []
+        tagged = any(processes.ours_by_tag(h, spec["deployment_id"]) for h in holders)
+        stranger = processes.stranger(port, holders[0] if holders else {}, item["key"]) if busy else None
         out.append({"port": port, "what": item["what"], "listening": busy, "ours": ours,
-                    "holders": holders})
+                    "holders": holders, "stranger": None if tagged else stranger})
     return out
 
 

@@ -276,28 +276,10 @@ def _deploy(conn: Transport, hv: HostVars, emit: Emit, check: bool, diff: bool, 
 def foreign_ports(hv: HostVars, facts: dict) -> list[tuple[int, str]]:
     """(port, sentence) for each instance or proxy port held by a process that is not the deployment's."""
     st = status_of(hv, facts)
-    out = []
-    for f, inst in zip(facts["instances"], st["instances"]):
-        if inst["state"] == "port-taken":
-            out.append((f["port"], stranger_sentence(hv, f.get("holder"), f["port"], "base_port")))
+    taken = [f for f, inst in zip(facts["instances"], st["instances"]) if inst["state"] == "port-taken"]
     if st["proxy"]["state"] == "port-taken":
-        out.append((hv["proxy"]["port"], stranger_sentence(hv, facts["proxy"].get("holder"), hv["proxy"]["port"],
-                                                   "proxy.port")))
-    return [(port, sentence) for port, sentence in out if sentence]
-
-
-def stranger_sentence(hv: HostVars, holder: dict | None, port: int, key: str) -> str | None:
-    """The sentence naming who holds port; None when the holder carries the deployment's tag (its own
-    leftover, which deploy's repair stops)."""
-    if holder and (holder.get("tag") or "").startswith(hv.deployment_id + "/"):
-        return None
-    if holder and holder.get("pid"):
-        who = f"pid {holder['pid']} ({holder['cmdline']})"
-    elif holder:
-        who = f"a process of user {holder['user']}"
-    else:
-        who = "a process you cannot see"
-    return f"port {port} is held by {who}, which is not this deployment's; stop it yourself or change {key}"
+        taken.append(facts["proxy"])
+    return [(f["port"], f["stranger"]) for f in taken if f.get("stranger")]
 
 
 def _put_files(conn, hv, files, facts, report, emit, check, diff) -> set[str]:

@@ -40,9 +40,12 @@ def alive(pid):
     return processes.alive(pid)
 
 
-def holder(port):
-    """Who listens on port (see processes.port_holders), or None."""
-    return next(iter(processes.port_holders(port)), None)
+def stranger(port, dep, key):
+    """The sentence naming who holds port when it is not the deployment's (else None)."""
+    holders = processes.port_holders(port)
+    if any(processes.ours_by_tag(h, dep) for h in holders):
+        return None                    # its own leftover (a pid file lost): deploy repairs it
+    return processes.stranger(port, holders[0] if holders else {}, key)
 
 
 def listening(port):
@@ -100,7 +103,7 @@ def instance_facts(d, dep, index, port, readonly):
         "index": index, "port": port, "pid": pid if is_alive else None, "pgid": pgid if is_alive else None,
         "pidfile": pid is not None, "alive": is_alive, "stale": stale, "recorded_pid": pid,
         "listening": is_alive or listening(port), "health": status,
-        "holder": None if is_alive else holder(port),
+        "stranger": stranger(port, dep, "base_port") if not is_alive and listening(port) else None,
         "was_ready": os.path.exists(marker),
         "age_s": round(time.time() - started, 1) if started else None,
     }
@@ -127,7 +130,8 @@ def proxy_facts(d, dep, port, admin_port):
         config = admin_json(admin_port, "/admin/config")
     return {"pid": pid if is_alive else None, "pgid": pgid if is_alive else None, "pidfile": pid is not None,
             "alive": is_alive, "stale": stale, "port": port, "listening": is_alive or listening(port),
-            "health": status, "backends": backends, "config": config, "holder": None if is_alive else holder(port)}
+            "health": status, "backends": backends, "config": config,
+            "stranger": stranger(port, dep, "proxy.port") if not is_alive and listening(port) else None}
 
 
 def nginx_facts(d, dep):
