@@ -50,7 +50,7 @@ def engine_cmd(hv: HostVars) -> list[str]:
 
 def facts(conn, hv: HostVars) -> dict:
     """Run the doctor's probe on the host, after env_setup (so PATH is the engine's)."""
-    ports = [{"port": p, "what": f"instance {i}", "pidfile": f"run/instance_{i}.pid"}
+    ports = [{"port": p, "host": hv.instance_host, "what": f"instance {i}", "pidfile": f"run/instance_{i}.pid"}
              for i, p in enumerate(hv.ports)]
     # The entry port is ours when the front holding it is: the proxy, or nginx in nginx mode.
     ports += [{"port": hv["proxy"]["port"], "what": "proxy", "pidfile": ["run/proxy.pid", "run/nginx.pid"]},

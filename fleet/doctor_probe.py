@@ -66,9 +66,9 @@ def pidfile_pid(path):
         return None
 
 
-def listening(port):
+def listening(port, host="127.0.0.1"):
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1):
+        with socket.create_connection((host, port), timeout=1):
             return True
     except OSError:
         return False
@@ -80,7 +80,7 @@ def port_facts(spec, ss):
         port = item["port"]
         files = item["pidfile"] if isinstance(item["pidfile"], list) else [item["pidfile"]]
         ours = next((pid for pid in (pidfile_pid(os.path.join(spec["deploy_dir"], f)) for f in files) if pid), None)
-        busy = listening(port)
+        busy = listening(port, item.get("host", "127.0.0.1"))
         holders = []
         if busy and ss:     # ss names the holder's pid for your processes (every user's as root)
             text = subprocess.run([ss, "-ltnpH", "sport = :%d" % port], stdout=subprocess.PIPE,

@@ -105,7 +105,8 @@ def host_files(hv: HostVars) -> list[RenderedFile]:
 
 def probe(conn: Transport, hv: HostVars, files: list[str] = (), readonly: bool = False) -> dict:
     """Read the deployment's state on the host (see fleet/probe.py)."""
-    spec = {"deploy_dir": hv["deploy_dir"], "ports": hv.ports, "proxy_port": hv["proxy"]["port"],
+    spec = {"deploy_dir": hv["deploy_dir"], "ports": hv.ports, "instance_host": hv.instance_host,
+            "proxy_port": hv["proxy"]["port"],
             "admin_port": hv["proxy"]["admin_port"], "deployment_id": hv.deployment_id,
             "files": list(files), "readonly": readonly}
     r = conn.run(preflight.probe_python(hv, f"- {shlex.quote(json.dumps(spec))}"), stdin=PROBE, timeout=60)
