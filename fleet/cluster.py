@@ -27,6 +27,7 @@ def address(hv: "HostVars") -> str:
 
 def front_backends(inv: "Inventory", entry: "HostVars", overrides=()) -> list[str]:
     """The backends of an entry host's proxy: the instances of every host it fronts, in its order."""
+    from .inventory import backend_name
     where = f"{inv.path}: hosts.{entry.name}.fronts"
     backends: list[str] = []
     owner: dict[str, str] = {}
@@ -34,7 +35,7 @@ def front_backends(inv: "Inventory", entry: "HostVars", overrides=()) -> list[st
         if member not in inv.hosts:
             raise InventoryError(f"{where}: {member!r} is not defined under hosts; add it or drop it here.")
         if member == entry.name:
-            names = [f"127.0.0.1:{p}" for p in entry.ports]
+            names = [backend_name(entry.instance_host, p) for p in entry.ports]
         else:
             # Read the member's fronts from its layers before building it: building an entry host builds
             # its members, so a cycle (a fronts b, b fronts a) would never end.
@@ -47,9 +48,7 @@ def front_backends(inv: "Inventory", entry: "HostVars", overrides=()) -> list[st
                 raise InventoryError(f"{where}: {member!r} is itself an entry host (it has fronts); "
                                      "an entry host fronts instances, not other entry hosts.")
             mv = inv.host_vars(member, overrides)
-            host = address(mv)
-            host = f"[{host}]" if ":" in host else host      # an IPv6 address, as the proxy and nginx write it
-            names = [f"{host}:{p}" for p in mv.ports]
+            names = [backend_name(address(mv), p) for p in mv.ports]
         for name in names:
             if name in owner:
                 raise InventoryError(f"{where}: {owner[name]} and {member} both put an instance at {name}; "

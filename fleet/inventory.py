@@ -336,7 +336,7 @@ class HostVars:
         """The proxy's backends, named host:port as in X-Backend and the admin API."""
         if self.front_backends is not None:
             return list(self.front_backends)
-        return [f"127.0.0.1:{p}" for p in self.ports]
+        return [backend_name(self.instance_host, p) for p in self.ports]
 
     @property
     def instance_host(self) -> str:
@@ -350,6 +350,11 @@ class HostVars:
         out = [(p, "base_port", f"instance {i}") for i, p in enumerate(self.ports)]
         return out + [(self.vars["proxy"]["port"], "proxy.port", "proxy"),
                       (self.vars["proxy"]["admin_port"], "proxy.admin_port", "proxy admin")]
+
+
+def backend_name(host: str, port: int) -> str:
+    """A backend's name, host:port, as X-Backend, the metrics and the admin API show it ([::1]:8002 for IPv6)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def machine(hv: HostVars) -> str:

@@ -402,9 +402,11 @@ def _reload_proxy(conn, hv, p, report) -> bool:
         f = probe(conn, hv)["proxy"]
         running = f.get("config") or {}
         if f["alive"] and running.get("backends") == want:
-            # What a running proxy keeps until a restart (its listeners, the body limit, the drain time).
-            if (running.get("max_body_mb"), running.get("shutdown_timeout_s")) != (
-                    float(px["max_body_mb"]), float(px["shutdown_timeout_s"])):
+            # What a running proxy keeps until a restart (its listeners, the body limit, the drain time,
+            # its log's rotation).
+            if (running.get("max_body_mb"), running.get("shutdown_timeout_s"), running.get("log")) != (
+                    float(px["max_body_mb"]), float(px["shutdown_timeout_s"]),
+                    [float(px["log"]["max_mb"]), px["log"]["backups"]]):
                 return False
             report.add("proxy", "changed", f"reloaded (SIGHUP), pid {p['pid']}, {len(want)} backends")
             return True

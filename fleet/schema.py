@@ -158,7 +158,10 @@ class NginxSettings(Section):
     temp_dir: Path = ""
     worker_processes: WorkerProcesses = "auto"
     max_fails: _int(0, 1000) = 1                   # 0: nginx never marks a backend failed by itself
-    fail_timeout_s: _seconds() = 5.0
+    # nginx's `server ... fail_timeout=` takes whole seconds only (`500ms` is refused there).
+    fail_timeout_s: Annotated[float, _fails(lambda v: v == int(v)),
+                              Field(ge=1, le=WEEK_S, allow_inf_nan=False,
+                                    description="a whole number of seconds from 1 to 604800")] = 5.0
     keepalive: _int(1, 65536) = 64
 
 

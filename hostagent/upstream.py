@@ -14,7 +14,7 @@ def render(backends: list[str], down: set[str] | frozenset = frozenset(), max_fa
     lines = ["# Written by hostagent (the /health watcher): backends failing /health are marked down.",
              f"# down: {', '.join(b for b in backends if b in down) or 'none'}"]
     for b in backends:
-        lines.append(f"server {b} max_fails={max_fails} fail_timeout={max(1, round(fail_timeout_s * 1000))}ms"
+        lines.append(f"server {b} max_fails={max_fails} fail_timeout={fail_timeout_s:g}s"
                      + (" down;" if b in down else ";"))
     return "\n".join(lines) + "\n"
 
