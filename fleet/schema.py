@@ -22,7 +22,8 @@ from . import accelerators
 MAX_INSTANCES = 256          # instances and accelerators per host; checked before any port list is built
 WEEK_S = 7 * 24 * 3600.0     # the longest duration any key takes (asyncio and sleep both cope with it)
 HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-DNS_NAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9]([A-Za-z0-9-]{0,62}))*\.?$")
+# A DNS name, or an ssh config alias (which may hold '_'): letters, digits, '-', '_' in dot-separated labels.
+DNS_NAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,62}))*\.?$")
 USER_GROUP = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*( [A-Za-z_][A-Za-z0-9_.-]*)?$")
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
