@@ -365,7 +365,7 @@ def machine(hv: HostVars) -> str:
     host = hv["ssh"]["host"]
     if host == "localhost" or host.startswith("127.") or host == "::1":
         return "local"
-    return f"{host}:{hv['ssh']['port']}"
+    return f"{host}:{hv['ssh']['port'] or 22}"
 
 
 def check_shared_machines(inv: Inventory, hosts: list[HostVars]) -> None:

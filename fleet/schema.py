@@ -95,13 +95,15 @@ class Section(BaseModel):
 
 
 class SSHSettings(Section):
+    """null (or absent) leaves a key to ~/.ssh/config, then to ssh's own default (port 22, your user)."""
+
     host: Address | None = None
-    port: Port = 22
-    user: Text = ""
-    key_file: Path = ""
+    port: Port | None = None
+    user: Text | None = None
+    key_file: Path | None = None
     accept_new_host_key: Flag = False
     connect_timeout_s: _seconds() = 10.0
-    known_hosts: Path = ""
+    known_hosts: Path | None = None
 
 
 class SimSettings(Section):

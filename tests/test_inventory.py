@@ -246,7 +246,7 @@ def test_bad_inventory_is_one_sentence_and_starts_nothing(tmp_path, extra, sets,
     assert r.stderr.strip() == f"error: {source}{message.format(**ports)}", r.stderr
     assert "Traceback" not in r.stdout + r.stderr
     assert not (tmp_path / "deploy").exists()
-    assert not tagged_pids("a-")
+    assert not tagged_pids(inventory.deployment_id("a", str(ports["deploy"])) + "/")
 
 
 def test_max_body_renders_exactly_in_nginx_and_the_proxy():
