@@ -275,3 +275,22 @@ def test_every_schema_key_is_in_the_readme_reference():
             yield from keys(section, f"{prefix}{name}.") if section is not None else [f"{prefix}{name}"]
     missing = [k for k in keys(schema.HostSettings) if f"`{k}`" not in reference]
     assert not missing, f"README's inventory reference lacks {missing}"
+
+
+def test_ports_shared_on_one_ssh_target_are_named_and_other_machines_may_reuse_them(tmp_path):
+    """Two hosts on one ssh target may not both listen on a port; on two targets they may (same base_port)."""
+    text = textwrap.dedent("""\
+        defaults: {engine: sim, accelerator: sim, accelerators: 2, instances: 2}
+        hosts:
+          x: {ssh: {host: 10.0.0.5}, base_port: 9002}
+          y: {ssh: {host: 10.0.0.6}, base_port: 9002}
+          z: {ssh: {host: 10.0.0.5}, base_port: 9102}
+        """)
+    path = write(tmp_path, text)
+    with pytest.raises(InventoryError) as e:
+        inventory.load(path)
+    assert str(e.value) == (f"{path}: hosts.z.proxy.port: port 8000 (proxy) is also the port of x's proxy on "
+                            "the machine 10.0.0.5:22; give each host on one machine its own ports.")
+    ok = text.replace("base_port: 9102}", "base_port: 9102, proxy: {port: 9100, admin_port: 9101}}")
+    assert [h.ports for h in map(inventory.load(write(tmp_path, ok)).host_vars, "xyz")] == \
+        [[9002, 9003], [9002, 9003], [9102, 9103]]
