@@ -40,7 +40,7 @@ class Proc(object):
     def alive(self):
         return self.state not in ("Z", "X")
 
-    def show(self, width=60):
+    def show(self, width=80):
         """`pid 123 (VLLM::EngineCore)`: the pid and the command line, cut to width."""
         return "pid %d (%s)" % (self.pid, self.cmdline[:width])
 
@@ -345,7 +345,6 @@ class Target(object):
     def __init__(self, name, pidfile, tag, port=None, fix=None):
         self.name, self.pidfile, self.tag, self.port, self.fix = name, pidfile, tag, port, fix
         self.record = None        # the pid file's record, when readable
-        self.leader = None        # the live process the record names, when it is proven ours
         self.sessions = {}        # sid -> earliest start a member may have (None: any)
         self.groups = set()
 
@@ -417,7 +416,6 @@ def identify(spec, tlist, procs, guard, say_files=True, any_tag=False):
         proc = procs.get(rec["pid"]) if rec["pid"] > 0 else None
         why = check_record(rec, t.tag, proc)
         if why is None:
-            t.leader = proc
             add(proc, t, "pid file record of %s" % t.name)
             # Its session and group are the deployment's only when it leads them (setsid at start).
             if proc.sid == proc.pid:
