@@ -47,7 +47,7 @@ SCHEMA: dict[str, Any] = {
     "ssh": Mapping(host=Str(), port=Port, user=Str(), key_file=Str(),
                    accept_new_host_key=bool, connect_timeout_s=float, known_hosts=Str()),
     "engine": Str("vllm", "sim"),
-    "accelerator": Str("dcu", "rocm", "nvidia", "sim"),
+    "accelerator": Str("dcu", "rocm", "nvidia", "cpu", "sim"),
     "accelerators": int,
     "instances": int,
     "base_port": Port,
@@ -57,6 +57,8 @@ SCHEMA: dict[str, Any] = {
     "max_model_len": int,
     "enforce_eager": bool,
     "gpu_memory_utilization": float,
+    "cpus_per_instance": int,
+    "cpu_kvcache_gib": float,
     "extra_args": StrList,
     "env_setup": Str(),
     "python": Str(),
@@ -98,6 +100,8 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
     "max_model_len": 8192,
     "enforce_eager": False,
     "gpu_memory_utilization": 0.9,
+    "cpus_per_instance": 0,        # accelerator cpu: cores per instance; 0 = the host's cores split evenly
+    "cpu_kvcache_gib": 4.0,        # accelerator cpu: VLLM_CPU_KVCACHE_SPACE of each instance
     "extra_args": [],
     "env_setup": "",
     "python": None,
@@ -350,7 +354,7 @@ class HostVars:
             v["instances"] = 0                    # an entry host that fronts others only runs the proxy
         elif v["instances"] < 1:
             raise InventoryError(f"{where}.instances: expected at least 1 instance, got {v['instances']}.")
-        if v["instances"] > v["accelerators"]:
+        if v["accelerator"] != "cpu" and v["instances"] > v["accelerators"]:
             raise InventoryError(
                 f"{where}.instances: {v['instances']} instances but the host has {v['accelerators']} "
                 "accelerators (one instance per card); lower instances or raise accelerators.")
@@ -359,6 +363,9 @@ class HostVars:
         if not 0 < v["gpu_memory_utilization"] <= 1:
             raise InventoryError(f"{where}.gpu_memory_utilization: expected a fraction in (0, 1], "
                                  f"got {v['gpu_memory_utilization']}.")
+        if v["cpu_kvcache_gib"] <= 0:
+            raise InventoryError(f"{where}.cpu_kvcache_gib: expected a size in GiB above 0, "
+                                 f"got {v['cpu_kvcache_gib']}.")
         if v["engine"] == "vllm" and not v["model"]:
             raise InventoryError(f"{where}.model: the vllm engine needs a model path; set model.")
         if v["engine"] == "sim" and not v["model"]:

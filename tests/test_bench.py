@@ -219,3 +219,13 @@ def test_util_summary_is_the_median_of_the_cards_mean():
     json.dumps(samples, allow_nan=False)                   # NaN never reaches bench.json
     u = bench.util_summary(samples)
     assert u == {"util_pct": 70.0, "mem_pct": 74.7, "samples": 3, "cards": 2}
+
+
+def test_image_none_sends_text_only():
+    """`--image none`: the chat content is the prompt alone, for a text-only model."""
+    image = bench.load_image("none")
+    assert image["url"] is None and image["bytes"] == 0
+    body = json.loads(bench.request_body(bench.SCENARIOS["short"], "m", image["url"], "u"))
+    assert body["messages"] == [{"role": "user", "content": bench.SCENARIOS["short"].prompt}]
+    with_image = json.loads(bench.request_body(bench.SCENARIOS["short"], "m", "data:image/png;base64,x", "u"))
+    assert [p["type"] for p in with_image["messages"][0]["content"]] == ["text", "image_url"]
