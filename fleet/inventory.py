@@ -363,9 +363,9 @@ class HostVars:
         if not 0 < v["gpu_memory_utilization"] <= 1:
             raise InventoryError(f"{where}.gpu_memory_utilization: expected a fraction in (0, 1], "
                                  f"got {v['gpu_memory_utilization']}.")
-        if v["cpu_kvcache_gib"] <= 0:
-            raise InventoryError(f"{where}.cpu_kvcache_gib: expected a size in GiB above 0, "
-                                 f"got {v['cpu_kvcache_gib']}.")
+        if v["cpu_kvcache_gib"] <= 0 or v["cpu_kvcache_gib"] != int(v["cpu_kvcache_gib"]):
+            raise InventoryError(f"{where}.cpu_kvcache_gib: expected a whole number of GiB above 0 (vLLM reads "
+                                 f"VLLM_CPU_KVCACHE_SPACE as an integer), got {v['cpu_kvcache_gib']}.")
         if v["engine"] == "vllm" and not v["model"]:
             raise InventoryError(f"{where}.model: the vllm engine needs a model path; set model.")
         if v["engine"] == "sim" and not v["model"]:
