@@ -116,12 +116,14 @@ def test_report_files_exist_and_parse(sweep):
 
 
 def test_dead_backend_failures_counted_by_status(tmp_path):
-    """1. a 4-instance cluster whose proxy checks /health only once a minute;
+    """1. a 4-instance cluster whose proxy checks /health only once a minute, its API servers staying up
+    after their engine dies (vLLM 0.11; 0.32's would exit and the proxy would retry elsewhere);
     2. engine death on instance 0 (its /health 503, /v1/models 200), unseen by the proxy yet;
     3. bench: its requests fail with 500, counted by status, the engine's error body shown;
     the others succeed, so the run itself succeeds."""
     inventory = deployed(tmp_path, instances=4, max_num_seqs=4,
                          sim="{load_s: 0.3, prefill_ms: 20, token_ms: 5, output_tokens: 16}",
+                         extra="extra_args: [--sim-after-engine-death, stay]\n",
                          edit=lambda text: text.replace("health_interval_s: 0.5", "health_interval_s: 60"))
     try:
         dead = status_json(inventory)["instances"][0]["port"]
