@@ -117,7 +117,9 @@ def write_rendered(hv, deploy):
 def stop_recorded(deploy):
     """Stop what the script started, by the pids it recorded."""
     for pidfile in (deploy / "run").glob("instance_*.pid"):
-        pid, pgid = map(int, pidfile.read_text().split()[:2])
+        words = pidfile.read_text().split()           # `P G`, or `pid=P pgid=G ...`
+        fields = dict(w.split("=", 1) for w in words if "=" in w)
+        pgid = int(fields.get("pgid") or words[min(1, len(words) - 1)])
         try:
             os.killpg(pgid, 9)
         except ProcessLookupError:

@@ -240,3 +240,15 @@ def test_cpu_accelerator_release_is_no_process_left_read_from_proc(tmp_path):
         inv("stop", "--host", "t", inventory=inventory)
         kill_tagged(dep + "/")
         kill_pids(session_members(sessions))
+
+
+def test_a_skipped_step_says_why_on_its_own_line():
+    """No step is skipped silently: the CLI prints each skipped step with its reason (display.skips)."""
+    from fleet import display
+    from fleet.lifecycle import Report
+    report = Report("h")
+    report.add("release", "skipped", "cannot read the cards' memory: no smi found")
+    report.add("instance 0", "ok", "already stopped")
+    report.add("holders", "skipped")
+    assert display.skips(report) == ["h: skipped: release: cannot read the cards' memory: no smi found",
+                                      "h: skipped: holders: no reason given"]
