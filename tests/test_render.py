@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from hostagent import processes
+from hostagent.processes import parse_record
+
 from fleet import inventory, render
 
 from conftest import PYTHON, ROOT, free_ports, wait_until, require_tool
@@ -115,15 +118,14 @@ def write_rendered(hv, deploy):
 
 
 def stop_recorded(deploy):
-    """Stop what the script started, by the pids it recorded."""
+    """Stop what the script started, by the records it wrote (only a process that still matches one)."""
     for pidfile in (deploy / "run").glob("instance_*.pid"):
-        words = pidfile.read_text().split()           # `P G`, or `pid=P pgid=G ...`
-        fields = dict(w.split("=", 1) for w in words if "=" in w)
-        pgid = int(fields.get("pgid") or words[min(1, len(words) - 1)])
-        try:
-            os.killpg(pgid, 9)
-        except ProcessLookupError:
-            pass
+        rec = parse_record(pidfile.read_bytes())
+        if rec["start"] is not None and (processes.read_stat(rec["pid"]) or ())[4:] == (rec["start"],):
+            try:
+                os.killpg(rec["pgid"], 9)
+            except ProcessLookupError:
+                pass
 
 
 @pytest.fixture
@@ -148,11 +150,13 @@ def test_nasty_values_reach_the_engine_as_one_literal_argument(recorder_host):
     assert argv[-3:] == ["--limit-mm-per-prompt", '{"image": 4}', "; touch PWNED4"]
     assert rec["spt_noenv"] == "1"     # vLLM's setproctitle would otherwise erase FLEET_TAG
     assert not list(tmp.glob("PWNED*")) and not list((tmp / "deploy").glob("**/PWNED*"))
-    # Device visibility, tag, and its own process group (setsid) with pid and pgid recorded.
+    # Device visibility, tag, and its own session (setsid), its identity recorded: pid, pgid, sid, start, tag.
     assert rec["hip"] == "0" and rec["tag"] == f"{hv.deployment_id}/0"
     assert rec["pgid"] == rec["pid"]
-    pid, pgid = map(int, (tmp / "deploy" / "run" / "instance_0.pid").read_text().split())
-    assert (pid, pgid) == (rec["pid"], rec["pgid"])
+    record = parse_record((tmp / "deploy" / "run" / "instance_0.pid").read_bytes())
+    state, _, pgid, sid, start = processes.read_stat(rec["pid"])
+    assert record == {"pid": rec["pid"], "pgid": rec["pid"], "sid": rec["pid"], "start": start,
+                        "tag": f"{hv.deployment_id}/0"}
 
 
 def test_start_twice_skips_every_instance_and_honours_env_overrides(recorder_host):

@@ -65,7 +65,7 @@ def test_orphans_of_killed_api_servers_are_found_by_tag_and_every_card_released(
 
         r = inv("stop", "--host", "t", inventory=inventory)
         assert r.returncode == 0, r.stdout + r.stderr
-        swept = {int(p) for p in re.findall(r"^tagged pid (\d+) \(FLEET_TAG=", r.stdout, re.M)}
+        swept = {int(p) for p in re.findall(r"^instance \d: stopping pid (\d+) \(.*\): FLEET_TAG=", r.stdout, re.M)}
         # The engine cores holding the cards are found by tag (their workers may end with them first).
         assert holding <= swept, r.stdout
         assert not [p for p in orphans if devices.pid_alive(p)]

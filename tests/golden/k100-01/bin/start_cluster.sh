@@ -4,7 +4,7 @@
 # Usable by hand; these environment variables override the inventory:
 #   N=4 ./start_cluster.sh          start instances 0..3 only
 #   MAX_SEQS=1 ./start_cluster.sh   one sequence per instance (deterministic, for debugging)
-#   BASE_PORT, MAX_LEN, EAGER=1, ONLY=i (just instance i), STAGGER_S
+#   BASE_PORT, MAX_LEN, EAGER=1, ONLY=i (just instance i), STAGGER_S, BIND (the engines' listen address)
 # An instance whose port already listens is skipped, so running it again is harmless.
 set -u
 
@@ -16,6 +16,9 @@ MAX_LEN="${MAX_LEN:-8192}"
 MAX_SEQS="${MAX_SEQS:-4}"
 EAGER="${EAGER:-0}"
 STAGGER_S="${STAGGER_S:-5}"
+# Loopback unless another host's proxy fronts these instances (then the address it reaches): the proxy
+# is the only door, and its API keys are not bypassed through base_port + i.
+BIND="${BIND:-127.0.0.1}"
 ONLY="${ONLY:-}"
 
 # The host's environment (env_setup from the inventory: shell code by design). Activation
@@ -33,6 +36,27 @@ mkdir -p "$DEPLOY_DIR/run" "$DEPLOY_DIR/logs" || exit 1
 command -v ss >/dev/null || { echo "ss not found: install iproute2" >&2; exit 3; }
 command -v setsid >/dev/null || { echo "setsid not found: install util-linux" >&2; exit 3; }
 
+
+# record_identity FILE PID TAG: wait (briefly: setsid runs in the child) until PID leads its own session,
+# then write its identity record, which every later signal is checked against: pid, process group,
+# session, start time (field 22 of /proc/PID/stat: a reused pid has another) and FLEET_TAG.
+record_identity() {
+    local file=$1 pid=$2 tag=$3 tries=0 stat="" f=()
+    while [ $tries -lt 100 ]; do
+        { read -r stat <"/proc/$pid/stat"; } 2>/dev/null || stat=""
+        [ -n "$stat" ] || break
+        read -r -a f <<<"${stat##*) }"            # f[0] is field 3 (state), f[3] field 6 (session)
+        [ "${f[3]}" = "$pid" ] && break
+        tries=$((tries + 1)); sleep 0.02
+    done
+    if [ ${#f[@]} -ge 20 ]; then
+        echo "pid=$pid pgid=${f[2]} sid=${f[3]} start=${f[19]} tag=$tag" >"$file.tmp"
+    else
+        echo "pid=$pid tag=$tag" >"$file.tmp"       # it exited already: nothing left to prove
+    fi
+    mv -f "$file.tmp" "$file"
+}
+
 port_listening() {
     ss -ltnH 2>/dev/null | awk '{print $4}' | grep -Eq "[:.]$1\$"
 }
@@ -48,23 +72,18 @@ start_instance() {
     rm -f "$DEPLOY_DIR/run/instance_$i.ready"
     # --served-model-name=NAME, one token: the flag takes one or more values, and in this form it takes
     # exactly one, so no extra argument after it can become another served name.
-    local args=(--port "$port" --max-num-seqs "$MAX_SEQS" --max-model-len "$MAX_LEN")
+    local args=(--host "$BIND" --port "$port" --max-num-seqs "$MAX_SEQS" --max-model-len "$MAX_LEN")
     args+=(--gpu-memory-utilization "$GPU_MEMORY_UTILIZATION")
     args+=("--served-model-name=$SERVED_NAME")
     [ "$EAGER" = 1 ] && args+=(--enforce-eager)
-    # setsid: the instance leads its own process group, so a stop reaches its spawned children too.
+    # setsid: the instance leads its own session (and group), where its spawned children stay: a stop
+    # finds them by that session even when they are renamed, orphaned and without FLEET_TAG.
     # SPT_NOENV=1: vLLM renames EngineCore and Worker with setproctitle, which otherwise overwrites
     # the environment /proc/PID/environ shows, FLEET_TAG included.
     FLEET_TAG="$FLEET_ID/$i" SPT_NOENV=1 HIP_VISIBLE_DEVICES="$i" \
         setsid "${ENGINE[@]}" "${args[@]}" "${EXTRA_ARGS[@]}" >"$log" 2>&1 </dev/null &
-    local pid=$! pgid="" tries=0
-    # setsid runs in the child; wait (briefly) until the child leads its group before recording it.
-    while [ $tries -lt 50 ]; do
-        pgid=$(ps -o pgid= -p "$pid" 2>/dev/null | tr -d ' ')
-        [ "$pgid" = "$pid" ] && break
-        tries=$((tries + 1)); sleep 0.02
-    done
-    echo "$pid ${pgid:-$pid}" >"$pidfile"
+    local pid=$!
+    record_identity "$pidfile" "$pid" "$FLEET_ID/$i"
     echo "instance $i: started pid $pid on port $port, accelerator $i, log $log"
     return 0
 }
