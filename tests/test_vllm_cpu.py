@@ -80,7 +80,7 @@ flags = sorted({o for a in parser._actions for o in a.option_strings})
 argv = json.loads(sys.argv[1])
 a = parser.parse_args(argv)
 print(json.dumps({"flags": flags, "model": a.model_tag, "served_model_name": a.served_model_name,
-                  "gpu_memory_utilization": a.gpu_memory_utilization, "port": a.port,
+                  "gpu_memory_utilization": a.gpu_memory_utilization, "port": a.port, "host": a.host,
                   "max_num_seqs": a.max_num_seqs, "max_model_len": a.max_model_len, "dtype": a.dtype,
                   "trust_remote_code": a.trust_remote_code, "limit_mm_per_prompt": a.limit_mm_per_prompt}))
 """
@@ -91,7 +91,7 @@ def golden_engine_argv() -> list[str]:
     import shlex
     text = (ROOT / "tests" / "golden" / "k100-01" / "bin" / "start_cluster.sh").read_text()
     # The script builds the flags exactly so (if this changes, change the reading below too).
-    for line in ['local args=(--port "$port" --max-num-seqs "$MAX_SEQS" --max-model-len "$MAX_LEN")',
+    for line in ['local args=(--host "$BIND" --port "$port" --max-num-seqs "$MAX_SEQS" --max-model-len "$MAX_LEN")',
                  'args+=(--gpu-memory-utilization "$GPU_MEMORY_UTILIZATION")',
                  'args+=("--served-model-name=$SERVED_NAME")',
                  'setsid "${ENGINE[@]}" "${args[@]}" "${EXTRA_ARGS[@]}"']:
@@ -104,7 +104,7 @@ def golden_engine_argv() -> list[str]:
     def array(name):
         return shlex.split(re.search(rf"^{name}=\((.*)\)$", text, re.M).group(1))
 
-    return [*array("ENGINE")[2:], "--port", value("BASE_PORT"), "--max-num-seqs", value("MAX_SEQS"),
+    return [*array("ENGINE")[2:], "--host", value("BIND"), "--port", value("BASE_PORT"), "--max-num-seqs", value("MAX_SEQS"),
             "--max-model-len", value("MAX_LEN"), "--gpu-memory-utilization", value("GPU_MEMORY_UTILIZATION"),
             f"--served-model-name={value('SERVED_NAME')}", *array("EXTRA_ARGS")]
 
@@ -125,8 +125,8 @@ def test_golden_start_script_is_what_the_real_vllm_parser_reads():
     for flag in (a for a in argv if a.startswith("--")):
         assert flag.split("=")[0] in got["flags"], flag
     assert got["model"] == "/data/models/MiniCPM-V-4_5" and got["served_model_name"] == ["MiniCPM-V-4_5"]
-    assert (got["gpu_memory_utilization"], got["port"], got["max_num_seqs"], got["max_model_len"]) == \
-        (0.9, 8002, 4, 8192)
+    assert (got["gpu_memory_utilization"], got["host"], got["port"], got["max_num_seqs"], got["max_model_len"]) == \
+        (0.9, "127.0.0.1", 8002, 4, 8192)
     assert got["dtype"] == "bfloat16" and got["trust_remote_code"] is True
     assert got["limit_mm_per_prompt"] == {"image": 4}
     stray = parse(argv[:argv.index("--served-model-name=MiniCPM-V-4_5") + 1] + ["stray"])
