@@ -214,7 +214,8 @@ def test_cpu_accelerator_release_is_no_process_left_read_from_proc(tmp_path):
     cores = len(os.sched_getaffinity(0))
     if cores < 2:
         pytest.skip("needs 2 cores to split")
-    inventory = write_inventory(tmp_path, instances=2, extra="accelerator: cpu\ncpu_kvcache_gib: 1\n")
+    inventory = write_inventory(tmp_path, instances=2, extra="cpu_kvcache_gib: 1\n")
+    inventory.write_text(inventory.read_text().replace("accelerator: sim", "accelerator: cpu"))
     dep = deployment_id(inventory)
     sessions = []
     try:
