@@ -55,6 +55,8 @@ def _run(host, inv_path, overrides, action, forks=5, stream=None, quiet=False, o
     for r in reports:
         for line in display.failures(r):
             print(line, file=sys.stderr)
+        for line in display.skips(r):
+            print(line, file=sys.stderr if quiet else out)
     if not quiet:
         print(file=out)
     for r in reports:
@@ -255,7 +257,8 @@ def doctor(c, host="", set_=None, inventory_="", forks="5"):
                  scenario="comma list of short, detailed, thinking (default: all three)",
                  concurrency="comma list of concurrency levels (default 8,16,32,48,64)",
                  requests="requests per level (default: one per concurrent client, a single wave)",
-                 image="an image file to send (default: a generated PNG)",
+                 image="an image file to send (default: a generated PNG); none: text only, for a "
+                       "text-only model",
                  out="directory for bench.json, report.md and chart.svg "
                      "(default bench-results/HOST-YYYYmmdd-HHMMSS)"),
       iterable=["set_"])

@@ -34,6 +34,12 @@ def failures(report: Report) -> list[str]:
     return lines
 
 
+def skips(report: Report) -> list[str]:
+    """One line per skipped step, with why: a skip is never silent."""
+    return [f"{report.host}: skipped: {s.name}: {s.message or 'no reason given'}"
+            for s in report.steps if s.status == "skipped"]
+
+
 def request_block(e: dict) -> str:
     """One results-log line as a block a person can read at 3 a.m."""
     def v(key, unit=""):

@@ -298,10 +298,13 @@ class HostVars:
             v["instances"] = 0                    # an entry host that fronts others only runs the proxy
         elif v["instances"] < 1:
             raise InventoryError(f"{where}.instances: expected at least 1 instance, got {v['instances']}.")
-        if v["instances"] > v["accelerators"]:
+        if v["accelerator"] != "cpu" and v["instances"] > v["accelerators"]:
             raise InventoryError(
                 f"{where}.instances: {v['instances']} instances but the host has {v['accelerators']} "
                 "accelerators (one instance per card); lower instances or raise accelerators.")
+        if v["cpu_kvcache_gib"] != int(v["cpu_kvcache_gib"]):
+            raise InventoryError(f"{where}.cpu_kvcache_gib: expected a whole number of GiB above 0 (vLLM reads "
+                                 f"VLLM_CPU_KVCACHE_SPACE as an integer), got {v['cpu_kvcache_gib']}.")
         if v["engine"] == "vllm" and not v["model"]:
             raise InventoryError(f"{where}.model: the vllm engine needs a model path; set model.")
         if v["engine"] == "sim" and not v["model"]:

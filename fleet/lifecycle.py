@@ -80,6 +80,9 @@ def prepare(conn: Transport, hv: HostVars) -> HostVars:
     if not d.startswith("/"):
         d = conn.home().rstrip("/") + "/" + d
     hv.vars["deploy_dir"] = d.rstrip("/") or "/"
+    m = hv.vars["model"]
+    if m == "~" or m.startswith("~/"):      # the engine gets it as one quoted argument: no shell expands it
+        hv.vars["model"] = conn.home().rstrip("/") + m[1:]
     if not hv.vars["python"]:
         # The control node's own interpreter has aiohttp; a remote host's python3 comes from env_setup.
         hv.vars["python"] = sys.executable if hv["connection"] == "local" else "python3"

@@ -31,7 +31,8 @@ class Engine:
 
     def __init__(self, config: SimConfig):
         self.config = config
-        self.core = EngineCore(config.dev_dir, config.card)
+        self.core = EngineCore(config.dev_dir, config.card, on_death=self._engine_died)
+        self.exit_now = asyncio.Event()   # set when the API server must end by itself (engine dead, 0.32)
         self.scheduler = Scheduler(config.max_num_seqs, self._load_changed)
         self.ready = False
         self.unhung = asyncio.Event()
@@ -58,6 +59,15 @@ class Engine:
         elif name == "recover":
             self.unhung.set()
             self.unhealthy = False
+
+    def _engine_died(self) -> None:
+        """The engine core is gone: like vLLM 0.32, end the API server a few seconds later (exit mode),
+        or, like vLLM 0.11, stay up answering /health 503 (stay mode)."""
+        self._use_changed.set()
+        if self.config.after_engine_death == "exit":
+            log.error("EngineDeadError: EngineCore encountered an issue; the API server exits in %gs",
+                      self.config.exit_delay_s)
+            asyncio.get_running_loop().call_later(self.config.exit_delay_s, self.exit_now.set)
 
     def stats(self) -> dict:
         s = self.scheduler
@@ -314,8 +324,9 @@ def make_app(config: SimConfig) -> web.Application:
     return app
 
 
-async def serve(config: SimConfig) -> None:
-    """Run the server until SIGTERM or SIGINT; then stop the engine child, then the HTTP side."""
+async def serve(config: SimConfig) -> int:
+    """Run the server until SIGTERM or SIGINT (exit code 0), or until it ends by itself after its engine
+    died (exit mode, 1); then stop the engine child, then the HTTP side."""
     app = make_app(config)
     # handler_cancellation: a client that hangs up cancels its handler, freeing its slot at once.
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=2.0, access_log=None)
@@ -334,8 +345,21 @@ async def serve(config: SimConfig) -> None:
         log.info("fleet.sim serving %s as %s on http://%s:%d (pid %d, max_num_seqs %d)", config.model,
                  ",".join(config.served_model_names), config.host, config.port, os.getpid(),
                  config.max_num_seqs)
-        await stop.wait()
+        await _first(stop.wait(), engine.exit_now.wait())
+        if engine.exit_now.is_set() and not stop.is_set():
+            log.error("the engine core is dead: API server exiting")
+            return 1
         log.info("shutting down: engine core first")
         await engine.core.shutdown()
+        return 0
     finally:
         await runner.cleanup()
+
+
+async def _first(*aws):
+    """Wait until the first of the awaitables is done; cancel the others."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    for t in pending:
+        t.cancel()
+    return done, pending
