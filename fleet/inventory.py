@@ -80,10 +80,13 @@ SCHEMA: dict[str, Any] = {
     ),
     "nginx": Mapping(bin=Str(), user=Str(), log_dir=Str(), temp_dir=Str(), worker_processes=Str(),
                      max_fails=int, fail_timeout_s=float, keepalive=int),
+    "keeper": Mapping(enabled=bool, dead_after_s=float, max_restarts=int, window_s=float, backoff_base_s=float,
+                      backoff_max_s=float, stall_probe=bool, probe_interval_s=float, probe_timeout_s=float,
+                      probe_failures=int),
 }
 
 # Keys that may be null (meaning "work it out": the host's python3, the model path as served name...).
-OPTIONAL = {"address", "connection", "python", "served_model_name", "ssh", "vllm_bin", "smi"}
+OPTIONAL = {"address", "connection", "python", "served_model_name", "ssh", "vllm_bin", "smi", "stall_probe"}
 
 BUILTIN_DEFAULTS: dict[str, Any] = {
     "connection": None,
@@ -124,6 +127,11 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
     # nginx mode (`inv swap-to-nginx`); empty strings mean: found on the host / under deploy_dir.
     "nginx": {"bin": "", "user": "", "log_dir": "", "temp_dir": "", "worker_processes": "auto",
               "max_fails": 1, "fail_timeout_s": 5.0, "keepalive": 64},
+    # The keeper (hostagent/keeper.py): restarts dead or stalled instances with backoff.
+    # stall_probe null: on for engine vllm, off for sim.
+    "keeper": {"enabled": True, "dead_after_s": 30.0, "max_restarts": 5, "window_s": 1800.0,
+               "backoff_base_s": 10.0, "backoff_max_s": 300.0, "stall_probe": None, "probe_interval_s": 30.0,
+               "probe_timeout_s": 20.0, "probe_failures": 3},
 }
 
 
@@ -384,6 +392,11 @@ class HostVars:
         if proxy["retries"] < 0 or proxy["max_fails"] < 1 or proxy["shutdown_timeout_s"] <= 0:
             raise InventoryError(f"{where}.proxy: retries must be 0 or more, max_fails 1 or more and "
                                  "shutdown_timeout_s above 0.")
+        k = v["keeper"]
+        if k["max_restarts"] < 1 or k["probe_failures"] < 1 or k["probe_timeout_s"] <= 0 or \
+                k["probe_interval_s"] <= 0 or k["backoff_base_s"] > k["backoff_max_s"]:
+            raise InventoryError(f"{where}.keeper: max_restarts and probe_failures must be 1 or more, the probe's "
+                                 "interval and timeout above 0, and backoff_base_s at most backoff_max_s.")
         if not v["served_model_name"]:
             v["served_model_name"] = os.path.basename(v["model"].rstrip("/")) or v["model"]
         v["extra_args"] = [str(a) for a in v["extra_args"]]

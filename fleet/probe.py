@@ -146,6 +146,33 @@ def nginx_facts(d):
             "watcher_pid": wpid if alive(wpid) else None, "watcher_alive": alive(wpid)}
 
 
+def tail(path, n=10):
+    """The last n lines of a text file, [] when it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - 16384))
+            return [line.decode("utf-8", "replace") for line in f.read().splitlines()[-n:]]
+    except OSError:
+        return []
+
+
+def keeper_facts(d):
+    """The keeper (run/keeper.pid) and what it wrote in run/keeper.json; a crash-looping instance's log tail."""
+    pid = read_pidfile(os.path.join(d, "run", "keeper.pid"))[0]
+    try:
+        with open(os.path.join(d, "run", "keeper.json")) as f:
+            state = json.load(f)
+    except (OSError, ValueError):
+        state = None
+    if isinstance(state, dict):
+        for index, w in (state.get("instances") or {}).items():
+            if isinstance(w, dict) and w.get("crashloop"):
+                w["log_tail"] = tail(os.path.join(d, "logs", "vllm_%s.log" % index))
+    return {"pid": pid if alive(pid) else None, "alive": alive(pid), "pidfile": pid is not None,
+            "state": state}
+
+
 def main():
     spec = json.loads(sys.argv[1])
     d = spec["deploy_dir"]
@@ -159,6 +186,7 @@ def main():
             "instances": [f.result() for f in inst],
             "proxy": prox.result(),
             "nginx": nginx_facts(d),
+            "keeper": keeper_facts(d),
             "files": {rel: f.result() for rel, f in files.items()},
             "file_modes": {rel: file_mode(os.path.join(d, rel)) for rel in spec.get("files", [])},
             "tagged": tagged(spec["deployment_id"] + "/"),

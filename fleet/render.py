@@ -58,6 +58,7 @@ FILES = {
     "conf/proxy.yaml": ("proxy.yaml.j2", 0o644),
     "conf/nginx.conf": ("nginx.conf.j2", 0o644),
     "conf/nginx_front.json": ("nginx_front.json.j2", 0o644),
+    "conf/hostagent.json": ("hostagent.json.j2", 0o644),
 }
 
 
@@ -92,6 +93,7 @@ def context(hv: HostVars) -> dict:
         "engine_argv": engine_argv(hv),
         "visibility_var": accelerators.kind(v["accelerator"]).visibility_var,
         "num": _num,
+        "card_files": [accelerators.card_files(v["accelerator"], v["deploy_dir"], i) for i in range(v["instances"])],
     }
 
 

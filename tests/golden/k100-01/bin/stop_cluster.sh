@@ -5,6 +5,7 @@
 # Rendered by vllm-fleet from inventory/hosts.yml; the next deploy overwrites edits.
 #   ./stop_cluster.sh                 everything
 #   ./stop_cluster.sh --instance 3    instance 3 only (its group and its tag)
+#   ./stop_cluster.sh --keeper        the keeper only (it restarts dead instances)
 #   ./stop_cluster.sh --check         list what would be stopped, stop nothing
 # Nothing is killed by a name pattern, and nothing of another user.
 set -u
@@ -20,8 +21,9 @@ while [ $# -gt 0 ]; do
     case "$1" in
         --instance) only="$2"; proxy=0; shift 2 ;;
         --proxy) only="none"; shift ;;
+        --keeper) only="keeper"; proxy=0; shift ;;
         --check) check=1; shift ;;
-        *) echo "usage: $0 [--instance I | --proxy] [--check]" >&2; exit 64 ;;
+        *) echo "usage: $0 [--instance I | --proxy | --keeper] [--check]" >&2; exit 64 ;;
     esac
 done
 
@@ -126,6 +128,12 @@ stop_pidfiles() {
 if [ "$only" = none ]; then
     stop_pidfiles "proxy=$DEPLOY_DIR/run/proxy.pid"
     exit 0
+fi
+# The keeper first, and alone: once it is gone, nothing restarts what this stop takes down (a restart
+# it had begun is cancelled; what it started already carries the tag and is swept below).
+if [ $proxy = 1 ] || [ "$only" = keeper ]; then
+    stop_pidfiles "keeper=$DEPLOY_DIR/run/keeper.pid"
+    [ "$only" = keeper ] && exit 0
 fi
 targets=()
 if [ $proxy = 1 ]; then   # stopped with the instances, at once; in nginx mode the /health watcher and nginx too
