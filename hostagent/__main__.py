@@ -14,6 +14,7 @@ import logging
 import sys
 
 from . import handover, host, keeper, restart, watch
+from .runlock import RunLock
 
 
 def main(argv=None) -> int:
@@ -67,7 +68,18 @@ def _restart(cfg: dict, args, say) -> int:
         raise host.FrontError("restart needs either --instance I or --rolling.")
     if args.instance is not None and not 0 <= args.instance < n:
         raise host.FrontError(f"there is no instance {args.instance}; instances are 0-{n - 1}.")
-    steps = restart.restart_all(cfg, say) if args.rolling else restart.restart_instance(cfg, args.instance, say)
+    lock = RunLock(cfg["deploy_dir"])
+    if not lock.try_take():
+        # The keeper holds it while it restarts an instance: wait for that restart, not fight it.
+        limit = float(cfg["release_timeout_s"]) + float(cfg["health_timeout_s"]) + 60
+        say(f"waiting up to {limit:g}s for the run lock (held by the keeper's restart or another run)")
+        if not lock.take(limit):
+            raise host.FrontError(f"the run lock {lock.path} is still held after {limit:g}s; "
+                                  "see `inv status` and logs/keeper.log, then retry.")
+    try:
+        steps = restart.restart_all(cfg, say) if args.rolling else restart.restart_instance(cfg, args.instance, say)
+    finally:
+        lock.release()
     ok = not any(s["status"] == "failed" for s in steps)
     print("FLEET_RESULT " + json.dumps({"ok": ok, "steps": steps}), flush=True)
     return 0 if ok else 1

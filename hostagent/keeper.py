@@ -21,7 +21,6 @@ itself while it restarts. In nginx mode it also does the /health watching and ac
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import logging.handlers
@@ -35,38 +34,13 @@ import urllib.error
 import urllib.request
 
 from . import host, restart, watch
+from .runlock import RunLock
 
 log = logging.getLogger("hostagent.keeper")
 
 PROBE_USER = "fleet-keeper-probe"
 PROBE_HEADER = "X-Fleet-Probe"
 REASONS = ("exited", "unhealthy", "start-timeout", "stalled")
-
-
-# --- the run lock ---------------------------------------------------------------------------------
-
-class RunLock:
-    """deploy_dir/run/fleet.lock, taken with flock: try without waiting, release."""
-
-    def __init__(self, cfg: dict):
-        self.path = host.run_path(cfg, "fleet.lock")
-        self.fd: int | None = None
-
-    def try_take(self) -> bool:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            return False
-        self.fd = fd
-        return True
-
-    def release(self) -> None:
-        if self.fd is not None:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
-            os.close(self.fd)
-            self.fd = None
 
 
 # --- facts ----------------------------------------------------------------------------------------
@@ -175,7 +149,7 @@ class Keeper:
         self.k = cfg["keeper"]
         self.nginx_cfg = nginx_cfg
         self.stop = threading.Event()
-        self.lock = RunLock(cfg)
+        self.lock = RunLock(cfg["deploy_dir"])
         self.lock_held_by_other = False
         saved = self._load_state()
         self.watches = [Watch(inst["index"], saved.get(str(inst["index"]))) for inst in cfg["instances"]]
