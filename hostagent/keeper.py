@@ -32,6 +32,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 from . import host, restart, watch
 from .runlock import RunLock
@@ -229,11 +230,21 @@ class Keeper:
         if self.mode != "nginx":
             drained = {name: b.get("drained") for name, b in (restart.backends(self.cfg) or {}).items()}
         self.lock_held_by_other = False
-        for w in self.watches:
-            if w.index != self.restarting:
-                self.look(w, drained.get(self.cfg["instances"][w.index]["backend"], False))
+        watches = [w for w in self.watches if w.index != self.restarting]
+        # /health of every instance at once: a hung one costs a round one timeout, not one per instance.
+        with ThreadPoolExecutor(max_workers=min(16, len(watches) or 1)) as pool:
+            statuses = list(pool.map(self._health, watches))
+        for w, (alive, status) in zip(watches, statuses):
+            self.look(w, alive, status, drained.get(self.cfg["instances"][w.index]["backend"], False))
 
-    def look(self, w: Watch, drained: bool) -> None:
+    def _health(self, w: Watch) -> tuple[bool, int | None]:
+        """Whether instance w's recorded process is alive, and its /health status when it is."""
+        pid, _ = host.read_pid(host.run_path(self.cfg, f"instance_{w.index}.pid"))
+        if not host.alive(pid):
+            return False, None
+        return True, restart.health(self.cfg["instances"][w.index]["port"], timeout=min(2.0, self.interval() + 1))
+
+    def look(self, w: Watch, alive: bool, status: int | None, drained: bool) -> None:
         """Settle one instance's state, and act on it when it is dead."""
         inst = self.cfg["instances"][w.index]
         now = time.monotonic()
@@ -249,9 +260,6 @@ class Keeper:
                 w.crashloop, w.crashloop_identity, w.recent = False, None, []
             w.new_start(identity)
             w.healthy_once = os.path.exists(host.run_path(self.cfg, f"instance_{w.index}.ready"))
-        pid, _ = host.read_pid(host.run_path(self.cfg, f"instance_{w.index}.pid"))
-        alive = host.alive(pid)
-        status = restart.health(inst["port"], timeout=min(2.0, self.interval() + 1)) if alive else None
         reason = None
         if not alive:
             reason = "exited"
