@@ -5,8 +5,7 @@ The keeper itself runs on the host (hostagent/keeper.py); this module starts it 
 """
 from __future__ import annotations
 
-import time
-
+from .errors import FleetError
 from .inventory import HostVars
 
 AGENT_CONFIG = "conf/hostagent.json"
@@ -25,10 +24,7 @@ def status(hv: HostVars, facts: dict) -> dict:
         state = "dead"
     else:
         state = "stopped" if enabled else "disabled"
-    updated = st.get("updated_at")
-    return {"pid": k.get("pid"), "state": state, "enabled": enabled,
-            "last_round_s_ago": round(time.time() - updated, 1) if k.get("alive") and updated else None,
-            "instances": st.get("instances") or {}}
+    return {"pid": k.get("pid"), "state": state, "enabled": enabled, "instances": st.get("instances") or {}}
 
 
 def instance_fields(keeper: dict, index: int) -> dict:
@@ -43,8 +39,7 @@ def instance_fields(keeper: dict, index: int) -> dict:
 def deploy(conn, hv: HostVars, facts: dict, changed_files: set[str], report, emit, check: bool) -> None:
     """Start the keeper when it does not run, restart it when its code or configuration changed, stop it
     when keeper.enabled is false."""
-    from .front import host_command
-    from .errors import FleetError
+    from .front import host_command       # front imports lifecycle, which imports this module
     k = facts.get("keeper") or {}
     if not hv["keeper"]["enabled"]:
         if k.get("alive"):

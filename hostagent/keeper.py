@@ -132,7 +132,7 @@ class Watch:
         self.dead_reason = None
         self.restart_at = None
 
-    def record(self, now: float) -> dict:
+    def record(self) -> dict:
         left = None if self.restart_at is None else round(max(0.0, self.restart_at - time.monotonic()), 1)
         return {"state": self.state, "restarts": self.restarts, "by_reason": self.by_reason,
                 "last_reason": self.last_reason, "last_at": self.last_at, "last_result": self.last_result,
@@ -158,6 +158,7 @@ class Keeper:
         self.restarting: int | None = None
         self.started_at = time.time()
         self.mode = "proxy"
+        self.written = ""
 
     # files
     def _load_state(self) -> dict:
@@ -168,12 +169,15 @@ class Keeper:
             return {}
 
     def write_state(self, state: str = "running") -> None:
-        now = time.time()
-        data = {"pid": os.getpid(), "state": state, "started_at": self.started_at, "updated_at": now,
-                "mode": self.mode, "lock_held": self.lock_held_by_other, "restarting": self.restarting,
-                "interval_s": self.interval(), "instances": {str(w.index): w.record(now) for w in self.watches}}
-        host.write_atomic(host.run_path(self.cfg, "keeper.json"), json.dumps(data, indent=1) + "\n")
+        data = {"pid": os.getpid(), "state": state, "started_at": self.started_at, "mode": self.mode,
+                "lock_held": self.lock_held_by_other, "restarting": self.restarting,
+                "interval_s": self.interval(), "instances": {str(w.index): w.record() for w in self.watches}}
+        text = json.dumps(data, indent=1) + "\n"
+        if text == self.written:       # written on change only: a quiet host's deploy_dir stays as it is
+            return
+        host.write_atomic(host.run_path(self.cfg, "keeper.json"), text)
         host.write_atomic(host.run_path(self.cfg, "keeper.prom"), self.metrics_text(state))
+        self.written = text
 
     def metrics_text(self, state: str) -> str:
         dep = self.cfg["deployment_id"]
