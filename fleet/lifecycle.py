@@ -18,14 +18,15 @@ from pathlib import Path
 from typing import Callable
 
 from . import keeper as fleet_keeper
-from . import preflight, release
+from . import hostcode, preflight, release, runlock
 from .errors import FleetError, RemoteError
 from .inventory import HostVars
-from .render import RenderedFile, render_host
+from .render import RenderedFile, render_host, stop_spec
 from .transport import Transport
 
 ROOT = Path(__file__).resolve().parent.parent
-PROBE = (Path(__file__).resolve().parent / "probe.py").read_text()
+PROBE = hostcode.bundle((Path(__file__).resolve().parent / "probe.py").read_text(), "processes")
+STOPPER = hostcode.source("processes")
 
 Emit = Callable[[str], None]
 
@@ -123,6 +124,13 @@ def probe(conn: Transport, hv: HostVars, files: list[str] = (), readonly: bool =
                           "check the host's shell startup files for output.") from None
 
 
+def stop_processes(conn: Transport, hv: HostVars, args: list[str], emit: Emit):
+    """Run hostagent/processes.py's stop on the host (`--instance I`, `--proxy`, `--check`), sent on
+    standard input: it works even where deploy never put the code."""
+    spec = shlex.quote(json.dumps(stop_spec(hv)))
+    return conn.run(preflight.probe_python(hv, f"- stop {spec} {shlex.join(args)}"), stdin=STOPPER, on_line=emit)
+
+
 def instance_state(f: dict, health_timeout_s: float) -> str:
     """loading, healthy, dead, stopped or port-taken, from one instance's facts."""
     if f["alive"]:
@@ -201,14 +209,20 @@ def _sha(content: str) -> str:
 
 
 def deploy(conn: Transport, hv: HostVars, emit: Emit = lambda line: None,
-           check: bool = False, diff: bool = False, doctor: bool = True) -> Report:
+           check: bool = False, diff: bool = False, doctor: bool = True, wait: bool = False) -> Report:
     """Put changed files, start what is not running, wait for /health, start the proxy.
 
     doctor: run fleet.doctor's checks first; a failed check stops the deploy before it changes anything.
+    wait: when another run holds the deployment's lock, wait for it instead of failing at once.
     """
     hv = prepare(conn, hv)
-    report = Report(hv.name)
     preflight.check(conn, hv, "deploy")   # the tools every step needs: one sentence naming what is missing
+    with runlock.held_unless(check, conn, hv, "deploy", emit, wait):
+        return _deploy(conn, hv, emit, check, diff, doctor)
+
+
+def _deploy(conn: Transport, hv: HostVars, emit: Emit, check: bool, diff: bool, doctor: bool) -> Report:
+    report = Report(hv.name)
     if doctor:
         from .doctor import doctor as run_doctor
         run_doctor(conn, hv, emit, report)
@@ -217,6 +231,13 @@ def deploy(conn: Transport, hv: HostVars, emit: Emit = lambda line: None,
             return report
     files = host_files(hv)
     facts = probe(conn, hv, [f.path for f in files], readonly=check)
+    strangers = foreign_ports(hv, facts)
+    if strangers:
+        # Nothing starts beside a stranger on our ports (the doctor says the same when it runs).
+        for port, sentence in strangers:
+            report.add(f"port {port}", "failed", sentence)
+        report.status = status_of(hv, facts)
+        return report
     d = hv["deploy_dir"]
 
     changed_files = _put_files(conn, hv, files, facts, report, emit, check, diff)
@@ -260,6 +281,33 @@ def deploy(conn: Transport, hv: HostVars, emit: Emit = lambda line: None,
             emit(f"{step.status}: {step.name}: {step.message}")
     report.status = status_of(hv, probe(conn, hv, readonly=check))
     return report
+
+
+def foreign_ports(hv: HostVars, facts: dict) -> list[tuple[int, str]]:
+    """(port, sentence) for each instance or proxy port held by a process that is not the deployment's."""
+    st = status_of(hv, facts)
+    out = []
+    for f, inst in zip(facts["instances"], st["instances"]):
+        if inst["state"] == "port-taken":
+            out.append((f["port"], stranger_sentence(hv, f.get("holder"), f["port"], "base_port")))
+    if st["proxy"]["state"] == "port-taken":
+        out.append((hv["proxy"]["port"], stranger_sentence(hv, facts["proxy"].get("holder"), hv["proxy"]["port"],
+                                                   "proxy.port")))
+    return [(port, sentence) for port, sentence in out if sentence]
+
+
+def stranger_sentence(hv: HostVars, holder: dict | None, port: int, key: str) -> str | None:
+    """The sentence naming who holds port; None when the holder carries the deployment's tag (its own
+    leftover, which deploy's repair stops)."""
+    if holder and (holder.get("tag") or "").startswith(hv.deployment_id + "/"):
+        return None
+    if holder and holder.get("pid"):
+        who = f"pid {holder['pid']} ({holder['cmdline']})"
+    elif holder:
+        who = f"a process of user {holder['user']}"
+    else:
+        who = "a process you cannot see"
+    return f"port {port} is held by {who}, which is not this deployment's; stop it yourself or change {key}"
 
 
 def _put_files(conn, hv, files, facts, report, emit, check, diff) -> set[str]:
@@ -307,7 +355,7 @@ def _start_instances(conn, hv, to_start, report, emit):
     for index in stopped:
         emit(f"instance {index}: dead, or its processes left behind; stopping them (group and tag) "
              "before the start")
-        conn.run(f"{bin_dir}/stop_cluster.sh --instance {index}", on_line=emit)
+        stop_processes(conn, hv, ["--instance", str(index)], emit)
     if stopped:
         _, pending, _ = release.wait_released(conn, hv, stopped, emit)
         if pending:
@@ -384,7 +432,7 @@ def _deploy_front(conn, hv, facts, changed_files, report, emit, check):
         return
     bin_dir = shlex.quote(f"{hv['deploy_dir']}/bin")
     if verb == "restart" or p["alive"]:
-        conn.run(f"{bin_dir}/stop_cluster.sh --proxy", on_line=emit)
+        stop_processes(conn, hv, ["--proxy"], emit)
     r = conn.run(f"{bin_dir}/start_proxy.sh", on_line=emit)
     if not r.ok:
         report.add("proxy", "failed", f"start_proxy.sh failed (exit {r.exited}): {r.stderr.strip()[-300:]}")
@@ -426,19 +474,31 @@ def _reload_proxy(conn, hv, p, report) -> bool:
 # --- stop ---------------------------------------------------------------------------------------
 
 def stop(conn: Transport, hv: HostVars, emit: Emit = lambda line: None, instance: int | None = None,
-         check: bool = False, force: bool = False) -> Report:
+         check: bool = False, force: bool = False, wait: bool = False) -> Report:
     """Stop the proxy and the instances by process group, sweep what carries the tag, then wait until
     the cards are released (fleet.release: --force kills your processes still holding the devices)."""
     hv = prepare(conn, hv)
     if instance is not None and not 0 <= instance < hv["instances"]:
         raise FleetError(f"{hv.name}: there is no instance {instance}; instances are 0-{hv['instances'] - 1}.")
+    keeper = []
+    if instance is None and not check:
+        # The keeper first, before the lock: it may hold the lock for a restart of its own, which its
+        # stop cancels (and its exit frees the lock); once it is gone nothing restarts what stop takes down.
+        stop_processes(conn, hv, ["--keeper"], lambda line: (emit(line), keeper.append(line)))
+    with runlock.held_unless(check, conn, hv, "stop", emit, wait):
+        report = _stop(conn, hv, emit, instance, check, force)
+    if any(line.startswith("keeper: stopped") for line in keeper):
+        report.steps.insert(0, Step("keeper", "changed", "stopped first: " + "; ".join(
+            line for line in keeper if line.startswith("keeper: stopping"))[:200]))
+    return report
+
+
+def _stop(conn: Transport, hv: HostVars, emit: Emit, instance: int | None, check: bool, force: bool) -> Report:
     report = Report(hv.name)
     before = probe(conn, hv, readonly=True)
     cards_before, cards_why = release.read_cards(conn, hv)
-    script = next(f for f in render_host(hv) if f.path == "bin/stop_cluster.sh").content
     args = (["--instance", str(instance)] if instance is not None else []) + (["--check"] if check else [])
-    # The freshly rendered stop script goes on stdin: it works even where deploy never put one.
-    r = conn.run(f"bash -s -- {shlex.join(args)}", stdin=script, on_line=emit)
+    r = stop_processes(conn, hv, args, emit)
     after = probe(conn, hv, readonly=True)
     targets = [f for f in before["instances"] if instance is None or f["index"] == instance]
     for f in targets:
@@ -453,8 +513,8 @@ def stop(conn: Transport, hv: HostVars, emit: Emit = lambda line: None, instance
                        f"pid {f['pid']} still alive" if still else f"stopped process group {f['pgid']}")
     if instance is None:
         kp = (before.get("keeper") or {}).get("pid")
-        if kp:
-            report.add("keeper", "changed", ("would stop" if check else "stopped") + f" pid {kp} (first)")
+        if kp and check:
+            report.add("keeper", "changed", f"would stop pid {kp} (first)")
         p = before["proxy"]
         if not p["alive"]:
             report.add("proxy", "ok", "already stopped")
@@ -470,7 +530,7 @@ def stop(conn: Transport, hv: HostVars, emit: Emit = lambda line: None, instance
         pids = ", ".join(f"{t['pid']} ({t['cmdline'][:60]})" for t in left)
         report.add("tag sweep", "failed", f"processes with the deployment's tag are still alive: {pids}")
     elif not r.ok and not check:
-        report.add("tag sweep", "failed", f"stop_cluster.sh exited {r.exited}: {r.stderr.strip()[-300:]}")
+        report.add("tag sweep", "failed", f"the stop exited {r.exited}: {r.stderr.strip()[-300:]}")
     else:
         report.add("tag sweep", "ok", "no process with the deployment's tag is left" if not check else
                    f"{len(before['tagged'])} tagged process(es) found")

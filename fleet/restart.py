@@ -1,11 +1,12 @@
-"""`inv restart`: the files first, then the host agent's one restart (hostagent/restart.py), run on the
-host through the transport as the swaps are: drain, wait for in-flight, stop by identity, wait for the
-card, start, wait for /health, enable, wait until the proxy routes to it. Rolling: every instance in
-turn, never more than one out. The keeper calls the same function on the host.
+"""`inv restart`: under the deployment's run lock, the files first, then the host agent's one restart
+(hostagent/restart.py), run on the host through the transport as the swaps are: drain, wait for
+in-flight, stop by identity, wait for the card, start, wait for /health, enable, wait until the proxy
+routes to it. Rolling: every instance in turn, never more than one out. The keeper calls the same
+function on the host.
 """
 from __future__ import annotations
 
-from . import front, lifecycle
+from . import front, lifecycle, runlock
 from .errors import FleetError
 from .inventory import HostVars
 from .lifecycle import Emit, Report
@@ -14,13 +15,20 @@ AGENT_CONFIG = "conf/hostagent.json"
 
 
 def restart(conn, hv: HostVars, emit: Emit = lambda line: None, instance: int | None = None,
-            rolling: bool = False) -> Report:
-    """Restart one instance, or every instance in turn (rolling); stops at the first that fails."""
+            rolling: bool = False, wait: bool = False) -> Report:
+    """Restart one instance, or every instance in turn (rolling); stops at the first that fails.
+    wait: when another run (or the keeper's restart) holds the deployment's lock, wait for it instead of
+    failing at once."""
     hv = lifecycle.prepare(conn, hv)
     if (instance is None) == (not rolling):
         raise FleetError("restart needs either --instance I or --rolling.")
     if instance is not None and not 0 <= instance < hv["instances"]:
         raise FleetError(f"{hv.name}: there is no instance {instance}; instances are 0-{hv['instances'] - 1}.")
+    with runlock.held(conn, hv, "restart", emit, wait):
+        return _restart(conn, hv, emit, instance)
+
+
+def _restart(conn, hv: HostVars, emit: Emit, instance: int | None) -> Report:
     report = Report(hv.name)
     files = lifecycle.host_files(hv)
     facts = lifecycle.probe(conn, hv, [f.path for f in files], readonly=True)
@@ -29,8 +37,8 @@ def restart(conn, hv: HostVars, emit: Emit = lambda line: None, instance: int | 
                          f"`inv deploy --host {hv.name}` first.")
     # The instance starts with the current inventory: put what changed (the proxy keeps running as is).
     lifecycle._put_files(conn, hv, files, facts, report, emit, check=False, diff=False)
-    what = "--rolling" if rolling else f"--instance {int(instance)}"
-    result = front.host_command(conn, hv, f"restart {what}", lambda line: emit(line.split(": ", 1)[-1]),
+    what = "--rolling" if instance is None else f"--instance {int(instance)}"
+    result = front.host_command(conn, hv, f"restart {what} --locked", lambda line: emit(line.split(": ", 1)[-1]),
                                 config=AGENT_CONFIG, raise_failed=False, timeout=None)
     if "steps" not in result:
         raise FleetError(f"{hv.name}: {result.get('error', 'the host agent did not restart')}")

@@ -13,8 +13,7 @@ import json
 import logging
 import sys
 
-from . import handover, host, keeper, restart, watch
-from .runlock import RunLock
+from . import handover, host, keeper, lock, restart, watch
 
 
 def main(argv=None) -> int:
@@ -25,6 +24,8 @@ def main(argv=None) -> int:
     parser.add_argument("--nginx", default=None, help="the nginx binary (default: found as check does)")
     parser.add_argument("--instance", type=int, default=None, help="restart: the instance")
     parser.add_argument("--rolling", action="store_true", help="restart: every instance in turn")
+    parser.add_argument("--locked", action="store_true",
+                        help="restart: the caller holds the run lock (inv restart); else it is taken here")
     args = parser.parse_args(argv)
 
     def say(line: str) -> None:
@@ -68,18 +69,18 @@ def _restart(cfg: dict, args, say) -> int:
         raise host.FrontError("restart needs either --instance I or --rolling.")
     if args.instance is not None and not 0 <= args.instance < n:
         raise host.FrontError(f"there is no instance {args.instance}; instances are 0-{n - 1}.")
-    lock = RunLock(cfg["deploy_dir"])
-    if not lock.try_take():
-        # The keeper holds it while it restarts an instance: wait for that restart, not fight it.
-        limit = float(cfg["release_timeout_s"]) + float(cfg["health_timeout_s"]) + 60
-        say(f"waiting up to {limit:g}s for the run lock (held by the keeper's restart or another run)")
-        if not lock.take(limit):
-            raise host.FrontError(f"the run lock {lock.path} is still held after {limit:g}s; "
-                                  "see `inv status` and logs/keeper.log, then retry.")
+    held = None
+    if not args.locked:      # run by hand on the host: one run at a time, as for inv restart
+        held = lock.try_hold(cfg["deploy_dir"], "python -m hostagent restart")
+        if held is None:
+            who = lock.holder(cfg["deploy_dir"]) or {}
+            raise host.FrontError(f"{who.get('what') or 'another run'} holds the run lock "
+                                  f"(since {who.get('since') or 'an unknown time'}); retry when it is done.")
     try:
         steps = restart.restart_all(cfg, say) if args.rolling else restart.restart_instance(cfg, args.instance, say)
     finally:
-        lock.release()
+        if held is not None:
+            held.release()
     ok = not any(s["status"] == "failed" for s in steps)
     print("FLEET_RESULT " + json.dumps({"ok": ok, "steps": steps}), flush=True)
     return 0 if ok else 1

@@ -18,7 +18,7 @@ import signal
 import subprocess
 import time
 
-from . import host
+from . import host, processes
 from .host import FrontError
 
 
@@ -71,6 +71,10 @@ def _spawn_nginx(cfg: dict, nginx: str, sock) -> int:
                              stdin=subprocess.DEVNULL, stdout=err, stderr=err, start_new_session=True)
     finally:
         err.close()
+    # nginx writes its own pid file (run/nginx.master.pid, a bare pid); run/nginx.pid is the record
+    # the toolkit checks before it signals nginx. nginx's setproctitle erases its environment's tag,
+    # so the record's start time is what proves it is ours.
+    processes.write_record(cfg["pid_file"], p.pid, f"{cfg['deployment_id']}/nginx")
     return p.pid
 
 
@@ -113,7 +117,7 @@ def to_nginx(cfg: dict, config_path: str, nginx: str | None = None, say=print) -
                                  "free it or change proxy.port.")
             say(f"proxy: SIGTERM to pid {proxy_pid}: it stops accepting and drains its in-flight requests")
             t_term = time.monotonic()
-            os.killpg(proxy_pgid, signal.SIGTERM)
+            host.signal_group(proxy_pgid, proxy_pid, signal.SIGTERM)
             deadline = t_term + 15
             while sock is None and time.monotonic() < deadline:
                 t_last_taken = time.monotonic()
@@ -138,7 +142,7 @@ def to_nginx(cfg: dict, config_path: str, nginx: str | None = None, say=print) -
         t_ready = time.monotonic()
         if overlap:
             say(f"proxy: listener shares the port (SO_REUSEPORT); nginx answers, SIGTERM to pid {proxy_pid}")
-            os.killpg(proxy_pgid, signal.SIGTERM)
+            host.signal_group(proxy_pgid, proxy_pid, signal.SIGTERM)
         result.update(changed=True, pid=pid, overlap=overlap,
                       gap_ms=0.0 if overlap or t_last_taken is None else ms(t_bound - t_last_taken),
                       release_ms=ms(t_bound - t_term) if t_term else None,
@@ -152,7 +156,7 @@ def to_nginx(cfg: dict, config_path: str, nginx: str | None = None, say=print) -
     host.write_atomic(host.run_path(cfg, "mode"), "nginx\n")
     if cfg.get("keeper_watches"):
         _keeper_watches(cfg, result, say)
-    elif not host.alive(host.read_pid(host.run_path(cfg, "nginx_watch.pid"))[0]):
+    elif not host.ours(cfg, "nginx_watch.pid", "nginx-watch"):
         result["watcher_pid"] = host.start_watcher(cfg, config_path, nginx)
         result["changed"] = True
         say(f"watcher: pid {result['watcher_pid']} polls {cfg['health_path']} of {len(cfg['backends'])} "

@@ -34,8 +34,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-from . import host, restart, watch
-from .runlock import RunLock
+from . import host, lock, processes, restart, watch
 
 log = logging.getLogger("hostagent.keeper")
 
@@ -150,7 +149,7 @@ class Keeper:
         self.k = cfg["keeper"]
         self.nginx_cfg = nginx_cfg
         self.stop = threading.Event()
-        self.lock = RunLock(cfg["deploy_dir"])
+        self.held = None                 # the run lock, while the keeper restarts an instance
         self.lock_held_by_other = False
         saved = self._load_state()
         self.watches = [Watch(inst["index"], saved.get(str(inst["index"]))) for inst in cfg["instances"]]
@@ -242,9 +241,9 @@ class Keeper:
             self.look(w, alive, status, drained.get(self.cfg["instances"][w.index]["backend"], False))
 
     def _health(self, w: Watch) -> tuple[bool, int | None]:
-        """Whether instance w's recorded process is alive, and its /health status when it is."""
-        pid, _ = host.read_pid(host.run_path(self.cfg, f"instance_{w.index}.pid"))
-        if not host.alive(pid):
+        """Whether instance w's recorded process is alive (and still the one its pid file records), and its
+        /health status when it is."""
+        if restart.instance_pid(self.cfg, w.index) is None:
             return False, None
         return True, restart.health(self.cfg["instances"][w.index]["port"], timeout=min(2.0, self.interval() + 1))
 
@@ -316,7 +315,9 @@ class Keeper:
         w.state = f"dead ({w.dead_reason}), restart in {max(0.0, w.restart_at - time.monotonic()):.0f}s"
         if time.monotonic() < w.restart_at or self.restarting is not None:
             return
-        if not self.lock.try_take():    # taken only to act: a check alone could make a deploy fail
+        self.held = lock.try_hold(self.cfg["deploy_dir"], f"keeper (pid {os.getpid()}): restart of instance "
+                                  f"{w.index} ({w.dead_reason})")
+        if self.held is None:          # taken only to act: a check alone could make a deploy fail
             self.lock_held_by_other = True
             w.state = f"dead ({w.dead_reason}), waiting: the run lock is held (deploy, stop, restart or swap)"
             return
@@ -348,7 +349,8 @@ class Keeper:
         finally:
             w.new_start(pidfile_identity(self.cfg, w.index))
             w.next_probe = time.monotonic() + self.k["probe_interval_s"]
-            self.lock.release()
+            self.held.release()
+            self.held = None
             self.restarting = None
 
     def _probe(self, w: Watch, port: int) -> None:
@@ -393,10 +395,8 @@ def _age(identity) -> float:
 # --- process --------------------------------------------------------------------------------------
 
 def write_pidfile(cfg: dict) -> None:
-    """run/keeper.pid: `pid pgid`, what stop_cluster.sh reads today.
-
-    TODO(issue 11): the contract's `pid=P pgid=G sid=S start=T tag=TAG` through its identity module."""
-    host.write_atomic(host.run_path(cfg, "keeper.pid"), f"{os.getpid()} {os.getpgid(0)}\n")
+    """run/keeper.pid: this process's record, `pid=P pgid=G sid=S start=T tag=<id>/keeper`."""
+    processes.write_record(host.run_path(cfg, "keeper.pid"), os.getpid(), f"{cfg['deployment_id']}/keeper")
 
 
 def setup_logging(cfg: dict) -> None:
@@ -430,11 +430,10 @@ def main(cfg: dict) -> int:
 def stop(cfg: dict) -> int | None:
     """Stop the running keeper (SIGTERM, grace, SIGKILL); its pid, or None when none ran."""
     pidfile = host.run_path(cfg, "keeper.pid")
-    pid, pgid = host.read_pid(pidfile)
-    if not host.alive(pid):
-        pid = None
-    else:
-        host.stop_group(pgid, pid, float(cfg["stop_grace_s"]) + 5)
+    p = host.ours(cfg, "keeper.pid", "keeper")
+    pid = p.pid if p else None
+    if p:
+        host.stop_group(p.pgid, p.pid, float(cfg["stop_grace_s"]) + 5)
     if os.path.exists(pidfile):
         os.remove(pidfile)
     return pid

@@ -6,8 +6,8 @@
 2. stop the instance by identity (bin/stop_cluster.sh --instance I: its recorded process group, session
    and tag; orphaned engine children included);
 3. wait until its card is released: no process left holding the card's device files (the kernel's view,
-   /proc/PID/fd, what fuser reads) and no process of the instance left; cpu has no device files, so there
-   it is the second alone;
+   /proc/PID/fd, what fuser reads) and no process of the instance left (its tag, or the session its pid
+   file recorded); cpu has no device files, so there it is the second alone;
 4. start it (ONLY=I STAGGER_S=0 bin/start_cluster.sh) and wait for /health 200, at most health_timeout_s;
 5. enable it in the proxy and wait until the proxy's own health check routes to it again.
 
@@ -26,7 +26,7 @@ import urllib.error
 import urllib.request
 from typing import Callable
 
-from . import host
+from . import host, processes
 
 Say = Callable[[str], None]
 
@@ -72,36 +72,22 @@ def health(port: int, timeout: float = 2.0) -> int | None:
 
 
 def instance_pid(cfg: dict, i: int) -> int | None:
-    """The recorded pid of instance i when it is alive."""
-    pid, _ = host.read_pid(host.run_path(cfg, f"instance_{i}.pid"))
-    return pid if host.alive(pid) else None
+    """The pid instance i's pid file records, while that very process (start time, tag) runs."""
+    p = host.ours(cfg, f"instance_{i}.pid", str(i))
+    return p.pid if p else None
 
 
-def _own_pids() -> list[int]:
+def instance_session(cfg: dict, i: int) -> int | None:
+    """The session instance i's pid file records (its engine children stay in it, renamed or orphaned)."""
+    rec, _ = processes.read_record_file(host.run_path(cfg, f"instance_{i}.pid"))
+    return rec.get("sid") if rec else None
+
+
+def members(tag: str, sid: int | None) -> list[int]:
+    """This user's live processes carrying FLEET_TAG=tag, or in the recorded session sid."""
     me = os.getuid()
-    pids = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                if os.stat(f"/proc/{name}").st_uid == me:
-                    pids.append(int(name))
-            except OSError:
-                continue
-    return pids
-
-
-def tagged(tag: str) -> list[int]:
-    """This user's live processes whose environment carries exactly FLEET_TAG=tag."""
-    needle = f"FLEET_TAG={tag}".encode()
-    found = []
-    for pid in _own_pids():
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if needle in f.read().split(b"\0") and host.alive(pid):
-                    found.append(pid)
-        except OSError:
-            continue
-    return found
+    return sorted(p.pid for p in processes.snapshot().values()
+                  if p.alive and p.uid == me and (p.tag == tag or (sid and p.sid == sid)))
 
 
 def card_holders(files: list[str]) -> list[int]:
@@ -110,7 +96,7 @@ def card_holders(files: list[str]) -> list[int]:
     if not wanted:
         return []
     found = []
-    for pid in _own_pids():
+    for pid in sorted(processes.snapshot()):
         try:
             fds = os.listdir(f"/proc/{pid}/fd")
         except OSError:
@@ -126,10 +112,11 @@ def card_holders(files: list[str]) -> list[int]:
     return found
 
 
-def leftovers(cfg: dict, i: int) -> list[int]:
-    """What still keeps instance i's card: its device files' holders and its tagged processes."""
+def leftovers(cfg: dict, i: int, sid: int | None) -> list[int]:
+    """What still keeps instance i's card: its device files' holders, and its processes (by tag, or in
+    the session sid its pid file recorded before the stop)."""
     inst = cfg["instances"][i]
-    return sorted(set(card_holders(inst["card_files"])) | set(tagged(f"{cfg['deployment_id']}/{i}")))
+    return sorted(set(card_holders(inst["card_files"])) | set(members(f"{cfg['deployment_id']}/{i}", sid)))
 
 
 def log_tail(cfg: dict, i: int, n: int = 10) -> list[str]:
@@ -192,6 +179,7 @@ def restart_instance(cfg: dict, i: int, say: Say = print, cancelled: Callable[[]
     if cancelled():
         raise Cancelled()
 
+    sid = instance_session(cfg, i)
     r = _script(cfg, "stop_cluster.sh", ["--instance", str(i)], None, say)
     if r.returncode != 0:
         steps.add(f"{what} stop", "failed", f"stop_cluster.sh --instance {i} exited {r.returncode} "
@@ -201,7 +189,7 @@ def restart_instance(cfg: dict, i: int, say: Say = print, cancelled: Callable[[]
         return steps
     steps.add(f"{what} stop", "changed", "stopped by identity (process group, session, tag)")
 
-    if not _wait_released(cfg, i, steps, say, cancelled):
+    if not _wait_released(cfg, i, sid, steps, say, cancelled):
         return _give_back(cfg, i, name, drained, steps, say)
     if cancelled():
         raise Cancelled()
@@ -249,11 +237,11 @@ def _drain(cfg, i, name, steps, say, cancelled) -> bool:
         _sleep(0.1, cancelled)
 
 
-def _wait_released(cfg, i, steps, say, cancelled) -> bool:
+def _wait_released(cfg, i, sid, steps, say, cancelled) -> bool:
     t0 = time.monotonic()
     said = False
     while True:
-        left = leftovers(cfg, i)
+        left = leftovers(cfg, i, sid)
         if not left:
             if said:
                 say(f"instance {i}: card released after {time.monotonic() - t0:.1f}s")
