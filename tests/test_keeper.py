@@ -20,7 +20,7 @@ from conftest import wait_until
 from fleet_helpers import deployment_id, inv, kill_tagged, status_json, tagged_pids, write_inventory
 
 KEEPER = """\
-keeper: {{dead_after_s: 1, backoff_base_s: {base}, backoff_max_s: 4, max_restarts: 3, window_s: 120,
+keeper: {{dead_after_s: 3, backoff_base_s: {base}, backoff_max_s: 4, max_restarts: 3, window_s: 120,
          stall_probe: {probe}, probe_interval_s: 0.5, probe_timeout_s: 1, probe_failures: 2}}
 release_timeout_s: 20
 """
@@ -134,7 +134,7 @@ def test_sigkill_of_an_api_server_under_load(cluster):
         time.sleep(1.0)
         t_kill = time.monotonic()
         os.kill(victim["pid"], signal.SIGKILL)
-        began = wait_until(lambda: watch_of(deploy, 1).get("restarts") == 1 and time.monotonic(), 20,
+        began = wait_until(lambda: watch_of(deploy, 1).get("restarts", 0) >= 1 and time.monotonic(), 20,
                            what="the keeper to begin restarting instance 1")
         wait_until(lambda: watch_of(deploy, 1).get("last_result") == "ok", 60,
                    what="the keeper's restart of instance 1 to finish")
@@ -158,7 +158,8 @@ def test_sigkill_of_an_api_server_under_load(cluster):
     st = status_json(inventory)
     inst = st["instances"][1]
     assert inst["state"] == "healthy" and inst["pid"] != victim["pid"]
-    assert inst["restarts"] == 1 and inst["last_restart_reason"] == "exited"
+    # exactly one restart for the death (a shared, loaded machine may add one for a slow /health)
+    assert inst["restarts_by_reason"].get("exited") == 1, inst
     assert not any(os.path.exists(f"/proc/{p}") and p in tagged_pids(st["deployment_id"] + "/1")
                    for p in orphans), "the orphaned engine child was not stopped"
     holders = card_holders(deploy, 1)
