@@ -51,13 +51,15 @@ def engine_cmd(hv: HostVars) -> list[str]:
 def facts(conn, hv: HostVars) -> dict:
     """Run the doctor's probe on the host, after env_setup (so PATH is the engine's)."""
     dep = hv.deployment_id
-    ports = [{"port": p, "what": f"instance {i}", "pidfiles": [(f"run/instance_{i}.pid", f"{dep}/{i}")]}
-             for i, p in enumerate(hv.ports)]
+    ports = [{"port": p, "host": hv.instance_host, "what": f"instance {i}", "key": "base_port",
+              "pidfiles": [(f"run/instance_{i}.pid", f"{dep}/{i}")]} for i, p in enumerate(hv.ports)]
     # The entry port is ours when the front holding it is: the proxy, or nginx in nginx mode.
     proxy = ("run/proxy.pid", f"{dep}/proxy")
-    ports += [{"port": hv["proxy"]["port"], "what": "proxy", "pidfiles": [proxy, ("run/nginx.pid", f"{dep}/nginx")]},
-              {"port": hv["proxy"]["admin_port"], "what": "proxy admin", "pidfiles": [proxy]}]
-    spec = {"deploy_dir": hv["deploy_dir"], "engine_cmd": engine_cmd(hv), "model": hv["model"],
+    ports += [{"port": hv["proxy"]["port"], "what": "proxy", "key": "proxy.port",
+               "pidfiles": [proxy, ("run/nginx.pid", f"{dep}/nginx")]},
+              {"port": hv["proxy"]["admin_port"], "what": "proxy admin", "key": "proxy.admin_port",
+               "pidfiles": [proxy]}]
+    spec = {"deploy_dir": hv["deploy_dir"], "deployment_id": dep, "engine_cmd": engine_cmd(hv), "model": hv["model"],
             "check_model": hv["engine"] != "sim", "ports": ports, "smi_cmd": smi.smi_command(hv)}
     python = release.host_python(hv)
     setup = f"set +u\n{hv['env_setup']}\n" if hv["env_setup"] else ""
@@ -109,17 +111,13 @@ def checks(conn, hv: HostVars, f: dict) -> list[Check]:
             out.append(Check(label, "ok", "free"))
         elif p["ours"]:
             out.append(Check(label, "ok", f"ours (pid {p['ours']})"))
+        elif p["stranger"]:
+            out.append(Check(label, "fail", p["stranger"]))
         else:
-            key = "base_port" if p["what"].startswith("instance") else \
-                ("proxy.port" if p["what"] == "proxy" else "proxy.admin_port")
-            holder = next(iter(p["holders"]), None)
-            sentence = lifecycle.stranger_sentence(hv, holder, p["port"], key)
-            if sentence:
-                out.append(Check(label, "fail", sentence))
-            else:
-                out.append(Check(label, "warn", f"held by this deployment's pid {holder['pid']} "
-                                 f"({holder['cmdline'][:60]}), which its pid file does not name",
-                                 f"`inv stop --host {hv.name}` stops it"))
+            holder = p["holders"][0]
+            out.append(Check(label, "warn", f"held by this deployment's pid {holder['pid']} "
+                             f"({holder['cmdline'][:60]}), which its pid file does not name",
+                             "`inv deploy` stops it and starts the instance again"))
     # cards
     out += _card_checks(conn, hv, f)
     # tools

@@ -107,7 +107,8 @@ def host_files(hv: HostVars) -> list[RenderedFile]:
 
 def probe(conn: Transport, hv: HostVars, files: list[str] = (), readonly: bool = False) -> dict:
     """Read the deployment's state on the host (see fleet/probe.py)."""
-    spec = {"deploy_dir": hv["deploy_dir"], "ports": hv.ports, "proxy_port": hv["proxy"]["port"],
+    spec = {"deploy_dir": hv["deploy_dir"], "ports": hv.ports, "instance_host": hv.instance_host,
+            "proxy_port": hv["proxy"]["port"],
             "admin_port": hv["proxy"]["admin_port"], "deployment_id": hv.deployment_id,
             "files": list(files), "readonly": readonly}
     r = conn.run(preflight.probe_python(hv, f"- {shlex.quote(json.dumps(spec))}"), stdin=PROBE, timeout=60)
@@ -259,8 +260,10 @@ def _deploy(conn: Transport, hv: HostVars, emit: Emit, check: bool, diff: bool, 
                 " (runs with the previous settings; `inv restart --rolling` applies the new ones)"
             report.add(name, "ok", f"already {state} on :{f['port']}, pid {f['pid']}{note}")
         elif state == "port-taken":
-            report.add(name, "failed", f"port {f['port']} is taken by a process that is not this "
-                       "deployment's; free the port or change base_port")
+            # Strangers were refused above: this holder carries the instance's tag, but its pid file is
+            # lost or stale. It is stopped (tag and session) and the instance started again.
+            to_start.append(f)
+            report.data.setdefault("restart", []).append(f["index"])
         else:
             to_start.append(f)
             if (state == "dead" and f["alive"]) or str(f["index"]) in leftovers:
@@ -286,28 +289,10 @@ def _deploy(conn: Transport, hv: HostVars, emit: Emit, check: bool, diff: bool, 
 def foreign_ports(hv: HostVars, facts: dict) -> list[tuple[int, str]]:
     """(port, sentence) for each instance or proxy port held by a process that is not the deployment's."""
     st = status_of(hv, facts)
-    out = []
-    for f, inst in zip(facts["instances"], st["instances"]):
-        if inst["state"] == "port-taken":
-            out.append((f["port"], stranger_sentence(hv, f.get("holder"), f["port"], "base_port")))
+    taken = [f for f, inst in zip(facts["instances"], st["instances"]) if inst["state"] == "port-taken"]
     if st["proxy"]["state"] == "port-taken":
-        out.append((hv["proxy"]["port"], stranger_sentence(hv, facts["proxy"].get("holder"), hv["proxy"]["port"],
-                                                   "proxy.port")))
-    return [(port, sentence) for port, sentence in out if sentence]
-
-
-def stranger_sentence(hv: HostVars, holder: dict | None, port: int, key: str) -> str | None:
-    """The sentence naming who holds port; None when the holder carries the deployment's tag (its own
-    leftover, which deploy's repair stops)."""
-    if holder and (holder.get("tag") or "").startswith(hv.deployment_id + "/"):
-        return None
-    if holder and holder.get("pid"):
-        who = f"pid {holder['pid']} ({holder['cmdline']})"
-    elif holder:
-        who = f"a process of user {holder['user']}"
-    else:
-        who = "a process you cannot see"
-    return f"port {port} is held by {who}, which is not this deployment's; stop it yourself or change {key}"
+        taken.append(facts["proxy"])
+    return [(f["port"], f["stranger"]) for f in taken if f.get("stranger")]
 
 
 def _put_files(conn, hv, files, facts, report, emit, check, diff) -> set[str]:
@@ -461,9 +446,11 @@ def _reload_proxy(conn, hv, p, report) -> bool:
         f = probe(conn, hv)["proxy"]
         running = f.get("config") or {}
         if f["alive"] and running.get("backends") == want:
-            # What a running proxy keeps until a restart (its listeners, the body limit, the drain time).
-            if (running.get("max_body_mb"), running.get("shutdown_timeout_s")) != (
-                    float(px["max_body_mb"]), float(px["shutdown_timeout_s"])):
+            # What a running proxy keeps until a restart (its listeners, the body limit, the drain time,
+            # its log's rotation).
+            if (running.get("max_body_mb"), running.get("shutdown_timeout_s"), running.get("log")) != (
+                    float(px["max_body_mb"]), float(px["shutdown_timeout_s"]),
+                    [float(px["log"]["max_mb"]), px["log"]["backups"]]):
                 return False
             report.add("proxy", "changed", f"reloaded (SIGHUP), pid {p['pid']}, {len(want)} backends")
             return True
@@ -504,13 +491,15 @@ def _stop(conn: Transport, hv: HostVars, emit: Emit, instance: int | None, check
     for f in targets:
         name = f"instance {f['index']}"
         if not f["alive"]:
-            report.add(name, "ok", "already stopped")
+            stale = f.get("stale")
+            report.add(name, "ok", f"its pid file named pid {f['recorded_pid']}, {stale}: not touched" if stale
+                       else "already stopped")
         elif check:
-            report.add(name, "changed", f"would stop process group {f['pgid']}")
+            report.add(name, "changed", f"would stop pid {f['pid']} and its session")
         else:
             still = after["instances"][f["index"]]["alive"]
             report.add(name, "failed" if still else "changed",
-                       f"pid {f['pid']} still alive" if still else f"stopped process group {f['pgid']}")
+                       f"pid {f['pid']} still alive" if still else f"stopped pid {f['pid']} and its session")
     if instance is None:
         kp = (before.get("keeper") or {}).get("pid")
         if kp and check:

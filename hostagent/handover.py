@@ -40,9 +40,14 @@ def preflight(cfg: dict, nginx: str | None = None) -> dict:
         raise FrontError(f"nginx -t rejects {cfg['conf']}: {why or r.stderr.strip()[-300:]}; "
                          "fix the inventory (or the template) and deploy again.")
     if not host.nginx_pid(cfg) and not host.proxy_pid(cfg)[0] and not host.port_free(cfg):
-        raise FrontError(f"port {cfg['port']} is taken by a process that is not this deployment's "
-                         "proxy or nginx; free it or change proxy.port.")
+        raise FrontError(_stranger(cfg) + ".")
     return {"nginx": nginx, "version": _version(nginx)}
+
+
+def _stranger(cfg: dict) -> str:
+    """The sentence naming who holds the entry port, which is neither this deployment's proxy nor nginx."""
+    holders = processes.port_holders(cfg["port"])
+    return processes.stranger(cfg["port"], holders[0] if holders else {}, "proxy.port")
 
 
 def _version(nginx: str) -> str:
@@ -113,8 +118,7 @@ def to_nginx(cfg: dict, config_path: str, nginx: str | None = None, say=print) -
         t_term = t_last_taken = None
         if sock is None:
             if not proxy_pid:
-                raise FrontError(f"port {cfg['port']} is taken by a process that is not this deployment's; "
-                                 "free it or change proxy.port.")
+                raise FrontError(_stranger(cfg) + ".")
             say(f"proxy: SIGTERM to pid {proxy_pid}: it stops accepting and drains its in-flight requests")
             t_term = time.monotonic()
             host.signal_group(proxy_pgid, proxy_pid, signal.SIGTERM)

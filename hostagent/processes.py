@@ -312,6 +312,23 @@ def port_holders(port):
     return out
 
 
+def stranger(port, holder, key):
+    """The sentence for a port held by a process that is not the deployment's. holder: a port_holders
+    record ({} when none is visible); key: the inventory key that moves the port."""
+    if holder.get("pid"):
+        who = "pid %d (%s)" % (holder["pid"], holder["cmdline"])
+    elif holder.get("user"):
+        who = "a process of user %s" % holder["user"]
+    else:
+        who = "a process you cannot see"
+    return "port %d is held by %s, which is not this deployment's; stop it yourself or change %s" % (port, who, key)
+
+
+def ours_by_tag(holder, deployment_id):
+    """Whether a port holder carries a tag of the deployment (its own leftover, not a stranger)."""
+    return bool(holder) and (holder.get("tag") or "").startswith(deployment_id + "/")
+
+
 def user_name(uid):
     try:
         import pwd
@@ -465,14 +482,9 @@ def foreign_holders(spec, tlist, found, procs):
             if pid is not None and (pid in found.spared or pid in procs and procs[pid].tag is not None
                                     and procs[pid].tag.startswith(spec["deployment_id"] + "/")):
                 continue
-            fix = ports[port].fix or "the port"
-            if pid is None:
-                who = "a process of user %s" % user_name(uid)
-            else:
-                p = procs.get(pid)
-                who = "pid %d (%s)" % (pid, p.cmdline[:100] if p else "?")
-            lines.append("port %d is held by %s, which is not this deployment's; stop it yourself or change "
-                         "%s" % (port, who, fix))
+            p = procs.get(pid) if pid is not None else None
+            holder = {"pid": pid, "cmdline": p.cmdline[:100] if p else "?", "user": user_name(uid)}
+            lines.append(stranger(port, holder, ports[port].fix or "the port"))
     return lines
 
 

@@ -50,6 +50,7 @@ def test_pid_file_naming_an_unrelated_group_leader(tmp_path, procs):
         assert (f"instance 1: pid file names pid {stranger.pid}, which does not carry the deployment's tag: "
                 "not ours, not touched") in r.stdout, r.stdout
         assert stranger.poll() is None
+        assert "instance 1" not in r.stderr, r.stderr         # a stale file is said, not a failure
         assert re.search(rf"^instance 1: stopping pid {real} \(.*\): FLEET_TAG={dep}/1$", r.stdout, re.M), r.stdout
         assert tagged_pids(dep + "/") == [] and not pidfile.exists()
     finally:
@@ -174,6 +175,30 @@ def test_two_deploys_started_together(tmp_path):
         assert [i["state"] for i in st["instances"]] == ["healthy", "healthy"] and st["proxy"]["state"] == "healthy"
         assert [len(leaders(dep, i)) for i in range(2)] == [1, 1]
         assert len(tagged_pids(f"{dep}/proxy")) == 1
+    finally:
+        inv("stop", "--host", "t", inventory=inventory)
+        kill_tagged(dep + "/")
+
+
+def test_deploy_repairs_an_instance_whose_pid_file_was_lost(tmp_path):
+    """1. a running instance's pid file disappears: its port is held by a process carrying its tag;
+    2. status calls it port-taken, and deploy does not call it a stranger: it stops it (found by tag) and
+    starts the instance again, with a new record; 3. one process per instance afterwards."""
+    inventory = write_inventory(tmp_path, instances=2)
+    dep = deployment_id(inventory)
+    try:
+        inv("deploy", "--host", "t", inventory=inventory, check=True)
+        old = status_json(inventory)["instances"][0]["pid"]
+        (tmp_path / "deploy" / "run" / "instance_0.pid").unlink()
+        assert status_json(inventory)["instances"][0]["state"] == "port-taken"
+        r = inv("deploy", "--host", "t", inventory=inventory)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert re.search(rf"^instance 0: stopping pid {old} \(.*\): FLEET_TAG={dep}/0$", r.stdout, re.M), r.stdout
+        st = status_json(inventory)
+        assert [i["state"] for i in st["instances"]] == ["healthy", "healthy"] and st["instances"][0]["pid"] != old
+        rec = parse_record((tmp_path / "deploy" / "run" / "instance_0.pid").read_bytes())
+        assert rec["pid"] == st["instances"][0]["pid"] and rec["sid"] == rec["pid"]
+        assert [len(leaders(dep, i)) for i in range(2)] == [1, 1]
     finally:
         inv("stop", "--host", "t", inventory=inventory)
         kill_tagged(dep + "/")
