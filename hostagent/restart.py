@@ -5,9 +5,11 @@
    requests, at most drain_timeout_s (no proxy answering: no drain);
 2. stop the instance by identity (bin/stop_cluster.sh --instance I: its recorded process group, session
    and tag; orphaned engine children included);
-3. wait until its card is released: no process left holding the card's device files (the kernel's view,
-   /proc/PID/fd, what fuser reads) and no process of the instance left (its tag, or the session its pid
-   file recorded); cpu has no device files, so there it is the second alone;
+3. wait until its card is released: no process of the instance left (its tag, or the session its pid
+   file recorded) and no process holding the card's own device files where they are known in advance
+   (/dev/nvidiaN, the sim's renderD(128+i); the kernel's view, /proc/PID/fd, what fuser reads). dcu and
+   rocm find card i's render node from sysfs in the control node's probe only, and cpu has no device
+   file: there the instance's processes are the whole check;
 4. start it (ONLY=I STAGGER_S=0 bin/start_cluster.sh) and wait for /health 200, at most health_timeout_s;
 5. enable it in the proxy and wait until the proxy's own health check routes to it again.
 
