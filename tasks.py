@@ -180,17 +180,20 @@ def chat(c, host="local", prompt="Describe a sunrise over the sea in one sentenc
 
 @task(help=_help("host", "inventory", "set",
                  instance="show instance I's engine log (logs/vllm_I.log)", proxy="show the proxy's log (the default)",
-                 results="show the results log (one JSON line per request)", n="how many lines (default 50)",
+                 results="show the results log (one JSON line per request)",
+                 keeper="show the keeper's log (logs/keeper.log: what it found dead and restarted)",
+                 n="how many lines (default 50)",
                  follow="keep printing as the file grows (Ctrl-C to end)"),
       iterable=["set_"], auto_shortflags=False)
-def logs(c, host="", instance=None, proxy=False, results=False, n="50", follow=False, set_=None, inventory_=""):
+def logs(c, host="", instance=None, proxy=False, results=False, keeper=False, n="50", follow=False, set_=None,
+         inventory_=""):
     """Tail the right log file on the right host."""
     index = _instance_number(instance)
     lines = _number(n, "-n", minimum=1)
 
     def action(conn, hv, emit):
         return fleet_logs.tail(conn, hv, emit, lines=lines, follow=follow, instance=index,
-                               proxy=proxy, results=results)
+                               proxy=proxy, results=results, keeper=keeper)
     _finish(_run(host, inventory_, set_, action, forks=1)[1])
 
 

@@ -326,6 +326,9 @@ class HostVars:
         if proxy["port"] == proxy["admin_port"]:
             raise InventoryError(f"{where}.proxy.admin_port: {proxy['admin_port']} is also proxy.port; "
                                  "give the admin listener its own port.")
+        if v["keeper"]["backoff_base_s"] > v["keeper"]["backoff_max_s"]:
+            raise InventoryError(f"{where}.keeper.backoff_base_s: {v['keeper']['backoff_base_s']:g} is above "
+                                 f"keeper.backoff_max_s ({v['keeper']['backoff_max_s']:g}); lower one or raise the other.")
         if not v["served_model_name"]:
             v["served_model_name"] = os.path.basename(v["model"].rstrip("/")) or v["model"]
         if v["bind"] is None:                     # an instance serves its own host's proxy alone

@@ -44,6 +44,8 @@ def parser() -> argparse.ArgumentParser:
                             "(FLEET_SIM_EXIT_DELAY_S, 4)")
     serve.add_argument("--sim-instant", dest="instant", action="store_true",
                        help="no load, prefill or token time (FLEET_SIM_INSTANT=1)")
+    serve.add_argument("--sim-fail-start", dest="fail_start", action="store_true",
+                       help="exit at once with an engine start-up error (a crash loop on demand)")
 
     smi = sub.add_parser("smi", help="print `hy-smi --showmeminfo vram` for the sim's cards")
     smi.add_argument("--dev-dir", help="device directory (FLEET_SIM_DEV_DIR, ./sim-dev)")
@@ -70,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     if ignored:
         logging.getLogger("fleet.sim").info("ignored vllm serve arguments: %s", " ".join(ignored))
+    if args.fail_start:
+        logging.getLogger("fleet.sim").error("RuntimeError: Engine core initialization failed (--sim-fail-start)")
+        return 1
     try:
         config = settle(vars(args))
     except ValueError as e:

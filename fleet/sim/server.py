@@ -20,7 +20,7 @@ from fleet.sim.scheduler import Scheduler
 log = logging.getLogger("fleet.sim")
 
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
-FAULTS = ("engine-death", "hang", "unhealthy", "recover")
+FAULTS = ("engine-death", "hang", "stall", "unhealthy", "recover")
 # How often the utilisation file is rewritten at most, and at least (so smi can tell it is fresh).
 USE_MIN_INTERVAL_S = 0.1
 USE_HEARTBEAT_S = 1.0
@@ -38,6 +38,9 @@ class Engine:
         self.unhung = asyncio.Event()
         self.unhung.set()
         self.unhealthy = False   # the reversible fault: /health 503 until recover, requests still served
+        self.unstalled = asyncio.Event()   # stall: /health 200, requests accepted, no token comes out
+        self.unstalled.set()
+        self.generated_tokens = 0
         self._use_changed = asyncio.Event()
         self.started = protocol.now()
 
@@ -54,10 +57,13 @@ class Engine:
             self._use_changed.set()
         elif name == "hang":
             self.unhung.clear()
+        elif name == "stall":
+            self.unstalled.clear()
         elif name == "unhealthy":
             self.unhealthy = True
         elif name == "recover":
             self.unhung.set()
+            self.unstalled.set()
             self.unhealthy = False
 
     def _engine_died(self) -> None:
@@ -120,8 +126,10 @@ class Engine:
                     delay = start + (i + 1) * cfg.token_ms / 1000 - time.monotonic()
                     await asyncio.sleep(max(0.0, delay))
                     await self.unhung.wait()
+                    await self.unstalled.wait()
                     self._check_alive()
                     await emit(tok)
+                    self.generated_tokens += 1
         except (asyncio.CancelledError, ConnectionResetError):
             self.scheduler.aborted_total += 1
             raise
@@ -275,6 +283,8 @@ def metrics_text(engine: Engine) -> str:
         ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", s.waiting),
         ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
          s.running / s.max_num_seqs),
+        ("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.",
+         engine.generated_tokens),
         ("fleet_sim:peak_running", "gauge", "Most requests ever running at once.", s.peak_running),
         ("fleet_sim:peak_in_flight", "gauge", "Most requests ever running plus waiting at once.",
          s.peak_in_flight),
