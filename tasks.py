@@ -111,14 +111,16 @@ def status(c, host="", json_=False, set_=None, inventory_="", forks="5"):
 @task(help=_help("host", "inventory", "set", "forks",
                  instance="stop only this instance (its process group and its tag)",
                  check="list what would be stopped, stop nothing",
-                 force="also kill your processes still holding the accelerator's device files"),
+                 force="also kill your processes still holding the accelerator's device files",
+                 now="skip the drain: stop the front and the instances at once, cutting requests in flight"),
       iterable=["set_"], auto_shortflags=False)   # -i would be ambiguous: --instance and --inventory
-def stop(c, host="", instance=None, check=False, force=False, set_=None, inventory_="", forks="5"):
-    """Stop the proxy and every instance by process group, then every process still carrying the tag."""
+def stop(c, host="", instance=None, check=False, force=False, now=False, set_=None, inventory_="", forks="5"):
+    """Drain the front (up to drain_timeout_s), then stop the proxy and every instance by process group,
+    then every process still carrying the tag."""
     index = _instance_number(instance)
 
     def action(conn, hv, emit):
-        return lifecycle.stop(conn, hv, emit, instance=index, check=check, force=force)
+        return lifecycle.stop(conn, hv, emit, instance=index, check=check, force=force, now=now)
     _finish(_run(host, inventory_, set_, action, forks, order="entry-first")[1])
 
 

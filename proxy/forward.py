@@ -76,6 +76,12 @@ class Exchange:
     trace_id: str | None = None
     fixups: list = field(default_factory=list)
     attempts: int = 0
+    backend: str = ""
+
+    def describe(self) -> dict:
+        """What names this request in a drain report."""
+        return {"request_id": self.request_id, "trace_id": self.trace_id, "backend": self.backend,
+                "path": self.request.path, "age_s": round(time.monotonic() - self.t0, 1)}
 
 
 async def proxy_handler(request: web.Request) -> web.StreamResponse:
@@ -92,7 +98,8 @@ async def proxy_handler(request: web.Request) -> web.StreamResponse:
         proxy.metrics.requests.labels(NO_BACKEND, "503").inc()
         return json_error(503, "no healthy backend is available; check `inv status`.", "no_backend",
                           {"X-Request-Id": request_id})
-    ex = Exchange(request, request_id)
+    ex = Exchange(request, request_id, backend=backend.name)
+    proxy.requests[id(ex)] = ex        # what a drain waits for, and names when it has to cut it
     outcome = Outcome()
     try:
         response = await _read_body(ex, proxy, backend)
@@ -109,6 +116,7 @@ async def proxy_handler(request: web.Request) -> web.StreamResponse:
             if other is None:
                 break
             failed, backend = backend, other   # swap first: `backend` is what `finally` releases
+            ex.backend = backend.name
             balancer.release(failed)
             proxy.metrics.requests.labels(failed.name, str(outcome.status)).inc()
             proxy.metrics.retries.labels(failed.name).inc()
@@ -121,6 +129,7 @@ async def proxy_handler(request: web.Request) -> web.StreamResponse:
         outcome = _client_gone(ex, proxy, backend)
         raise
     finally:
+        proxy.requests.pop(id(ex), None)
         balancer.release(backend)
         label = backend.name if ex.attempts else NO_BACKEND   # a 413 never reached a backend
         proxy.metrics.requests.labels(label, str(outcome.status)).inc()
