@@ -51,7 +51,7 @@ def proxy_in_flight(cfg: dict) -> int | None:
 def drain_proxy(cfg: dict, pid: int, pgid: int, timeout_s: float, say) -> dict:
     answer: list = []
     call = threading.Thread(target=lambda: answer.append(host.admin_call(
-        cfg, "POST", "/admin/drain-and-exit", {"timeout_s": timeout_s}, timeout=timeout_s + 15)), daemon=True)
+        cfg, "POST", "/admin/drain-and-exit", {"timeout_s": timeout_s, "pid": pid}, timeout=timeout_s + 15)), daemon=True)
     t0 = time.monotonic()
     call.start()
     say(f"drain: proxy pid {pid} stops accepting; its requests in flight get up to {timeout_s:g}s")

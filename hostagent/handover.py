@@ -298,15 +298,15 @@ def restart_proxy(cfg: dict, need_healthy: bool, say=print) -> dict:
                          f"the running proxy (pid {old_pid}) keeps the port.")
     say(f"proxy: new pid {new_pid} answers on :{cfg['port']} beside pid {old_pid} after "
         f"{time.monotonic() - t0:.1f}s; pid {old_pid} stops accepting and drains (up to {drain_s:g}s)")
-    status, answer = host.admin_call(cfg, "POST", "/admin/drain-and-exit", {"timeout_s": drain_s},
+    status, answer = host.admin_call(cfg, "POST", "/admin/drain-and-exit", {"timeout_s": drain_s, "pid": old_pid},
                                      timeout=drain_s + 15)
     result = {"changed": True, "pid": new_pid, "old_pid": old_pid, "overlap": True}
     if status == 200 and isinstance(answer, dict) and answer.get("pid") == old_pid:
         result.update(drained=answer["in_flight_at_start"], waited_s=answer["waited_s"], cut=answer["cut"])
         gone = _wait(lambda: not host.alive(old_pid), 10, 0.02)
     else:
-        say(f"proxy: pid {old_pid} has no drain call on its admin port ({status}); SIGTERM: it stops "
-            "listening and drains")
+        say(f"proxy: pid {old_pid} does not take the drain call on admin port {cfg['admin_port']} ({status}); "
+            "SIGTERM: it stops listening and drains")
         os.killpg(old_pgid, signal.SIGTERM)
         gone = _wait(lambda: not host.alive(old_pid), drain_s + 10, 0.05)
     if not gone:

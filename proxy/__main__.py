@@ -102,7 +102,10 @@ async def drain(proxy, sock, public) -> dict:
     await asyncio.sleep(min(CLOSE_LINGER_S, bound))
     while proxy.requests and time.monotonic() - t0 < bound:
         await asyncio.sleep(0.05)
-    cut = [ex.describe() for ex in list(proxy.requests.values())]
+    cut = []
+    for ex in list(proxy.requests.values()):
+        ex.cut = True
+        cut.append(ex.describe())
     for c in cut:
         log.warning("drain: request %s (trace %s) on %s cut after %g s, still in flight at the bound",
                     c["request_id"], c["trace_id"], c["backend"], bound)

@@ -137,14 +137,18 @@ def make_admin_app(proxy: Proxy) -> web.Application:
     async def drain_and_exit(request):
         """Stop taking connections, wait for the requests in flight (up to timeout_s, default
         shutdown_timeout_s), cut what is left and exit; answers when the drain is over, with the pid,
-        how many requests finished and the ones cut."""
+        how many requests finished and the ones cut. With "pid", only that proxy obeys: the caller
+        names the one it means (after an admin_port change the port may be the new proxy's)."""
         try:
             body = await request.json() if request.can_read_body else {}
             timeout_s = float(body.get("timeout_s", proxy.config.shutdown_timeout_s))
-            if not 0 <= timeout_s < float("inf"):
+            if not 0 <= timeout_s < float("inf") or not isinstance(body.get("pid", PID), int):
                 raise ValueError
         except (ValueError, TypeError, AttributeError):
-            return json_error(400, 'the body is {"timeout_s": seconds}, a finite number >= 0.', "bad_request")
+            return json_error(400, 'the body is {"timeout_s": seconds, "pid": pid}, both optional; seconds '
+                              'a finite number >= 0.', "bad_request")
+        if body.get("pid", PID) != PID:
+            return json_error(409, f"this proxy is pid {PID}, not {body['pid']}; nothing done.", "conflict")
         if not proxy.stop.is_set():
             proxy.drain_s = timeout_s
             proxy.stop.set()

@@ -77,6 +77,7 @@ class Exchange:
     fixups: list = field(default_factory=list)
     attempts: int = 0
     backend: str = ""
+    cut: bool = False        # still in flight at the drain bound of a stopping proxy: cancelled
 
     def describe(self) -> dict:
         """What names this request in a drain report."""
@@ -137,7 +138,8 @@ async def proxy_handler(request: web.Request) -> web.StreamResponse:
 
 
 def _client_gone(ex: Exchange, proxy, backend: Backend) -> Outcome:
-    outcome = Outcome(status=CLIENT_CLOSED, error="the client went away")
+    outcome = Outcome(status=CLIENT_CLOSED, error="cut: still in flight when the stopping proxy's drain "
+                      "bound passed" if ex.cut else "the client went away")
     proxy.metrics.aborted.labels(backend.name).inc()
     _log_attempt(ex, proxy, backend, outcome, final=True)
     return outcome

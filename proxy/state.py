@@ -78,7 +78,7 @@ class Proxy:
         fixed = {k: getattr(old, k) for k in RESTART_ONLY if getattr(new, k) != getattr(old, k)}
         if fixed:
             log.warning("reload: %s stay as they are until the proxy restarts (`inv deploy` restarts it "
-                        "when its code changes; `inv stop` then `inv deploy` otherwise)", ", ".join(fixed))
+                        "beside this one, without a gap)", ", ".join(fixed))
             new = dataclasses.replace(new, **fixed)
         return new
 

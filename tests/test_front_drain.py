@@ -3,6 +3,7 @@ and fails no request; `inv stop` drains the front first, so no accepted request 
 and past the bound the cut requests are counted and named."""
 from __future__ import annotations
 
+import http.client
 import json
 import re
 import sys
@@ -11,7 +12,7 @@ from collections import Counter
 
 import pytest
 
-from conftest import ROOT, require_tool, wait_until
+from conftest import ROOT, http_status, require_tool, wait_until
 
 from fleet_helpers import deployment_id, inv, kill_tagged, status_json, write_inventory
 
@@ -145,6 +146,9 @@ def test_stop_past_the_drain_bound_names_the_cut_requests(cluster):
     assert re.search(r"^t: drain: the proxy finished its requests in flight \(4 when it stopped accepting\) in "
                      r"[\d.]+s, but 4, cut at the 2s bound \(named above\)$", r.stdout, re.M), r.stdout
     assert len(streams.records) == 4 and not any(o.startswith("ok") for _, o, _ in streams.records), streams.records
+    logged = results_log(deploy)
+    assert all(logged[t]["status"] == 499 and logged[t]["error"].startswith("cut: still in flight")
+               for t in traces), [logged.get(t) for t in traces]
 
     again = inv("deploy", "--host", "t", inventory=inventory)
     assert again.returncode == 0, again.stdout + again.stderr
@@ -178,3 +182,46 @@ def _running(port: int) -> int:
     import urllib.request
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/sim/stats", timeout=5) as r:
         return json.loads(r.read())["running"]
+
+
+def test_drain_and_exit_admin_call(tmp_path, procs):
+    """The proxy's drain call on its own: 1. a request with a known id is listed by GET /admin/requests;
+    2. drain-and-exit naming another pid is refused (409) and changes nothing; 3. with the proxy's own
+    pid and a bound of 0.5 s, the port refuses new connections at once, the call answers after the
+    bound naming the request it cut, and the proxy exits 0."""
+    from proxy_helpers import start_proxy, start_sims
+    ports = start_sims(procs, tmp_path, 1, token_ms=20)
+    port, admin = start_proxy(procs, tmp_path, ports)
+    proxy = procs.started[-1]
+
+    def call(method, path, body=None, timeout=10):
+        conn = http.client.HTTPConnection("127.0.0.1", admin, timeout=timeout)
+        conn.request(method, path, json.dumps(body) if body is not None else None,
+                     {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        return r.status, json.loads(r.read())
+
+    stream = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    stream.request("POST", "/v1/chat/completions", json.dumps({
+        "model": "m", "max_tokens": 150, "stream": True, "user": "job-17",
+        "messages": [{"role": "user", "content": "hi"}]}), {"Content-Type": "application/json",
+                                                            "X-Request-Id": "rid-17"})
+    stream.getresponse()
+    listed = wait_until(lambda: call("GET", "/admin/requests")[1], what="the stream listed")
+    assert [(r["request_id"], r["trace_id"], r["backend"]) for r in listed] == \
+        [("rid-17", "job-17", f"127.0.0.1:{ports[0]}")]
+    status, body = call("GET", "/admin/config")
+    pid = body["pid"]
+    assert pid == proxy.pid
+    status, body = call("POST", "/admin/drain-and-exit", {"timeout_s": 0.5, "pid": pid + 1})
+    assert status == 409 and f"this proxy is pid {pid}" in body["error"]["message"]
+    assert http_status(f"http://127.0.0.1:{port}/health") == 200
+    assert call("POST", "/admin/drain-and-exit", {"timeout_s": -1})[0] == 400
+
+    status, body = call("POST", "/admin/drain-and-exit", {"timeout_s": 0.5, "pid": pid})
+    assert status == 200 and body["pid"] == pid and body["in_flight_at_start"] == 1
+    assert [(c["request_id"], c["trace_id"]) for c in body["cut"]] == [("rid-17", "job-17")]
+    assert 0.5 <= body["waited_s"] < 3
+    assert http_status(f"http://127.0.0.1:{port}/health") is None
+    assert proxy.wait(timeout=10) == 0
+    stream.close()
