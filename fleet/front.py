@@ -25,7 +25,7 @@ class FrontError(FleetError):
     """The swap could not be done; the message says why and what to do."""
 
 
-def host_command(conn: Transport, hv: HostVars, command: str, emit: Emit) -> dict:
+def host_command(conn: Transport, hv: HostVars, command: str, emit: Emit, timeout: float = 300) -> dict:
     """Run `python -m hostagent COMMAND` in deploy_dir; its FLEET_RESULT line as a dict."""
     line = (f"cd {shlex.quote(hv['deploy_dir'])} && {shlex.quote(hv['python'])} -m hostagent {command} "
             "--config conf/nginx_front.json")
@@ -36,7 +36,7 @@ def host_command(conn: Transport, hv: HostVars, command: str, emit: Emit) -> dic
             results.append(text[len("FLEET_RESULT "):])
         else:
             emit(f"{hv.name}: {text}")
-    r = conn.run(line, on_line=on_line, timeout=300)
+    r = conn.run(line, on_line=on_line, timeout=timeout)
     try:
         result = json.loads(results[-1])
     except (IndexError, ValueError):

@@ -399,7 +399,8 @@ def _restart_proxy(conn, hv, state, report, emit) -> None:
     (hostagent restart-proxy): confirmed first, then the old one drains; the port never refuses."""
     from .front import host_command
     try:
-        r = host_command(conn, hv, "restart-proxy" + (" --healthy" if state == "healthy" else ""), emit)
+        r = host_command(conn, hv, "restart-proxy" + (" --healthy" if state == "healthy" else ""), emit,
+                         timeout=hv["proxy"]["shutdown_timeout_s"] + 120)
     except FleetError as e:
         report.add("proxy", "failed", str(e).removeprefix(f"{hv.name}: "))
         return
@@ -451,11 +452,11 @@ def _drain_front(conn, hv, facts, report, emit, check) -> None:
         return
     from .front import host_command
     try:
-        r = host_command(conn, hv, f"drain --timeout-s {bound:g}", emit)
+        r = host_command(conn, hv, f"drain --timeout-s {bound:g}", emit, timeout=bound + 60)
     except FleetError as e:
         emit(f"drain: {e}; stopping at once")
         report.add("drain", "skipped", f"the front could not be drained ({str(e).removeprefix(hv.name + ': ')}); "
-                   "stopped at once (`inv deploy` puts the host agent that drains)")
+                   "stopped at once")
         return
     drained = [r[what] for what in ("proxy", "nginx") if what in r]
     cut = sum(d["cut_count"] for d in drained)

@@ -225,3 +225,43 @@ def test_drain_and_exit_admin_call(tmp_path, procs):
     assert http_status(f"http://127.0.0.1:{port}/health") is None
     assert proxy.wait(timeout=10) == 0
     stream.close()
+
+
+def test_steering_sends_new_connections_to_the_listener_taking_over():
+    """proxy.listener on two sockets sharing a port: 1. the kernel spreads connections over both;
+    2. once the first (index 0) steers away, every new connection goes to the second, so the first can
+    close with an empty accept queue; 3. stop_steering puts the spreading back."""
+    import socket
+    from proxy.listener import listen_socket, steer_away, stop_steering
+
+    first = listen_socket("127.0.0.1", 0, reuse_port=True)
+    port = first.getsockname()[1]
+    second = listen_socket("127.0.0.1", port, reuse_port=True)
+
+    def spread(n=40) -> tuple[int, int]:
+        clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(n)]
+        counts = []
+        for s in (first, second):
+            got = 0
+            while True:
+                try:
+                    conn, _ = s.accept()
+                except BlockingIOError:
+                    break
+                conn.close()
+                got += 1
+            counts.append(got)
+        for c in clients:
+            c.close()
+        return tuple(counts)
+    try:
+        a, b = spread()
+        assert a + b == 40 and a > 0 and b > 0, (a, b)
+        assert steer_away(first)
+        assert spread() == (0, 40)
+        stop_steering(second)
+        a, b = spread()
+        assert a > 0 and b > 0, (a, b)
+    finally:
+        first.close()
+        second.close()
