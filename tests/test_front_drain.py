@@ -78,6 +78,9 @@ def test_proxy_restart_under_load_refuses_nothing(cluster):
     st = status_json(inventory)
     assert st["proxy"]["state"] == "healthy" and st["proxy"]["backends"] is not None
     assert not (deploy / "run" / "proxy.next.pid").exists()
+    logs = deploy / "logs"     # the old proxy's log, with its drain, is proxy.log.1; the running one's proxy.log
+    assert "stopping: no new connections" in (logs / "proxy.log.1").read_text()
+    assert "stopping" not in (logs / "proxy.log").read_text() and not (logs / "proxy.next.log").exists()
 
 
 def results_log(deploy) -> dict[str, dict]:
@@ -265,3 +268,21 @@ def test_steering_sends_new_connections_to_the_listener_taking_over():
     finally:
         first.close()
         second.close()
+
+
+def test_a_new_proxy_that_does_not_come_up_leaves_the_old_one_serving(cluster, tmp_path):
+    """1. A restart-only setting changes together with an API key file that does not exist: the running
+    proxy refuses the reload, so deploy restarts it; the new proxy exits at once. 2. The deploy fails
+    saying so and naming the running proxy, which was never signalled: same pid, still answering, still
+    on the admin port; no run/proxy.next.pid is left."""
+    inventory, deploy, st = cluster
+    port, pid = st["proxy"]["port"], st["proxy"]["pid"]
+    r = inv("deploy", "--host", "t", "--set", "proxy.max_body_mb=32", "--set",
+            f"proxy.api_keys_file={tmp_path / 'no-such-keys'}", inventory=inventory)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert re.search(rf"FAILED: proxy: the new proxy exited \(logs/proxy.next.log: .*no-such-keys.*\); the running "
+                     rf"proxy \(pid {pid}\) keeps the port\.", r.stderr), r.stdout + r.stderr
+    assert alive(pid) and http_status(f"http://127.0.0.1:{port}/health") == 200
+    after = status_json(inventory)
+    assert after["proxy"]["pid"] == pid and after["proxy"]["backends"] is not None
+    assert not (deploy / "run" / "proxy.next.pid").exists()
