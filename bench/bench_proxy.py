@@ -138,7 +138,7 @@ class Stack:
             if check.returncode != 0:
                 raise SystemExit(f"bench_proxy: nginx -t refused the rendered config: {check.stderr.strip()}")
             subprocess.run([nginx, "-p", str(self.deploy), "-c", str(conf)], check=True)
-            self.nginx_pid_file = self.deploy / "run" / "nginx.pid"
+            self.nginx_pid_file = self.deploy / "run" / "nginx.master.pid"   # nginx's own
             wait_http(f"http://127.0.0.1:{self.nginx_port}/v1/models")
 
     def stop(self) -> None:

@@ -73,7 +73,7 @@ def drain_proxy(cfg: dict, pid: int, pgid: int, timeout_s: float, say) -> dict:
         # drain for its shutdown_timeout_s. Its requests are counted, not named.
         say(f"drain: proxy pid {pid} has no drain call ({status}); SIGTERM: it stops listening and drains")
         try:
-            os.killpg(pgid, signal.SIGTERM)
+            host.signal_group(pgid, pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
         t1 = time.monotonic()
