@@ -12,14 +12,15 @@ import time
 from aiohttp import web
 
 from .app import make_admin_app, make_app
-from .listener import listen_socket, steer_away, stop_steering
+from .listener import listen_socket, queued, steer_away, stop_steering
 from .state import PROXY
 from .config import ConfigError, load_api_keys, load_config
 
 log = logging.getLogger("proxy")
 
 CLOSE_LINGER_S = 1.0  # at a stop, how long kept-alive connections are answered (and told to close)
-STEER_S = 0.2         # at a stop, how long the accept queue gets to empty once new connections go elsewhere
+HANDSHAKE_S = 0.01    # once new connections go elsewhere, handshakes already under way still end in our queue
+QUEUE_WAIT_S = 1.0    # at most this long for the accept queue to empty before the listener closes
 CUT_GRACE_S = 0.5     # past the drain bound, how long the requests still in flight get before they are cut
 ADMIN_RETRY_S = 0.05  # how often a new proxy tries the admin port its predecessor still holds
 
@@ -88,8 +89,8 @@ async def drain(proxy, sock, public) -> dict:
     """Stop taking connections and wait for the requests in flight, up to the drain bound.
 
     1. Every answer from now on closes its connection, so kept-alive clients reconnect. 2. New connections
-    go to the port's other listener when there is one (a restart, a swap; see proxy.listener), and the
-    accept queue empties. 3. Stop listening: without another listener, connections are now refused.
+    go to the port's other listener when there is one (a restart, a swap; see proxy.listener), and what
+    waits in the accept queue is accepted. 3. Stop listening: without another listener, connections are now refused.
     4. Wait until no request is in flight, or the bound has passed; name the ones cut."""
     bound = proxy.config.shutdown_timeout_s if proxy.drain_s is None else proxy.drain_s
     t0 = time.monotonic()
@@ -97,7 +98,12 @@ async def drain(proxy, sock, public) -> dict:
     log.info("stopping: no new connections; %d requests in flight get up to %g s", in_flight, bound)
     proxy.closing = True
     if steer_away(sock):
-        await asyncio.sleep(min(STEER_S, bound))
+        # Accept what is queued before closing (a close resets it). Alone on the port, the kernel still
+        # queues new connections here, but the loop accepts as they come: the queue is empty at once.
+        await asyncio.sleep(HANDSHAKE_S)
+        deadline = time.monotonic() + min(QUEUE_WAIT_S, bound)
+        while queued(sock) and time.monotonic() < deadline:
+            await asyncio.sleep(0.002)
     await public.stop()
     await asyncio.sleep(min(CLOSE_LINGER_S, bound))
     while proxy.requests and time.monotonic() - t0 < bound:

@@ -53,6 +53,16 @@ def steer_away(sock: socket.socket) -> bool:
         return False
 
 
+def queued(sock: socket.socket) -> int:
+    """How many connections wait in the listening socket's accept queue (Linux: TCP_INFO's tcpi_unacked
+    is the accept backlog of a listener); 0 when unknown."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 32)
+        return struct.unpack_from("=I", info, 24)[0]   # after 8 one-byte fields: rto, ato, snd_mss, rcv_mss
+    except (OSError, struct.error):
+        return 0
+
+
 def stop_steering(sock: socket.socket) -> None:
     """Remove a steering program left on the port's group by a listener that has gone, so the kernel
     spreads connections again (a later joiner must not get them all before it is confirmed)."""

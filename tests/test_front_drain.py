@@ -235,7 +235,7 @@ def test_steering_sends_new_connections_to_the_listener_taking_over():
     2. once the first (index 0) steers away, every new connection goes to the second, so the first can
     close with an empty accept queue; 3. stop_steering puts the spreading back."""
     import socket
-    from proxy.listener import listen_socket, steer_away, stop_steering
+    from proxy.listener import listen_socket, queued, steer_away, stop_steering
 
     first = listen_socket("127.0.0.1", 0, reuse_port=True)
     port = first.getsockname()[1]
@@ -261,6 +261,12 @@ def test_steering_sends_new_connections_to_the_listener_taking_over():
         a, b = spread()
         assert a + b == 40 and a > 0 and b > 0, (a, b)
         assert steer_away(first)
+        clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(5)]
+        assert queued(first) == 0 and queued(second) == 5
+        for c in clients:
+            c.close()
+        while queued(second):
+            second.accept()[0].close()
         assert spread() == (0, 40)
         stop_steering(second)
         a, b = spread()
