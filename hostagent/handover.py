@@ -303,7 +303,7 @@ def restart_proxy(cfg: dict, need_healthy: bool, say=print) -> dict:
             pass
         why = "exited" if verdict == "exited" else \
             "did not answer 200 on /health within 30 s" if need_healthy else "did not answer within 30 s"
-        raise FrontError(f"the new proxy {why} (logs/proxy.next.log: {host.log_tail(_proxy_log(cfg, 'next.'))}); "
+        raise FrontError(f"the new proxy {why} (logs/proxy.log: {host.log_tail(_proxy_log(cfg))}); "
                          f"the running proxy (pid {old_pid}) keeps the port.")
     say(f"proxy: new pid {new_pid} answers on :{cfg['port']} beside pid {old_pid} after "
         f"{time.monotonic() - t0:.1f}s; pid {old_pid} stops accepting and drains (up to {drain_s:g}s)")
@@ -321,11 +321,6 @@ def restart_proxy(cfg: dict, need_healthy: bool, say=print) -> dict:
     if not gone:
         host.stop_group(old_pgid, old_pid, 3)
     os.replace(next_file, host.run_path(cfg, "proxy.pid"))
-    # The logs follow: the old one's becomes proxy.log.1 (it wrote its drain there), the new one's
-    # proxy.log; each process keeps writing to its own file through its descriptor.
-    if os.path.exists(_proxy_log(cfg)):
-        os.replace(_proxy_log(cfg), _proxy_log(cfg) + ".1")
-    os.replace(_proxy_log(cfg, "next."), _proxy_log(cfg))
     for c in result.get("cut", []):
         say(f"proxy: request {c['request_id']} (trace {c['trace_id']}) on {c['backend']} was cut: still in "
             f"flight after {drain_s:g}s")
@@ -342,8 +337,8 @@ def restart_proxy(cfg: dict, need_healthy: bool, say=print) -> dict:
     return result
 
 
-def _proxy_log(cfg: dict, which: str = "") -> str:
-    return os.path.join(cfg["deploy_dir"], "logs", f"proxy.{which}log")
+def _proxy_log(cfg: dict) -> str:
+    return os.path.join(cfg["deploy_dir"], "logs", "proxy.log")
 
 
 def _restart_with_gap(cfg: dict, old_pid: int, old_pgid: int, say) -> dict:

@@ -11,6 +11,7 @@ import time
 
 from aiohttp import web
 
+from . import logfile
 from .app import make_admin_app, make_app
 from .listener import listen_socket, queued, steer_away, stop_steering
 from .state import PROXY
@@ -144,12 +145,17 @@ def main(argv=None) -> int:
     parser.add_argument("--admin-wait-s", type=float, default=0.0,
                         help="a zero-gap restart: the admin port is taken once the proxy replaced leaves it")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format=logfile.FORMAT)
     try:
         config = load_config(args.config)
         load_api_keys(config.api_keys_file)
     except ConfigError as e:
         print(f"proxy: {e}", file=sys.stderr)
+        return 2
+    try:
+        logfile.setup(config.log)
+    except OSError as e:
+        print(f"proxy: cannot write its log {config.log.path} ({e.strerror or e}).", file=sys.stderr)
         return 2
     try:
         asyncio.run(serve(config, args.config, args.admin_wait_s))

@@ -124,7 +124,8 @@ def make_admin_app(proxy: Proxy) -> web.Application:
                                   "retries": c.retries, "max_fails": c.max_fails,
                                   "shutdown_timeout_s": c.shutdown_timeout_s,
                                   "fix_numeric_user": c.fix_numeric_user, "api_keys": c.api_keys_file is not None,
-                                  "health_interval_s": c.health.interval_s})
+                                  "health_interval_s": c.health.interval_s,
+                                  "log": [c.log.max_mb, c.log.backups]})
 
     async def reload(request):
         ok = proxy.reload()
