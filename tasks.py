@@ -114,14 +114,17 @@ def status(c, host="", json_=False, set_=None, inventory_="", forks="5"):
 @task(help=_help("host", "inventory", "set", "forks", "wait",
                  instance="stop only this instance (its process group and its tag)",
                  check="list what would be stopped, stop nothing",
-                 force="also kill your processes still holding the accelerator's device files"),
+                 force="also kill your processes still holding the accelerator's device files",
+                 now="skip the drain: stop the front and the instances at once, cutting requests in flight"),
       iterable=["set_"], auto_shortflags=False)   # -i would be ambiguous: --instance and --inventory
-def stop(c, host="", instance=None, check=False, force=False, set_=None, inventory_="", forks="5", wait=False):
-    """Stop the proxy and every instance: each process proven the deployment's (pid file record, tag, session)."""
+def stop(c, host="", instance=None, check=False, force=False, now=False, set_=None, inventory_="", forks="5",
+         wait=False):
+    """Drain the front (up to drain_timeout_s), then stop the proxy and every instance: each process proven
+    the deployment's (pid file record, tag, session)."""
     index = _instance_number(instance)
 
     def action(conn, hv, emit):
-        return lifecycle.stop(conn, hv, emit, instance=index, check=check, force=force, wait=wait)
+        return lifecycle.stop(conn, hv, emit, instance=index, check=check, force=force, wait=wait, now=now)
     _finish(_run(host, inventory_, set_, action, forks, order="entry-first")[1])
 
 

@@ -418,8 +418,11 @@ def _deploy_front(conn, hv, facts, changed_files, report, emit, check):
     if check:
         report.add("proxy", "changed", f"would {verb} on :{hv['proxy']['port']}")
         return
+    if verb == "restart":
+        _restart_proxy(conn, hv, state, report, emit)
+        return
     bin_dir = shlex.quote(f"{hv['deploy_dir']}/bin")
-    if verb == "restart" or p["alive"]:
+    if p["alive"]:     # alive but not answering: nothing to hand the port over from
         stop_processes(conn, hv, ["--proxy"], emit)
     r = conn.run(f"{bin_dir}/start_proxy.sh", on_line=emit)
     if not r.ok:
@@ -437,6 +440,26 @@ def _deploy_front(conn, hv, facts, changed_files, report, emit, check):
             report.add("proxy", "failed", f"{why}; last lines of logs/proxy.log:\n{tail}")
             return
         time.sleep(0.2)
+
+
+def _restart_proxy(conn, hv, state, report, emit) -> None:
+    """Replace the running proxy with one running the new code or settings, beside it on the same port
+    (hostagent restart-proxy): confirmed first, then the old one drains; the port never refuses."""
+    from .front import host_command
+    try:
+        r = host_command(conn, hv, "restart-proxy" + (" --healthy" if state == "healthy" else ""), emit,
+                         timeout=hv["proxy"]["shutdown_timeout_s"] + 120)
+    except FleetError as e:
+        report.add("proxy", "failed", str(e).removeprefix(f"{hv.name}: "))
+        return
+    if r["overlap"]:
+        cut = r.get("cut") or []
+        report.add("proxy", "changed", f"restarted beside the old one on :{hv['proxy']['port']}, pid {r['old_pid']} "
+                   f"-> {r['pid']}: the port refused no connection; the old one finished its requests"
+                   + (f", but {len(cut)} cut after proxy.shutdown_timeout_s" if cut else ""))
+    else:
+        report.add("proxy", "changed", f"restarted, pid {r['old_pid']} -> {r['pid']}: the old one did not share "
+                   f"its port, which refused connections for about {r['gap_ms']} ms")
 
 
 def _reload_proxy(conn, hv, p, report) -> bool:
@@ -463,10 +486,41 @@ def _reload_proxy(conn, hv, p, report) -> bool:
 
 # --- stop ---------------------------------------------------------------------------------------
 
+def _drain_front(conn, hv, facts, report, emit, check) -> None:
+    """Stop's first step: the front stops taking requests and finishes those in flight, up to
+    drain_timeout_s (hostagent drain); the instances are stopped only after."""
+    fronts = [what for what, f in (("proxy", facts["proxy"]), ("nginx", facts.get("nginx") or {}))
+              if f.get("alive")]
+    bound = hv["drain_timeout_s"]
+    if not fronts:
+        report.add("drain", "ok", "no front runs: nothing to drain")
+        return
+    if check:
+        step = report.add("drain", "changed", f"would stop the {' and '.join(fronts)} taking requests and wait "
+                          f"up to {bound:g}s (drain_timeout_s) for those in flight")
+        emit(f"drain: {step.message}")
+        return
+    from .front import host_command
+    try:
+        r = host_command(conn, hv, f"drain --timeout-s {bound:g}", emit, timeout=bound + 60)
+    except FleetError as e:
+        emit(f"drain: {e}; stopping at once")
+        report.add("drain", "skipped", f"the front could not be drained ({str(e).removeprefix(hv.name + ': ')}); "
+                   "stopped at once")
+        return
+    drained = [r[what] for what in ("proxy", "nginx") if what in r]
+    cut = sum(d["cut_count"] for d in drained)
+    waited = max([d["waited_s"] for d in drained] or [0])
+    report.add("drain", "changed", f"the {' and '.join(fronts)} stopped taking requests; those in flight "
+               + (f"finished in {waited:g}s" if not cut else
+                  f"had {bound:g}s (drain_timeout_s): {cut} cut, named above"))
+
+
 def stop(conn: Transport, hv: HostVars, emit: Emit = lambda line: None, instance: int | None = None,
-         check: bool = False, force: bool = False, wait: bool = False) -> Report:
-    """Stop the proxy and the instances by process group, sweep what carries the tag, then wait until
-    the cards are released (fleet.release: --force kills your processes still holding the devices)."""
+         check: bool = False, force: bool = False, wait: bool = False, now: bool = False) -> Report:
+    """Drain the front (unless now), stop the proxy and the instances by process group, sweep what
+    carries the tag, then wait until the cards are released (fleet.release: --force kills your
+    processes still holding the devices)."""
     hv = prepare(conn, hv)
     if instance is not None and not 0 <= instance < hv["instances"]:
         raise FleetError(f"{hv.name}: there is no instance {instance}; instances are 0-{hv['instances'] - 1}.")
@@ -476,16 +530,19 @@ def stop(conn: Transport, hv: HostVars, emit: Emit = lambda line: None, instance
         # stop cancels (and its exit frees the lock); once it is gone nothing restarts what stop takes down.
         stop_processes(conn, hv, ["--keeper"], lambda line: (emit(line), keeper.append(line)))
     with runlock.held_unless(check, conn, hv, "stop", emit, wait):
-        report = _stop(conn, hv, emit, instance, check, force)
+        report = _stop(conn, hv, emit, instance, check, force, now)
     if any(line.startswith("keeper: stopped") for line in keeper):
         report.steps.insert(0, Step("keeper", "changed", "stopped first: " + "; ".join(
             line for line in keeper if line.startswith("keeper: stopping"))[:200]))
     return report
 
 
-def _stop(conn: Transport, hv: HostVars, emit: Emit, instance: int | None, check: bool, force: bool) -> Report:
+def _stop(conn: Transport, hv: HostVars, emit: Emit, instance: int | None, check: bool, force: bool,
+          now: bool) -> Report:
     report = Report(hv.name)
     before = probe(conn, hv, readonly=True)
+    if instance is None and not now:
+        _drain_front(conn, hv, before, report, emit, check)
     cards_before, cards_why = release.read_cards(conn, hv)
     args = (["--instance", str(instance)] if instance is not None else []) + (["--check"] if check else [])
     r = stop_processes(conn, hv, args, emit)

@@ -3,6 +3,8 @@
 nginx front (--config conf/nginx_front.json): check (preflight), to-nginx, to-proxy, reload, watch.
 Instances (--config conf/hostagent.json): restart --instance I | --rolling; keeper (runs it here),
 keeper-start (in its own session, a running one stopped first), keeper-stop.
+Proxy front (--config conf/nginx_front.json): restart-proxy [--healthy] (a zero-gap restart of the
+proxy), drain --timeout-s T (stop's first step: the front stops taking requests, finishes those in flight).
 Each command but watch and keeper prints progress lines, then one line `FLEET_RESULT {json}`; the exit
 status is 0 on success, 1 on a failure said in that line.
 """
@@ -13,19 +15,22 @@ import json
 import logging
 import sys
 
-from . import handover, host, keeper, lock, restart, watch
+from . import drain, handover, host, keeper, lock, restart, watch
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hostagent", description=__doc__)
     parser.add_argument("command", choices=["check", "to-nginx", "to-proxy", "reload", "watch", "restart",
-                                            "keeper", "keeper-start", "keeper-stop"])
+                                            "keeper", "keeper-start", "keeper-stop", "restart-proxy", "drain"])
     parser.add_argument("--config", required=True)
     parser.add_argument("--nginx", default=None, help="the nginx binary (default: found as check does)")
     parser.add_argument("--instance", type=int, default=None, help="restart: the instance")
     parser.add_argument("--rolling", action="store_true", help="restart: every instance in turn")
     parser.add_argument("--locked", action="store_true",
                         help="restart: the caller holds the run lock (inv restart); else it is taken here")
+    parser.add_argument("--healthy", action="store_true",
+                        help="restart-proxy: the new proxy must answer 200 on /health before the old one leaves")
+    parser.add_argument("--timeout-s", type=float, default=60.0, help="drain: how long requests in flight get")
     args = parser.parse_args(argv)
 
     def say(line: str) -> None:
@@ -53,6 +58,10 @@ def main(argv=None) -> int:
             result = handover.to_nginx(cfg, args.config, args.nginx, say)
         elif args.command == "to-proxy":
             result = handover.to_proxy(cfg, args.config, args.nginx, say)
+        elif args.command == "restart-proxy":
+            result = handover.restart_proxy(cfg, args.healthy, say)
+        elif args.command == "drain":
+            result = drain.drain(cfg, args.timeout_s, say)
         else:
             result = handover.reload(cfg, args.config, args.nginx, say)
         print("FLEET_RESULT " + json.dumps({"ok": True, **result}), flush=True)

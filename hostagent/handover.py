@@ -83,8 +83,12 @@ def _spawn_nginx(cfg: dict, nginx: str, sock) -> int:
     return p.pid
 
 
-def _start_proxy(cfg: dict, wait_free: str | None = None) -> None:
-    env = {**os.environ, "WAIT_FREE": wait_free} if wait_free else None
+def _start_proxy(cfg: dict, wait_free: str | None = None, beside_s: float | None = None) -> None:
+    env = None
+    if wait_free:
+        env = {**os.environ, "WAIT_FREE": wait_free}
+    elif beside_s is not None:
+        env = {**os.environ, "BESIDE_S": f"{beside_s:g}"}
     r = subprocess.run([os.path.join(cfg["deploy_dir"], "bin", "start_proxy.sh")], capture_output=True,
                        text=True, timeout=60, env=env)
     if r.returncode != 0:
@@ -279,3 +283,97 @@ def reload(cfg: dict, config_path: str, nginx: str | None = None, say=print) -> 
     else:
         result["watcher_pid"] = host.start_watcher(cfg, config_path, pre["nginx"])
     return result
+
+
+def restart_proxy(cfg: dict, need_healthy: bool, say=print) -> dict:
+    """Replace the running proxy (new code, a restart-only setting) without a moment the port refuses.
+
+    1. The new proxy starts beside the old on the same port (SO_REUSEPORT), its pid in
+       run/proxy.next.pid; it waits for the admin port, which the old one keeps while it drains.
+    2. It is confirmed: it answers GET /health on the entry port itself (its pid in the answer), with
+       200 when need_healthy (the old one had a healthy backend). If not, it is stopped and the old one
+       serves on, untouched.
+    3. The old one gets POST /admin/drain-and-exit: it steers new connections to the new one, lets its
+       accept queue empty, stops listening and finishes its requests within shutdown_timeout_s.
+       (An old proxy without that call gets SIGTERM, to the group recorded in run/proxy.pid.)
+    4. run/proxy.next.pid becomes run/proxy.pid, and the new one answers on the admin port.
+    """
+    old_pid, old_pgid = host.proxy_pid(cfg)
+    if not old_pid:
+        raise FrontError("no proxy runs; `inv deploy` starts one.")
+    if not host.can_share_port(cfg):
+        return _restart_with_gap(cfg, old_pid, old_pgid, say)
+    next_file = host.run_path(cfg, "proxy.next.pid")
+    drain_s = float(cfg["proxy_shutdown_s"])
+    _start_proxy(cfg, beside_s=drain_s + 30)
+    new = host.ours(cfg, "proxy.next.pid", "proxy")
+    new_pid, new_pgid = (new.pid, new.pgid) if new else (None, None)
+    t0 = time.monotonic()
+
+    def confirmed():
+        if not host.alive(new_pid):
+            return "exited"
+        status, pid = host.proxy_answer(cfg)
+        return pid == new_pid and (status == 200 or not need_healthy)
+    verdict = _wait(confirmed, 30, 0.02)
+    if verdict is not True:
+        if host.alive(new_pid):
+            host.stop_group(new_pgid, new_pid, 3)
+        try:
+            os.remove(next_file)
+        except OSError:
+            pass
+        why = "exited" if verdict == "exited" else \
+            "did not answer 200 on /health within 30 s" if need_healthy else "did not answer within 30 s"
+        raise FrontError(f"the new proxy {why} (logs/proxy.log: {host.log_tail(_proxy_log(cfg))}); "
+                         f"the running proxy (pid {old_pid}) keeps the port.")
+    say(f"proxy: new pid {new_pid} answers on :{cfg['port']} beside pid {old_pid} after "
+        f"{time.monotonic() - t0:.1f}s; pid {old_pid} stops accepting and drains (up to {drain_s:g}s)")
+    status, answer = host.admin_call(cfg, "POST", "/admin/drain-and-exit", {"timeout_s": drain_s, "pid": old_pid},
+                                     timeout=drain_s + 15)
+    result = {"changed": True, "pid": new_pid, "old_pid": old_pid, "overlap": True}
+    if status == 200 and isinstance(answer, dict) and answer.get("pid") == old_pid:
+        result.update(drained=answer["in_flight_at_start"], waited_s=answer["waited_s"], cut=answer["cut"])
+        gone = _wait(lambda: not host.alive(old_pid), 10, 0.02)
+    else:
+        say(f"proxy: pid {old_pid} does not take the drain call on admin port {cfg['admin_port']} ({status}); "
+            "SIGTERM: it stops listening and drains")
+        host.signal_group(old_pgid, old_pid, signal.SIGTERM)
+        gone = _wait(lambda: not host.alive(old_pid), drain_s + 10, 0.05)
+    if not gone:
+        host.stop_group(old_pgid, old_pid, 3)
+    os.replace(next_file, host.run_path(cfg, "proxy.pid"))
+    for c in result.get("cut", []):
+        say(f"proxy: request {c['request_id']} (trace {c['trace_id']}) on {c['backend']} was cut: still in "
+            f"flight after {drain_s:g}s")
+    say(f"proxy: pid {old_pid} " + (f"finished {result['drained']} request(s) in flight in {result['waited_s']}s "
+                                    "and exited" if "drained" in result else "exited"))
+
+    def on_admin():
+        answer = host.admin_call(cfg, "GET", "/admin/config", timeout=1)[1]
+        return isinstance(answer, dict) and answer.get("pid") == new_pid
+    result["admin"] = bool(_wait(on_admin, 10, 0.05))
+    if not result["admin"]:
+        say(f"proxy: pid {new_pid} serves, but does not answer on admin port {cfg['admin_port']}; "
+            "see logs/proxy.log")
+    return result
+
+
+def _proxy_log(cfg: dict) -> str:
+    return os.path.join(cfg["deploy_dir"], "logs", "proxy.log")
+
+
+def _restart_with_gap(cfg: dict, old_pid: int, old_pgid: int, say) -> dict:
+    """The running proxy's listener does not share its port (listen.reuse_port off): stop it, then start
+    the new one the moment the port is free; the port refuses connections in between."""
+    say(f"proxy: pid {old_pid} does not share its port (SO_REUSEPORT off); stopping it first")
+    host.stop_group(old_pgid, old_pid, float(cfg["proxy_shutdown_s"]) + 5)
+    t_gone = time.monotonic()
+    _start_proxy(cfg)
+    new_pid = host.proxy_pid(cfg)[0]
+    if not _wait(lambda: host.proxy_answer(cfg)[1] == new_pid or not host.alive(new_pid), 30, 0.01) \
+            or not host.alive(new_pid):
+        raise FrontError(f"the new proxy did not start: {host.log_tail(_proxy_log(cfg))}")
+    gap = ms(time.monotonic() - t_gone)
+    say(f"proxy: pid {new_pid} answers; the port refused connections for about {gap} ms")
+    return {"changed": True, "pid": new_pid, "old_pid": old_pid, "overlap": False, "gap_ms": gap}

@@ -147,6 +147,42 @@ def front_answer(cfg: dict, timeout: float = 1.0) -> str | None:
     return "nginx" if headers.get("X-Front") == "nginx" else "proxy"
 
 
+def proxy_answer(cfg: dict, timeout: float = 1.0) -> tuple[int | None, int | None]:
+    """(status, pid) of the proxy answering GET /health on the entry port, on a new connection (with
+    two proxies on the port, the kernel picks one per connection); (None, None) when none answers."""
+    try:
+        with urllib.request.urlopen(f"http://{local_addr(cfg)}:{cfg['port']}/health", timeout=timeout) as r:
+            status, body = r.status, r.read(4096)
+    except urllib.error.HTTPError as e:
+        status, body = e.code, e.read(4096)
+    except (OSError, ValueError):
+        return None, None
+    try:
+        return status, int(json.loads(body)["pid"])
+    except (ValueError, KeyError, TypeError):
+        return status, None
+
+
+def admin_call(cfg: dict, method: str, path: str, body: dict | None = None,
+               timeout: float = 5.0) -> tuple[int | None, object]:
+    """Call the proxy's loopback admin API: (status, decoded JSON or text); (None, reason) when nothing
+    answers."""
+    data = json.dumps(body).encode() if body is not None else (b"" if method == "POST" else None)
+    req = urllib.request.Request(f"http://127.0.0.1:{cfg['admin_port']}{path}", data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, raw = r.status, r.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    except (OSError, ValueError) as e:
+        return None, str(e)
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode("utf-8", "replace")
+
+
 def can_share_port(cfg: dict) -> bool:
     """Whether a listener with SO_REUSEPORT could join the entry port now (bind only, never listen: a
     probe that listened would be handed some of the clients' connections and reset them)."""

@@ -4,70 +4,146 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
+import time
 
 from aiohttp import web
 
 from . import logfile
 from .app import make_admin_app, make_app
+from .listener import listen_socket, queued, steer_away, stop_steering
 from .state import PROXY
 from .config import ConfigError, load_api_keys, load_config
 
 log = logging.getLogger("proxy")
 
-CLOSE_LINGER_S = 1.0  # after SIGTERM, how long kept-alive connections are answered (and told to close)
+CLOSE_LINGER_S = 1.0  # at a stop, how long kept-alive connections are answered (and told to close)
+HANDSHAKE_S = 0.01    # once new connections go elsewhere, handshakes already under way still end in our queue
+QUEUE_WAIT_S = 1.0    # at most this long for the accept queue to empty before the listener closes
+CUT_GRACE_S = 0.5     # past the drain bound, how long the requests still in flight get before they are cut
+ADMIN_RETRY_S = 0.05  # how often a new proxy tries the admin port its predecessor still holds
 
 
-async def serve(config, config_path: str) -> None:
+async def serve(config, config_path: str, admin_wait_s: float = 0.0) -> None:
+    """Serve until SIGTERM or POST /admin/drain-and-exit, then drain and return.
+
+    admin_wait_s: the admin port may be held by the proxy this one replaces (a zero-gap restart, which
+    confirms this one on the public port first): bind it as soon as that one has gone, up to this long.
+    """
     app = make_app(config, config_path)
     proxy = app[PROXY]
     admin = make_admin_app(proxy)
     # handler_cancellation: a client that goes away cancels its handler, which aborts the upstream request.
-    # shutdown_timeout: how long requests in flight may run on after SIGTERM.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=config.shutdown_timeout_s)
+    # shutdown_timeout: what the requests still in flight get once the drain below has run its course.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=CUT_GRACE_S)
     admin_runner = web.AppRunner(admin, access_log=None)
     await runner.setup()
     await admin_runner.setup()
-    public = web.TCPSite(runner, config.listen.host, config.listen.port, reuse_port=config.listen.reuse_port or None)
+    # One round of health checks before listening: a proxy joining a port another one serves (a restart,
+    # a swap) takes its first connection knowing which backends are up, instead of answering 503.
+    try:
+        await asyncio.wait_for(proxy.checked.wait(), config.health.timeout_s + 2)
+    except asyncio.TimeoutError:
+        pass
+    sock = listen_socket(config.listen.host, config.listen.port, config.listen.reuse_port)
+    stop_steering(sock)   # a program left by a proxy that handed the port over must not favour us
+    public = web.SockSite(runner, sock)
     await public.start()
-    await web.TCPSite(admin_runner, config.admin.host, config.admin.port).start()
+    admin_task = None
+    try:
+        await web.TCPSite(admin_runner, config.admin.host, config.admin.port).start()
+    except OSError:
+        if admin_wait_s <= 0:
+            raise
+        log.info("admin port %d held by the proxy this one replaces; taken when it leaves", config.admin.port)
+        admin_task = asyncio.create_task(_take_admin(admin_runner, config, sock, admin_wait_s))
     log.info("listening on %s:%d, admin on %s:%d, backends %s", config.listen.host, config.listen.port,
              config.admin.host, config.admin.port, ", ".join(config.backends))
 
     # Signal handlers only set a flag; the work happens here, in order.
-    stop, reload = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)   # deploy, stop, swap-to-nginx: drain then exit 0
-    loop.add_signal_handler(signal.SIGINT, stop.set)    # Ctrl-C by hand: the same
-    loop.add_signal_handler(signal.SIGHUP, reload.set)  # deploy after a config change: re-read it
-    while not stop.is_set():
-        waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(reload.wait())]
+    reload = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, proxy.stop.set)   # stop, swap-to-nginx: drain then exit 0
+    loop.add_signal_handler(signal.SIGINT, proxy.stop.set)    # Ctrl-C by hand: the same
+    loop.add_signal_handler(signal.SIGHUP, reload.set)        # deploy after a config change: re-read it
+    while not proxy.stop.is_set():
+        waiters = [asyncio.ensure_future(proxy.stop.wait()), asyncio.ensure_future(reload.wait())]
         await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         for w in waiters:
             w.cancel()
-        if reload.is_set() and not stop.is_set():
+        if reload.is_set() and not proxy.stop.is_set():
             reload.clear()
             proxy.reload()
-    in_flight = sum(b.in_flight for b in proxy.balancer.backends.values())
-    log.info("stopping: no new connections; %d requests in flight get up to %g s",
-             in_flight, proxy.config.shutdown_timeout_s)
-    # 1. Stop listening: new connections go to the port's other listener (nginx during a swap) or are
-    #    refused. 2. For a moment, answer what kept-alive connections still send, with Connection: close,
-    #    so a busy client reconnects instead of racing its next request against our closing the
-    #    connection. 3. Then aiohttp closes the idle connections and waits for the requests in flight.
-    await public.stop()
-    proxy.closing = True
-    await asyncio.sleep(min(CLOSE_LINGER_S, proxy.config.shutdown_timeout_s))
-    await runner.cleanup()
-    await admin_runner.cleanup()
+    proxy.drained = loop.create_future()
+    if admin_task is not None:
+        admin_task.cancel()
+    result = await drain(proxy, sock, public)
+    proxy.drained.set_result(result)
+    await runner.cleanup()        # closes idle connections; what is still in flight is cut after CUT_GRACE_S
+    await admin_runner.cleanup()  # after the answer to /admin/drain-and-exit went out
     log.info("stopped")
+
+
+async def drain(proxy, sock, public) -> dict:
+    """Stop taking connections and wait for the requests in flight, up to the drain bound.
+
+    1. Every answer from now on closes its connection, so kept-alive clients reconnect. 2. New connections
+    go to the port's other listener when there is one (a restart, a swap; see proxy.listener), and what
+    waits in the accept queue is accepted. 3. Stop listening: without another listener, connections are now refused.
+    4. Wait until no request is in flight, or the bound has passed; name the ones cut."""
+    bound = proxy.config.shutdown_timeout_s if proxy.drain_s is None else proxy.drain_s
+    t0 = time.monotonic()
+    in_flight = len(proxy.requests)
+    log.info("stopping: no new connections; %d requests in flight get up to %g s", in_flight, bound)
+    proxy.closing = True
+    if steer_away(sock):
+        # Accept what is queued before closing (a close resets it). Alone on the port, the kernel still
+        # queues new connections here, but the loop accepts as they come: the queue is empty at once.
+        await asyncio.sleep(HANDSHAKE_S)
+        deadline = time.monotonic() + min(QUEUE_WAIT_S, bound)
+        while queued(sock) and time.monotonic() < deadline:
+            await asyncio.sleep(0.002)
+    await public.stop()
+    await asyncio.sleep(min(CLOSE_LINGER_S, bound))
+    while proxy.requests and time.monotonic() - t0 < bound:
+        await asyncio.sleep(0.05)
+    cut = []
+    for ex in list(proxy.requests.values()):
+        ex.cut = True
+        cut.append(ex.describe())
+    for c in cut:
+        log.warning("drain: request %s (trace %s) on %s cut after %g s, still in flight at the bound",
+                    c["request_id"], c["trace_id"], c["backend"], bound)
+    waited = round(time.monotonic() - t0, 2)
+    log.info("drained in %.2f s: %d cut", waited, len(cut))
+    return {"pid": os.getpid(), "in_flight_at_start": in_flight, "waited_s": waited, "bound_s": bound,
+            "cut": cut}
+
+
+async def _take_admin(admin_runner, config, sock, wait_s: float) -> None:
+    """Bind the admin port once the proxy this one replaces has released it."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            await web.TCPSite(admin_runner, config.admin.host, config.admin.port).start()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                log.error("admin port %d still taken after %g s; serving without the admin API",
+                          config.admin.port, wait_s)
+                return
+            await asyncio.sleep(ADMIN_RETRY_S)
+    stop_steering(sock)   # the one before has gone: the program it left is of no use now
+    log.info("admin on %s:%d", config.admin.host, config.admin.port)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m proxy", description=__doc__)
     parser.add_argument("--config", required=True, help="the proxy's YAML config (conf/proxy.yaml)")
+    parser.add_argument("--admin-wait-s", type=float, default=0.0,
+                        help="a zero-gap restart: the admin port is taken once the proxy replaced leaves it")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=logfile.FORMAT)
     try:
@@ -82,7 +158,7 @@ def main(argv=None) -> int:
         print(f"proxy: cannot write its log {config.log.path} ({e.strerror or e}).", file=sys.stderr)
         return 2
     try:
-        asyncio.run(serve(config, args.config))
+        asyncio.run(serve(config, args.config, args.admin_wait_s))
     except OSError as e:
         print(f"proxy: cannot listen ({e.strerror or e}); is the port taken?", file=sys.stderr)
         return 1

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 
 import aiohttp
 from aiohttp import web
@@ -18,6 +19,9 @@ log = logging.getLogger("proxy")
 # vLLM's API server (uvicorn) closes idle kept-alive connections after 5 s; reusing one it is about
 # to close fails the request, so the proxy lets its own idle connections go a little earlier.
 UPSTREAM_KEEPALIVE_S = 4.0
+# In /health and /admin/config: during a zero-gap restart two proxies share the port, and the host
+# agent tells the new one from the old by this.
+PID = os.getpid()
 
 
 async def health(request: web.Request) -> web.Response:
@@ -25,7 +29,7 @@ async def health(request: web.Request) -> web.Response:
     balancer = request.app[PROXY].balancer
     ok = balancer.available_count()
     return web.json_response({"status": "ok" if ok else "no healthy backend", "healthy": ok,
-                              "total": len(balancer.backends)}, status=200 if ok else 503)
+                              "total": len(balancer.backends), "pid": PID}, status=200 if ok else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -52,6 +56,7 @@ async def health_loop(proxy: Proxy) -> None:
     while True:
         proxy.check_now.clear()   # before the round: a reload during it asks for another at once
         await asyncio.gather(*(_check(proxy, b) for b in list(proxy.balancer.backends.values())))
+        proxy.checked.set()
         try:
             await asyncio.wait_for(proxy.check_now.wait(), proxy.config.health.interval_s)
         except asyncio.TimeoutError:
@@ -113,7 +118,7 @@ def make_admin_app(proxy: Proxy) -> web.Application:
 
     async def running_config(request):
         c = proxy.config
-        return web.json_response({"backends": list(c.backends), "listen": [c.listen.host, c.listen.port],
+        return web.json_response({"pid": PID, "backends": list(c.backends), "listen": [c.listen.host, c.listen.port],
                                   "admin": [c.admin.host, c.admin.port], "timeout_s": c.timeout_s,
                                   "connect_timeout_s": c.connect_timeout_s, "max_body_mb": c.max_body_mb,
                                   "retries": c.retries, "max_fails": c.max_fails,
@@ -127,7 +132,34 @@ def make_admin_app(proxy: Proxy) -> web.Application:
         return web.json_response({"reloaded": ok, "backends": list(proxy.balancer.backends)},
                                  status=200 if ok else 422)
 
+    async def list_requests(request):
+        return web.json_response([ex.describe() for ex in list(proxy.requests.values())])
+
+    async def drain_and_exit(request):
+        """Stop taking connections, wait for the requests in flight (up to timeout_s, default
+        shutdown_timeout_s), cut what is left and exit; answers when the drain is over, with the pid,
+        how many requests finished and the ones cut. With "pid", only that proxy obeys: the caller
+        names the one it means (after an admin_port change the port may be the new proxy's)."""
+        try:
+            body = await request.json() if request.can_read_body else {}
+            timeout_s = float(body.get("timeout_s", proxy.config.shutdown_timeout_s))
+            if not 0 <= timeout_s < float("inf") or not isinstance(body.get("pid", PID), int):
+                raise ValueError
+        except (ValueError, TypeError, AttributeError):
+            return json_error(400, 'the body is {"timeout_s": seconds, "pid": pid}, both optional; seconds '
+                              'a finite number >= 0.', "bad_request")
+        if body.get("pid", PID) != PID:
+            return json_error(409, f"this proxy is pid {PID}, not {body['pid']}; nothing done.", "conflict")
+        if not proxy.stop.is_set():
+            proxy.drain_s = timeout_s
+            proxy.stop.set()
+        while proxy.drained is None:    # serve() creates it as it wakes up
+            await asyncio.sleep(0.01)
+        return web.json_response(await asyncio.shield(proxy.drained))
+
     admin.router.add_get("/admin/backends", list_backends)
+    admin.router.add_get("/admin/requests", list_requests)
+    admin.router.add_post("/admin/drain-and-exit", drain_and_exit)
     admin.router.add_post("/admin/backends/{name}/{action:drain|enable}", set_drain)
     admin.router.add_post("/admin/reload", reload)
     admin.router.add_get("/admin/config", running_config)

@@ -76,6 +76,13 @@ class Exchange:
     trace_id: str | None = None
     fixups: list = field(default_factory=list)
     attempts: int = 0
+    backend: str = ""
+    cut: bool = False        # still in flight at the drain bound of a stopping proxy: cancelled
+
+    def describe(self) -> dict:
+        """What names this request in a drain report."""
+        return {"request_id": self.request_id, "trace_id": self.trace_id, "backend": self.backend,
+                "path": self.request.path, "age_s": round(time.monotonic() - self.t0, 1)}
 
 
 async def proxy_handler(request: web.Request) -> web.StreamResponse:
@@ -92,7 +99,8 @@ async def proxy_handler(request: web.Request) -> web.StreamResponse:
         proxy.metrics.requests.labels(NO_BACKEND, "503").inc()
         return json_error(503, "no healthy backend is available; check `inv status`.", "no_backend",
                           {"X-Request-Id": request_id})
-    ex = Exchange(request, request_id)
+    ex = Exchange(request, request_id, backend=backend.name)
+    proxy.requests[id(ex)] = ex        # what a drain waits for, and names when it has to cut it
     outcome = Outcome()
     try:
         response = await _read_body(ex, proxy, backend)
@@ -109,6 +117,7 @@ async def proxy_handler(request: web.Request) -> web.StreamResponse:
             if other is None:
                 break
             failed, backend = backend, other   # swap first: `backend` is what `finally` releases
+            ex.backend = backend.name
             balancer.release(failed)
             proxy.metrics.requests.labels(failed.name, str(outcome.status)).inc()
             proxy.metrics.retries.labels(failed.name).inc()
@@ -121,6 +130,7 @@ async def proxy_handler(request: web.Request) -> web.StreamResponse:
         outcome = _client_gone(ex, proxy, backend)
         raise
     finally:
+        proxy.requests.pop(id(ex), None)
         balancer.release(backend)
         label = backend.name if ex.attempts else NO_BACKEND   # a 413 never reached a backend
         proxy.metrics.requests.labels(label, str(outcome.status)).inc()
@@ -128,7 +138,8 @@ async def proxy_handler(request: web.Request) -> web.StreamResponse:
 
 
 def _client_gone(ex: Exchange, proxy, backend: Backend) -> Outcome:
-    outcome = Outcome(status=CLIENT_CLOSED, error="the client went away")
+    outcome = Outcome(status=CLIENT_CLOSED, error="cut: still in flight when the stopping proxy's drain "
+                      "bound passed" if ex.cut else "the client went away")
     proxy.metrics.aborted.labels(backend.name).inc()
     _log_attempt(ex, proxy, backend, outcome, final=True)
     return outcome

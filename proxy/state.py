@@ -30,7 +30,12 @@ class Proxy:
         self.session: aiohttp.ClientSession | None = None
         self.log = log
         self.check_now = asyncio.Event()  # wakes the health loop early (after a reload)
+        self.checked = asyncio.Event()    # the first round of health checks is done
         self.closing = False              # shutting down: every answer says Connection: close
+        self.requests: dict[int, object] = {}   # the requests in flight: id -> their forward.Exchange
+        self.stop = asyncio.Event()       # SIGTERM or POST /admin/drain-and-exit: drain, then exit
+        self.drain_s: float | None = None  # the drain bound asked for (None: shutdown_timeout_s)
+        self.drained: asyncio.Future | None = None  # what the drain came to, for /admin/drain-and-exit
 
     def reload(self) -> bool:
         """Re-read the config file and apply it; an invalid one is refused and the old one stays."""
@@ -73,7 +78,7 @@ class Proxy:
         fixed = {k: getattr(old, k) for k in RESTART_ONLY if getattr(new, k) != getattr(old, k)}
         if fixed:
             log.warning("reload: %s stay as they are until the proxy restarts (`inv deploy` restarts it "
-                        "when its code changes; `inv stop` then `inv deploy` otherwise)", ", ".join(fixed))
+                        "beside this one, without a gap)", ", ".join(fixed))
             new = dataclasses.replace(new, **fixed)
         return new
 

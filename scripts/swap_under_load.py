@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections import Counter
 from pathlib import Path
 
@@ -28,30 +29,36 @@ sys.path.insert(0, str(ROOT))
 class Load:
     """N client threads sending chat completions to 127.0.0.1:port until stopped; every outcome counted."""
 
-    def __init__(self, port: int, model: str, clients: int = 32, keepalive: bool = False, max_tokens: int = 4):
-        self.port, self.clients, self.keepalive = port, clients, keepalive
-        self.body = json.dumps({"model": model, "max_tokens": max_tokens,
-                                "messages": [{"role": "user", "content": "hi"}]}).encode()
+    def __init__(self, port: int, model: str, clients: int = 32, keepalive: bool = False, max_tokens: int = 4,
+                 stream: bool = False):
+        self.port, self.clients, self.keepalive, self.stream = port, clients, keepalive, stream
+        self.request = {"model": model, "max_tokens": max_tokens, "stream": stream,
+                        "messages": [{"role": "user", "content": "hi"}]}
         self.stop = threading.Event()
         self.lock = threading.Lock()
         self.outcomes: Counter = Counter()     # "ok nginx", "ok proxy", "refused", "status 503", ...
         self.failures: list[tuple[float, str]] = []   # (monotonic time, outcome) of each failed request
+        # (trace id, outcome, monotonic time) of every request: its trace id is its `user` and X-Request-Id
+        self.records: list[tuple[str, str, float]] = []
         self.threads = [threading.Thread(target=self._client, daemon=True) for _ in range(clients)]
 
     def _client(self) -> None:
         conn = None
         while not self.stop.is_set():
+            trace = uuid.uuid4().hex
             try:
                 if conn is None:
-                    conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
-                headers = {"Content-Type": "application/json"}
+                    conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+                headers = {"Content-Type": "application/json", "X-Request-Id": trace}
                 if not self.keepalive:
                     headers["Connection"] = "close"
-                conn.request("POST", "/v1/chat/completions", self.body, headers)
+                conn.request("POST", "/v1/chat/completions", json.dumps({**self.request, "user": trace}), headers)
                 r = conn.getresponse()
-                r.read()
+                body = r.read()
                 front = "nginx" if r.getheader("X-Front") == "nginx" else "proxy"
                 outcome = f"ok {front}" if r.status == 200 else f"status {r.status} {front}"
+                if r.status == 200 and self.stream and b"data: [DONE]" not in body:
+                    outcome = "broken stream"
                 if not self.keepalive or r.getheader("Connection", "").lower() == "close":
                     conn.close()
                     conn = None
@@ -64,6 +71,7 @@ class Load:
                     conn.close()
                 conn = None
             with self.lock:
+                self.records.append((trace, outcome, time.monotonic()))
                 self.outcomes[outcome] += 1
                 if not outcome.startswith("ok "):
                     self.failures.append((time.monotonic(), outcome))
