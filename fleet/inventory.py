@@ -77,6 +77,7 @@ SCHEMA: dict[str, Any] = {
         connect_timeout_s=float, max_body_mb=float, retries=int, max_fails=int, shutdown_timeout_s=float,
         fix_numeric_user=bool, api_keys_file=Str(),
         results_log=Mapping(max_mb=float, backups=int),
+        queue=Mapping(max=int, timeout_s=float, headroom=int),
     ),
     "nginx": Mapping(bin=Str(), user=Str(), log_dir=Str(), temp_dir=Str(), worker_processes=Str(),
                      max_fails=int, fail_timeout_s=float, keepalive=int),
@@ -120,6 +121,8 @@ BUILTIN_DEFAULTS: dict[str, Any] = {
         "retries": 2, "max_fails": 3, "shutdown_timeout_s": 30.0, "fix_numeric_user": True,
         "api_keys_file": "",
         "results_log": {"max_mb": 50.0, "backups": 3},
+        # A backend takes max_num_seqs + headroom at once; the rest wait in the proxy's one queue.
+        "queue": {"max": 256, "timeout_s": 60.0, "headroom": 0},
     },
     # nginx mode (`inv swap-to-nginx`); empty strings mean: found on the host / under deploy_dir.
     "nginx": {"bin": "", "user": "", "log_dir": "", "temp_dir": "", "worker_processes": "auto",
@@ -381,6 +384,9 @@ class HostVars:
                                  "give the admin listener its own port.")
         if proxy["max_body_mb"] <= 0 or proxy["timeout_s"] <= 0:
             raise InventoryError(f"{where}.proxy: max_body_mb and timeout_s must be above 0.")
+        if not 0 < proxy["queue"]["timeout_s"] < float("inf"):
+            raise InventoryError(f"{where}.proxy.queue.timeout_s: expected a finite number above 0, "
+                                 f"got {proxy['queue']['timeout_s']}.")
         if proxy["retries"] < 0 or proxy["max_fails"] < 1 or proxy["shutdown_timeout_s"] <= 0:
             raise InventoryError(f"{where}.proxy: retries must be 0 or more, max_fails 1 or more and "
                                  "shutdown_timeout_s above 0.")

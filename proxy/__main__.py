@@ -64,9 +64,25 @@ async def serve(config, config_path: str) -> None:
     log.info("stopped")
 
 
+def run(main_coroutine, loop: str = "auto") -> None:
+    """Run on uvloop when it is importable (every vLLM environment has it) unless loop is "asyncio"."""
+    try:
+        if loop == "asyncio":
+            raise ImportError("asyncio asked for")
+        import uvloop
+    except ImportError as e:
+        log.info("event loop: asyncio (%s)", e if loop == "asyncio" else "uvloop is not installed")
+        asyncio.run(main_coroutine)
+        return
+    log.info("event loop: uvloop %s", uvloop.__version__)
+    uvloop.run(main_coroutine)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m proxy", description=__doc__)
     parser.add_argument("--config", required=True, help="the proxy's YAML config (conf/proxy.yaml)")
+    parser.add_argument("--loop", choices=("auto", "asyncio"), default="auto",
+                        help="auto: uvloop when installed (the default); asyncio: the standard loop")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -76,7 +92,7 @@ def main(argv=None) -> int:
         print(f"proxy: {e}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(serve(config, args.config))
+        run(serve(config, args.config), args.loop)
     except OSError as e:
         print(f"proxy: cannot listen ({e.strerror or e}); is the port taken?", file=sys.stderr)
         return 1
