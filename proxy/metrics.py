@@ -64,3 +64,19 @@ class Metrics:
                                       "Requests the queue turned away: full (429), timeout (503)",
                                       ["reason"], registry=r)
         r.register(BackendState(balancer_of))
+        self._answered: dict = {}   # (backend, status) -> its counter child: labels() costs on every call
+        self._timed: dict = {}      # backend -> its duration histogram child
+
+    def answered(self, backend: str, status: int) -> None:
+        """Count one answer of status for backend (a label, "none" when no backend saw it)."""
+        child = self._answered.get((backend, status))
+        if child is None:
+            child = self._answered[(backend, status)] = self.requests.labels(backend, str(status))
+        child.inc()
+
+    def took(self, backend: str, seconds: float) -> None:
+        """Observe one request's time to its last byte."""
+        child = self._timed.get(backend)
+        if child is None:
+            child = self._timed[backend] = self.duration.labels(backend)
+        child.observe(seconds)
