@@ -51,10 +51,12 @@ def wrk(wrk_bin: str, url: str, body: dict, connections: int, seconds: float, wo
                           url], capture_output=True, text=True, timeout=seconds + 30,
                          env={**os.environ, "BENCH_BODY": json.dumps(body)}).stdout
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
-    lat = {m.group(1): _ms(m.group(2), m.group(3)) for m in re.finditer(r"^\s+(50|99)%\s+([\d.]+)(us|ms|s)$", out, re.M)}
+    lat = {m.group(1): _ms(m.group(2), m.group(3)) for m in re.finditer(r"^\s+(50|99)%\s+([\d.]+)(us|ms|s|m)\s*$", out, re.M)}
+    if len(lat) < 2:
+        print(f"bench_proxy: no latency distribution in wrk's output:\n{out}", file=sys.stderr)
     bad = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
     errs = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
-    return {"rps": rps, "p50_ms": lat.get("50"), "p99_ms": lat.get("99"),
+    return {"rps": rps, "p50_ms": lat.get("50", float("nan")), "p99_ms": lat.get("99", float("nan")),
             "non_2xx": int(bad.group(1)) if bad else 0, "socket_errors": sum(map(int, errs.groups())) if errs else 0}
 
 
@@ -73,7 +75,7 @@ def drive(wrk_bin: str, stack: Stack, front: str, body: dict, connections: int, 
 
 
 def _ms(value: str, unit: str) -> float:
-    return float(value) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[unit]
+    return float(value) * {"us": 0.001, "ms": 1.0, "s": 1000.0, "m": 60000.0}[unit]
 
 
 async def open_loop(url: str, rate: float, seconds: float) -> list[float]:
