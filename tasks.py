@@ -25,6 +25,7 @@ COMMON_HELP = {
     "inventory": "inventory file (default: $FLEET_INVENTORY, else inventory/hosts.yml)",
     "set": "override an inventory key for this run, key=value, dotted for nested keys (repeatable)",
     "forks": "how many hosts to work on at once (default 5)",
+    "wait": "when another run holds the deployment's lock, wait for it to end instead of failing at once",
 }
 
 
@@ -76,14 +77,14 @@ def _finish(code):
         raise Exit(code=code)
 
 
-@task(help=_help("host", "inventory", "set", "forks", check="show what would change, change nothing",
+@task(help=_help("host", "inventory", "set", "forks", "wait", check="show what would change, change nothing",
                  diff="show a unified diff of every rendered file against the host's copy",
                  doctor="run `inv doctor`'s checks first and stop on a failure (default; --no-doctor skips)"),
       iterable=["set_"])
-def deploy(c, host="", check=False, diff=False, set_=None, inventory_="", forks="5", doctor=True):
+def deploy(c, host="", check=False, diff=False, set_=None, inventory_="", forks="5", doctor=True, wait=False):
     """Render, put changed files, start the instances (staggered) and the proxy, wait for /health."""
     def action(conn, hv, emit):
-        report = lifecycle.deploy(conn, hv, emit, check=check, diff=diff, doctor=doctor)
+        report = lifecycle.deploy(conn, hv, emit, check=check, diff=diff, doctor=doctor, wait=wait)
         if report.status and not check:
             emit(display.status_table(report.status))
         return report
@@ -108,17 +109,17 @@ def status(c, host="", json_=False, set_=None, inventory_="", forks="5"):
     _finish(code)
 
 
-@task(help=_help("host", "inventory", "set", "forks",
+@task(help=_help("host", "inventory", "set", "forks", "wait",
                  instance="stop only this instance (its process group and its tag)",
                  check="list what would be stopped, stop nothing",
                  force="also kill your processes still holding the accelerator's device files"),
       iterable=["set_"], auto_shortflags=False)   # -i would be ambiguous: --instance and --inventory
-def stop(c, host="", instance=None, check=False, force=False, set_=None, inventory_="", forks="5"):
-    """Stop the proxy and every instance by process group, then every process still carrying the tag."""
+def stop(c, host="", instance=None, check=False, force=False, set_=None, inventory_="", forks="5", wait=False):
+    """Stop the proxy and every instance: each process proven the deployment's (pid file record, tag, session)."""
     index = _instance_number(instance)
 
     def action(conn, hv, emit):
-        return lifecycle.stop(conn, hv, emit, instance=index, check=check, force=force)
+        return lifecycle.stop(conn, hv, emit, instance=index, check=check, force=force, wait=wait)
     _finish(_run(host, inventory_, set_, action, forks, order="entry-first")[1])
 
 
@@ -224,11 +225,11 @@ def _instance_number(instance):
         raise Exit(f"--instance takes an instance number, got {instance!r}.", code=2)
 
 
-@task(help=_help("host", "inventory", "set", "forks",
+@task(help=_help("host", "inventory", "set", "forks", "wait",
                  instance="restart only this instance",
                  rolling="restart every instance in turn, never more than one out of service"),
       iterable=["set_"], auto_shortflags=False)   # -i would be ambiguous: --instance and --inventory
-def restart(c, host="", instance=None, rolling=False, set_=None, inventory_="", forks="5"):
+def restart(c, host="", instance=None, rolling=False, set_=None, inventory_="", forks="5", wait=False):
     """Drain, stop, wait for the card, start, wait for /health, enable: one instance or all in turn."""
     from fleet import restart as restart_mod
     if (instance is None) == (not rolling):
@@ -236,7 +237,7 @@ def restart(c, host="", instance=None, rolling=False, set_=None, inventory_="", 
     index = _instance_number(instance)
 
     def action(conn, hv, emit):
-        return restart_mod.restart(conn, hv, emit, instance=index, rolling=rolling)
+        return restart_mod.restart(conn, hv, emit, instance=index, rolling=rolling, wait=wait)
     _finish(_run(host, inventory_, set_, _then_table(action), forks)[1])
 
 
@@ -278,15 +279,19 @@ def bench(c, host="", inventory_="", set_=None, scenario="short,detailed,thinkin
     _finish(_run(host, inventory_, set_, action, forks=1)[1])
 
 
-@task(help=_help("host", "inventory", "set", "forks"), iterable=["set_"], name="swap-to-nginx")
-def swap_to_nginx(c, host="", set_=None, inventory_="", forks="5"):
+@task(help=_help("host", "inventory", "set", "forks", "wait"), iterable=["set_"],
+      name="swap-to-nginx")
+def swap_to_nginx(c, host="", set_=None, inventory_="", forks="5", wait=False):
     """Put nginx on the entry port in place of the aiohttp proxy, with the /health watcher."""
     from fleet import front
-    _finish(_run(host, inventory_, set_, _then_table(front.swap_to_nginx), forks)[1])
+    _finish(_run(host, inventory_, set_, _then_table(
+        lambda conn, hv, emit: front.swap_to_nginx(conn, hv, emit, wait)), forks)[1])
 
 
-@task(help=_help("host", "inventory", "set", "forks"), iterable=["set_"], name="swap-to-proxy")
-def swap_to_proxy(c, host="", set_=None, inventory_="", forks="5"):
+@task(help=_help("host", "inventory", "set", "forks", "wait"), iterable=["set_"],
+      name="swap-to-proxy")
+def swap_to_proxy(c, host="", set_=None, inventory_="", forks="5", wait=False):
     """Give the entry port back to the aiohttp proxy: nginx quits gracefully, the watcher stops."""
     from fleet import front
-    _finish(_run(host, inventory_, set_, _then_table(front.swap_to_proxy), forks)[1])
+    _finish(_run(host, inventory_, set_, _then_table(
+        lambda conn, hv, emit: front.swap_to_proxy(conn, hv, emit, wait)), forks)[1])

@@ -190,7 +190,7 @@ class Stack:
         if check.returncode != 0:
             raise SystemExit(f"bench: nginx -t refused the rendered config: {check.stderr.strip()}")
         subprocess.run([nginx, "-p", str(self.deploy), "-c", str(conf)], check=True)
-        self.nginx_pid_file = self.deploy / "run" / "nginx.pid"
+        self.nginx_pid_file = self.deploy / "run" / "nginx.master.pid"   # nginx's own
         wait_http(self.url("nginx") + "/v1/models")
 
     def _workers(self) -> list[str]:

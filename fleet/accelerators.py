@@ -15,17 +15,21 @@ class Kind:
     # Where the smi is looked for, in order. Absolute paths first: PATH over non-interactive SSH
     # lacks /opt/hyhal/bin and /opt/dtk/bin. The arguments follow from the binary's name (fleet.smi).
     smi_candidates: tuple[str, ...]
+    # True: card i's render node is found on the host from sysfs (fleet/holders_probe.py), not
+    # assumed to be renderD(128+i): a BMC's graphics device or another enumeration shifts them.
+    render_from_sysfs: bool = False
 
 
 _HIP_SMI = ("/opt/hyhal/bin/hy-smi", "/opt/dtk/bin/rocm-smi", "/opt/rocm/bin/rocm-smi", "hy-smi", "rocm-smi")
 
 KINDS = {
     # dcu and rocm set HIP_VISIBLE_DEVICES only: setting ROCR_VISIBLE_DEVICES too can hide every card.
-    "dcu": Kind("dcu", "HIP_VISIBLE_DEVICES", ("/dev/kfd", "/dev/dri/renderD*", "/dev/dri/card*"),
-                ("/dev/dri/renderD{render}",), _HIP_SMI),
-    "rocm": Kind("rocm", "HIP_VISIBLE_DEVICES", ("/dev/kfd", "/dev/dri/renderD*", "/dev/dri/card*"),
-                 ("/dev/dri/renderD{render}",),
-                 ("/opt/rocm/bin/rocm-smi", "/opt/dtk/bin/rocm-smi", "rocm-smi", "/opt/hyhal/bin/hy-smi")),
+    # Hygon hosts also expose /dev/mkfd, which engines hold open beside /dev/kfd.
+    "dcu": Kind("dcu", "HIP_VISIBLE_DEVICES", ("/dev/kfd", "/dev/mkfd", "/dev/dri/renderD*", "/dev/dri/card*"),
+                (), _HIP_SMI, render_from_sysfs=True),
+    "rocm": Kind("rocm", "HIP_VISIBLE_DEVICES", ("/dev/kfd", "/dev/mkfd", "/dev/dri/renderD*", "/dev/dri/card*"),
+                 (), ("/opt/rocm/bin/rocm-smi", "/opt/dtk/bin/rocm-smi", "rocm-smi", "/opt/hyhal/bin/hy-smi"),
+                 render_from_sysfs=True),
     "nvidia": Kind("nvidia", "CUDA_VISIBLE_DEVICES", ("/dev/nvidia*",), ("/dev/nvidia{index}",),
                    ("/usr/bin/nvidia-smi", "nvidia-smi")),
     # The sim accelerator's device files are plain files under deploy_dir/sim-dev (see fleet.sim);
@@ -46,5 +50,6 @@ def device_globs(name: str, deploy_dir: str) -> list[str]:
 
 
 def card_files(name: str, deploy_dir: str, index: int) -> list[str]:
-    """The device files of card `index` alone (render node 128 + index, /dev/nvidiaN)."""
+    """The device files of card `index` alone known without looking at the host (/dev/nvidiaN, the sim's
+    renderD(128+index)); a kind with render_from_sysfs has its render node found on the host."""
     return [f.format(deploy_dir=deploy_dir, index=index, render=128 + index) for f in KINDS[name].card_files]

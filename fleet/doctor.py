@@ -13,12 +13,12 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import lifecycle, release, smi
+from . import hostcode, lifecycle, release, smi
 from .errors import FleetError
 from .inventory import HostVars
 from .lifecycle import Emit, Report
 
-PROBE = (Path(__file__).resolve().parent / "doctor_probe.py").read_text()
+PROBE = hostcode.bundle((Path(__file__).resolve().parent / "doctor_probe.py").read_text(), "processes")
 
 LOG_WARN_BYTES = 2 * 2**30      # vLLM logs plus the results log (50 MB x 4) plus room to breathe
 LOG_FAIL_BYTES = 256 * 2**20
@@ -50,12 +50,16 @@ def engine_cmd(hv: HostVars) -> list[str]:
 
 def facts(conn, hv: HostVars) -> dict:
     """Run the doctor's probe on the host, after env_setup (so PATH is the engine's)."""
-    ports = [{"port": p, "what": f"instance {i}", "pidfile": f"run/instance_{i}.pid"}
-             for i, p in enumerate(hv.ports)]
+    dep = hv.deployment_id
+    ports = [{"port": p, "what": f"instance {i}", "key": "base_port",
+              "pidfiles": [(f"run/instance_{i}.pid", f"{dep}/{i}")]} for i, p in enumerate(hv.ports)]
     # The entry port is ours when the front holding it is: the proxy, or nginx in nginx mode.
-    ports += [{"port": hv["proxy"]["port"], "what": "proxy", "pidfile": ["run/proxy.pid", "run/nginx.pid"]},
-              {"port": hv["proxy"]["admin_port"], "what": "proxy admin", "pidfile": "run/proxy.pid"}]
-    spec = {"deploy_dir": hv["deploy_dir"], "engine_cmd": engine_cmd(hv), "model": hv["model"],
+    proxy = ("run/proxy.pid", f"{dep}/proxy")
+    ports += [{"port": hv["proxy"]["port"], "what": "proxy", "key": "proxy.port",
+               "pidfiles": [proxy, ("run/nginx.pid", f"{dep}/nginx")]},
+              {"port": hv["proxy"]["admin_port"], "what": "proxy admin", "key": "proxy.admin_port",
+               "pidfiles": [proxy]}]
+    spec = {"deploy_dir": hv["deploy_dir"], "deployment_id": dep, "engine_cmd": engine_cmd(hv), "model": hv["model"],
             "check_model": hv["engine"] != "sim", "ports": ports, "smi_cmd": smi.smi_command(hv)}
     python = release.host_python(hv)
     setup = f"set +u\n{hv['env_setup']}\n" if hv["env_setup"] else ""
@@ -107,13 +111,13 @@ def checks(conn, hv: HostVars, f: dict) -> list[Check]:
             out.append(Check(label, "ok", "free"))
         elif p["ours"]:
             out.append(Check(label, "ok", f"ours (pid {p['ours']})"))
+        elif p["stranger"]:
+            out.append(Check(label, "fail", p["stranger"]))
         else:
-            who = ", ".join(f"pid {h['pid']} ({h['command']})" for h in p["holders"]) or \
-                "a process not visible to you (another user's)"
-            key = "base_port" if p["what"].startswith("instance") else \
-                ("proxy.port" if p["what"] == "proxy" else "proxy.admin_port")
-            out.append(Check(label, "fail", f"taken by {who}, not this deployment",
-                             f"stop that process, or change {key}"))
+            holder = p["holders"][0]
+            out.append(Check(label, "warn", f"held by this deployment's pid {holder['pid']} "
+                             f"({holder['cmdline'][:60]}), which its pid file does not name",
+                             "`inv deploy` stops it and starts the instance again"))
     # cards
     out += _card_checks(conn, hv, f)
     # tools

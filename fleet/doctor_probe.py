@@ -1,14 +1,15 @@
 """What `inv doctor` needs to know, read on the host: run there (after env_setup) as `python3 - SPEC_JSON`
-with this file on standard input, it prints one JSON object. Standard library only, Python 3.6+, no side
+with this file on standard input (bundled with hostagent/processes.py), it prints one JSON object. Standard library only, Python 3.6+, no side
 effects. The control node turns these facts into ok/warn/fail lines (fleet/doctor.py).
 """
 import json
 import os
-import re
 import shutil
 import socket
 import subprocess
 import sys
+
+from hostagent import processes
 
 
 def which(name):
@@ -49,21 +50,10 @@ def model_size(path):
     return True, total, count
 
 
-def alive(pid):
-    try:
-        with open("/proc/%d/stat" % pid) as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError, ValueError):
-        return False
-
-
-def pidfile_pid(path):
-    try:
-        with open(path) as f:
-            pid = int(f.read().split()[0])
-        return pid if alive(pid) else None
-    except (OSError, ValueError, IndexError):
-        return None
+def pidfile_pid(path, tag):
+    """The pid a pid file records, while that process runs and still is the deployment's."""
+    p = processes.verified(path, tag)
+    return p.pid if p else None
 
 
 def listening(port):
@@ -74,21 +64,18 @@ def listening(port):
         return False
 
 
-def port_facts(spec, ss):
+def port_facts(spec):
     out = []
     for item in spec["ports"]:
         port = item["port"]
-        files = item["pidfile"] if isinstance(item["pidfile"], list) else [item["pidfile"]]
-        ours = next((pid for pid in (pidfile_pid(os.path.join(spec["deploy_dir"], f)) for f in files) if pid), None)
+        ours = next((pid for pid in (pidfile_pid(os.path.join(spec["deploy_dir"], f), tag)
+                                     for f, tag in item["pidfiles"]) if pid), None)
         busy = listening(port)
-        holders = []
-        if busy and ss:     # ss names the holder's pid for your processes (every user's as root)
-            text = subprocess.run([ss, "-ltnpH", "sport = :%d" % port], stdout=subprocess.PIPE,
-                                  stderr=subprocess.DEVNULL, universal_newlines=True).stdout
-            for m in re.finditer(r'\("([^"]*)",pid=(\d+)', text):
-                holders.append({"pid": int(m.group(2)), "command": m.group(1)})
+        holders = processes.port_holders(port) if busy else []
+        tagged = any(processes.ours_by_tag(h, spec["deployment_id"]) for h in holders)
+        stranger = processes.stranger(port, holders[0] if holders else {}, item["key"]) if busy else None
         out.append({"port": port, "what": item["what"], "listening": busy, "ours": ours,
-                    "holders": holders})
+                    "holders": holders, "stranger": None if tagged else stranger})
     return out
 
 
@@ -111,7 +98,7 @@ def main():
     json.dump({
         "engine": {"exit": engine_code, "output": engine_out[-300:]},
         "model": {"exists": exists, "bytes": size, "files": files},
-        "ports": port_facts(spec, ss),
+        "ports": port_facts(spec),
         "smi": {"exit": smi_code, "output": smi_out},
         "tools": {name: which(name) for name in ("fuser", "ss")},
         "disk": {"dir": where, "free": free},

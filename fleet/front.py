@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import shlex
 
-from . import lifecycle
+from . import lifecycle, runlock
 from .errors import FleetError, RemoteError
 from .inventory import HostVars
 from .lifecycle import Emit, Report
@@ -58,8 +58,14 @@ def _prepare(conn: Transport, hv: HostVars, report: Report, emit: Emit) -> tuple
     return hv, facts
 
 
-def swap_to_nginx(conn: Transport, hv: HostVars, emit: Emit = lambda line: None) -> Report:
+def swap_to_nginx(conn: Transport, hv: HostVars, emit: Emit = lambda line: None, wait: bool = False) -> Report:
     """Preflight nginx, hand the entry port over from the proxy, start the /health watcher."""
+    hv = lifecycle.prepare(conn, hv)
+    with runlock.held(conn, hv, "swap-to-nginx", emit, wait):
+        return _swap_to_nginx(conn, hv, emit)
+
+
+def _swap_to_nginx(conn: Transport, hv: HostVars, emit: Emit) -> Report:
     report = Report(hv.name)
     hv, facts = _prepare(conn, hv, report, emit)
     if not any(f["alive"] and f["health"] == 200 for f in facts["instances"]):
@@ -85,8 +91,14 @@ def swap_to_nginx(conn: Transport, hv: HostVars, emit: Emit = lambda line: None)
     return report
 
 
-def swap_to_proxy(conn: Transport, hv: HostVars, emit: Emit = lambda line: None) -> Report:
+def swap_to_proxy(conn: Transport, hv: HostVars, emit: Emit = lambda line: None, wait: bool = False) -> Report:
     """Stop the watcher, let nginx quit gracefully, start the aiohttp proxy on the entry port."""
+    hv = lifecycle.prepare(conn, hv)
+    with runlock.held(conn, hv, "swap-to-proxy", emit, wait):
+        return _swap_to_proxy(conn, hv, emit)
+
+
+def _swap_to_proxy(conn: Transport, hv: HostVars, emit: Emit) -> Report:
     report = Report(hv.name)
     hv, facts = _prepare(conn, hv, report, emit)
     r = host_command(conn, hv, "to-proxy", emit)

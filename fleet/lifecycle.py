@@ -17,14 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from . import preflight, release
+from . import hostcode, preflight, release, runlock
 from .errors import FleetError, RemoteError
 from .inventory import HostVars
-from .render import RenderedFile, render_host
+from .render import RenderedFile, render_host, stop_spec
 from .transport import Transport
 
 ROOT = Path(__file__).resolve().parent.parent
-PROBE = (Path(__file__).resolve().parent / "probe.py").read_text()
+PROBE = hostcode.bundle((Path(__file__).resolve().parent / "probe.py").read_text(), "processes")
+STOPPER = hostcode.source("processes")
 
 Emit = Callable[[str], None]
 
@@ -122,6 +123,13 @@ def probe(conn: Transport, hv: HostVars, files: list[str] = (), readonly: bool =
                           "check the host's shell startup files for output.") from None
 
 
+def stop_processes(conn: Transport, hv: HostVars, args: list[str], emit: Emit):
+    """Run hostagent/processes.py's stop on the host (`--instance I`, `--proxy`, `--check`), sent on
+    standard input: it works even where deploy never put the code."""
+    spec = shlex.quote(json.dumps(stop_spec(hv)))
+    return conn.run(preflight.probe_python(hv, f"- stop {spec} {shlex.join(args)}"), stdin=STOPPER, on_line=emit)
+
+
 def instance_state(f: dict, health_timeout_s: float) -> str:
     """loading, healthy, dead, stopped or port-taken, from one instance's facts."""
     if f["alive"]:
@@ -191,14 +199,20 @@ def _sha(content: str) -> str:
 
 
 def deploy(conn: Transport, hv: HostVars, emit: Emit = lambda line: None,
-           check: bool = False, diff: bool = False, doctor: bool = True) -> Report:
+           check: bool = False, diff: bool = False, doctor: bool = True, wait: bool = False) -> Report:
     """Put changed files, start what is not running, wait for /health, start the proxy.
 
     doctor: run fleet.doctor's checks first; a failed check stops the deploy before it changes anything.
+    wait: when another run holds the deployment's lock, wait for it instead of failing at once.
     """
     hv = prepare(conn, hv)
-    report = Report(hv.name)
     preflight.check(conn, hv, "deploy")   # the tools every step needs: one sentence naming what is missing
+    with runlock.held_unless(check, conn, hv, "deploy", emit, wait):
+        return _deploy(conn, hv, emit, check, diff, doctor)
+
+
+def _deploy(conn: Transport, hv: HostVars, emit: Emit, check: bool, diff: bool, doctor: bool) -> Report:
+    report = Report(hv.name)
     if doctor:
         from .doctor import doctor as run_doctor
         run_doctor(conn, hv, emit, report)
@@ -207,6 +221,13 @@ def deploy(conn: Transport, hv: HostVars, emit: Emit = lambda line: None,
             return report
     files = host_files(hv)
     facts = probe(conn, hv, [f.path for f in files], readonly=check)
+    strangers = foreign_ports(hv, facts)
+    if strangers:
+        # Nothing starts beside a stranger on our ports (the doctor says the same when it runs).
+        for port, sentence in strangers:
+            report.add(f"port {port}", "failed", sentence)
+        report.status = status_of(hv, facts)
+        return report
     d = hv["deploy_dir"]
 
     changed_files = _put_files(conn, hv, files, facts, report, emit, check, diff)
@@ -228,8 +249,10 @@ def deploy(conn: Transport, hv: HostVars, emit: Emit = lambda line: None,
                 " (runs with the previous settings; `inv restart --rolling` applies the new ones)"
             report.add(name, "ok", f"already {state} on :{f['port']}, pid {f['pid']}{note}")
         elif state == "port-taken":
-            report.add(name, "failed", f"port {f['port']} is taken by a process that is not this "
-                       "deployment's; free the port or change base_port")
+            # Strangers were refused above: this holder carries the instance's tag, but its pid file is
+            # lost or stale. It is stopped (tag and session) and the instance started again.
+            to_start.append(f)
+            report.data.setdefault("restart", []).append(f["index"])
         else:
             to_start.append(f)
             if (state == "dead" and f["alive"]) or str(f["index"]) in leftovers:
@@ -248,6 +271,15 @@ def deploy(conn: Transport, hv: HostVars, emit: Emit = lambda line: None,
             emit(f"{step.status}: {step.name}: {step.message}")
     report.status = status_of(hv, probe(conn, hv, readonly=check))
     return report
+
+
+def foreign_ports(hv: HostVars, facts: dict) -> list[tuple[int, str]]:
+    """(port, sentence) for each instance or proxy port held by a process that is not the deployment's."""
+    st = status_of(hv, facts)
+    taken = [f for f, inst in zip(facts["instances"], st["instances"]) if inst["state"] == "port-taken"]
+    if st["proxy"]["state"] == "port-taken":
+        taken.append(facts["proxy"])
+    return [(f["port"], f["stranger"]) for f in taken if f.get("stranger")]
 
 
 def _put_files(conn, hv, files, facts, report, emit, check, diff) -> set[str]:
@@ -295,7 +327,7 @@ def _start_instances(conn, hv, to_start, report, emit):
     for index in stopped:
         emit(f"instance {index}: dead, or its processes left behind; stopping them (group and tag) "
              "before the start")
-        conn.run(f"{bin_dir}/stop_cluster.sh --instance {index}", on_line=emit)
+        stop_processes(conn, hv, ["--instance", str(index)], emit)
     if stopped:
         _, pending, _ = release.wait_released(conn, hv, stopped, emit)
         if pending:
@@ -372,7 +404,7 @@ def _deploy_front(conn, hv, facts, changed_files, report, emit, check):
         return
     bin_dir = shlex.quote(f"{hv['deploy_dir']}/bin")
     if verb == "restart" or p["alive"]:
-        conn.run(f"{bin_dir}/stop_cluster.sh --proxy", on_line=emit)
+        stop_processes(conn, hv, ["--proxy"], emit)
     r = conn.run(f"{bin_dir}/start_proxy.sh", on_line=emit)
     if not r.ok:
         report.add("proxy", "failed", f"start_proxy.sh failed (exit {r.exited}): {r.stderr.strip()[-300:]}")
@@ -414,31 +446,36 @@ def _reload_proxy(conn, hv, p, report) -> bool:
 # --- stop ---------------------------------------------------------------------------------------
 
 def stop(conn: Transport, hv: HostVars, emit: Emit = lambda line: None, instance: int | None = None,
-         check: bool = False, force: bool = False) -> Report:
+         check: bool = False, force: bool = False, wait: bool = False) -> Report:
     """Stop the proxy and the instances by process group, sweep what carries the tag, then wait until
     the cards are released (fleet.release: --force kills your processes still holding the devices)."""
     hv = prepare(conn, hv)
     if instance is not None and not 0 <= instance < hv["instances"]:
         raise FleetError(f"{hv.name}: there is no instance {instance}; instances are 0-{hv['instances'] - 1}.")
+    with runlock.held_unless(check, conn, hv, "stop", emit, wait):
+        return _stop(conn, hv, emit, instance, check, force)
+
+
+def _stop(conn: Transport, hv: HostVars, emit: Emit, instance: int | None, check: bool, force: bool) -> Report:
     report = Report(hv.name)
     before = probe(conn, hv, readonly=True)
     cards_before, cards_why = release.read_cards(conn, hv)
-    script = next(f for f in render_host(hv) if f.path == "bin/stop_cluster.sh").content
     args = (["--instance", str(instance)] if instance is not None else []) + (["--check"] if check else [])
-    # The freshly rendered stop script goes on stdin: it works even where deploy never put one.
-    r = conn.run(f"bash -s -- {shlex.join(args)}", stdin=script, on_line=emit)
+    r = stop_processes(conn, hv, args, emit)
     after = probe(conn, hv, readonly=True)
     targets = [f for f in before["instances"] if instance is None or f["index"] == instance]
     for f in targets:
         name = f"instance {f['index']}"
         if not f["alive"]:
-            report.add(name, "ok", "already stopped")
+            stale = f.get("stale")
+            report.add(name, "ok", f"its pid file named pid {f['recorded_pid']}, {stale}: not touched" if stale
+                       else "already stopped")
         elif check:
-            report.add(name, "changed", f"would stop process group {f['pgid']}")
+            report.add(name, "changed", f"would stop pid {f['pid']} and its session")
         else:
             still = after["instances"][f["index"]]["alive"]
             report.add(name, "failed" if still else "changed",
-                       f"pid {f['pid']} still alive" if still else f"stopped process group {f['pgid']}")
+                       f"pid {f['pid']} still alive" if still else f"stopped pid {f['pid']} and its session")
     if instance is None:
         p = before["proxy"]
         if not p["alive"]:
@@ -455,7 +492,7 @@ def stop(conn: Transport, hv: HostVars, emit: Emit = lambda line: None, instance
         pids = ", ".join(f"{t['pid']} ({t['cmdline'][:60]})" for t in left)
         report.add("tag sweep", "failed", f"processes with the deployment's tag are still alive: {pids}")
     elif not r.ok and not check:
-        report.add("tag sweep", "failed", f"stop_cluster.sh exited {r.exited}: {r.stderr.strip()[-300:]}")
+        report.add("tag sweep", "failed", f"the stop exited {r.exited}: {r.stderr.strip()[-300:]}")
     else:
         report.add("tag sweep", "ok", "no process with the deployment's tag is left" if not check else
                    f"{len(before['tagged'])} tagged process(es) found")

@@ -1,7 +1,10 @@
 """Facts about one deployment, read on the host itself: run there as `python3 - SPEC_JSON` with this
-file on standard input, it prints one JSON object. Standard library only, Python 3.6+, no side effects
-but one: an instance seen healthy gets a `run/instance_<i>.ready` marker, so a later 503 reads as dead,
-not as loading.
+file on standard input, bundled with hostagent/processes.py (fleet.hostcode), it prints one JSON object.
+Standard library only, Python 3.6+, no side effects but one: an instance seen healthy gets a
+`run/instance_<i>.ready` marker, so a later 503 reads as dead, not as loading.
+
+A pid file counts only while the process it names is still the one it recorded (hostagent.processes):
+a stale file reads as no process, and whoever holds the port is named.
 """
 import hashlib
 import json
@@ -13,28 +16,36 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+from hostagent import processes
 
-def read_pidfile(path):
+
+def read_pidfile(path, tag):
+    """(pid, pgid, mtime, stale): the process the file records, when it still runs and is ours; stale says
+    why the file does not count (None when it does, or when there is no file)."""
+    rec, why = processes.read_record_file(path)
+    if rec is None:
+        return None, None, None, why
+    proc = processes.read_proc(rec["pid"]) if rec["pid"] > 0 else None
+    why = processes.check_record(rec, tag, proc)
     try:
-        with open(path) as f:
-            parts = f.read().split()
-        pid = int(parts[0])
-        pgid = int(parts[1]) if len(parts) > 1 else pid
-        return pid, pgid, os.path.getmtime(path)
-    except (OSError, ValueError, IndexError):
-        return None, None, None
+        mtime = os.path.getmtime(path)
+    except OSError:
+        mtime = None
+    if why is None:
+        return proc.pid, proc.pgid, mtime, None
+    return rec["pid"], None, mtime, why if why != "which no longer runs" else None
 
 
 def alive(pid):
-    """True when pid runs (a zombie does not count)."""
-    if not pid:
-        return False
-    try:
-        with open("/proc/%d/stat" % pid) as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-        return state not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
+    return processes.alive(pid)
+
+
+def stranger(port, dep, key):
+    """The sentence naming who holds port when it is not the deployment's (else None)."""
+    holders = processes.port_holders(port)
+    if any(processes.ours_by_tag(h, dep) for h in holders):
+        return None                    # its own leftover (a pid file lost): deploy repairs it
+    return processes.stranger(port, holders[0] if holders else {}, key)
 
 
 def listening(port):
@@ -73,31 +84,14 @@ def file_mode(path):
 
 def tagged(prefix):
     """Processes of this user whose environment carries FLEET_TAG=<prefix>..."""
-    me = os.getuid()
-    found = []
-    needle = ("FLEET_TAG=" + prefix).encode()
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        try:
-            if os.stat("/proc/" + name).st_uid != me:
-                continue
-            with open("/proc/%s/environ" % name, "rb") as f:
-                env = f.read().split(b"\0")
-            tag = next((e for e in env if e.startswith(needle)), None)
-            if tag is None:
-                continue
-            with open("/proc/%s/cmdline" % name, "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()
-            found.append({"pid": int(name), "tag": tag.decode()[len("FLEET_TAG="):], "cmdline": cmd[:200]})
-        except OSError:
-            continue
-    return found
+    me, self_pid = os.getuid(), os.getpid()
+    return [{"pid": p.pid, "tag": p.tag, "cmdline": p.cmdline[:200]} for p in processes.snapshot().values()
+            if p.uid == me and p.pid != self_pid and p.tag is not None and p.tag.startswith(prefix)]
 
 
-def instance_facts(d, index, port, readonly):
-    pid, pgid, started = read_pidfile(os.path.join(d, "run", "instance_%d.pid" % index))
-    is_alive = alive(pid)
+def instance_facts(d, dep, index, port, readonly):
+    pid, pgid, started, stale = read_pidfile(os.path.join(d, "run", "instance_%d.pid" % index), "%s/%d" % (dep, index))
+    is_alive = stale is None and alive(pid)
     status = http_get(port, "/health")[0] if is_alive or listening(port) else None
     marker = os.path.join(d, "run", "instance_%d.ready" % index)
     if is_alive and status == 200 and not readonly and not os.path.exists(marker):
@@ -107,8 +101,9 @@ def instance_facts(d, index, port, readonly):
             pass
     return {
         "index": index, "port": port, "pid": pid if is_alive else None, "pgid": pgid if is_alive else None,
-        "pidfile": pid is not None, "alive": is_alive,
+        "pidfile": pid is not None, "alive": is_alive, "stale": stale, "recorded_pid": pid,
         "listening": is_alive or listening(port), "health": status,
+        "stranger": stranger(port, dep, "base_port") if not is_alive and listening(port) else None,
         "was_ready": os.path.exists(marker),
         "age_s": round(time.time() - started, 1) if started else None,
     }
@@ -125,40 +120,43 @@ def admin_json(admin_port, path):
         return None
 
 
-def proxy_facts(d, port, admin_port):
-    pid, pgid, started = read_pidfile(os.path.join(d, "run", "proxy.pid"))
-    is_alive = alive(pid)
+def proxy_facts(d, dep, port, admin_port):
+    pid, pgid, started, stale = read_pidfile(os.path.join(d, "run", "proxy.pid"), dep + "/proxy")
+    is_alive = stale is None and alive(pid)
     status, _ = http_get(port, "/health") if is_alive or listening(port) else (None, "")
     backends = config = None
     if is_alive:
         backends = admin_json(admin_port, "/admin/backends")
         config = admin_json(admin_port, "/admin/config")
     return {"pid": pid if is_alive else None, "pgid": pgid if is_alive else None, "pidfile": pid is not None,
-            "alive": is_alive, "port": port, "listening": is_alive or listening(port), "health": status,
-            "backends": backends, "config": config}
+            "alive": is_alive, "stale": stale, "port": port, "listening": is_alive or listening(port),
+            "health": status, "backends": backends, "config": config,
+            "stranger": stranger(port, dep, "proxy.port") if not is_alive and listening(port) else None}
 
 
-def nginx_facts(d):
-    """nginx's master (run/nginx.pid holds its pid) and the /health watcher of nginx mode."""
-    pid = read_pidfile(os.path.join(d, "run", "nginx.pid"))[0]
-    wpid = read_pidfile(os.path.join(d, "run", "nginx_watch.pid"))[0]
-    return {"pid": pid if alive(pid) else None, "alive": alive(pid),
-            "watcher_pid": wpid if alive(wpid) else None, "watcher_alive": alive(wpid)}
+def nginx_facts(d, dep):
+    """nginx's master (run/nginx.pid holds its record) and the /health watcher of nginx mode."""
+    pid, _, _, stale = read_pidfile(os.path.join(d, "run", "nginx.pid"), dep + "/nginx")
+    wpid, _, _, wstale = read_pidfile(os.path.join(d, "run", "nginx_watch.pid"), dep + "/nginx-watch")
+    up, wup = stale is None and alive(pid), wstale is None and alive(wpid)
+    return {"pid": pid if up else None, "alive": up, "watcher_pid": wpid if wup else None, "watcher_alive": wup}
 
 
 def main():
     spec = json.loads(sys.argv[1])
     d = spec["deploy_dir"]
     with ThreadPoolExecutor(max_workers=16) as pool:
-        inst = [pool.submit(instance_facts, d, i, p, spec.get("readonly", False)) for i, p in enumerate(spec["ports"])]
-        prox = pool.submit(proxy_facts, d, spec["proxy_port"], spec["admin_port"])
+        dep = spec["deployment_id"]
+        inst = [pool.submit(instance_facts, d, dep, i, p, spec.get("readonly", False))
+                for i, p in enumerate(spec["ports"])]
+        prox = pool.submit(proxy_facts, d, dep, spec["proxy_port"], spec["admin_port"])
         files = {rel: pool.submit(sha256, os.path.join(d, rel)) for rel in spec.get("files", [])}
         out = {
             "uid": os.getuid(),
             "deploy_dir_exists": os.path.isdir(d),
             "instances": [f.result() for f in inst],
             "proxy": prox.result(),
-            "nginx": nginx_facts(d),
+            "nginx": nginx_facts(d, dep),
             "files": {rel: f.result() for rel, f in files.items()},
             "file_modes": {rel: file_mode(os.path.join(d, rel)) for rel in spec.get("files", [])},
             "tagged": tagged(spec["deployment_id"] + "/"),

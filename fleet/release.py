@@ -17,10 +17,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from . import accelerators, smi
+from . import accelerators, hostcode, smi
 from .errors import FleetError, RemoteError
 
-HOLDERS_PROBE = (Path(__file__).resolve().parent / "holders_probe.py").read_text()
+HOLDERS_PROBE = hostcode.bundle((Path(__file__).resolve().parent / "holders_probe.py").read_text(), "processes")
 
 Emit = Callable[[str], None]
 
@@ -71,8 +71,10 @@ def holders(conn, hv, indexes: list[int] | None, instance: int | None = None, ki
     if instance is not None:
         spare = [f"{hv.deployment_id}/{i}" for i in range(hv["instances"]) if i != instance]
         spare += [f"{hv.deployment_id}/proxy"]
-    spec = {"globs": device_globs(hv, [instance] if instance is not None else indexes),
-            "spare_tags": spare, "kill": kill, "grace_s": hv["stop_grace_s"]}
+    cards = [instance] if instance is not None else indexes
+    spec = {"globs": device_globs(hv, cards), "spare_tags": spare, "kill": kill, "grace_s": hv["stop_grace_s"]}
+    if cards is not None and accelerators.kind(hv["accelerator"]).render_from_sysfs:
+        spec["render_cards"] = cards
     return run_script(conn, hv, HOLDERS_PROBE, spec, "listing the device files' holders")
 
 

@@ -79,6 +79,13 @@ def _num(x) -> str:
     return f"{x:g}" if isinstance(x, float) else str(x)
 
 
+def stop_spec(hv: HostVars) -> dict:
+    """What hostagent/processes.py needs to stop the deployment (bin/stop_cluster.sh and `inv stop`)."""
+    v = hv.vars
+    return {"deploy_dir": v["deploy_dir"], "deployment_id": hv.deployment_id, "instances": v["instances"],
+            "base_port": v["base_port"], "proxy_port": v["proxy"]["port"], "grace_s": v["stop_grace_s"]}
+
+
 def context(hv: HostVars) -> dict:
     """The template variables: the host's own plus what is derived from them."""
     v = hv.vars
@@ -90,6 +97,7 @@ def context(hv: HostVars) -> dict:
         "ports": hv.ports,
         "backends": hv.backends,
         "engine_argv": engine_argv(hv),
+        "stop_spec": stop_spec(hv),
         "visibility_var": accelerators.kind(v["accelerator"]).visibility_var,
         "num": _num,
     }

@@ -7,7 +7,7 @@ from __future__ import annotations
 import shlex
 import time
 
-from . import lifecycle, release
+from . import lifecycle, release, runlock
 from .errors import FleetError
 from .inventory import HostVars
 from .lifecycle import Emit, Report
@@ -46,13 +46,19 @@ def backends(conn, hv: HostVars) -> dict[str, dict] | None:
 
 
 def restart(conn, hv: HostVars, emit: Emit = lambda line: None, instance: int | None = None,
-            rolling: bool = False) -> Report:
-    """Restart one instance, or every instance in turn (rolling); stops at the first that fails."""
+            rolling: bool = False, wait: bool = False) -> Report:
+    """Restart one instance, or every instance in turn (rolling); stops at the first that fails.
+    wait: when another run holds the deployment's lock, wait for it instead of failing at once."""
     hv = lifecycle.prepare(conn, hv)
     if (instance is None) == (not rolling):
         raise FleetError("restart needs either --instance I or --rolling.")
     if instance is not None and not 0 <= instance < hv["instances"]:
         raise FleetError(f"{hv.name}: there is no instance {instance}; instances are 0-{hv['instances'] - 1}.")
+    with runlock.held(conn, hv, "restart", emit, wait):
+        return _restart(conn, hv, emit, instance)
+
+
+def _restart(conn, hv: HostVars, emit: Emit, instance: int | None) -> Report:
     report = Report(hv.name)
     files = lifecycle.host_files(hv)
     facts = lifecycle.probe(conn, hv, [f.path for f in files], readonly=True)
@@ -67,7 +73,7 @@ def restart(conn, hv: HostVars, emit: Emit = lambda line: None, instance: int | 
         emit("proxy: not answering on the admin port; instances restart without drain")
     for i in [instance] if instance is not None else range(hv["instances"]):
         if not _restart_one(conn, hv, i, report, emit, proxy_up):
-            if rolling and i < hv["instances"] - 1:
+            if instance is None and i < hv["instances"] - 1:
                 report.add("rolling", "failed", f"stopped after instance {i}; instances "
                            f"{i + 1}-{hv['instances'] - 1} were not restarted")
             break

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import os
 import shlex
+import queue
 import subprocess
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -50,11 +52,53 @@ class Transport:
         """The home directory of the user the commands run as."""
         raise NotImplementedError
 
+    def start(self, command: str) -> "Running":
+        """Start a bash command line whose standard input stays open until Running.close(): for a
+        process on the host that must live exactly as long as this run (the run lock's holder)."""
+        raise NotImplementedError
+
     def exists(self, path: str) -> bool:
         return self.run(f"test -e {shlex.quote(path)}").ok
 
     def close(self) -> None:
         pass
+
+
+class Running:
+    """A command started by Transport.start: its output lines as they come, and close()."""
+
+    def __init__(self, host: str, lines, close_input, wait, stderr):
+        self.host = host
+        self._lines: queue.Queue = queue.Queue()
+        self._close_input, self._wait, self._stderr = close_input, wait, stderr
+        threading.Thread(target=self._pump, args=(lines,), daemon=True).start()
+
+    def _pump(self, lines) -> None:
+        try:
+            for line in lines:
+                self._lines.put(line.rstrip("\n") if isinstance(line, str) else
+                                line.decode("utf-8", "replace").rstrip("\n"))
+        except (OSError, ValueError, EOFError):
+            pass
+        self._lines.put(None)
+
+    def readline(self, timeout: float | None = None) -> str | None:
+        """The next line of standard output; None once the command's output has ended."""
+        try:
+            return self._lines.get(timeout=timeout)
+        except queue.Empty:
+            raise RemoteError(f"{self.host}: no answer within {timeout:g}s from a command on the host.") from None
+
+    def stderr(self) -> str:
+        return self._stderr()
+
+    def close(self, timeout: float = 10) -> int | None:
+        """Close its standard input and wait for it to end; its exit status (None if unknown)."""
+        try:
+            self._close_input()
+        except (OSError, ValueError, EOFError):
+            pass
+        return self._wait(timeout)
 
 
 class LocalTransport(Transport):
@@ -87,6 +131,20 @@ class LocalTransport(Transport):
         err = proc.stderr.read()
         proc.wait()
         return Result(proc.returncode, "".join(lines), err)
+
+    def start(self, command) -> Running:
+        env = {k: v for k, v in os.environ.items() if k != "FLEET_TAG"}
+        proc = subprocess.Popen(["bash", "-c", command], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env)
+
+        def wait(timeout):
+            try:
+                return proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                return proc.wait()
+        return Running(self.host, proc.stdout, proc.stdin.close, wait,
+                       lambda: proc.stderr.read() if proc.poll() is not None else "")
 
     def put(self, path, content, mode) -> None:
         directory = os.path.dirname(path)
@@ -254,6 +312,26 @@ class SSHTransport(Transport):
                           err.decode("utf-8", "replace"))
         finally:
             chan.close()
+
+    def start(self, command) -> Running:
+        import paramiko
+        try:
+            chan = self.conn.transport.open_session(timeout=30)
+            chan.exec_command(f"bash -c {shlex.quote(command)}")
+        except (paramiko.SSHException, OSError, EOFError) as e:
+            raise RemoteError(f"{self.host}: lost the SSH connection to {self.address} ({e}).") from None
+
+        def wait(timeout):
+            deadline = time.monotonic() + timeout
+            while not chan.exit_status_ready() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            status = chan.recv_exit_status() if chan.exit_status_ready() else None
+            chan.close()
+            return status
+
+        def stderr():
+            return chan.recv_stderr(65536).decode("utf-8", "replace") if chan.recv_stderr_ready() else ""
+        return Running(self.host, chan.makefile("r"), chan.shutdown_write, wait, stderr)
 
     def _sftp(self):
         import paramiko

@@ -18,7 +18,7 @@ import signal
 import subprocess
 import time
 
-from . import host
+from . import host, processes
 from .host import FrontError
 
 
@@ -40,9 +40,14 @@ def preflight(cfg: dict, nginx: str | None = None) -> dict:
         raise FrontError(f"nginx -t rejects {cfg['conf']}: {why or r.stderr.strip()[-300:]}; "
                          "fix the inventory (or the template) and deploy again.")
     if not host.nginx_pid(cfg) and not host.proxy_pid(cfg)[0] and not host.port_free(cfg):
-        raise FrontError(f"port {cfg['port']} is taken by a process that is not this deployment's "
-                         "proxy or nginx; free it or change proxy.port.")
+        raise FrontError(_stranger(cfg) + ".")
     return {"nginx": nginx, "version": _version(nginx)}
+
+
+def _stranger(cfg: dict) -> str:
+    """The sentence naming who holds the entry port, which is neither this deployment's proxy nor nginx."""
+    holders = processes.port_holders(cfg["port"])
+    return processes.stranger(cfg["port"], holders[0] if holders else {}, "proxy.port")
 
 
 def _version(nginx: str) -> str:
@@ -71,6 +76,10 @@ def _spawn_nginx(cfg: dict, nginx: str, sock) -> int:
                              stdin=subprocess.DEVNULL, stdout=err, stderr=err, start_new_session=True)
     finally:
         err.close()
+    # nginx writes its own pid file (run/nginx.master.pid, a bare pid); run/nginx.pid is the record
+    # the toolkit checks before it signals nginx. nginx's setproctitle erases its environment's tag,
+    # so the record's start time is what proves it is ours.
+    processes.write_record(cfg["pid_file"], p.pid, f"{cfg['deployment_id']}/nginx")
     return p.pid
 
 
@@ -109,11 +118,10 @@ def to_nginx(cfg: dict, config_path: str, nginx: str | None = None, say=print) -
         t_term = t_last_taken = None
         if sock is None:
             if not proxy_pid:
-                raise FrontError(f"port {cfg['port']} is taken by a process that is not this deployment's; "
-                                 "free it or change proxy.port.")
+                raise FrontError(_stranger(cfg) + ".")
             say(f"proxy: SIGTERM to pid {proxy_pid}: it stops accepting and drains its in-flight requests")
             t_term = time.monotonic()
-            os.killpg(proxy_pgid, signal.SIGTERM)
+            host.signal_group(proxy_pgid, proxy_pid, signal.SIGTERM)
             deadline = t_term + 15
             while sock is None and time.monotonic() < deadline:
                 t_last_taken = time.monotonic()
@@ -138,7 +146,7 @@ def to_nginx(cfg: dict, config_path: str, nginx: str | None = None, say=print) -
         t_ready = time.monotonic()
         if overlap:
             say(f"proxy: listener shares the port (SO_REUSEPORT); nginx answers, SIGTERM to pid {proxy_pid}")
-            os.killpg(proxy_pgid, signal.SIGTERM)
+            host.signal_group(proxy_pgid, proxy_pid, signal.SIGTERM)
         result.update(changed=True, pid=pid, overlap=overlap,
                       gap_ms=0.0 if overlap or t_last_taken is None else ms(t_bound - t_last_taken),
                       release_ms=ms(t_bound - t_term) if t_term else None,
@@ -149,7 +157,7 @@ def to_nginx(cfg: dict, config_path: str, nginx: str | None = None, say=print) -
             result["proxy_drained"] = _finish_proxy(cfg, proxy_pid, proxy_pgid)
             say(f"proxy: pid {proxy_pid} " + ("finished its in-flight requests and exited" if
                 result["proxy_drained"] else "was killed after proxy_drain_s"))
-    if not host.alive(host.read_pid(host.run_path(cfg, "nginx_watch.pid"))[0]):
+    if not host.ours(cfg, "nginx_watch.pid", "nginx-watch"):
         result["watcher_pid"] = host.start_watcher(cfg, config_path, nginx)
         result["changed"] = True
         say(f"watcher: pid {result['watcher_pid']} polls {cfg['health_path']} of {len(cfg['backends'])} "

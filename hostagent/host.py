@@ -15,7 +15,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-from . import upstream
+from . import processes, upstream
 
 # Where nginx lives when it is not on PATH (a user's PATH often lacks the sbin directories).
 NGINX_CANDIDATES = ("/usr/sbin/nginx", "/usr/local/sbin/nginx", "/usr/local/nginx/sbin/nginx", "/sbin/nginx")
@@ -73,25 +73,20 @@ def nginx_argv(cfg: dict, nginx: str) -> list[str]:
 
 
 def read_pid(path: str) -> tuple[int | None, int | None]:
-    """(pid, pgid) from a pid file holding `pid [pgid]`; (None, None) when absent or unreadable."""
-    try:
-        with open(path) as f:
-            parts = f.read().split()
-        pid = int(parts[0])
-        return pid, int(parts[1]) if len(parts) > 1 else pid
-    except (OSError, ValueError, IndexError):
+    """(pid, pgid) from a pid file's record; (None, None) when absent or unreadable."""
+    rec, _ = processes.read_record_file(path)
+    if rec is None:
         return None, None
+    return rec["pid"], rec["pgid"] or rec["pid"]
 
 
-def alive(pid: int | None) -> bool:
-    """True when pid runs (a zombie does not count)."""
-    if not pid:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
+alive = processes.alive
+
+
+def ours(cfg: dict, name: str, what: str):
+    """The live process run/NAME records, when it still is the deployment's `what` (its record's start time
+    and tag); None otherwise: a stale pid file is never acted on."""
+    return processes.verified(run_path(cfg, name), f"{cfg['deployment_id']}/{what}")
 
 
 def run_path(cfg: dict, name: str) -> str:
@@ -106,13 +101,13 @@ def write_atomic(path: str, text: str) -> None:
 
 
 def nginx_pid(cfg: dict) -> int | None:
-    pid, _ = read_pid(cfg["pid_file"])
-    return pid if alive(pid) else None
+    p = processes.verified(cfg["pid_file"], f"{cfg['deployment_id']}/nginx")
+    return p.pid if p else None
 
 
 def proxy_pid(cfg: dict) -> tuple[int | None, int | None]:
-    pid, pgid = read_pid(run_path(cfg, "proxy.pid"))
-    return (pid, pgid) if alive(pid) else (None, None)
+    p = ours(cfg, "proxy.pid", "proxy")
+    return (p.pid, p.pgid) if p else (None, None)
 
 
 def check_health(cfg: dict) -> set[str]:
@@ -201,13 +196,22 @@ def tagged_env(cfg: dict, what: str) -> dict:
     return {**os.environ, "FLEET_TAG": f"{cfg['deployment_id']}/{what}"}
 
 
+def signal_group(pgid: int | None, pid: int, sig) -> None:
+    """Signal pid's process group when pid leads it (never group 0 or 1, nor this process's own),
+    else pid alone."""
+    if pgid == pid and pgid not in processes.PROTECTED and pgid != os.getpgid(0):
+        os.killpg(pgid, sig)
+    elif pid not in processes.PROTECTED:
+        os.kill(pid, sig)
+
+
 def stop_group(pgid: int | None, pid: int | None, grace_s: float, sig=signal.SIGTERM) -> bool:
-    """Signal a process group, wait up to grace_s for pid to go, then SIGKILL the group.
+    """Signal a process group (see signal_group), wait up to grace_s for pid to go, then SIGKILL the group.
     True when it went within the grace period."""
     if not pgid or not alive(pid):
         return True
     try:
-        os.killpg(pgid, sig)
+        signal_group(pgid, pid, sig)
     except ProcessLookupError:
         return True
     deadline = time.monotonic() + grace_s
@@ -215,7 +219,7 @@ def stop_group(pgid: int | None, pid: int | None, grace_s: float, sig=signal.SIG
         time.sleep(0.02)
     if alive(pid):
         try:
-            os.killpg(pgid, signal.SIGKILL)
+            signal_group(pgid, pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         return False
@@ -231,17 +235,17 @@ def start_watcher(cfg: dict, config_path: str, nginx: str) -> int:
                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                          start_new_session=True)
     log.close()
-    write_atomic(run_path(cfg, "nginx_watch.pid"), f"{p.pid} {p.pid}\n")
+    processes.write_record(run_path(cfg, "nginx_watch.pid"), p.pid, f"{cfg['deployment_id']}/nginx-watch")
     return p.pid
 
 
 def stop_watcher(cfg: dict) -> bool:
     """Stop the watcher if it runs; True when one was stopped."""
     path = run_path(cfg, "nginx_watch.pid")
-    pid, pgid = read_pid(path)
-    was = alive(pid)
+    p = ours(cfg, "nginx_watch.pid", "nginx-watch")
+    was = p is not None
     if was:
-        stop_group(pgid, pid, 3)
+        stop_group(p.pgid, p.pid, 3)
     try:
         os.remove(path)
     except OSError:

@@ -9,6 +9,8 @@ import pytest
 
 from conftest import wait_until
 
+from hostagent.processes import parse_record
+
 from fleet_helpers import deployment_id, inv, kill_tagged, status_json, tagged_pids, write_inventory
 
 
@@ -124,7 +126,7 @@ def test_deploy_brings_back_an_instance_whose_api_server_was_killed(cluster):
     import signal
     inventory, dep, _, tmp = cluster
     before = status_json(inventory)
-    pid = int((tmp / "deploy" / "run" / "instance_0.pid").read_text().split()[0])
+    pid = parse_record((tmp / "deploy" / "run" / "instance_0.pid").read_bytes())["pid"]
     orphans = [p for p in tagged_pids(dep + "/0") if p != pid]
     assert orphans, "the sim's engine child should carry the instance's tag"
     os.kill(pid, signal.SIGKILL)

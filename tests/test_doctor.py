@@ -42,8 +42,8 @@ def test_doctor_names_a_missing_model_path_and_a_taken_port(tmp_path):
         assert re.search(rf"^fail  model: the model path {tmp_path}/models/MiniCPM-V-4_5 does not exist on "
                          r"the host\n      fix: copy the weights there, or set model to where they are$", out, re.M), out
         assert re.search(rf"^ok    port {base} \(instance 0\): free$", out, re.M), out
-        assert re.search(rf"^fail  port {base + 1} \(instance 1\): taken by pid {os.getpid()} \([^)]+\), not this "
-                         r"deployment\n      fix: stop that process, or change base_port$", out, re.M), out
+        assert re.search(rf"^fail  port {base + 1} \(instance 1\): port {base + 1} is held by pid {os.getpid()} "
+                         r"\(.+\), which is not this deployment's; stop it yourself or change base_port$", out, re.M), out
         assert re.search(r"^warn  smi: no smi found .*\n      fix: install it or name it with the inventory key smi",
                          out, re.M), out
         assert re.search(r"^ok    (fuser|ss): /", out, re.M) and re.search(r"^ok    logs: [\d.]+ GiB free", out, re.M)

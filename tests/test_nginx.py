@@ -326,7 +326,7 @@ def test_watcher_rotates_the_access_log(tmp_path):
     from hostagent import watch
     log = tmp_path / "nginx_access.log"
     cfg = {"access_log": str(log), "access_log_max_mb": 0.001, "access_log_backups": 2,
-           "pid_file": str(tmp_path / "nginx.pid")}
+           "pid_file": str(tmp_path / "nginx.pid"), "deployment_id": "t-0"}
     for n in range(4):
         log.write_text(f"{n}\n" * 600)
         assert watch.rotate_access_log(cfg)

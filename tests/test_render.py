@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from hostagent import processes
+from hostagent.processes import parse_record
+
 from fleet import inventory, render
 
 from conftest import PYTHON, ROOT, free_ports, wait_until, require_tool
@@ -115,11 +118,12 @@ def recorder_host(tmp_path):
     for i in range(2):
         pidfile = tmp_path / "deploy" / "run" / f"instance_{i}.pid"
         if pidfile.exists():
-            pid, pgid = map(int, pidfile.read_text().split())
-            try:
-                os.killpg(pgid, 9)
-            except ProcessLookupError:
-                pass
+            rec = parse_record(pidfile.read_bytes())
+            if rec["start"] is not None and (processes.read_stat(rec["pid"]) or ())[4:] == (rec["start"],):
+                try:
+                    os.killpg(rec["pgid"], 9)
+                except ProcessLookupError:
+                    pass
 
 
 def test_nasty_values_reach_the_engine_as_one_literal_argument(recorder_host):
@@ -134,11 +138,13 @@ def test_nasty_values_reach_the_engine_as_one_literal_argument(recorder_host):
     assert argv[argv.index("--served-model-name") + 1] == "name with 'quotes' and $(x)"
     assert argv[-3:] == ["--limit-mm-per-prompt", '{"image": 4}', "; touch PWNED4"]
     assert not list(tmp.glob("PWNED*")) and not list((tmp / "deploy").glob("**/PWNED*"))
-    # Device visibility, tag, and its own process group (setsid) with pid and pgid recorded.
+    # Device visibility, tag, and its own session (setsid), its identity recorded: pid, pgid, sid, start, tag.
     assert rec["hip"] == "0" and rec["tag"] == f"{hv.deployment_id}/0"
     assert rec["pgid"] == rec["pid"]
-    pid, pgid = map(int, (tmp / "deploy" / "run" / "instance_0.pid").read_text().split())
-    assert (pid, pgid) == (rec["pid"], rec["pgid"])
+    recorded = parse_record((tmp / "deploy" / "run" / "instance_0.pid").read_bytes())
+    state, _, pgid, sid, start = processes.read_stat(rec["pid"])
+    assert recorded == {"pid": rec["pid"], "pgid": rec["pid"], "sid": rec["pid"], "start": start,
+                        "tag": f"{hv.deployment_id}/0"}
 
 
 def test_start_twice_skips_every_instance_and_honours_env_overrides(recorder_host):

@@ -59,7 +59,7 @@ def test_orphans_of_killed_api_servers_are_found_by_tag_and_every_card_released(
 
         r = inv("stop", "--host", "t", inventory=inventory)
         assert r.returncode == 0, r.stdout + r.stderr
-        swept = {int(p) for p in re.findall(r"^tagged pid (\d+) \(FLEET_TAG=", r.stdout, re.M)}
+        swept = {int(p) for p in re.findall(r"^instance \d: stopping pid (\d+) \(.*\): FLEET_TAG=", r.stdout, re.M)}
         assert set(orphans) <= swept, r.stdout
         assert table_rows(r.stdout) == {c: "released" for c in range(4)}, r.stdout
         assert tagged_pids(dep + "/") == []

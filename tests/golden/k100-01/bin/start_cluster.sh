@@ -32,6 +32,27 @@ mkdir -p "$DEPLOY_DIR/run" "$DEPLOY_DIR/logs" || exit 1
 command -v ss >/dev/null || { echo "ss not found: install iproute2" >&2; exit 3; }
 command -v setsid >/dev/null || { echo "setsid not found: install util-linux" >&2; exit 3; }
 
+
+# record_identity FILE PID TAG: wait (briefly: setsid runs in the child) until PID leads its own session,
+# then write its identity record, which every later signal is checked against: pid, process group,
+# session, start time (field 22 of /proc/PID/stat: a reused pid has another) and FLEET_TAG.
+record_identity() {
+    local file=$1 pid=$2 tag=$3 tries=0 stat="" f=()
+    while [ $tries -lt 100 ]; do
+        { read -r stat <"/proc/$pid/stat"; } 2>/dev/null || stat=""
+        [ -n "$stat" ] || break
+        read -r -a f <<<"${stat##*) }"            # f[0] is field 3 (state), f[3] field 6 (session)
+        [ "${f[3]}" = "$pid" ] && break
+        tries=$((tries + 1)); sleep 0.02
+    done
+    if [ ${#f[@]} -ge 20 ]; then
+        echo "pid=$pid pgid=${f[2]} sid=${f[3]} start=${f[19]} tag=$tag" >"$file.tmp"
+    else
+        echo "pid=$pid tag=$tag" >"$file.tmp"       # it exited already: nothing left to prove
+    fi
+    mv -f "$file.tmp" "$file"
+}
+
 port_listening() {
     ss -ltnH 2>/dev/null | awk '{print $4}' | grep -Eq "[:.]$1\$"
 }
@@ -48,17 +69,12 @@ start_instance() {
     local args=(--port "$port" --max-num-seqs "$MAX_SEQS" --max-model-len "$MAX_LEN"
                 --served-model-name "$SERVED_NAME")
     [ "$EAGER" = 1 ] && args+=(--enforce-eager)
-    # setsid: the instance leads its own process group, so a stop reaches its spawned children too.
+    # setsid: the instance leads its own session (and group), where its spawned children stay: a stop
+    # finds them by that session even when they are renamed, orphaned and without FLEET_TAG.
     FLEET_TAG="$FLEET_ID/$i" HIP_VISIBLE_DEVICES="$i" \
         setsid "${ENGINE[@]}" "${args[@]}" "${EXTRA_ARGS[@]}" >"$log" 2>&1 </dev/null &
-    local pid=$! pgid="" tries=0
-    # setsid runs in the child; wait (briefly) until the child leads its group before recording it.
-    while [ $tries -lt 50 ]; do
-        pgid=$(ps -o pgid= -p "$pid" 2>/dev/null | tr -d ' ')
-        [ "$pgid" = "$pid" ] && break
-        tries=$((tries + 1)); sleep 0.02
-    done
-    echo "$pid ${pgid:-$pid}" >"$pidfile"
+    local pid=$!
+    record_identity "$pidfile" "$pid" "$FLEET_ID/$i"
     echo "instance $i: started pid $pid on port $port, accelerator $i, log $log"
     return 0
 }
