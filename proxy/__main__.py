@@ -30,8 +30,13 @@ async def serve(config, config_path: str) -> None:
     await runner.setup()
     await admin_runner.setup()
     public = web.TCPSite(runner, config.listen.host, config.listen.port, reuse_port=config.listen.reuse_port or None)
-    await public.start()
-    await web.TCPSite(admin_runner, config.admin.host, config.admin.port).start()
+    try:
+        await public.start()
+        await web.TCPSite(admin_runner, config.admin.host, config.admin.port).start()
+    except OSError:   # a port taken: close the client session and the health loop before saying so
+        await runner.cleanup()
+        await admin_runner.cleanup()
+        raise
     log.info("listening on %s:%d, admin on %s:%d, backends %s", config.listen.host, config.listen.port,
              config.admin.host, config.admin.port, ", ".join(config.backends))
 
