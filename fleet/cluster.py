@@ -27,6 +27,7 @@ def address(hv: "HostVars") -> str:
 
 def front_backends(inv: "Inventory", entry: "HostVars", overrides=()) -> list[str]:
     """The backends of an entry host's proxy: the instances of every host it fronts, in its order."""
+    from .inventory import backend_name
     where = f"{inv.path}: hosts.{entry.name}.fronts"
     backends: list[str] = []
     owner: dict[str, str] = {}
@@ -34,13 +35,20 @@ def front_backends(inv: "Inventory", entry: "HostVars", overrides=()) -> list[st
         if member not in inv.hosts:
             raise InventoryError(f"{where}: {member!r} is not defined under hosts; add it or drop it here.")
         if member == entry.name:
-            names = [f"127.0.0.1:{p}" for p in entry.ports]
+            names = [backend_name(entry.instance_host, p) for p in entry.ports]
         else:
-            mv = inv.host_vars(member, overrides)
-            if mv["fronts"]:
+            # Read the member's fronts from its layers before building it: building an entry host builds
+            # its members, so a cycle (a fronts b, b fronts a) would never end.
+            if inv.fronts_of(member, overrides):
+                chain = _path_back(inv, member, entry.name, overrides)
+                if chain:
+                    links = ", ".join(f"{x} fronts {y}" for x, y in zip([entry.name] + chain, chain + [entry.name]))
+                    raise InventoryError(f"{where}: a cycle: {links}; an entry host fronts instances, "
+                                         "not other entry hosts.")
                 raise InventoryError(f"{where}: {member!r} is itself an entry host (it has fronts); "
                                      "an entry host fronts instances, not other entry hosts.")
-            names = [f"{address(mv)}:{p}" for p in mv.ports]
+            mv = inv.host_vars(member, overrides)
+            names = [backend_name(address(mv), p) for p in mv.ports]
         for name in names:
             if name in owner:
                 raise InventoryError(f"{where}: {owner[name]} and {member} both put an instance at {name}; "
@@ -48,6 +56,20 @@ def front_backends(inv: "Inventory", entry: "HostVars", overrides=()) -> list[st
             owner[name] = member
             backends.append(name)
     return backends
+
+
+def _path_back(inv: "Inventory", start: str, goal: str, overrides) -> list[str]:
+    """The hosts from start along `fronts` back to goal ([start, ..., last before goal]), or [] if none."""
+    todo, seen = [[start]], {start}
+    while todo:
+        path = todo.pop()
+        for nxt in inv.fronts_of(path[-1], overrides):
+            if nxt == goal:
+                return path
+            if nxt not in seen and nxt in inv.hosts:
+                seen.add(nxt)
+                todo.append(path + [nxt])
+    return []
 
 
 def phases(host_vars: list["HostVars"], order: str | None) -> list[list["HostVars"]]:

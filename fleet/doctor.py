@@ -51,7 +51,7 @@ def engine_cmd(hv: HostVars) -> list[str]:
 def facts(conn, hv: HostVars) -> dict:
     """Run the doctor's probe on the host, after env_setup (so PATH is the engine's)."""
     dep = hv.deployment_id
-    ports = [{"port": p, "what": f"instance {i}", "key": "base_port",
+    ports = [{"port": p, "host": hv.instance_host, "what": f"instance {i}", "key": "base_port",
               "pidfiles": [(f"run/instance_{i}.pid", f"{dep}/{i}")]} for i, p in enumerate(hv.ports)]
     # The entry port is ours when the front holding it is: the proxy, or nginx in nginx mode.
     proxy = ("run/proxy.pid", f"{dep}/proxy")

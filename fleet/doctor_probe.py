@@ -56,9 +56,9 @@ def pidfile_pid(path, tag):
     return p.pid if p else None
 
 
-def listening(port):
+def listening(port, host="127.0.0.1"):
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1):
+        with socket.create_connection((host, port), timeout=1):
             return True
     except OSError:
         return False
@@ -70,7 +70,7 @@ def port_facts(spec):
         port = item["port"]
         ours = next((pid for pid in (pidfile_pid(os.path.join(spec["deploy_dir"], f), tag)
                                      for f, tag in item["pidfiles"]) if pid), None)
-        busy = listening(port)
+        busy = listening(port, item.get("host", "127.0.0.1"))
         holders = processes.port_holders(port) if busy else []
         tagged = any(processes.ours_by_tag(h, spec["deployment_id"]) for h in holders)
         stranger = processes.stranger(port, holders[0] if holders else {}, item["key"]) if busy else None

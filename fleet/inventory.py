@@ -2,132 +2,29 @@
 
 Variables resolve in this order, later wins: built-in defaults < `defaults:` < each group the host is in
 (in file order) < the host's own keys < `--set key=value` from the command line. Every layer is checked
-against SCHEMA on its own, so an error names the file and the exact key path where the bad value lives.
+against the schema (fleet.schema) on its own, so an error names the file and the exact key path where the
+bad value lives; the merged result is checked again, then the checks that span keys (ports, instances
+against accelerators) and hosts (`fronts`, ports shared on one machine) run, all before anything is built.
 """
 from __future__ import annotations
 
 import copy
 import hashlib
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel, ValidationError
 
+from . import schema
 from .errors import InventoryError
 
 DEFAULT_INVENTORY = "inventory/hosts.yml"
-HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-
-
-class Port:
-    """Schema marker: an integer TCP port (1-65535)."""
-
-
-class Str:
-    """Schema marker: a string, optionally one of a set of choices."""
-
-    def __init__(self, *choices: str):
-        self.choices = choices
-
-
-class StrList:
-    """Schema marker: a list of strings."""
-
-
-class Mapping(dict):
-    """Schema marker: a nested mapping whose keys are checked in turn (`proxy`, `ssh`...)."""
-
-
-# Key -> type. bool, int, float are checked as such (True is not an integer here); None allowed via OPTIONAL.
-SCHEMA: dict[str, Any] = {
-    "connection": Str("local", "ssh"),
-    "ssh": Mapping(host=Str(), port=Port, user=Str(), key_file=Str(),
-                   accept_new_host_key=bool, connect_timeout_s=float, known_hosts=Str()),
-    "engine": Str("vllm", "sim"),
-    "accelerator": Str("dcu", "rocm", "nvidia", "sim"),
-    "accelerators": int,
-    "instances": int,
-    "base_port": Port,
-    "model": Str(),
-    "served_model_name": Str(),
-    "max_num_seqs": int,
-    "max_model_len": int,
-    "enforce_eager": bool,
-    "gpu_memory_utilization": float,
-    "extra_args": StrList,
-    "env_setup": Str(),
-    "python": Str(),
-    "vllm_bin": Str(),
-    "deploy_dir": Str(),
-    "stagger_s": float,
-    "health_timeout_s": float,
-    "stop_grace_s": float,
-    "release_timeout_s": float,
-    "release_threshold_mib": float,
-    "drain_timeout_s": float,
-    "smi": Str(),
-    "sim": Mapping(load_s=float, prefill_ms=float, token_ms=float, output_tokens=int, instant=bool),
-    "address": Str(),
-    "fronts": StrList,
-    "proxy": Mapping(
-        port=Port, admin_port=Port, bind=Str(), health_interval_s=float, timeout_s=float,
-        connect_timeout_s=float, max_body_mb=float, retries=int, max_fails=int, shutdown_timeout_s=float,
-        fix_numeric_user=bool, api_keys_file=Str(),
-        results_log=Mapping(max_mb=float, backups=int),
-        queue=Mapping(max=int, timeout_s=float, headroom=int),
-    ),
-    "nginx": Mapping(bin=Str(), user=Str(), log_dir=Str(), temp_dir=Str(), worker_processes=Str(),
-                     max_fails=int, fail_timeout_s=float, keepalive=int),
-}
-
-# Keys that may be null (meaning "work it out": the host's python3, the model path as served name...).
-OPTIONAL = {"address", "connection", "python", "served_model_name", "ssh", "vllm_bin", "smi"}
-
-BUILTIN_DEFAULTS: dict[str, Any] = {
-    "connection": None,
-    "engine": "vllm",
-    "accelerator": "dcu",
-    "accelerators": 8,
-    "instances": 8,
-    "base_port": 8002,
-    "model": "",
-    "served_model_name": None,
-    "max_num_seqs": 4,
-    "max_model_len": 8192,
-    "enforce_eager": False,
-    "gpu_memory_utilization": 0.9,
-    "extra_args": [],
-    "env_setup": "",
-    "python": None,
-    "vllm_bin": None,
-    "deploy_dir": "~/vllm-fleet",
-    "stagger_s": 5.0,
-    "health_timeout_s": 600.0,
-    "stop_grace_s": 10.0,
-    "release_timeout_s": 60.0,
-    "release_threshold_mib": 1024.0,
-    "drain_timeout_s": 60.0,
-    "smi": None,
-    "ssh": None,
-    "address": None,
-    "fronts": [],
-    "sim": {"load_s": 3.0, "prefill_ms": 100.0, "token_ms": 10.0, "output_tokens": 200, "instant": False},
-    "proxy": {
-        "port": 8000, "admin_port": 8001, "bind": "0.0.0.0", "health_interval_s": 5.0,
-        "timeout_s": 300.0, "connect_timeout_s": 5.0, "max_body_mb": 64.0,
-        "retries": 2, "max_fails": 3, "shutdown_timeout_s": 30.0, "fix_numeric_user": True,
-        "api_keys_file": "",
-        "results_log": {"max_mb": 50.0, "backups": 3},
-        # A backend takes max_num_seqs + headroom at once; the rest wait in the proxy's one queue.
-        "queue": {"max": 256, "timeout_s": 60.0, "headroom": 0},
-    },
-    # nginx mode (`inv swap-to-nginx`); empty strings mean: found on the host / under deploy_dir.
-    "nginx": {"bin": "", "user": "", "log_dir": "", "temp_dir": "", "worker_processes": "auto",
-              "max_fails": 1, "fail_timeout_s": 5.0, "keepalive": 64},
-}
+HOST_NAME = schema.HOST_NAME
+# The built-in defaults, every key of fleet.schema.HostSettings (the lowest layer of every host).
+BUILTIN_DEFAULTS: dict[str, Any] = schema.defaults()
 
 
 @dataclass
@@ -159,18 +56,34 @@ class Inventory:
             raise InventoryError(f"{self.path}: --host {pattern!r} selects no host.")
         return names
 
+    def layers(self, name: str, overrides: list[str] | tuple[str, ...] = ()) -> list[dict]:
+        """The layers of one host, lowest first: defaults, its groups in file order, its own keys, --set."""
+        out = [self.defaults]
+        out += [{k: v for k, v in group.items() if k != "hosts"}
+                for group in self.groups.values() if name in group.get("hosts", [])]
+        return out + [self.hosts[name], parse_overrides(overrides)]
+
+    def fronts_of(self, name: str, overrides=()) -> list[str]:
+        """The hosts a host fronts, read from its layers alone (no HostVars built: cycles stay cheap)."""
+        found: list[str] = []
+        for layer in self.layers(name, overrides):
+            if "fronts" in layer:
+                found = layer["fronts"] or []
+        return list(found)
+
     def host_vars(self, name: str, overrides: list[str] | tuple[str, ...] = ()) -> "HostVars":
         """The resolved, validated variables of one host, `--set` overrides applied last."""
         merged = copy.deepcopy(BUILTIN_DEFAULTS)
-        _merge(merged, self.defaults)
-        for gname, group in self.groups.items():
-            if name in group.get("hosts", []):
-                _merge(merged, {k: v for k, v in group.items() if k != "hosts"})
-        _merge(merged, self.hosts[name])
-        _merge(merged, parse_overrides(overrides))
+        for layer in self.layers(name, overrides):
+            _merge(merged, layer)
         if merged["connection"] is None:          # not said anywhere: an ssh block means ssh
             merged["connection"] = "ssh" if merged.get("ssh") else "local"
+        fronted = merged["bind"] is None and any(
+            name in self.fronts_of(other, overrides) for other in self.hosts if other != name)
         hv = HostVars.build(name, merged, self.path)
+        if fronted:                              # another host's proxy reaches these instances
+            from .cluster import address
+            hv.vars["bind"] = address(hv)
         if hv["fronts"]:
             from .cluster import front_backends   # an entry host's backends are its members' instances
             hv.front_backends = front_backends(self, hv, overrides)
@@ -186,6 +99,38 @@ def _merge(into: dict, layer: dict) -> None:
             into[key] = copy.deepcopy(value)
 
 
+class DuplicateKey(yaml.YAMLError):
+    """A mapping of the inventory names one key twice."""
+
+    def __init__(self, where: str, first: int, again: int):
+        super().__init__(where)
+        self.where, self.first, self.again = where, first, again
+
+
+class StrictLoader(yaml.SafeLoader):
+    """YAML's safe loader that refuses a key given twice in one mapping (plain YAML keeps the last)."""
+
+    def construct_document(self, node):
+        _no_duplicates(node, "")
+        return super().construct_document(node)
+
+
+def _no_duplicates(node, where: str) -> None:
+    if isinstance(node, yaml.MappingNode):
+        seen: dict = {}
+        for key_node, value_node in node.value:
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+            at = f"{where}.{key}" if where else str(key)
+            if key is not None and key != "<<":
+                if key in seen:
+                    raise DuplicateKey(at, seen[key] + 1, key_node.start_mark.line + 1)
+                seen[key] = key_node.start_mark.line
+            _no_duplicates(value_node, at)
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _no_duplicates(item, where)
+
+
 def load(path: str | os.PathLike | None = None) -> Inventory:
     """Read and check an inventory file (default: $FLEET_INVENTORY, else inventory/hosts.yml)."""
     path = str(path or os.environ.get("FLEET_INVENTORY") or DEFAULT_INVENTORY)
@@ -198,7 +143,10 @@ def load(path: str | os.PathLike | None = None) -> Inventory:
     except OSError as e:
         raise InventoryError(f"{path}: cannot read the inventory ({e.strerror}).") from None
     try:
-        data = yaml.safe_load(text) or {}
+        data = yaml.load(text, Loader=StrictLoader) or {}
+    except DuplicateKey as e:
+        raise InventoryError(f"{path}: {e.where}: given twice (lines {e.first} and {e.again}); "
+                             "keep one of them.") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -207,7 +155,7 @@ def load(path: str | os.PathLike | None = None) -> Inventory:
         raise InventoryError(f"{path}: expected a mapping with defaults, groups and hosts at the top.")
     unknown = set(data) - {"defaults", "groups", "hosts"}
     if unknown:
-        raise InventoryError(f"{path}: {sorted(unknown)[0]}: unknown top-level key; "
+        raise InventoryError(f"{path}: {sorted(map(str, unknown))[0]}: unknown top-level key; "
                              "use defaults, groups and hosts.")
     defaults = _mapping(data.get("defaults"), path, "defaults")
     groups = _mapping(data.get("groups"), path, "groups")
@@ -233,8 +181,9 @@ def load(path: str | os.PathLike | None = None) -> Inventory:
             raise InventoryError(f"{path}: groups.{gname}: a group cannot have the name of a host.")
         check_layer({k: v for k, v in group.items() if k != "hosts"}, path, f"groups.{gname}")
     inv = Inventory(path, defaults, groups, hosts)
-    for hname in hosts:          # cross-key checks (port clashes, instances > accelerators) before anything runs
-        inv.host_vars(hname)
+    # Cross-key checks (port clashes, instances > accelerators, fronts) and cross-host ones (ports shared
+    # on one machine) before anything runs.
+    check_shared_machines(inv, [inv.host_vars(hname) for hname in hosts])
     return inv
 
 
@@ -258,51 +207,45 @@ def _show(value) -> str:
     return str(value)
 
 
-def check_layer(layer: dict, path: str, where: str, schema: dict = SCHEMA) -> None:
-    """Check one layer's keys and types against the schema; raise naming `path: where.key`."""
-    for key, value in layer.items():
-        at = f"{where}.{key}" if where else key
-        if key not in schema:
-            raise InventoryError(f"{path}: {at}: unknown key; see the inventory reference in README.md.")
-        spec = schema[key]
-        if value is None and (key in OPTIONAL):
+def check_layer(layer: dict, path: str, where: str) -> schema.HostSettings:
+    """Check one layer's keys, types and bounds against the schema; raise naming `path: where.key`."""
+    try:
+        return schema.HostSettings.model_validate(layer)
+    except ValidationError as e:
+        raise InventoryError(_sentence(e.errors()[0], path, where)) from None
+
+
+def _section(annotation) -> type[BaseModel] | None:
+    """The Section model a field holds (`SSHSettings | None` -> SSHSettings), if it holds one."""
+    for t in (annotation, *getattr(annotation, "__args__", ())):
+        if isinstance(t, type) and issubclass(t, BaseModel):
+            return t
+    return None
+
+
+def _sentence(error: dict, path: str, where: str) -> str:
+    """One pydantic error as the inventory's sentence: `path: where.key.path: expected ..., got ...`."""
+    model: type[BaseModel] | None = schema.HostSettings
+    keys: list[str] = []
+    info = None
+    for i, seg in enumerate(error["loc"]):
+        if isinstance(seg, int):                 # a list item: the list's key names it
             continue
-        _check_value(value, spec, path, at)
-
-
-def _check_value(value, spec, path, at):
-    def bad(expected):
-        raise InventoryError(f"{path}: {at}: expected {expected}, got {_show(value)}.")
-
-    if isinstance(spec, Mapping):
-        if not isinstance(value, dict):
-            bad("a mapping")
-        check_layer(value, path, at, spec)
-    elif spec is bool:
-        if not isinstance(value, bool):
-            bad("true or false")
-    elif spec is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            bad("an integer")
-        if value < 0:
-            bad("a non-negative integer")
-    elif spec is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            bad("a number")
-        if value < 0:
-            bad("a non-negative number")
-    elif spec is Port:
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
-            bad("a port number (1-65535)")
-    elif spec is StrList:
-        if not isinstance(value, list) or not all(isinstance(v, (str, int, float)) and not isinstance(v, bool)
-                                                  for v in value):
-            bad("a list of strings")
-    elif isinstance(spec, Str):
-        if not isinstance(value, str):
-            bad("a string")
-        if spec.choices and value not in spec.choices:
-            bad("one of " + ", ".join(spec.choices))
+        if model is not None and seg in model.model_fields:
+            info = model.model_fields[seg]
+            keys.append(seg)
+            model = _section(info.annotation)
+        elif error["type"] == "extra_forbidden" and i == len(error["loc"]) - 1:
+            keys.append(str(seg))
+        # anything else is the tag of a union's member (`literal['auto']`, `constrained-int`)
+    at = ".".join(([where] if where else []) + keys)
+    if error["type"] == "extra_forbidden":
+        return f"{path}: {at}: unknown key; see the inventory reference in README.md."
+    if model is not None and info is not None and error["type"] in ("model_type", "dict_type"):
+        expected = "a mapping"
+    else:
+        expected = (info.description if info is not None else None) or "another value"
+    return f"{path}: {at}: expected {expected}, got {_show(error['input'])}."
 
 
 def parse_overrides(overrides) -> dict:
@@ -344,9 +287,11 @@ class HostVars:
 
     @classmethod
     def build(cls, name: str, merged: dict, path: str) -> "HostVars":
-        check_layer(merged, path, f"hosts.{name}")
-        v = merged
+        """Check the merged layers (types and bounds first, then the rules that span keys)."""
+        v = check_layer(merged, path, f"hosts.{name}").model_dump()
         where = f"{path}: hosts.{name}"
+        if v["connection"] is None:
+            v["connection"] = "ssh" if v["ssh"] else "local"
         if v["connection"] == "ssh" and not (v.get("ssh") or {}).get("host"):
             raise InventoryError(f"{where}.ssh.host: connection is ssh but no ssh.host is given; add it.")
         if v["fronts"] and name not in v["fronts"]:
@@ -357,11 +302,6 @@ class HostVars:
             raise InventoryError(
                 f"{where}.instances: {v['instances']} instances but the host has {v['accelerators']} "
                 "accelerators (one instance per card); lower instances or raise accelerators.")
-        if v["max_num_seqs"] < 1:
-            raise InventoryError(f"{where}.max_num_seqs: expected at least 1, got {v['max_num_seqs']}.")
-        if not 0 < v["gpu_memory_utilization"] <= 1:
-            raise InventoryError(f"{where}.gpu_memory_utilization: expected a fraction in (0, 1], "
-                                 f"got {v['gpu_memory_utilization']}.")
         if v["engine"] == "vllm" and not v["model"]:
             raise InventoryError(f"{where}.model: the vllm engine needs a model path; set model.")
         if v["engine"] == "sim" and not v["model"]:
@@ -369,10 +309,11 @@ class HostVars:
         if v["accelerator"] == "sim" and v["engine"] != "sim":
             raise InventoryError(f"{where}.accelerator: the sim accelerator only runs the sim engine; "
                                  "set engine: sim.")
-        ports = [v["base_port"] + i for i in range(v["instances"])]
-        if ports and ports[-1] > 65535:
-            raise InventoryError(f"{where}.base_port: instances would need ports up to {ports[-1]}, "
+        last = v["base_port"] + v["instances"] - 1        # instances is bounded: this list stays small
+        if last > 65535:
+            raise InventoryError(f"{where}.base_port: instances would need ports up to {last}, "
                                  "past 65535; lower base_port.")
+        ports = [v["base_port"] + i for i in range(v["instances"])]
         proxy = v["proxy"]
         for key in ("port", "admin_port"):
             if proxy[key] in ports:
@@ -382,17 +323,10 @@ class HostVars:
         if proxy["port"] == proxy["admin_port"]:
             raise InventoryError(f"{where}.proxy.admin_port: {proxy['admin_port']} is also proxy.port; "
                                  "give the admin listener its own port.")
-        if proxy["max_body_mb"] <= 0 or proxy["timeout_s"] <= 0:
-            raise InventoryError(f"{where}.proxy: max_body_mb and timeout_s must be above 0.")
-        if not 0 < proxy["queue"]["timeout_s"] < float("inf"):
-            raise InventoryError(f"{where}.proxy.queue.timeout_s: expected a finite number above 0, "
-                                 f"got {proxy['queue']['timeout_s']}.")
-        if proxy["retries"] < 0 or proxy["max_fails"] < 1 or proxy["shutdown_timeout_s"] <= 0:
-            raise InventoryError(f"{where}.proxy: retries must be 0 or more, max_fails 1 or more and "
-                                 "shutdown_timeout_s above 0.")
         if not v["served_model_name"]:
             v["served_model_name"] = os.path.basename(v["model"].rstrip("/")) or v["model"]
-        v["extra_args"] = [str(a) for a in v["extra_args"]]
+        if v["bind"] is None:                     # an instance serves its own host's proxy alone
+            v["bind"] = "127.0.0.1"               # (Inventory.host_vars widens it when another host fronts it)
         hv = cls(name=name, vars=v, inventory_path=path, ports=ports)
         hv.deployment_id = deployment_id(name, v["deploy_dir"])
         return hv
@@ -402,7 +336,51 @@ class HostVars:
         """The proxy's backends, named host:port as in X-Backend and the admin API."""
         if self.front_backends is not None:
             return list(self.front_backends)
-        return [f"127.0.0.1:{p}" for p in self.ports]
+        return [backend_name(self.instance_host, p) for p in self.ports]
+
+    @property
+    def instance_host(self) -> str:
+        """Where an instance is reached on its own host (probes, doctor): its bind address, loopback for
+        a wildcard."""
+        bind = self.vars["bind"]
+        return {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(bind, bind)
+
+    def claimed_ports(self) -> list[tuple[int, str, str]]:
+        """Every TCP port this host listens on: (port, the key that sets it, what listens there)."""
+        out = [(p, "base_port", f"instance {i}") for i, p in enumerate(self.ports)]
+        return out + [(self.vars["proxy"]["port"], "proxy.port", "proxy"),
+                      (self.vars["proxy"]["admin_port"], "proxy.admin_port", "proxy admin")]
+
+
+def backend_name(host: str, port: int) -> str:
+    """A backend's name, host:port, as X-Backend, the metrics and the admin API show it ([::1]:8002 for IPv6)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def machine(hv: HostVars) -> str:
+    """Which machine a host runs on, as far as the inventory tells: local (also ssh to loopback), or the
+    ssh target."""
+    if hv["connection"] == "local":
+        return "local"
+    host = hv["ssh"]["host"]
+    if host == "localhost" or host.startswith("127.") or host == "::1":
+        return "local"
+    return f"{host}:{hv['ssh']['port'] or 22}"
+
+
+def check_shared_machines(inv: Inventory, hosts: list[HostVars]) -> None:
+    """Two hosts on one machine (both local, or the same ssh target) must not listen on the same port."""
+    taken: dict[tuple[str, int], tuple[str, str]] = {}
+    for hv in hosts:
+        where = machine(hv)
+        for port, key, what in hv.claimed_ports():
+            other = taken.get((where, port))
+            if other and other[0] != hv.name:
+                on = "this machine" if where == "local" else f"the machine {where}"
+                raise InventoryError(
+                    f"{inv.path}: hosts.{hv.name}.{key}: port {port} ({what}) is also the port of {other[0]}'s "
+                    f"{other[1]} on {on}; give each host on one machine its own ports.")
+            taken[(where, port)] = (hv.name, what)
 
 
 def deployment_id(host: str, deploy_dir: str) -> str:

@@ -106,7 +106,8 @@ def host_files(hv: HostVars) -> list[RenderedFile]:
 
 def probe(conn: Transport, hv: HostVars, files: list[str] = (), readonly: bool = False) -> dict:
     """Read the deployment's state on the host (see fleet/probe.py)."""
-    spec = {"deploy_dir": hv["deploy_dir"], "ports": hv.ports, "proxy_port": hv["proxy"]["port"],
+    spec = {"deploy_dir": hv["deploy_dir"], "ports": hv.ports, "instance_host": hv.instance_host,
+            "proxy_port": hv["proxy"]["port"],
             "admin_port": hv["proxy"]["admin_port"], "deployment_id": hv.deployment_id,
             "files": list(files), "readonly": readonly}
     r = conn.run(preflight.probe_python(hv, f"- {shlex.quote(json.dumps(spec))}"), stdin=PROBE, timeout=60)
@@ -433,9 +434,11 @@ def _reload_proxy(conn, hv, p, report) -> bool:
         f = probe(conn, hv)["proxy"]
         running = f.get("config") or {}
         if f["alive"] and running.get("backends") == want:
-            # What a running proxy keeps until a restart (its listeners, the body limit, the drain time).
-            if (running.get("max_body_mb"), running.get("shutdown_timeout_s")) != (
-                    float(px["max_body_mb"]), float(px["shutdown_timeout_s"])):
+            # What a running proxy keeps until a restart (its listeners, the body limit, the drain time,
+            # its log's rotation).
+            if (running.get("max_body_mb"), running.get("shutdown_timeout_s"), running.get("log")) != (
+                    float(px["max_body_mb"]), float(px["shutdown_timeout_s"]),
+                    [float(px["log"]["max_mb"]), px["log"]["backups"]]):
                 return False
             report.add("proxy", "changed", f"reloaded (SIGHUP), pid {p['pid']}, {len(want)} backends")
             return True

@@ -48,18 +48,19 @@ def stranger(port, dep, key):
     return processes.stranger(port, holders[0] if holders else {}, key)
 
 
-def listening(port):
+def listening(port, host="127.0.0.1"):
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1):
+        with socket.create_connection((host, port), timeout=1):
             return True
     except OSError:
         return False
 
 
-def http_get(port, path, timeout=3.0):
-    """(status, body) of GET 127.0.0.1:port/path; status None when nothing answers."""
+def http_get(port, path, timeout=3.0, host="127.0.0.1"):
+    """(status, body) of GET host:port/path; status None when nothing answers."""
+    url = "http://%s:%d%s" % ("[%s]" % host if ":" in host else host, port, path)
     try:
-        with urllib.request.urlopen("http://127.0.0.1:%d%s" % (port, path), timeout=timeout) as r:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
             return r.status, r.read(65536).decode("utf-8", "replace")
     except urllib.error.HTTPError as e:
         return e.code, e.read(65536).decode("utf-8", "replace")
@@ -89,10 +90,11 @@ def tagged(prefix):
             if p.uid == me and p.pid != self_pid and p.tag is not None and p.tag.startswith(prefix)]
 
 
-def instance_facts(d, dep, index, port, readonly):
+def instance_facts(d, dep, index, port, readonly, host="127.0.0.1"):
+    """An instance's facts; host is where it listens (its bind address, loopback unless it is fronted)."""
     pid, pgid, started, stale = read_pidfile(os.path.join(d, "run", "instance_%d.pid" % index), "%s/%d" % (dep, index))
     is_alive = stale is None and alive(pid)
-    status = http_get(port, "/health")[0] if is_alive or listening(port) else None
+    status = http_get(port, "/health", host=host)[0] if is_alive or listening(port, host) else None
     marker = os.path.join(d, "run", "instance_%d.ready" % index)
     if is_alive and status == 200 and not readonly and not os.path.exists(marker):
         try:
@@ -102,8 +104,8 @@ def instance_facts(d, dep, index, port, readonly):
     return {
         "index": index, "port": port, "pid": pid if is_alive else None, "pgid": pgid if is_alive else None,
         "pidfile": pid is not None, "alive": is_alive, "stale": stale, "recorded_pid": pid,
-        "listening": is_alive or listening(port), "health": status,
-        "stranger": stranger(port, dep, "base_port") if not is_alive and listening(port) else None,
+        "listening": is_alive or listening(port, host), "health": status,
+        "stranger": stranger(port, dep, "base_port") if not is_alive and listening(port, host) else None,
         "was_ready": os.path.exists(marker),
         "age_s": round(time.time() - started, 1) if started else None,
     }
@@ -147,7 +149,8 @@ def main():
     d = spec["deploy_dir"]
     with ThreadPoolExecutor(max_workers=16) as pool:
         dep = spec["deployment_id"]
-        inst = [pool.submit(instance_facts, d, dep, i, p, spec.get("readonly", False))
+        host = spec.get("instance_host", "127.0.0.1")
+        inst = [pool.submit(instance_facts, d, dep, i, p, spec.get("readonly", False), host)
                 for i, p in enumerate(spec["ports"])]
         prox = pool.submit(proxy_facts, d, dep, spec["proxy_port"], spec["admin_port"])
         files = {rel: pool.submit(sha256, os.path.join(d, rel)) for rel in spec.get("files", [])}

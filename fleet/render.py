@@ -33,6 +33,24 @@ def nginx_quote(value) -> str:
     return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+MIB = 1024 * 1024
+
+
+def nginx_size(mib: float) -> str:
+    """A size in MiB as nginx reads it, exactly: the byte count the proxy enforces (int(mib * MiB)), written
+    in m or k when that divides it, else in bytes (0.5 -> `512k`; `| int` gave `0m`, which is no limit)."""
+    n = int(mib * MIB)
+    if n % MIB == 0:
+        return f"{n // MIB}m"
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def nginx_time(seconds: float) -> str:
+    """Seconds as an nginx time, to the millisecond (0.5 -> `500ms`; `| int` gave `0s`)."""
+    ms = max(1, round(seconds * 1000))
+    return f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms}ms"
+
+
 def environment() -> jinja2.Environment:
     """The one Jinja environment: a missing variable is an error, files keep their last newline."""
     env = jinja2.Environment(
@@ -47,6 +65,8 @@ def environment() -> jinja2.Environment:
     env.filters["shjoin"] = lambda argv: " ".join(quote(a) for a in argv)
     env.filters["oneline"] = lambda text: " ".join(str(text).split())   # safe inside a # comment
     env.filters["nginx_quote"] = nginx_quote
+    env.filters["nginx_size"] = nginx_size
+    env.filters["nginx_time"] = nginx_time
     return env
 
 

@@ -9,6 +9,7 @@ import sys
 
 from aiohttp import web
 
+from . import logfile
 from .app import make_admin_app, make_app
 from .state import PROXY
 from .config import ConfigError, load_api_keys, load_config
@@ -89,12 +90,17 @@ def main(argv=None) -> int:
     parser.add_argument("--loop", choices=("auto", "asyncio"), default="auto",
                         help="auto: uvloop when installed (the default); asyncio: the standard loop")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format=logfile.FORMAT)
     try:
         config = load_config(args.config)
         load_api_keys(config.api_keys_file)
     except ConfigError as e:
         print(f"proxy: {e}", file=sys.stderr)
+        return 2
+    try:
+        logfile.setup(config.log)
+    except OSError as e:
+        print(f"proxy: cannot write its log {config.log.path} ({e.strerror or e}).", file=sys.stderr)
         return 2
     try:
         run(serve(config, args.config), args.loop)

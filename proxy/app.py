@@ -119,7 +119,8 @@ def make_admin_app(proxy: Proxy) -> web.Application:
                                   "retries": c.retries, "max_fails": c.max_fails,
                                   "shutdown_timeout_s": c.shutdown_timeout_s,
                                   "fix_numeric_user": c.fix_numeric_user, "api_keys": c.api_keys_file is not None,
-                                  "health_interval_s": c.health.interval_s, "slots": c.slots,
+                                  "health_interval_s": c.health.interval_s,
+                                  "log": [c.log.max_mb, c.log.backups], "slots": c.slots,
                                   "queue": {"max": c.queue.max, "timeout_s": c.queue.timeout_s},
                                   "queued": proxy.balancer.queued})
 

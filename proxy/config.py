@@ -57,6 +57,20 @@ class QueueConfig:
 
 
 @dataclass(frozen=True)
+class LogConfig:
+    """The proxy's own log: written to path (standard error when None), rotated at max_mb while it runs."""
+
+    path: str | None = None
+    max_mb: float = 20.0
+    backups: int = 3
+
+    @property
+    def max_bytes(self) -> int:
+        """The rotation size in bytes (max_mb may be fractional)."""
+        return max(1, int(self.max_mb * MIB))
+
+
+@dataclass(frozen=True)
 class ProxyConfig:
     """Everything the proxy needs to run."""
 
@@ -68,6 +82,7 @@ class ProxyConfig:
     connect_timeout_s: float = 5.0
     max_body_mb: float = 64.0
     results_log: ResultsLogConfig = ResultsLogConfig()
+    log: LogConfig = LogConfig()
     retries: int = 2              # other backends tried when the connection failed or 502/503 came first
     max_fails: int = 3            # consecutive 5xx answers that take a backend out until its next good /health
     shutdown_timeout_s: float = 30.0
@@ -83,7 +98,7 @@ class ProxyConfig:
 
 
 TOP_KEYS = ("listen", "admin", "backends", "health", "timeout_s", "connect_timeout_s",
-            "max_body_mb", "results_log", "retries", "max_fails", "shutdown_timeout_s",
+            "max_body_mb", "results_log", "log", "retries", "max_fails", "shutdown_timeout_s",
             "fix_numeric_user", "api_keys_file", "slots", "queue")
 
 
@@ -131,6 +146,7 @@ def parse_config(data: Any, source: str = "config") -> ProxyConfig:
     health = _mapping(top.get("health", {}), "health", ("path", "interval_s", "timeout_s"))
     results = _mapping(top.get("results_log", {}), "results_log", ("path", "max_mb", "backups"))
     queue = _mapping(top.get("queue", {}), "queue", ("max", "timeout_s"))
+    own_log = _mapping(top.get("log", {}), "log", ("path", "max_mb", "backups"))
     admin = _address(top.get("admin", {}), "admin", defaults.admin)
     if not _is_loopback(admin.host):
         raise ConfigError(f"admin.host must be a loopback address, not {admin.host!r}.")
@@ -152,7 +168,12 @@ def parse_config(data: Any, source: str = "config") -> ProxyConfig:
         results_log=ResultsLogConfig(
             path=_text(results.get("path", defaults.results_log.path), "results_log.path"),
             max_mb=_positive(results, "max_mb", defaults.results_log.max_mb, "results_log."),
-            backups=_backups(results.get("backups", defaults.results_log.backups)),
+            backups=_backups(results.get("backups", defaults.results_log.backups), "results_log"),
+        ),
+        log=LogConfig(
+            path=_optional_text(own_log.get("path"), "log.path"),
+            max_mb=_positive(own_log, "max_mb", defaults.log.max_mb, "log."),
+            backups=_backups(own_log.get("backups", defaults.log.backups), "log"),
         ),
         retries=_count(top, "retries", defaults.retries, minimum=0),
         max_fails=_count(top, "max_fails", defaults.max_fails, minimum=1),
@@ -242,10 +263,10 @@ def _optional_text(value: Any, where: str) -> str | None:
     return None if value in (None, "") else _text(value, where)
 
 
-def _backups(value: Any) -> int:
-    """The number of rotated results log files kept (at least 1, or rotation would truncate)."""
+def _backups(value: Any, where: str) -> int:
+    """The number of rotated log files kept (at least 1, or rotation would truncate)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"results_log.backups must be a whole number of at least 1, not {value!r}.")
+        raise ConfigError(f"{where}.backups must be a whole number of at least 1, not {value!r}.")
     return value
 
 

@@ -11,6 +11,8 @@ import time
 
 from .config import ResultsLogConfig
 
+log = logging.getLogger("proxy")
+
 SNIPPET_CHARS = 120
 PREFIX_CHARS = 256  # content kept per response: the snippet, and room to see an opening <think>
 BODY_KEEP_BYTES = 4 * 1024 * 1024  # a non-stream or error body is kept whole up to this size
@@ -170,6 +172,8 @@ class ResultsLog:
         self._thread: threading.Thread | None = None
         self._file = None
         self._size = 0
+        self._error: OSError | None = None   # why the file could not be opened again
+        self._dropped = 0                      # lines lost in the current burst of failures (0: none)
 
     def start(self) -> None:
         """Open the file (creating its directory) and start the writer thread."""
@@ -217,8 +221,9 @@ class ResultsLog:
         try:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             self._open()
-        except OSError:
-            pass
+            self._error = None
+        except OSError as e:
+            self._error = e
 
     def _run(self) -> None:
         done = False
@@ -237,10 +242,25 @@ class ResultsLog:
                 lines = [x for x in lines if x is not None]
             try:
                 self._write(lines)
-            except Exception as e:   # a full disk or a deleted file must not stop the log for good
-                logging.getLogger("proxy").error("results log %s: cannot write %d lines: %s",
-                                                 self.path, len(lines), e)
+            except Exception as e:   # a full disk or a deleted file must not stop the log, nor the serving
+                self._failed(e, len(lines))
                 self._reopen()
+            else:
+                self._recovered()
+
+    def _failed(self, error: Exception, lines: int) -> None:
+        """Say once per burst of failures why the file cannot be written; count the lines lost."""
+        if not self._dropped:
+            why = (f"{error.strerror} (errno {error.errno})" if isinstance(error, OSError) and error.strerror
+                   else f"{type(error).__name__}: {error}")
+            log.error("results log %s: cannot write: %s; its lines are dropped until it can be written "
+                      "again, and the proxy goes on serving", self.path, why)
+        self._dropped += lines
+
+    def _recovered(self) -> None:
+        if self._dropped:
+            log.warning("results log %s: written again; %d line(s) were dropped", self.path, self._dropped)
+            self._dropped = 0
 
     def _write(self, lines: list[str]) -> None:
         """Write lines, rotating first whenever the next line would take the file past max_bytes."""
@@ -249,6 +269,8 @@ class ResultsLog:
         batch_size = 0
         if self._file is None or self._moved():
             self._reopen()
+            if self._file is None:
+                raise self._error or OSError("the file is not open")
         for line in lines:
             n = len(line.encode("utf-8", "backslashreplace"))
             if self._size + batch_size + n > limit and (self._size + batch_size) > 0:

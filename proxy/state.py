@@ -79,7 +79,7 @@ class Proxy:
 
 
 # Bound when the listeners and the application are built.
-RESTART_ONLY = ("listen", "admin", "shutdown_timeout_s", "max_body_mb")
+RESTART_ONLY = ("listen", "admin", "shutdown_timeout_s", "max_body_mb", "log")
 
 
 PROXY = web.AppKey("proxy", Proxy)

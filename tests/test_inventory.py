@@ -4,13 +4,15 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from fleet import inventory
 from fleet.errors import InventoryError
 
-from conftest import ROOT
+from conftest import ROOT, free_ports
+from fleet_helpers import tagged_pids
 
 BASE = """
 defaults:
@@ -27,6 +29,8 @@ hosts:
     accelerators: 4
     instances: 4
     max_num_seqs: 5
+    base_port: 9102
+    proxy: {port: 9100, admin_port: 9101}
   b:
     engine: sim
     accelerator: sim
@@ -47,9 +51,10 @@ def test_resolution_order_defaults_group_host_set(tmp_path):
     assert inv.host_vars("b")["base_port"] == 9002
     assert inv.host_vars("a")["max_num_seqs"] == 5                      # host beats group
     assert inv.host_vars("a", ["max_num_seqs=6"])["max_num_seqs"] == 6  # --set beats host
-    assert inv.host_vars("a", ["proxy.results_log.backups=7"])["proxy"]["results_log"]["backups"] == 7
-    assert inv.host_vars("a")["proxy"]["port"] == 8000                  # built-in default kept beside it
-    assert inv.host_vars("a").ports == [9002, 9003, 9004, 9005]
+    assert inv.host_vars("b", ["proxy.results_log.backups=7"])["proxy"]["results_log"]["backups"] == 7
+    assert inv.host_vars("b")["proxy"]["port"] == 8000                  # built-in default kept beside it
+    assert inv.host_vars("a")["proxy"]["results_log"]["backups"] == 3   # the nested block's own default
+    assert inv.host_vars("a").ports == [9102, 9103, 9104, 9105]
 
 
 def test_group_var_applies_without_host_override(tmp_path):
@@ -75,7 +80,7 @@ def test_ssh_block_means_ssh_connection(tmp_path):
 ERRORS = [
     # (edit of BASE, expected message after "FILE: ")
     (("    max_num_seqs: 5", "    max_num_seqs: four"),
-     "hosts.a.max_num_seqs: expected an integer, got 'four'."),
+     "hosts.a.max_num_seqs: expected an integer from 1 to 65536, got 'four'."),
     (("    max_num_seqs: 5", "    max_num_seq: 5"),
      "hosts.a.max_num_seq: unknown key; see the inventory reference in README.md."),
     (("  max_num_seqs: 2", "  enforce_eager: 'yes'"),
@@ -92,7 +97,7 @@ ERRORS = [
     (("    instances: 2", "    instances: 2\n    proxy: {admin_port: 8000}"),
      "hosts.b.proxy.admin_port: 8000 is also proxy.port; give the admin listener its own port."),
     (("    instances: 2", "    instances: 2\n    proxy: {results_log: {backups: x}}"),
-     "hosts.b.proxy.results_log.backups: expected an integer, got 'x'."),
+     "hosts.b.proxy.results_log.backups: expected an integer from 1 to 100, got 'x'."),
     (("    hosts: [a]", "    hosts: [a, c]"),
      "groups.lab.hosts: 'c' is not defined under hosts."),
     (("    engine: sim\n    accelerator: sim\n    accelerators: 4", "    engine: vllm\n    accelerator: dcu\n    accelerators: 4"),
@@ -102,11 +107,11 @@ ERRORS = [
     (("    instances: 2", "    instances: 2\n    ssh: {port: 22}"),
      "hosts.b.ssh.host: connection is ssh but no ssh.host is given; add it."),
     (("    instances: 2", "    instances: 2\n    proxy: {queue: {max: -1}}"),
-     "hosts.b.proxy.queue.max: expected a non-negative integer, got -1."),
+     "hosts.b.proxy.queue.max: expected an integer from 0 to 1000000, got -1."),
     (("    instances: 2", "    instances: 2\n    proxy: {queue: {timeout_s: 0}}"),
-     "hosts.b.proxy.queue.timeout_s: expected a finite number above 0, got 0."),
+     "hosts.b.proxy.queue.timeout_s: expected a finite number of seconds above 0, at most 604800, got 0."),
     (("    instances: 2", "    instances: 2\n    proxy: {queue: {headroom: 1.5}}"),
-     "hosts.b.proxy.queue.headroom: expected an integer, got 1.5."),
+     "hosts.b.proxy.queue.headroom: expected an integer from 0 to 65536, got 1.5."),
 ]
 
 
@@ -123,7 +128,7 @@ def test_inventory_errors_name_file_and_key(tmp_path, edit, message):
 
 def test_set_errors_name_the_key(tmp_path):
     inv = inventory.load(write(tmp_path, BASE))
-    with pytest.raises(InventoryError, match=r"^--set: max_num_seqs: expected an integer, got 'lots'\.$"):
+    with pytest.raises(InventoryError, match=r"^--set: max_num_seqs: expected an integer from 1 to 65536, got 'lots'\.$"):
         inv.host_vars("a", ["max_num_seqs=lots"])
     with pytest.raises(InventoryError, match=r"^--set nokey: expected key=value"):
         inv.host_vars("a", ["nokey"])
@@ -155,5 +160,143 @@ def test_cli_error_is_one_line_without_traceback(tmp_path):
     r = subprocess.run([sys.executable, "-m", "invoke", "status", "--host", "a", "-i", path],
                        cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 2
-    assert r.stderr.strip() == f"error: {path}: hosts.a.max_num_seqs: expected an integer, got 'four'."
+    assert r.stderr.strip() == f"error: {path}: hosts.a.max_num_seqs: expected an integer from 1 to 65536, got 'four'."
     assert "Traceback" not in r.stdout + r.stderr
+
+
+# --- issue 12: what used to pass the inventory and fail later ------------------------------------
+
+HOST_A = """\
+hosts:
+  a:
+    connection: local
+    engine: sim
+    accelerator: sim
+    accelerators: 2
+    instances: 2
+    base_port: {base}
+    deploy_dir: {deploy}
+    stagger_s: 0
+    proxy: {{port: {proxy}, admin_port: {admin}}}
+"""
+
+# (id, text appended under host a (or a whole extra host at column 2), --set values, expected message after
+# "FILE: ", or after "--set: " when the row starts with "--set")
+BAD = [
+    ("inf", "    health_timeout_s: .inf\n", [],
+     "hosts.a.health_timeout_s: expected a finite number of seconds above 0, at most 604800, got inf."),
+    ("nan", "    proxy_: {{timeout_s: .nan}}\n", [],
+     "hosts.a.proxy.timeout_s: expected a finite number of seconds above 0, at most 604800, got nan."),
+    ("stagger-inf", "    stagger_s_: .inf\n", [],
+     "hosts.a.stagger_s: expected a finite number of seconds from 0 (off) to 604800, got inf."),
+    ("health-interval-0", "    proxy_: {{health_interval_s: 0}}\n", [],
+     "hosts.a.proxy.health_interval_s: expected a finite number of seconds above 0, at most 604800, got 0."),
+    ("connect-timeout-0", "    proxy_: {{connect_timeout_s: 0}}\n", [],
+     "hosts.a.proxy.connect_timeout_s: expected a finite number of seconds above 0, at most 604800, got 0."),
+    ("results-backups-0", "    proxy_: {{results_log: {{backups: 0}}}}\n", [],
+     "hosts.a.proxy.results_log.backups: expected an integer from 1 to 100, got 0."),
+    ("instances-huge", "", ["instances=100000000"],
+     "--set: instances: expected an integer from 0 to 256, got 100000000."),
+    ("fronts-cycle", "    fronts: [b]\n  b:\n    connection: local\n    engine: sim\n    accelerator: sim\n"
+                     "    accelerators: 1\n    instances: 1\n    base_port: {other}\n"
+                     "    proxy: {{port: {other1}, admin_port: {other2}}}\n    fronts: [a]\n", [],
+     "hosts.a.fronts: a cycle: a fronts b, b fronts a; an entry host fronts instances, not other entry hosts."),
+    ("duplicate-key", "    max_num_seqs: 2\n    max_num_seqs: 3\n", [],
+     "hosts.a.max_num_seqs: given twice (lines 12 and 13); keep one of them."),
+    ("overlapping-local-ports", "  b:\n    connection: local\n    engine: sim\n    accelerator: sim\n"
+                                "    accelerators: 2\n    instances: 2\n    base_port: {base1}\n"
+                                "    proxy: {{port: {other1}, admin_port: {other2}}}\n", [],
+     "hosts.b.base_port: port {base1} (instance 0) is also the port of a's instance 1 on this machine; "
+     "give each host on one machine its own ports."),
+    ("nginx-worker-injection", "", ["nginx.worker_processes=1; load_module /tmp/evil.so"],
+     "--set: nginx.worker_processes: expected auto or a number of worker processes from 1 to 1024, "
+     "got '1; load_module /tmp/evil.so'."),
+    ("proxy-bind-injection", "", ["proxy.bind=0.0.0.0:80; include /etc/passwd"],
+     "--set: proxy.bind: expected an IP address or a host name, got '0.0.0.0:80; include /etc/passwd'."),
+    ("max-body-too-small", "    proxy_: {{max_body_mb: 0.0001}}\n", [],
+     "hosts.a.proxy.max_body_mb: expected a size in MiB from 0.001 to 1048576, got 0.0001."),
+]
+
+
+def bad_inventory(tmp_path, extra: str) -> tuple[Path, dict]:
+    """Host a (local sim, free ports, deploy_dir in tmp_path) plus `extra`; `proxy_: {...}` merges into a's
+    proxy block and `stagger_s_` replaces a's stagger_s, so a row changes one key without a duplicate."""
+    base, other = free_ports(4), free_ports(4)
+    ports = {"base": base, "base1": base + 1, "proxy": base + 2, "admin": base + 3, "deploy": tmp_path / "deploy",
+             "other": other, "other1": other + 1, "other2": other + 2}
+    text = HOST_A.format(**ports)
+    for line in extra.format(**ports).splitlines(keepends=True):
+        if line.startswith("    proxy_: {"):
+            more = line.split("{", 1)[1].rstrip("\n")
+            text = text.replace("admin_port: %d}" % ports["admin"], "admin_port: %d, %s" % (ports["admin"], more))
+        elif line.startswith("    stagger_s_:"):
+            text = text.replace("    stagger_s: 0\n", line.replace("stagger_s_", "stagger_s"))
+        else:
+            text += line
+    path = tmp_path / "hosts.yml"
+    path.write_text(text)
+    return path, ports
+
+
+@pytest.mark.parametrize("extra,sets,message", [r[1:] for r in BAD], ids=[r[0] for r in BAD])
+def test_bad_inventory_is_one_sentence_and_starts_nothing(tmp_path, extra, sets, message):
+    """1. `inv deploy` on an inventory with one bad value (or one bad --set).  2. It exits 2 with one line on
+    standard error naming the file (or --set) and the key path, no traceback.  3. Nothing was started: no
+    deploy_dir, no process carrying the deployment's tag."""
+    path, ports = bad_inventory(tmp_path, extra)
+    args = [a for s in sets for a in ("--set", s)]
+    r = subprocess.run([sys.executable, "-m", "invoke", "deploy", "--host", "a", "-i", str(path), *args],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    source = "" if message.startswith("--set") else f"{path}: "
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.strip() == f"error: {source}{message.format(**ports)}", r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
+    assert not (tmp_path / "deploy").exists()
+    assert not tagged_pids(inventory.deployment_id("a", str(ports["deploy"])) + "/")
+
+
+def test_max_body_renders_exactly_in_nginx_and_the_proxy():
+    """A fractional proxy.max_body_mb reaches nginx as the same byte count the proxy enforces (0.5 -> 512k,
+    never `0m`, which nginx reads as no limit)."""
+    from fleet import render
+    hv = inventory.load(ROOT / "inventory" / "hosts.yml").host_vars("k100-01", ["proxy.max_body_mb=0.5"])
+    files = {f.path: f.content for f in render.render_host(hv)}
+    assert "client_max_body_size 512k;" in files["conf/nginx.conf"]
+    hv = inventory.load(ROOT / "inventory" / "hosts.yml").host_vars("k100-01", ["proxy.max_body_mb=1.3"])
+    nginx = {f.path: f.content for f in render.render_host(hv)}["conf/nginx.conf"]
+    assert f"client_max_body_size {int(1.3 * 1024 * 1024)};" in nginx
+
+
+def test_every_schema_key_is_in_the_readme_reference():
+    """The README's inventory reference names every key the schema takes (nested keys dotted)."""
+    from pydantic import BaseModel
+
+    from fleet import schema
+    readme = (ROOT / "README.md").read_text()
+    reference = readme[readme.index("## Inventory reference"):readme.index("## nginx mode")]
+
+    def keys(model, prefix=""):
+        for name, info in model.model_fields.items():
+            section = inventory._section(info.annotation)
+            yield from keys(section, f"{prefix}{name}.") if section is not None else [f"{prefix}{name}"]
+    missing = [k for k in keys(schema.HostSettings) if f"`{k}`" not in reference]
+    assert not missing, f"README's inventory reference lacks {missing}"
+
+
+def test_ports_shared_on_one_ssh_target_are_named_and_other_machines_may_reuse_them(tmp_path):
+    """Two hosts on one ssh target may not both listen on a port; on two targets they may (same base_port)."""
+    text = textwrap.dedent("""\
+        defaults: {engine: sim, accelerator: sim, accelerators: 2, instances: 2}
+        hosts:
+          x: {ssh: {host: 10.0.0.5}, base_port: 9002}
+          y: {ssh: {host: 10.0.0.6}, base_port: 9002}
+          z: {ssh: {host: 10.0.0.5}, base_port: 9102}
+        """)
+    path = write(tmp_path, text)
+    with pytest.raises(InventoryError) as e:
+        inventory.load(path)
+    assert str(e.value) == (f"{path}: hosts.z.proxy.port: port 8000 (proxy) is also the port of x's proxy on "
+                            "the machine 10.0.0.5:22; give each host on one machine its own ports.")
+    ok = text.replace("base_port: 9102}", "base_port: 9102, proxy: {port: 9100, admin_port: 9101}}")
+    assert [h.ports for h in map(inventory.load(write(tmp_path, ok)).host_vars, "xyz")] == \
+        [[9002, 9003], [9002, 9003], [9102, 9103]]

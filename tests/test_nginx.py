@@ -101,6 +101,28 @@ def test_rendered_config_passes_nginx_t(tmp_path):
     assert len(upstream.parse_down((out / "run" / "nginx_upstream.conf").read_text())) == 2
 
 
+def test_fractional_sizes_and_times_render_exactly_and_pass_nginx_t(tmp_path):
+    """proxy.max_body_mb 0.5 and sub-second timeouts reach nginx.conf exactly (512k, 500ms; `| int` made
+    them `0m`, no limit, and `0s`), nginx.worker_processes takes a number, and `nginx -t` accepts it all."""
+    require_tool("nginx")
+    inventory = write_inventory(tmp_path, instances=2)
+    out = tmp_path / "deploy"
+    sets = ["proxy.max_body_mb=0.5", "proxy.timeout_s=0.5", "proxy.connect_timeout_s=1.25",
+            "nginx.worker_processes=2", "nginx.fail_timeout_s=3"]
+    r = inv("render", "--host", "t", "--out", str(out), *[a for s in sets for a in ("--set", s)],
+            inventory=inventory)
+    assert r.returncode == 0, r.stdout + r.stderr
+    conf = (out / "conf" / "nginx.conf").read_text()
+    for directive in ("client_max_body_size 512k;", "proxy_read_timeout 500ms;", "proxy_connect_timeout 1250ms;",
+                      "worker_processes 2;", "larger than 0.5 MiB"):
+        assert directive in conf, directive
+    check = subprocess.run([PYTHON, "-m", "hostagent", "check", "--config", "conf/nginx_front.json"],
+                           cwd=out, capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "fail_timeout=3s" in (out / "run" / "nginx_upstream.conf").read_text()
+
+
 def status_port(inventory) -> int:
     from fleet import inventory as inv_mod
     return inv_mod.load(inventory).host_vars("t")["proxy"]["port"]

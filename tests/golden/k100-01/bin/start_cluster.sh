@@ -4,7 +4,7 @@
 # Usable by hand; these environment variables override the inventory:
 #   N=4 ./start_cluster.sh          start instances 0..3 only
 #   MAX_SEQS=1 ./start_cluster.sh   one sequence per instance (deterministic, for debugging)
-#   BASE_PORT, MAX_LEN, EAGER=1, ONLY=i (just instance i), STAGGER_S
+#   BASE_PORT, MAX_LEN, EAGER=1, ONLY=i (just instance i), STAGGER_S, BIND (the engines' listen address)
 # An instance whose port already listens is skipped, so running it again is harmless.
 set -u
 
@@ -16,6 +16,9 @@ MAX_LEN="${MAX_LEN:-8192}"
 MAX_SEQS="${MAX_SEQS:-4}"
 EAGER="${EAGER:-0}"
 STAGGER_S="${STAGGER_S:-5}"
+# Loopback unless another host's proxy fronts these instances (then the address it reaches): the proxy
+# is the only door, and its API keys are not bypassed through base_port + i.
+BIND="${BIND:-127.0.0.1}"
 ONLY="${ONLY:-}"
 
 # The host's environment (env_setup from the inventory: shell code by design). Activation
@@ -66,7 +69,7 @@ start_instance() {
     fi
     [ -f "$log" ] && mv -f "$log" "$log.1"
     rm -f "$DEPLOY_DIR/run/instance_$i.ready"
-    local args=(--port "$port" --max-num-seqs "$MAX_SEQS" --max-model-len "$MAX_LEN"
+    local args=(--host "$BIND" --port "$port" --max-num-seqs "$MAX_SEQS" --max-model-len "$MAX_LEN"
                 --served-model-name "$SERVED_NAME")
     [ "$EAGER" = 1 ] && args+=(--enforce-eager)
     # setsid: the instance leads its own session (and group), where its spawned children stay: a stop

@@ -1,0 +1,131 @@
+"""Engines are bound to what needs them: loopback unless another host's proxy fronts them, so the proxy
+(and its API keys) is the only door to the instances."""
+from __future__ import annotations
+
+import socket
+import subprocess
+import urllib.error
+import urllib.request
+
+import pytest
+import yaml
+
+from conftest import free_ports, http_status
+from fleet import inventory, render
+from fleet_helpers import deployment_id, inv, kill_tagged, status_json, write_inventory
+
+
+def outside_address() -> str:
+    """A non-loopback IPv4 address of this machine, or skip: without one there is nothing to be exposed on."""
+    candidates = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))       # UDP connect sends nothing: it only picks the route
+            candidates.append(s.getsockname()[0])
+        except OSError:
+            pass
+    try:
+        candidates += subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()
+    except OSError:
+        pass
+    for a in candidates:
+        if "." in a and not a.startswith("127."):
+            return a
+    pytest.skip("this machine has no non-loopback IPv4 address to test exposure on")
+
+
+def reachable(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def post(port: int, key: str | None) -> int:
+    body = b'{"model": "Test-Model", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}'
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body, headers=headers,
+                                 method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_instances_listen_on_loopback_and_the_key_is_the_only_door(tmp_path):
+    """1. A local sim host with proxy.api_keys_file, deployed with `inv deploy`.  2. Each instance answers
+    /health on 127.0.0.1 but takes no connection on this machine's outside address (it is bound to
+    loopback); the proxy (bound to 0.0.0.0) does.  3. Through the proxy: no key -> 401, the key -> 200.
+    4. status and doctor still see the instances (they probe the bind address)."""
+    outside = outside_address()
+    keys = tmp_path / "keys"
+    keys.write_text("sk-test-1\n")
+    path = write_inventory(tmp_path, instances=2)
+    path.write_text(path.read_text().replace(
+        "      health_interval_s: 0.5\n", f"      health_interval_s: 0.5\n      api_keys_file: {keys}\n"))
+    dep = deployment_id(path)
+    try:
+        r = inv("deploy", "--host", "t", inventory=path)
+        assert r.returncode == 0, r.stdout + r.stderr
+        st = status_json(path)
+        ports = [i["port"] for i in st["instances"]]
+        assert [i["state"] for i in st["instances"]] == ["healthy", "healthy"]
+        for port in ports:
+            assert http_status(f"http://127.0.0.1:{port}/health") == 200
+            assert not reachable(outside, port), f"instance port {port} is open on {outside}"
+        proxy_port = st["proxy"]["port"]
+        assert reachable(outside, proxy_port)
+        assert post(proxy_port, None) == 401
+        assert post(proxy_port, "sk-wrong") == 401
+        assert post(proxy_port, "sk-test-1") == 200
+        doctor = inv("doctor", "--host", "t", inventory=path)
+        assert "instance 0" in doctor.stdout + doctor.stderr
+    finally:
+        inv("stop", "--host", "t", inventory=path)
+        kill_tagged(dep + "/")
+
+
+def test_fronted_instances_listen_on_their_address(tmp_path):
+    """1. Host m (local, `address:` this machine's outside address) is fronted by entry host e's proxy.
+    2. `inv deploy --host all`: m's instances listen on that address (and not on loopback), and e's proxy
+    reaches them there.  3. `bind:` overrides what is derived (render only)."""
+    outside = outside_address()
+    mb, eb = free_ports(4), free_ports(4)
+    hosts = {
+        "m": {"connection": "local", "engine": "sim", "accelerator": "sim", "accelerators": 2, "instances": 2,
+              "base_port": mb, "address": outside, "model": "/models/Test-Model",
+              "deploy_dir": str(tmp_path / "m"), "stagger_s": 0, "health_timeout_s": 60, "stop_grace_s": 3,
+              "sim": {"load_s": 0.3, "prefill_ms": 20, "token_ms": 5},
+              "proxy": {"port": mb + 2, "admin_port": mb + 3, "health_interval_s": 0.5}},
+        "e": {"connection": "local", "engine": "sim", "accelerator": "sim", "accelerators": 1,
+              "base_port": eb, "fronts": ["m"], "model": "/models/Test-Model", "deploy_dir": str(tmp_path / "e"),
+              "stagger_s": 0, "health_timeout_s": 60, "stop_grace_s": 3,
+              "proxy": {"port": eb + 2, "admin_port": eb + 3, "health_interval_s": 0.5}},
+    }
+    path = tmp_path / "hosts.yml"
+    path.write_text(yaml.safe_dump({"hosts": hosts}))
+    loaded = inventory.load(path)
+    assert loaded.host_vars("m")["bind"] == outside
+    assert loaded.host_vars("e").backends == [f"{outside}:{mb}", f"{outside}:{mb + 1}"]
+    deps = [loaded.host_vars(h).deployment_id for h in ("m", "e")]
+    try:
+        r = inv("deploy", "--host", "all", inventory=path)
+        assert r.returncode == 0, r.stdout + r.stderr
+        for port in (mb, mb + 1):
+            assert http_status(f"http://{outside}:{port}/health") == 200
+            assert not reachable("127.0.0.1", port), f"instance port {port} is open on loopback"
+        st = status_json(path, host="m")
+        assert [i["state"] for i in st["instances"]] == ["healthy", "healthy"]
+        assert post(eb + 2, None) == 200           # no keys on this entry: it serves whoever reaches it
+    finally:
+        inv("stop", "--host", "all", inventory=path)
+        for dep in deps:
+            kill_tagged(dep + "/")
+
+    override = inventory.load(path).host_vars("m", ["bind=0.0.0.0"])
+    script = {f.path: f.content for f in render.render_host(override)}["bin/start_cluster.sh"]
+    assert 'BIND="${BIND:-0.0.0.0}"' in script and '--host "$BIND"' in script
+    assert override.instance_host == "127.0.0.1"
+    assert inventory.load(path).host_vars("e")["bind"] == "127.0.0.1"     # nobody fronts e: loopback

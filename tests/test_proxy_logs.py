@@ -1,0 +1,92 @@
+"""The proxy's logs stay bounded and say what matters: proxy.log rotates by size while the proxy runs, a
+malformed request is one line, and a results log that cannot be written is named once with its OS error."""
+from __future__ import annotations
+
+import shutil
+import socket
+import time
+import urllib.request
+
+from conftest import wait_until
+from proxy.results_log import ResultsLog
+from proxy_helpers import start_proxy, start_sims
+
+BAD_REQUESTS = (
+    b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    b"GARBAGE \x01\x02 HTTP/9\r\n\r\n",
+)
+
+
+def send_raw(port: int, payload: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
+        c.sendall(payload)
+        return c.recv(64)
+
+
+def chat(port: int, rid: str) -> int:
+    body = b'{"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}'
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body, method="POST",
+                                 headers={"Content-Type": "application/json", "X-Request-Id": rid})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        r.read()
+        return r.status
+
+
+def test_malformed_requests_leave_proxy_log_bounded(procs, tmp_path):
+    """1. The proxy logs to logs/proxy.log rotated at 20 KiB, 2 backups (log.max_mb, log.backups).
+    2. 1,000 malformed requests (three kinds, each on its own connection), each answered 400.
+    3. proxy.log stays under its bound, the rotation happened while the proxy ran (no more files than
+       backups), no traceback anywhere, each bad request one line naming the sender and the fault.
+    4. The proxy still serves."""
+    sims = start_sims(procs, tmp_path, 1)
+    logs = tmp_path / "logs"
+    max_mb, backups = 0.02, 2
+    bound = int(max_mb * 1024 * 1024)
+    port, _ = start_proxy(procs, tmp_path, sims,
+                          log={"path": str(logs / "proxy.log"), "max_mb": max_mb, "backups": backups})
+    for i in range(1000):
+        assert send_raw(port, BAD_REQUESTS[i % len(BAD_REQUESTS)]).startswith(b"HTTP/1.")
+    wait_until(lambda: (logs / "proxy.log.1").exists(), what="proxy.log rotated")
+    files = sorted(p.name for p in logs.iterdir())
+    assert files == ["proxy.log", "proxy.log.1", "proxy.log.2"], files
+    texts = [(logs / name).read_text() for name in files]
+    for name in files:
+        assert (logs / name).stat().st_size <= bound, (name, (logs / name).stat().st_size)
+    assert not any("Traceback" in t for t in texts)
+    bad = [line for t in texts for line in t.splitlines() if "Error handling request" in line]
+    assert len(bad) > 100        # the kept files hold the last few hundred of the 1,000
+    assert all("from 127.0.0.1 (400): " in line for line in bad), bad[:3]
+    assert all(len(line) < 400 for line in bad)
+    assert chat(port, "after-bad") == 200
+
+
+def test_unwritable_results_log_is_named_once_and_serving_goes_on(procs, tmp_path):
+    """1. The results log's path becomes a directory under the running proxy (root can write anywhere, so
+    this is the failure a test can cause whoever runs it).  2. Requests go on answering 200 while its lines
+    cannot be written; proxy.log names the file and the OS error once for the whole burst, not per batch.
+    3. The path freed again: lines are written again, and the count of dropped lines is said."""
+    sims = start_sims(procs, tmp_path, 1)
+    port, _ = start_proxy(procs, tmp_path, sims)
+    results = tmp_path / "req_results.log"
+    own_log = tmp_path / "proxy.log"
+    assert chat(port, "before") == 200
+    wait_until(lambda: results.exists() and "before" in results.read_text(), what="the first line")
+    results.unlink()
+    results.mkdir()
+    for i in range(3):
+        assert chat(port, f"lost-{i}") == 200
+        wait_until(lambda: "cannot write" in own_log.read_text(), what="the failure logged")
+        # Let the writer take this line alone (it gathers a batch for 50 ms): three failing batches.
+        time.sleep(4 * ResultsLog.GATHER_S)
+    text = own_log.read_text()
+    assert text.count("cannot write") == 1, text
+    line = next(x for x in text.splitlines() if "cannot write" in x)
+    assert str(results) in line and "Is a directory (errno 21)" in line and "goes on serving" in line
+    assert "NoneType" not in text and "Traceback" not in text
+    shutil.rmtree(results)
+    assert chat(port, "again") == 200
+    wait_until(lambda: results.is_file() and "again" in results.read_text(), what="the log written again")
+    wait_until(lambda: "written again" in own_log.read_text(), what="the recovery logged")
+    assert "written again; 3 line(s) were dropped" in own_log.read_text()
+    assert "lost-" not in results.read_text()
