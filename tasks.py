@@ -55,6 +55,8 @@ def _run(host, inv_path, overrides, action, forks=5, stream=None, quiet=False, o
     for r in reports:
         for line in display.failures(r):
             print(line, file=sys.stderr)
+        for line in display.skips(r):
+            print(line, file=sys.stderr if quiet else out)
     if not quiet:
         print(file=out)
     for r in reports:
@@ -178,17 +180,20 @@ def chat(c, host="local", prompt="Describe a sunrise over the sea in one sentenc
 
 @task(help=_help("host", "inventory", "set",
                  instance="show instance I's engine log (logs/vllm_I.log)", proxy="show the proxy's log (the default)",
-                 results="show the results log (one JSON line per request)", n="how many lines (default 50)",
+                 results="show the results log (one JSON line per request)",
+                 keeper="show the keeper's log (logs/keeper.log: what it found dead and restarted)",
+                 n="how many lines (default 50)",
                  follow="keep printing as the file grows (Ctrl-C to end)"),
       iterable=["set_"], auto_shortflags=False)
-def logs(c, host="", instance=None, proxy=False, results=False, n="50", follow=False, set_=None, inventory_=""):
+def logs(c, host="", instance=None, proxy=False, results=False, keeper=False, n="50", follow=False, set_=None,
+         inventory_=""):
     """Tail the right log file on the right host."""
     index = _instance_number(instance)
     lines = _number(n, "-n", minimum=1)
 
     def action(conn, hv, emit):
         return fleet_logs.tail(conn, hv, emit, lines=lines, follow=follow, instance=index,
-                               proxy=proxy, results=results)
+                               proxy=proxy, results=results, keeper=keeper)
     _finish(_run(host, inventory_, set_, action, forks=1)[1])
 
 
@@ -255,7 +260,8 @@ def doctor(c, host="", set_=None, inventory_="", forks="5"):
                  scenario="comma list of short, detailed, thinking (default: all three)",
                  concurrency="comma list of concurrency levels (default 8,16,32,48,64)",
                  requests="requests per level (default: one per concurrent client, a single wave)",
-                 image="an image file to send (default: a generated PNG)",
+                 image="an image file to send (default: a generated PNG); none: text only, for a "
+                       "text-only model",
                  out="directory for bench.json, report.md and chart.svg "
                      "(default bench-results/HOST-YYYYmmdd-HHMMSS)"),
       iterable=["set_"])

@@ -1,4 +1,10 @@
-"""Accelerator kinds: which variable hides the other cards, which device files an engine holds, which smi."""
+"""Accelerator kinds: which variable hides the other cards, which device files an engine holds, which smi.
+
+`cpu` is vLLM's CPU backend: no card, no device file, no smi. Instance i gets its own cores
+(VLLM_CPU_OMP_THREADS_BIND, worked out on the host by start_cluster.sh) and its KV cache size
+(VLLM_CPU_KVCACHE_SPACE); its "memory" is the resident memory of its processes, read from /proc
+(fleet/cpu_mem_probe.py), and it is released when none of them is left.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,7 +15,7 @@ class Kind:
     """What the toolkit needs to know of one accelerator kind."""
 
     name: str
-    visibility_var: str            # set to the instance's card index
+    visibility_var: str            # set to the instance's card index ("" for cpu: cores are bound instead)
     device_globs: tuple[str, ...]  # files an engine process holds open while it owns a card
     card_files: tuple[str, ...]    # the files of card {i} alone (kfd is shared by every card)
     # Where the smi is looked for, in order. Absolute paths first: PATH over non-interactive SSH
@@ -36,6 +42,8 @@ KINDS = {
     # its smi is `python -m fleet.sim smi`, built by fleet.smi.smi_command.
     "sim": Kind("sim", "SIM_VISIBLE_DEVICES", ("{deploy_dir}/sim-dev/kfd", "{deploy_dir}/sim-dev/renderD*"),
                 ("{deploy_dir}/sim-dev/renderD{render}",), ("fleet.sim",)),
+    # vLLM's CPU build: no device files, no smi (memory is read from /proc by fleet/cpu_mem_probe.py).
+    "cpu": Kind("cpu", "", (), (), ()),
 }
 
 

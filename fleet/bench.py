@@ -17,6 +17,7 @@ import base64
 import json
 import math
 import os
+import re
 import statistics
 import struct
 import sys
@@ -123,8 +124,17 @@ def image_mime(data: bytes) -> str | None:
     return None
 
 
+NO_IMAGE = "none"
+# What an engine answers when it is sent an image it cannot take (vLLM: a text-only model).
+_NOT_MULTIMODAL = re.compile(r"not a multimodal model|does not support multimodal|at most 0 image|"
+                             r"image input is not supported|not multimodal", re.I)
+
+
 def load_image(path: str | None) -> dict:
-    """The image every request carries: {source, mime, bytes, url} (url is the base64 data URL)."""
+    """The image every request carries: {source, mime, bytes, url} (url is the base64 data URL);
+    `--image none` sends text only (url None), for a text-only model."""
+    if path == NO_IMAGE:
+        return {"source": "none (text only)", "mime": None, "bytes": 0, "url": None}
     if path:
         try:
             data = Path(path).expanduser().read_bytes()
@@ -142,15 +152,16 @@ def load_image(path: str | None) -> dict:
     return {"source": source, "mime": mime, "bytes": len(data), "url": url}
 
 
-def request_body(scenario: Scenario, model: str, image_url: str, user: str) -> bytes:
-    """A streamed chat completion with one text part and one image part."""
+def request_body(scenario: Scenario, model: str, image_url: str | None, user: str) -> bytes:
+    """A streamed chat completion with one text part and one image part (text only without image_url)."""
+    content = scenario.prompt if image_url is None else [
+        {"type": "text", "text": scenario.prompt},
+        {"type": "image_url", "image_url": {"url": image_url}},
+    ]
     body = {
         "model": model, "max_tokens": scenario.max_tokens, "stream": True,
         "stream_options": {"include_usage": True}, "user": user,
-        "messages": [{"role": "user", "content": [
-            {"type": "text", "text": scenario.prompt},
-            {"type": "image_url", "image_url": {"url": image_url}},
-        ]}],
+        "messages": [{"role": "user", "content": content}],
     }
     if scenario.thinking:
         body["chat_template_kwargs"] = {"enable_thinking": True}
@@ -483,6 +494,10 @@ async def _sweep(hv, url, scenarios, levels, requests, image, timeout_s, sampler
             body = request_body(sc, model, image["url"], f"fleet-bench-{sc.name}")
             # One request alone first: the latency the parallel check compares with (and a warm-up).
             single, _ = await run_level(session, url, body, 1, 1, timeout_s, lambda d, f: None)
+            first = single[0]
+            if image["url"] is not None and not first.ok and _NOT_MULTIMODAL.search(first.error or ""):
+                raise BenchError(f"{hv.name}: the model {model} answers that it takes no image "
+                                 f"({' '.join((first.error or '').split())[:160]}); bench it with --image none.")
             result = {"scenario": sc.name, "max_tokens": sc.max_tokens, "thinking": sc.thinking,
                       "single": asdict(single[0]), "levels": []}
             for c in levels:
@@ -580,7 +595,8 @@ def terminal_report(result: dict) -> str:
     """The tables and findings for the terminal."""
     lines = [f"bench {result['host']} via {result['url']}: capacity {result['capacity']} "
              f"({result['instances']} x max_num_seqs {result['max_num_seqs']}), image "
-             f"{result['image']['source']} ({result['image']['bytes']:,} bytes)"]
+             + (f"{result['image']['source']} ({result['image']['bytes']:,} bytes)" if result['image']['mime']
+                else "none (text only)")]
     for sc in result["scenarios"]:
         lines.append("")
         single = sc["single"]

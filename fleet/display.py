@@ -1,6 +1,8 @@
 """Text for people: the status table and the per-step lines. Data in, strings out."""
 from __future__ import annotations
 
+import time
+
 from .lifecycle import Report
 
 
@@ -15,11 +17,21 @@ def status_table(st: dict) -> str:
     n = st.get("nginx") or {}
     if n.get("pid"):
         lines.append(f"  nginx   :{n['port']}  pid {n['pid']}  {n['state']}  watcher pid {n['watcher_pid'] or '-'}")
-    lines.append(f"  {'instance':<9}{'port':<7}{'accel':<7}{'pid':<9}{'pgid':<9}state")
+    k = st.get("keeper") or {}
+    if k:
+        lines.append(f"  keeper  pid {k.get('pid') or '-'}  {k.get('state')}"
+                     + ("  (NOT RUNNING: dead instances are not restarted)" if k.get("state") == "dead" else ""))
+    lines.append(f"  {'instance':<9}{'port':<7}{'accel':<7}{'pid':<9}{'pgid':<9}{'state':<12}restarts")
     for i in st["instances"]:
+        last = ""
+        if i.get("last_restart_reason"):
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(i["last_restart_at"]))
+            last = f" (last: {i['last_restart_reason']} at {when}: {i.get('last_restart_result') or '...'})"
+        state = i["state"].upper() if i["state"] == "crashloop" else i["state"]
         lines.append(f"  {i['index']:<9}{i['port']:<7}{i['accelerator']:<7}{i['pid'] or '-':<9}"
-                     f"{i['pgid'] or '-':<9}{i['state']}")
-    owned = {i["pid"] for i in st["instances"]} | {p["pid"]} | {(st.get("nginx") or {}).get("watcher_pid")}
+                     f"{i['pgid'] or '-':<9}{state:<12}{i.get('restarts', 0)}{last}")
+    owned = {i["pid"] for i in st["instances"]} | {p["pid"]} | {(st.get("nginx") or {}).get("watcher_pid")} \
+        | {k.get("pid")}
     others = [t for t in st.get("tagged", []) if t["pid"] not in owned]
     if others:
         lines.append(f"  {len(others)} more process(es) carry the deployment's tag (engine children "
@@ -32,6 +44,12 @@ def failures(report: Report) -> list[str]:
     lines = [f"{report.host}: UNREACHABLE: {report.unreachable}"] if report.unreachable else []
     lines += [f"{report.host}: FAILED: {s.name}: {s.message}" for s in report.steps if s.status == "failed"]
     return lines
+
+
+def skips(report: Report) -> list[str]:
+    """One line per skipped step, with why: a skip is never silent."""
+    return [f"{report.host}: skipped: {s.name}: {s.message or 'no reason given'}"
+            for s in report.steps if s.status == "skipped"]
 
 
 def request_block(e: dict) -> str:

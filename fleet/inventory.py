@@ -298,10 +298,13 @@ class HostVars:
             v["instances"] = 0                    # an entry host that fronts others only runs the proxy
         elif v["instances"] < 1:
             raise InventoryError(f"{where}.instances: expected at least 1 instance, got {v['instances']}.")
-        if v["instances"] > v["accelerators"]:
+        if v["accelerator"] != "cpu" and v["instances"] > v["accelerators"]:
             raise InventoryError(
                 f"{where}.instances: {v['instances']} instances but the host has {v['accelerators']} "
                 "accelerators (one instance per card); lower instances or raise accelerators.")
+        if v["cpu_kvcache_gib"] != int(v["cpu_kvcache_gib"]):
+            raise InventoryError(f"{where}.cpu_kvcache_gib: expected a whole number of GiB above 0 (vLLM reads "
+                                 f"VLLM_CPU_KVCACHE_SPACE as an integer), got {v['cpu_kvcache_gib']}.")
         if v["engine"] == "vllm" and not v["model"]:
             raise InventoryError(f"{where}.model: the vllm engine needs a model path; set model.")
         if v["engine"] == "sim" and not v["model"]:
@@ -323,6 +326,9 @@ class HostVars:
         if proxy["port"] == proxy["admin_port"]:
             raise InventoryError(f"{where}.proxy.admin_port: {proxy['admin_port']} is also proxy.port; "
                                  "give the admin listener its own port.")
+        if v["keeper"]["backoff_base_s"] > v["keeper"]["backoff_max_s"]:
+            raise InventoryError(f"{where}.keeper.backoff_base_s: {v['keeper']['backoff_base_s']:g} is above "
+                                 f"keeper.backoff_max_s ({v['keeper']['backoff_max_s']:g}); lower one or raise the other.")
         if not v["served_model_name"]:
             v["served_model_name"] = os.path.basename(v["model"].rstrip("/")) or v["model"]
         if v["bind"] is None:                     # an instance serves its own host's proxy alone

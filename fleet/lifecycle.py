@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from . import keeper as fleet_keeper
 from . import hostcode, preflight, release, runlock
 from .errors import FleetError, RemoteError
 from .inventory import HostVars
@@ -80,6 +81,9 @@ def prepare(conn: Transport, hv: HostVars) -> HostVars:
     if not d.startswith("/"):
         d = conn.home().rstrip("/") + "/" + d
     hv.vars["deploy_dir"] = d.rstrip("/") or "/"
+    m = hv.vars["model"]
+    if m == "~" or m.startswith("~/"):      # the engine gets it as one quoted argument: no shell expands it
+        hv.vars["model"] = conn.home().rstrip("/") + m[1:]
     if not hv.vars["python"]:
         # The control node's own interpreter has aiohttp; a remote host's python3 comes from env_setup.
         hv.vars["python"] = sys.executable if hv["connection"] == "local" else "python3"
@@ -157,15 +161,20 @@ def proxy_state(f: dict) -> str:
 
 def status_of(hv: HostVars, facts: dict) -> dict:
     """The `inv status --json` object of one host."""
+    keeper = fleet_keeper.status(hv, facts)
     instances = [{"index": f["index"], "port": f["port"], "accelerator": f["index"], "pid": f["pid"],
-                  "pgid": f["pgid"], "state": instance_state(f, hv["health_timeout_s"])}
+                  "pgid": f["pgid"], "state": instance_state(f, hv["health_timeout_s"]),
+                  **fleet_keeper.instance_fields(keeper, f["index"])}
                  for f in facts["instances"]]
+    for inst in instances:
+        if inst["crashloop"] and inst["state"] in ("dead", "stopped"):
+            inst["state"] = "crashloop"
     p = facts["proxy"]
     proxy = {"pid": p["pid"], "port": p["port"], "state": proxy_state(p), "backends": p["backends"]}
     mode = facts.get("mode") or "proxy"
     n = facts.get("nginx") or {}
     nginx = {"pid": n.get("pid"), "port": p["port"], "state": "running" if n.get("alive") else "stopped",
-             "watcher_pid": n.get("watcher_pid")}
+             "watcher_pid": n.get("watcher_pid") or (keeper["pid"] if hv["keeper"]["enabled"] else None)}
     if n.get("alive") and not p["alive"]:
         proxy["state"] = "stopped"           # the port is nginx's, not taken by a stranger
     front = None
@@ -174,7 +183,7 @@ def status_of(hv: HostVars, facts: dict) -> dict:
     elif mode == "nginx" and n.get("alive"):
         front = "nginx"
     return {"host": hv.name, "deployment_id": hv.deployment_id, "deploy_dir": hv["deploy_dir"],
-            "front": front, "mode": mode, "proxy": proxy, "nginx": nginx, "instances": instances,
+            "front": front, "mode": mode, "proxy": proxy, "nginx": nginx, "keeper": keeper, "instances": instances,
             "tagged": facts["tagged"]}
 
 
@@ -183,9 +192,13 @@ def status(conn: Transport, hv: HostVars, emit: Emit = lambda line: None) -> Rep
     hv = prepare(conn, hv)
     report = Report(hv.name)
     report.status = st = status_of(hv, probe(conn, hv))
+    loud = {name: (status, message) for name, status, message in fleet_keeper.report_lines(st)}
     for inst in st["instances"]:
-        report.add(f"instance {inst['index']}", "ok" if inst["state"] in ("healthy", "loading") else
-                   ("ok" if inst["state"] == "stopped" else "failed"), inst["state"])
+        name = f"instance {inst['index']}"
+        report.add(name, *loud.pop(name, ("ok" if inst["state"] in ("healthy", "loading", "stopped") else
+                                          "failed", inst["state"])))
+    for name, (status, message) in loud.items():
+        report.add(name, status, message)
     # The entry port is what clients use: a front that should run and does not is a failure.
     if st.get("mode", "proxy") != "nginx":
         p = st["proxy"]
@@ -267,6 +280,8 @@ def _deploy(conn: Transport, hv: HostVars, emit: Emit, check: bool, diff: bool, 
         _start_instances(conn, hv, to_start, report, emit)
 
     _deploy_front(conn, hv, facts, changed_files, report, emit, check)
+    if hv["instances"]:
+        fleet_keeper.deploy(conn, hv, facts, changed_files, report, emit, check)
     for step in report.steps:
         if step.message:
             emit(f"{step.status}: {step.name}: {step.message}")
@@ -455,8 +470,17 @@ def stop(conn: Transport, hv: HostVars, emit: Emit = lambda line: None, instance
     hv = prepare(conn, hv)
     if instance is not None and not 0 <= instance < hv["instances"]:
         raise FleetError(f"{hv.name}: there is no instance {instance}; instances are 0-{hv['instances'] - 1}.")
+    keeper = []
+    if instance is None and not check:
+        # The keeper first, before the lock: it may hold the lock for a restart of its own, which its
+        # stop cancels (and its exit frees the lock); once it is gone nothing restarts what stop takes down.
+        stop_processes(conn, hv, ["--keeper"], lambda line: (emit(line), keeper.append(line)))
     with runlock.held_unless(check, conn, hv, "stop", emit, wait):
-        return _stop(conn, hv, emit, instance, check, force)
+        report = _stop(conn, hv, emit, instance, check, force)
+    if any(line.startswith("keeper: stopped") for line in keeper):
+        report.steps.insert(0, Step("keeper", "changed", "stopped first: " + "; ".join(
+            line for line in keeper if line.startswith("keeper: stopping"))[:200]))
+    return report
 
 
 def _stop(conn: Transport, hv: HostVars, emit: Emit, instance: int | None, check: bool, force: bool) -> Report:
@@ -480,6 +504,9 @@ def _stop(conn: Transport, hv: HostVars, emit: Emit, instance: int | None, check
             report.add(name, "failed" if still else "changed",
                        f"pid {f['pid']} still alive" if still else f"stopped pid {f['pid']} and its session")
     if instance is None:
+        kp = (before.get("keeper") or {}).get("pid")
+        if kp and check:
+            report.add("keeper", "changed", f"would stop pid {kp} (first)")
         p = before["proxy"]
         if not p["alive"]:
             report.add("proxy", "ok", "already stopped")

@@ -20,10 +20,13 @@ def front_mode(conn: Transport, hv: HostVars) -> str:
     return "nginx" if mode and mode.decode(errors="replace").strip() == "nginx" else "proxy"
 
 
-def log_path(hv: HostVars, instance: int | None = None, proxy: bool = False, results: bool = False) -> str:
-    """The file `inv logs` shows: an instance's engine log, the proxy's log, or the results log."""
-    if sum((instance is not None, proxy, results)) > 1:
-        raise FleetError("choose one of --instance I, --proxy and --results.")
+def log_path(hv: HostVars, instance: int | None = None, proxy: bool = False, results: bool = False,
+             keeper: bool = False) -> str:
+    """The file `inv logs` shows: an instance's engine log, the proxy's, the results log or the keeper's."""
+    if sum((instance is not None, proxy, results, keeper)) > 1:
+        raise FleetError("choose one of --instance I, --proxy, --results and --keeper.")
+    if keeper:
+        return f"{hv['deploy_dir']}/logs/keeper.log"
     if instance is not None:
         if not 0 <= instance < hv["instances"]:
             raise FleetError(f"{hv.name}: there is no instance {instance}; instances are 0-{hv['instances'] - 1}.")
@@ -34,12 +37,12 @@ def log_path(hv: HostVars, instance: int | None = None, proxy: bool = False, res
 
 
 def tail(conn: Transport, hv: HostVars, emit: Emit, lines: int = 50, follow: bool = False,
-         instance: int | None = None, proxy: bool = False, results: bool = False) -> Report:
+         instance: int | None = None, proxy: bool = False, results: bool = False, keeper: bool = False) -> Report:
     """Print the last lines of one log file on the host, and with follow keep printing as it grows."""
     hv = prepare(conn, hv)
-    path = log_path(hv, instance, proxy, results)
+    path = log_path(hv, instance, proxy, results, keeper)
     report = Report(hv.name)
-    if instance is None and front_mode(conn, hv) == "nginx":
+    if instance is None and not keeper and front_mode(conn, hv) == "nginx":
         # nginx is the front: it writes no proxy log and no results log; its access log is the record.
         emit(f"{hv.name} runs nginx as its front (inv swap-to-proxy to go back): showing its access log")
         path = f"{hv['deploy_dir']}/{NGINX_ACCESS_LOG}"

@@ -144,6 +144,33 @@ def nginx_facts(d, dep):
     return {"pid": pid if up else None, "alive": up, "watcher_pid": wpid if wup else None, "watcher_alive": wup}
 
 
+def tail(path, n=10):
+    """The last n lines of a text file, [] when it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - 16384))
+            return [line.decode("utf-8", "replace") for line in f.read().splitlines()[-n:]]
+    except OSError:
+        return []
+
+
+def keeper_facts(d, dep):
+    """The keeper (run/keeper.pid) and what it wrote in run/keeper.json; a crash-looping instance's log tail."""
+    pid, _, _, stale = read_pidfile(os.path.join(d, "run", "keeper.pid"), dep + "/keeper")
+    up = stale is None and alive(pid)
+    try:
+        with open(os.path.join(d, "run", "keeper.json")) as f:
+            state = json.load(f)
+    except (OSError, ValueError):
+        state = None
+    if isinstance(state, dict):
+        for index, w in (state.get("instances") or {}).items():
+            if isinstance(w, dict) and w.get("crashloop"):
+                w["log_tail"] = tail(os.path.join(d, "logs", "vllm_%s.log" % index))
+    return {"pid": pid if up else None, "alive": up, "pidfile": pid is not None, "state": state}
+
+
 def main():
     spec = json.loads(sys.argv[1])
     d = spec["deploy_dir"]
@@ -160,6 +187,7 @@ def main():
             "instances": [f.result() for f in inst],
             "proxy": prox.result(),
             "nginx": nginx_facts(d, dep),
+            "keeper": keeper_facts(d, dep),
             "files": {rel: f.result() for rel, f in files.items()},
             "file_modes": {rel: file_mode(os.path.join(d, rel)) for rel in spec.get("files", [])},
             "tagged": tagged(spec["deployment_id"] + "/"),

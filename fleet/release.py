@@ -78,6 +78,12 @@ def holders(conn, hv, indexes: list[int] | None, instance: int | None = None, ki
     return run_script(conn, hv, HOLDERS_PROBE, spec, "listing the device files' holders")
 
 
+def release_threshold(hv) -> float:
+    """Used memory at or under which a card counts as released. accelerator cpu: 0, for its "card" is
+    the resident memory of the instance's processes, 0 only when none of them is left."""
+    return 0.0 if hv["accelerator"] == "cpu" else hv["release_threshold_mib"]
+
+
 def released(card: smi.Card | None, threshold_mib: float) -> bool | None:
     """True when the card's used memory is at or under the threshold; None when it is not reported."""
     if card is None or math.isnan(card.used_mib):
@@ -99,7 +105,7 @@ def wait_released(conn, hv, indexes: list[int], emit: Emit, stop_early: Callable
     Returns the last reading, the cards still not released, and why the smi could not be read (if so).
     stop_early, asked when a poll finds cards still used, ends the wait at once when it says True.
     """
-    threshold = hv["release_threshold_mib"]
+    threshold = release_threshold(hv)
     deadline = time.monotonic() + hv["release_timeout_s"]
     t0 = time.monotonic()
     said = False
@@ -110,7 +116,7 @@ def wait_released(conn, hv, indexes: list[int], emit: Emit, stop_early: Callable
         pending = [i for i in indexes if released(cards.get(i), threshold) is False]
         if not pending:
             if said:
-                emit(f"release: every card at or under {threshold:g} MiB after {time.monotonic() - t0:.1f}s")
+                emit(f"release: {_released_words(hv)} after {time.monotonic() - t0:.1f}s")
             return cards, [], None
         if time.monotonic() >= deadline or (stop_early and stop_early()):
             return cards, pending, None
@@ -137,7 +143,7 @@ def card_table(indexes: list[int], before: dict[int, smi.Card], after: dict[int,
 def settle(conn, hv, report, emit: Emit, indexes: list[int], before: dict[int, smi.Card],
            before_why: str | None, instance: int | None, check: bool, force: bool) -> None:
     """Steps 3-5 of stop on the cards `indexes`, adding steps to report (hv prepared)."""
-    threshold = hv["release_threshold_mib"]
+    threshold = release_threshold(hv)
     scope = None if instance is None else [instance]
     if check:
         found = holders(conn, hv, scope, instance)
@@ -175,7 +181,8 @@ def settle(conn, hv, report, emit: Emit, indexes: list[int], before: dict[int, s
     if why or before_why:
         report.add("release", "skipped", f"cannot read the cards' memory: {why or before_why}")
         return
-    emit("cards (used/total):")
+    emit("instances' memory (resident in their processes/host total, from /proc):" if hv["accelerator"] == "cpu"
+         else "cards (used/total):")
     for line in card_table(indexes, before, after, threshold):
         emit(line)
     unknown = [i for i in indexes if released(after.get(i), threshold) is None]
@@ -184,7 +191,13 @@ def settle(conn, hv, report, emit: Emit, indexes: list[int], before: dict[int, s
         report.add("release", "failed", _not_released_message(hv, pending, after, found, instance))
     else:
         note = f"; card(s) {', '.join(map(str, unknown))} not reported by the smi" if unknown else ""
-        report.add("release", "ok", f"every card at or under {threshold:g} MiB used{note}")
+        report.add("release", "ok", _released_words(hv) + note)
+
+
+def _released_words(hv) -> str:
+    if hv["accelerator"] == "cpu":
+        return "no process of the instances left, their memory given back"
+    return f"every card at or under {hv['release_threshold_mib']:g} MiB used"
 
 
 def _check_holders(report, emit: Emit, found: dict, force: bool, tag_prefix: str) -> None:
@@ -211,6 +224,10 @@ def _check_holders(report, emit: Emit, found: dict, force: bool, tag_prefix: str
 
 
 def _not_released_message(hv, pending, after, found, instance) -> str:
+    if hv["accelerator"] == "cpu":
+        left = ", ".join(f"instance {i} ({after[i].show()} resident)" for i in pending if i in after)
+        return (f"processes still alive after {hv['release_timeout_s']:g}s: {left}; `inv status --host "
+                f"{hv.name}` lists the pids carrying the deployment's tag: stop them by pid")
     cards = ", ".join(f"card {i} ({after[i].show()})" for i in pending if i in after)
     if found.get("error"):
         who = f"; cannot list the holders: {found['error']}"

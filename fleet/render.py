@@ -78,6 +78,7 @@ FILES = {
     "conf/proxy.yaml": ("proxy.yaml.j2", 0o644),
     "conf/nginx.conf": ("nginx.conf.j2", 0o644),
     "conf/nginx_front.json": ("nginx_front.json.j2", 0o644),
+    "conf/hostagent.json": ("hostagent.json.j2", 0o644),
 }
 
 
@@ -120,6 +121,7 @@ def context(hv: HostVars) -> dict:
         "stop_spec": stop_spec(hv),
         "visibility_var": accelerators.kind(v["accelerator"]).visibility_var,
         "num": _num,
+        "card_files": [accelerators.card_files(v["accelerator"], v["deploy_dir"], i) for i in range(v["instances"])],
     }
 
 

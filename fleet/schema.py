@@ -168,6 +168,21 @@ class NginxSettings(Section):
     keepalive: _int(1, 65536) = 64
 
 
+class KeeperSettings(Section):
+    """The keeper (hostagent/keeper.py): restarts dead or stalled instances with backoff."""
+
+    enabled: Flag = True
+    dead_after_s: _seconds() = 30.0                # /health failing this long, after healthy once: dead
+    max_restarts: _int(1, 1000) = 5                # this many within window_s, then dead again: crashloop
+    window_s: _seconds() = 1800.0
+    backoff_base_s: _seconds(off=True) = 10.0      # wait before restart k+1: base x 2^k, at most max
+    backoff_max_s: _seconds(off=True) = 300.0
+    stall_probe: Flag | None = None                # null: on for engine vllm, off for sim
+    probe_interval_s: _seconds() = 30.0
+    probe_timeout_s: _seconds() = 20.0
+    probe_failures: _int(1, 1000) = 3
+
+
 class HostSettings(Section):
     """Every key of a host (and of `defaults:` and a group, which set the same keys for many hosts)."""
 
@@ -205,6 +220,7 @@ class HostSettings(Section):
     fronts: HostNames = []
     proxy: ProxySettings = ProxySettings()
     nginx: NginxSettings = NginxSettings()
+    keeper: KeeperSettings = KeeperSettings()
 
 
 def defaults() -> dict[str, Any]:

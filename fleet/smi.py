@@ -17,6 +17,7 @@ import math
 import re
 import shlex
 from dataclasses import dataclass
+from pathlib import Path
 
 from . import accelerators
 from .errors import FleetError, RemoteError
@@ -67,7 +68,10 @@ def _fmt(x: float) -> str:
 
 
 # Tool names as used in messages; `parse` also takes an accelerator kind.
-KIND_TOOL = {"dcu": "hy-smi", "rocm": "rocm-smi", "nvidia": "nvidia-smi", "sim": "python -m fleet.sim smi"}
+KIND_TOOL = {"dcu": "hy-smi", "rocm": "rocm-smi", "nvidia": "nvidia-smi", "sim": "python -m fleet.sim smi",
+             "cpu": "/proc (fleet/cpu_mem_probe.py)"}
+# accelerator cpu has no smi: this script reads each instance's resident memory from /proc instead.
+CPU_MEM_PROBE = (Path(__file__).resolve().parent / "cpu_mem_probe.py").read_text()
 
 NVIDIA_FIELDS = ("index", "memory.used", "memory.total", "utilization.gpu")
 # The arguments each smi runs with, by the binary's name: memory and utilisation, machine-readable.
@@ -249,6 +253,10 @@ def smi_command(hv) -> str:
         return (f"echo {shlex.quote(MARKER + 'sim')}; "
                 f"PYTHONPATH={shlex.quote(d + '/lib')}${{PYTHONPATH:+:$PYTHONPATH}} "
                 f"exec {shlex.quote(py)} -m fleet.sim smi --dev-dir {shlex.quote(d + '/sim-dev')} --showuse")
+    if hv["accelerator"] == "cpu" and not wanted:
+        spec = {"deploy_dir": d, "deployment_id": hv.deployment_id, "instances": hv["instances"]}
+        return (f"echo {shlex.quote(MARKER + 'cpu')}; "
+                f"exec python3 -c {shlex.quote(CPU_MEM_PROBE)} {shlex.quote(json.dumps(spec))}")
     candidates = [wanted] if wanted else list(accelerators.kind(hv["accelerator"]).smi_candidates)
     cases = " ".join(f"{name}) set -- {shlex.join(args)} ;;" for name, args in SMI_ARGS.items())
     return (f"for c in {shlex.join(candidates)}; do "
@@ -262,8 +270,8 @@ def locate_note(hv) -> str:
     """Where read_cards looks for the smi, for messages."""
     if hv.vars.get("smi"):
         return hv["smi"]
-    if hv["accelerator"] == "sim":
-        return "python -m fleet.sim smi"
+    if hv["accelerator"] in ("sim", "cpu"):
+        return KIND_TOOL[hv["accelerator"]]
     return ", ".join(accelerators.kind(hv["accelerator"]).smi_candidates)
 
 
@@ -273,7 +281,7 @@ def parse_output(hv, stdout: str) -> list[Card]:
     tool = hv["accelerator"]
     if lines and lines[0].startswith(MARKER):
         tool = lines[0][len(MARKER):].strip()
-        tool = KIND_TOOL["sim"] if tool == "sim" else tool
+        tool = KIND_TOOL.get(tool, tool) if tool in ("sim", "cpu") else tool
         lines = lines[1:]
     return parse(tool, "\n".join(lines))
 

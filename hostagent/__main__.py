@@ -1,7 +1,10 @@
-"""`python -m hostagent COMMAND --config conf/nginx_front.json [--nginx BIN]`, run in deploy_dir.
+"""`python -m hostagent COMMAND --config FILE [...]`, run in deploy_dir.
 
-Commands: check (preflight), to-nginx, to-proxy, reload, watch. Each prints progress lines, then one
-line `FLEET_RESULT {json}`; the exit status is 0 on success, 1 on a failure said in that line.
+nginx front (--config conf/nginx_front.json): check (preflight), to-nginx, to-proxy, reload, watch.
+Instances (--config conf/hostagent.json): restart --instance I | --rolling; keeper (runs it here),
+keeper-start (in its own session, a running one stopped first), keeper-stop.
+Each command but watch and keeper prints progress lines, then one line `FLEET_RESULT {json}`; the exit
+status is 0 on success, 1 on a failure said in that line.
 """
 from __future__ import annotations
 
@@ -10,14 +13,19 @@ import json
 import logging
 import sys
 
-from . import handover, host, watch
+from . import handover, host, keeper, lock, restart, watch
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hostagent", description=__doc__)
-    parser.add_argument("command", choices=["check", "to-nginx", "to-proxy", "reload", "watch"])
+    parser.add_argument("command", choices=["check", "to-nginx", "to-proxy", "reload", "watch", "restart",
+                                            "keeper", "keeper-start", "keeper-stop"])
     parser.add_argument("--config", required=True)
     parser.add_argument("--nginx", default=None, help="the nginx binary (default: found as check does)")
+    parser.add_argument("--instance", type=int, default=None, help="restart: the instance")
+    parser.add_argument("--rolling", action="store_true", help="restart: every instance in turn")
+    parser.add_argument("--locked", action="store_true",
+                        help="restart: the caller holds the run lock (inv restart); else it is taken here")
     args = parser.parse_args(argv)
 
     def say(line: str) -> None:
@@ -28,6 +36,17 @@ def main(argv=None) -> int:
             logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
             watch.run(cfg)
             return 0
+        if args.command == "keeper":
+            return keeper.main(cfg)
+        if args.command in ("keeper-start", "keeper-stop"):
+            if args.command == "keeper-stop":
+                result = {"stopped": keeper.stop(cfg)}
+            else:
+                result = {"pid": keeper.start(cfg, args.config)}
+            print("FLEET_RESULT " + json.dumps({"ok": True, **result}), flush=True)
+            return 0
+        if args.command == "restart":
+            return _restart(cfg, args, say)
         if args.command == "check":
             result = handover.preflight(cfg, args.nginx)
         elif args.command == "to-nginx":
@@ -41,6 +60,30 @@ def main(argv=None) -> int:
     except host.FrontError as e:
         print("FLEET_RESULT " + json.dumps({"ok": False, "error": str(e)}), flush=True)
         return 1
+
+
+def _restart(cfg: dict, args, say) -> int:
+    """restart --instance I or --rolling: the steps go back in the FLEET_RESULT line."""
+    n = len(cfg["instances"])
+    if (args.instance is None) == (not args.rolling):
+        raise host.FrontError("restart needs either --instance I or --rolling.")
+    if args.instance is not None and not 0 <= args.instance < n:
+        raise host.FrontError(f"there is no instance {args.instance}; instances are 0-{n - 1}.")
+    held = None
+    if not args.locked:      # run by hand on the host: one run at a time, as for inv restart
+        held = lock.try_hold(cfg["deploy_dir"], "python -m hostagent restart")
+        if held is None:
+            who = lock.holder(cfg["deploy_dir"]) or {}
+            raise host.FrontError(f"{who.get('what') or 'another run'} holds the run lock "
+                                  f"(since {who.get('since') or 'an unknown time'}); retry when it is done.")
+    try:
+        steps = restart.restart_all(cfg, say) if args.rolling else restart.restart_instance(cfg, args.instance, say)
+    finally:
+        if held is not None:
+            held.release()
+    ok = not any(s["status"] == "failed" for s in steps)
+    print("FLEET_RESULT " + json.dumps({"ok": ok, "steps": steps}), flush=True)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

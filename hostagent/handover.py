@@ -157,13 +157,31 @@ def to_nginx(cfg: dict, config_path: str, nginx: str | None = None, say=print) -
             result["proxy_drained"] = _finish_proxy(cfg, proxy_pid, proxy_pgid)
             say(f"proxy: pid {proxy_pid} " + ("finished its in-flight requests and exited" if
                 result["proxy_drained"] else "was killed after proxy_drain_s"))
-    if not host.ours(cfg, "nginx_watch.pid", "nginx-watch"):
+    host.write_atomic(host.run_path(cfg, "mode"), "nginx\n")
+    if cfg.get("keeper_watches"):
+        _keeper_watches(cfg, result, say)
+    elif not host.ours(cfg, "nginx_watch.pid", "nginx-watch"):
         result["watcher_pid"] = host.start_watcher(cfg, config_path, nginx)
         result["changed"] = True
         say(f"watcher: pid {result['watcher_pid']} polls {cfg['health_path']} of {len(cfg['backends'])} "
             f"backends every {cfg['interval_s']}s, log logs/nginx_watch.log")
-    host.write_atomic(host.run_path(cfg, "mode"), "nginx\n")
     return result
+
+
+def _keeper_watches(cfg: dict, result: dict, say) -> None:
+    """keeper.enabled: the keeper does the /health watching (one agent, not two); started if it is not
+    running, and a watcher left from before is stopped."""
+    from . import keeper
+    if host.stop_watcher(cfg):
+        say("watcher: stopped, the keeper watches /health now")
+    pid, _ = host.read_pid(host.run_path(cfg, "keeper.pid"))
+    if not host.alive(pid):
+        pid = keeper.start(host.load_config(os.path.join(cfg["deploy_dir"], "conf", "hostagent.json")),
+                           "conf/hostagent.json")
+        result["changed"] = True
+    result["watcher_pid"] = pid
+    say(f"keeper: pid {pid} polls {cfg['health_path']} of {len(cfg['backends'])} backends every "
+        f"{cfg['interval_s']}s for nginx, log logs/keeper.log")
 
 
 def to_proxy(cfg: dict, config_path: str, nginx: str | None = None, say=print) -> dict:
@@ -254,6 +272,10 @@ def reload(cfg: dict, config_path: str, nginx: str | None = None, say=print) -> 
     host.write_upstream(cfg, host.check_health(cfg))
     os.kill(pid, signal.SIGHUP)
     say(f"nginx: pid {pid} reloaded its configuration")
-    watcher = host.start_watcher(cfg, config_path, pre["nginx"])
     host.write_atomic(host.run_path(cfg, "mode"), "nginx\n")
-    return {"changed": True, "pid": pid, "watcher_pid": watcher, "nginx": pre["nginx"]}
+    result = {"changed": True, "pid": pid, "nginx": pre["nginx"]}
+    if cfg.get("keeper_watches"):
+        _keeper_watches(cfg, result, say)
+    else:
+        result["watcher_pid"] = host.start_watcher(cfg, config_path, pre["nginx"])
+    return result

@@ -40,7 +40,7 @@ class Proc(object):
     def alive(self):
         return self.state not in ("Z", "X")
 
-    def show(self, width=60):
+    def show(self, width=80):
         """`pid 123 (VLLM::EngineCore)`: the pid and the command line, cut to width."""
         return "pid %d (%s)" % (self.pid, self.cmdline[:width])
 
@@ -345,17 +345,21 @@ class Target(object):
     def __init__(self, name, pidfile, tag, port=None, fix=None):
         self.name, self.pidfile, self.tag, self.port, self.fix = name, pidfile, tag, port, fix
         self.record = None        # the pid file's record, when readable
-        self.leader = None        # the live process the record names, when it is proven ours
         self.sessions = {}        # sid -> earliest start a member may have (None: any)
         self.groups = set()
 
 
-def targets(spec, only=None, proxy_only=False, everything=False):
-    """The targets of a stop. only: one instance index; proxy_only: the proxy alone; everything: all
-    targets whatever is asked (to tell the deployment's port holders from strangers)."""
+def targets(spec, only=None, proxy_only=False, everything=False, keeper_only=False):
+    """The targets of a stop. only: one instance index; proxy_only: the proxy alone; keeper_only: the
+    keeper alone; everything: all targets whatever is asked (to tell the deployment's port holders from
+    strangers)."""
     d, dep = spec["deploy_dir"], spec["deployment_id"]
     run = os.path.join(d, "run")
-    fronts = [Target("proxy", os.path.join(run, "proxy.pid"), dep + "/proxy", spec.get("proxy_port"),
+    keeper = Target("keeper", os.path.join(run, "keeper.pid"), dep + "/keeper")
+    if keeper_only:
+        return [keeper]
+    fronts = [keeper,
+              Target("proxy", os.path.join(run, "proxy.pid"), dep + "/proxy", spec.get("proxy_port"),
                      "proxy.port"),
               Target("nginx watcher", os.path.join(run, "nginx_watch.pid"), dep + "/nginx-watch"),
               Target("nginx", os.path.join(run, "nginx.pid"), dep + "/nginx")]
@@ -372,7 +376,7 @@ def targets(spec, only=None, proxy_only=False, everything=False):
     if everything or (only is None and not proxy_only):
         return fronts + insts
     if proxy_only:
-        return fronts[:1]
+        return fronts[1:2]
     return [t for t in insts if t.name == "instance %d" % only]
 
 
@@ -417,7 +421,6 @@ def identify(spec, tlist, procs, guard, say_files=True, any_tag=False):
         proc = procs.get(rec["pid"]) if rec["pid"] > 0 else None
         why = check_record(rec, t.tag, proc)
         if why is None:
-            t.leader = proc
             add(proc, t, "pid file record of %s" % t.name)
             # Its session and group are the deployment's only when it leads them (setsid at start).
             if proc.sid == proc.pid:
@@ -495,14 +498,19 @@ def _signal(kill, pid, sig):
         return False
 
 
-def stop(spec, only=None, proxy_only=False, check=False, kill=os.kill, say=print, grace_s=None):
-    """Stop the deployment's processes (all, instance `only`, or the proxy alone): SIGTERM to each
-    member, up to grace_s for them to go, SIGKILL to what is left. kill(pid, sig) sends the signals
-    (replaceable in tests). Returns the pids of the deployment still alive at the end (empty: done)."""
+def stop(spec, only=None, proxy_only=False, check=False, kill=os.kill, say=print, grace_s=None,
+         keeper_only=False):
+    """Stop the deployment's processes (all, instance `only`, the proxy alone or the keeper alone): SIGTERM
+    to each member, up to grace_s for them to go, SIGKILL to what is left. kill(pid, sig) sends the
+    signals (replaceable in tests). Returns the pids of the deployment still alive at the end (empty:
+    done). A whole stop stops the keeper first, alone: once it is gone nothing restarts what the stop
+    takes down (a restart it had begun is cancelled; what it started already is the deployment's)."""
     grace_s = float(spec.get("grace_s", 10) if grace_s is None else grace_s)
-    whole = only is None and not proxy_only
+    whole = only is None and not proxy_only and not keeper_only
+    if whole and not check:
+        stop(spec, check=False, kill=kill, say=say, grace_s=grace_s, keeper_only=True)
     guard = Guard()
-    tlist = targets(spec, only, proxy_only)
+    tlist = targets(spec, only, proxy_only, keeper_only=keeper_only)
     procs = snapshot()
     found = identify(spec, tlist, procs, guard, any_tag=whole)
     # Every part of the deployment, so that a port held by another part of it is not a stranger's.
@@ -535,7 +543,8 @@ def stop(spec, only=None, proxy_only=False, check=False, kill=os.kill, say=print
         if time.monotonic() >= next_scan:
             # Children forked meanwhile (a session's new member) are the deployment's too.
             next_scan = time.monotonic() + 0.5
-            again = identify(spec, targets(spec, only, proxy_only), snapshot(), guard, False, whole)
+            again = identify(spec, targets(spec, only, proxy_only, keeper_only=keeper_only), snapshot(), guard,
+                             False, whole)
             for pid, (t, how) in again.members.items():
                 p = read_proc(pid)
                 if pid not in starts and p is not None:
@@ -590,12 +599,12 @@ def main(argv=None):
     """`processes.py stop SPEC_JSON [--instance I | --proxy] [--check]`: exit 0 when nothing of the
     deployment is left running, 1 when something is, 64 on a usage error."""
     argv = sys.argv[1:] if argv is None else argv
-    usage = "usage: stop_cluster.sh [--instance I | --proxy] [--check]"
+    usage = "usage: stop_cluster.sh [--instance I | --proxy | --keeper] [--check]"
     if len(argv) < 2 or argv[0] != "stop":
         print(usage, file=sys.stderr)
         return 64
     spec = json.loads(argv[1])
-    only, proxy_only, check = None, False, False
+    only, proxy_only, keeper_only, check = None, False, False, False
     rest = argv[2:]
     while rest:
         a = rest.pop(0)
@@ -603,12 +612,14 @@ def main(argv=None):
             only = int(rest.pop(0))
         elif a == "--proxy":
             proxy_only = True
+        elif a == "--keeper":
+            keeper_only = True
         elif a == "--check":
             check = True
         else:
             print(usage, file=sys.stderr)
             return 64
-    if only is not None and proxy_only:
+    if (only is not None) + proxy_only + keeper_only > 1:
         print(usage, file=sys.stderr)
         return 64
     say = lambda line: print(line, flush=True)     # noqa: E731
@@ -618,7 +629,7 @@ def main(argv=None):
     except ValueError:
         print("GRACE_S must be a number of seconds, got %r" % grace, file=sys.stderr)
         return 64
-    left = stop(spec, only, proxy_only, check, say=say, grace_s=grace_s)
+    left = stop(spec, only, proxy_only, check, say=say, grace_s=grace_s, keeper_only=keeper_only)
     if left and not check:
         say("left running: " + ", ".join(str(p) for p in left))
         return 1

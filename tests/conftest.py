@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -16,32 +17,45 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
+_rng = random.Random()   # seeded from the OS: concurrent runs pick different ports
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
 
 
 def free_ports(n: int) -> int:
-    """The first of n consecutive free loopback ports (instances use base_port + i)."""
-    for _ in range(200):
-        base = free_port()
-        if base + n >= 65535:
-            continue
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
+    """The first of n consecutive free loopback ports (instances use base_port + i).
+
+    Picked below the kernel's ephemeral range: a port the kernel hands out with bind(0) is also what it
+    gives the next outgoing connection, so under load a client socket could take it before the server
+    that was meant to listen there (seen as 'address already in use' when several suites share a machine).
+    """
+    lo, _ = _ephemeral_range()
+    top = lo if lo > 12000 else 65535
+    for _ in range(500):
+        base = _rng.randrange(10000, top - n)
+        if all(_bindable(p) for p in range(base, base + n)):
             return base
     raise RuntimeError(f"no run of {n} free ports found")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (outside the ephemeral range)."""
+    return free_ports(1)
 
 
 def http_status(url: str, timeout: float = 2.0) -> int | None:

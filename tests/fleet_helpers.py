@@ -72,6 +72,23 @@ def tagged_pids(prefix: str) -> list[int]:
     return found
 
 
+def session_members(sids) -> list[int]:
+    """Pids of the live processes in the given sessions (an instance leads one: renamed or reparented,
+    its processes stay in it), whatever their tag or title."""
+    sids, found = set(sids), []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] not in ("Z", "X") and int(fields[3]) in sids:
+            found.append(int(name))
+    return found
+
+
 def kill_tagged(prefix: str) -> None:
     """Test cleanup: kill what a test's deployment started, found by its tag (never by name)."""
     for pid in tagged_pids(prefix):

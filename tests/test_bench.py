@@ -116,12 +116,14 @@ def test_report_files_exist_and_parse(sweep):
 
 
 def test_dead_backend_failures_counted_by_status(tmp_path):
-    """1. a 4-instance cluster whose proxy checks /health only once a minute;
+    """1. a 4-instance cluster whose proxy checks /health only once a minute, its API servers staying up
+    after their engine dies (vLLM 0.11; 0.32's would exit and the proxy would retry elsewhere);
     2. engine death on instance 0 (its /health 503, /v1/models 200), unseen by the proxy yet;
     3. bench: its requests fail with 500, counted by status, the engine's error body shown;
     the others succeed, so the run itself succeeds."""
     inventory = deployed(tmp_path, instances=4, max_num_seqs=4,
                          sim="{load_s: 0.3, prefill_ms: 20, token_ms: 5, output_tokens: 16}",
+                         extra="extra_args: [--sim-after-engine-death, stay]\n",
                          edit=lambda text: text.replace("health_interval_s: 0.5", "health_interval_s: 60"))
     try:
         dead = status_json(inventory)["instances"][0]["port"]
@@ -219,3 +221,13 @@ def test_util_summary_is_the_median_of_the_cards_mean():
     json.dumps(samples, allow_nan=False)                   # NaN never reaches bench.json
     u = bench.util_summary(samples)
     assert u == {"util_pct": 70.0, "mem_pct": 74.7, "samples": 3, "cards": 2}
+
+
+def test_image_none_sends_text_only():
+    """`--image none`: the chat content is the prompt alone, for a text-only model."""
+    image = bench.load_image("none")
+    assert image["url"] is None and image["bytes"] == 0
+    body = json.loads(bench.request_body(bench.SCENARIOS["short"], "m", image["url"], "u"))
+    assert body["messages"] == [{"role": "user", "content": bench.SCENARIOS["short"].prompt}]
+    with_image = json.loads(bench.request_body(bench.SCENARIOS["short"], "m", "data:image/png;base64,x", "u"))
+    assert [p["type"] for p in with_image["messages"][0]["content"]] == ["text", "image_url"]

@@ -153,6 +153,22 @@ def test_example_inventory_is_valid():
     assert (k["accelerator"], k["instances"], k["max_num_seqs"], k["base_port"]) == ("dcu", 8, 4, 8002)
     assert k["connection"] == "ssh" and "--trust-remote-code" in k["extra_args"]
     assert inv.host_vars("local")["engine"] == "sim"
+    cpu = inv.host_vars("cpu")
+    assert (cpu["accelerator"], cpu["instances"], cpu["cpus_per_instance"], cpu["cpu_kvcache_gib"]) == ("cpu", 2, 0, 1)
+    assert not {8000, 8001, 8002, 8003} & {*cpu.ports, cpu["proxy"]["port"], cpu["proxy"]["admin_port"]}
+
+
+@pytest.mark.parametrize("value, message", [
+    ("0", "cpu_kvcache_gib: expected a size in GiB above 0"),
+    ("1.5", "cpu_kvcache_gib: expected a whole number of GiB above 0"),
+])
+def test_cpu_kvcache_gib_is_whole_gib_above_zero(value, message):
+    inv = inventory.load(ROOT / "inventory" / "hosts.yml")
+    with pytest.raises(InventoryError, match=message):
+        inv.host_vars("cpu", [f"cpu_kvcache_gib={value}"])
+    assert inv.host_vars("cpu", ["cpus_per_instance=1", "instances=9"])["instances"] == 9  # no accelerators cap
+    with pytest.raises(InventoryError, match="cpus_per_instance: expected an integer from 0"):
+        inv.host_vars("cpu", ["cpus_per_instance=-1"])
 
 
 def test_cli_error_is_one_line_without_traceback(tmp_path):

@@ -303,7 +303,7 @@ def test_watcher_takes_an_unhealthy_backend_out_and_puts_it_back(nginx_front):
                what="the watcher to put backend 0 back")
     wait_until(lambda: post(port, chat(1))[1]["x-backend"] == name, timeout=10, interval=0.01,
                what="a request on backend 0 again")
-    log = (deploy / "logs" / "nginx_watch.log").read_text()
+    log = (deploy / "logs" / "keeper.log").read_text()      # the keeper watches (keeper.enabled)
     assert f"{name}: /health failed, marked down" in log and f"{name}: /health answers 200 again" in log
 
 

@@ -85,7 +85,10 @@ RECORDER = textwrap.dedent("""\
     port = int(sys.argv[sys.argv.index("--port") + 1])
     with open(os.environ["RECORD_DIR"] + "/argv_%d.json" % port, "w") as f:
         json.dump({{"argv": sys.argv[1:], "tag": os.environ.get("FLEET_TAG"),
-                   "hip": os.environ.get("HIP_VISIBLE_DEVICES"), "pgid": os.getpgid(0), "pid": os.getpid()}}, f)
+                   "hip": os.environ.get("HIP_VISIBLE_DEVICES"), "spt_noenv": os.environ.get("SPT_NOENV"),
+                   "cpus": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+                   "kvcache": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
+                   "pgid": os.getpgid(0), "pid": os.getpid()}}, f)
     s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     s.bind(("127.0.0.1", port)); s.listen(8)
     time.sleep(120)
@@ -94,36 +97,58 @@ RECORDER = textwrap.dedent("""\
 NASTY = """/data/my models/Mini "CPM" 'V' $(touch PWNED) `touch PWNED2`; touch PWNED3 && echo \\ $HOME"""
 
 
-@pytest.fixture
-def recorder_host(tmp_path):
-    """k100-01 rendered into tmp_path with a recording engine in place of vllm."""
+def recorder_deploy(tmp_path, *overrides):
+    """k100-01 rendered into tmp_path/deploy with a recording engine in place of vllm; its HostVars."""
     require_tool("ss")
     engine = tmp_path / "fake-vllm"
     engine.write_text(RECORDER.format(python=PYTHON))
     engine.chmod(0o755)
     base = free_ports(2)
     hv = k100([f"vllm_bin={engine}", f"deploy_dir={tmp_path / 'deploy'}", f"base_port={base}",
-               "proxy.port=1", "proxy.admin_port=2", "stagger_s=0", "env_setup=", "instances=2"])
+               "proxy.port=1", "proxy.admin_port=2", "stagger_s=0", "env_setup=", "instances=2", *overrides])
     hv.vars["model"] = NASTY
     hv.vars["served_model_name"] = "name with 'quotes' and $(x)"
     hv.vars["extra_args"] = ["--limit-mm-per-prompt", '{"image": 4}', "; touch PWNED4"]
+    write_rendered(hv, tmp_path / "deploy")
+    return hv
+
+
+def recorded(tmp, port: int) -> dict:
+    """What the recording engine on `port` wrote, once it is whole (waits for it)."""
+    def read():
+        try:
+            return json.loads((tmp / f"argv_{port}.json").read_text())
+        except (OSError, ValueError):
+            return None
+    return wait_until(read, what=f"the engine's argv on :{port}")
+
+
+def write_rendered(hv, deploy):
     for f in render.render_host(hv):
-        p = tmp_path / "deploy" / f.path
+        p = deploy / f.path
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(f.content)
         p.chmod(f.mode)
+
+
+def stop_recorded(deploy):
+    """Stop what the script started, by the records it wrote (only a process that still matches one)."""
+    for pidfile in (deploy / "run").glob("instance_*.pid"):
+        rec = parse_record(pidfile.read_bytes())
+        if rec["start"] is not None and (processes.read_stat(rec["pid"]) or ())[4:] == (rec["start"],):
+            try:
+                os.killpg(rec["pgid"], 9)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.fixture
+def recorder_host(tmp_path):
+    """k100-01 rendered into tmp_path with a recording engine in place of vllm."""
+    hv = recorder_deploy(tmp_path)
     env = {**os.environ, "RECORD_DIR": str(tmp_path)}
     yield hv, tmp_path, env
-    # Stop what the script started, by the pids it recorded.
-    for i in range(2):
-        pidfile = tmp_path / "deploy" / "run" / f"instance_{i}.pid"
-        if pidfile.exists():
-            rec = parse_record(pidfile.read_bytes())
-            if rec["start"] is not None and (processes.read_stat(rec["pid"]) or ())[4:] == (rec["start"],):
-                try:
-                    os.killpg(rec["pgid"], 9)
-                except ProcessLookupError:
-                    pass
+    stop_recorded(tmp_path / "deploy")
 
 
 def test_nasty_values_reach_the_engine_as_one_literal_argument(recorder_host):
@@ -131,19 +156,20 @@ def test_nasty_values_reach_the_engine_as_one_literal_argument(recorder_host):
     script = tmp / "deploy" / "bin" / "start_cluster.sh"
     r = subprocess.run([str(script)], cwd=tmp, env=env, capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, r.stderr
-    rec = wait_until(lambda: (tmp / f"argv_{hv.ports[0]}.json").exists() and
-                     json.loads((tmp / f"argv_{hv.ports[0]}.json").read_text()), what="the engine's argv")
+    rec = recorded(tmp, hv.ports[0])
     argv = rec["argv"]
     assert argv[:2] == ["serve", NASTY]
-    assert argv[argv.index("--served-model-name") + 1] == "name with 'quotes' and $(x)"
+    assert "--served-model-name=name with 'quotes' and $(x)" in argv
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.9"
     assert argv[-3:] == ["--limit-mm-per-prompt", '{"image": 4}', "; touch PWNED4"]
+    assert rec["spt_noenv"] == "1"     # vLLM's setproctitle would otherwise erase FLEET_TAG
     assert not list(tmp.glob("PWNED*")) and not list((tmp / "deploy").glob("**/PWNED*"))
     # Device visibility, tag, and its own session (setsid), its identity recorded: pid, pgid, sid, start, tag.
     assert rec["hip"] == "0" and rec["tag"] == f"{hv.deployment_id}/0"
     assert rec["pgid"] == rec["pid"]
-    recorded = parse_record((tmp / "deploy" / "run" / "instance_0.pid").read_bytes())
+    record = parse_record((tmp / "deploy" / "run" / "instance_0.pid").read_bytes())
     state, _, pgid, sid, start = processes.read_stat(rec["pid"])
-    assert recorded == {"pid": rec["pid"], "pgid": rec["pid"], "sid": rec["pid"], "start": start,
+    assert record == {"pid": rec["pid"], "pgid": rec["pid"], "sid": rec["pid"], "start": start,
                         "tag": f"{hv.deployment_id}/0"}
 
 
@@ -184,3 +210,48 @@ def test_inv_render_applies_every_set_override(tmp_path):
     proxy = (out / "conf" / "proxy.yaml").read_text()
     assert proxy.count('  - "127.0.0.1:') == 2 and "retries: 0" in proxy
     assert 'MAX_SEQS="${MAX_SEQS:-6}"' in (out / "bin" / "start_cluster.sh").read_text()
+
+
+def test_extra_args_are_never_read_as_served_names(recorder_host):
+    """--served-model-name takes one or more values in vLLM: an extra argument that does not start with
+    `-` right after it became another served name. The rendered argv, parsed with the same argparse
+    definition (nargs="+", as vLLM's; the sim's parser), serves one name and keeps the extra argument."""
+    from fleet.sim import cli
+    hv, tmp, env = recorder_host
+    hv.vars["extra_args"] = ["positional-looking", "--dtype", "bfloat16"]
+    write_rendered(hv, tmp / "deploy")
+    r = subprocess.run([str(tmp / "deploy" / "bin" / "start_cluster.sh")], env={**env, "N": "1"},
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    rec = recorded(tmp, hv.ports[0])
+    args, ignored = cli.parse(rec["argv"])
+    assert args.served_model_name == ["name with 'quotes' and $(x)"]
+    assert "positional-looking" in ignored
+
+
+def test_cpu_instances_get_disjoint_cores_and_their_kv_cache(tmp_path):
+    """accelerator cpu: 1. instance i gets cores [i*C, (i+1)*C) of the host's (here C = the cores split
+    evenly), no --gpu-memory-utilization, VLLM_CPU_KVCACHE_SPACE from cpu_kvcache_gib. 2. More cores than
+    the host has is refused with one sentence, exit 3, and nothing started."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs 2 cores to split")
+    hv = recorder_deploy(tmp_path, "accelerator=cpu", "cpu_kvcache_gib=3")
+    env = {**os.environ, "RECORD_DIR": str(tmp_path)}
+    script = str(tmp_path / "deploy" / "bin" / "start_cluster.sh")
+    try:
+        r = subprocess.run([script], env=env, capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0, r.stderr
+        recs = [recorded(tmp_path, p) for p in hv.ports]
+        per = len(cores) // 2
+        assert [rec["cpus"] for rec in recs] == [",".join(map(str, cores[:per])),
+                                                 ",".join(map(str, cores[per:2 * per]))]
+        assert {rec["kvcache"] for rec in recs} == {"3"} and {rec["spt_noenv"] for rec in recs} == {"1"}
+        assert not any("--gpu-memory-utilization" in rec["argv"] for rec in recs)
+    finally:
+        stop_recorded(tmp_path / "deploy")
+    too_many = subprocess.run([script], env={**env, "CPUS_PER_INSTANCE": str(len(cores))},
+                              capture_output=True, text=True, timeout=30)
+    assert too_many.returncode == 3 and "started" not in too_many.stdout
+    assert too_many.stderr.strip() == (f"2 instance(s) x {len(cores)} core(s) do not fit the {len(cores)} "
+                                       "core(s) of this host; lower instances or cpus_per_instance.")

@@ -318,12 +318,14 @@ def test_hang_by_signal_then_recover_then_death_by_signal(procs, tmp_path):
 def test_orphaned_child_keeps_the_card(procs, tmp_path):
     """The incident: a SIGKILLed server leaves its engine child holding the device.
 
-    1. The server spawns a child that holds renderD129 (SIM_VISIBLE_DEVICES=1), carries the
-       server's FLEET_TAG, and whose command line names neither vllm nor the port.
+    1. The server spawns a child that holds renderD129 (SIM_VISIBLE_DEVICES=1) and renames itself
+       `VLLM::EngineCore` (so its command line names neither the port nor the model); with SPT_NOENV=1
+       it still carries the server's FLEET_TAG.
     2. SIGKILL the server: the child lives on and smi still shows the card used.
     3. Kill the child by pid: smi shows the card idle.
     """
-    sim = start_sim(procs, tmp_path, env={"FLEET_TAG": "fleet-test/7", "SIM_VISIBLE_DEVICES": "1,2"})
+    sim = start_sim(procs, tmp_path, env={"FLEET_TAG": "fleet-test/7", "SIM_VISIBLE_DEVICES": "1,2",
+                                          "SPT_NOENV": "1"})
     child = None
     try:
         held = devices.holders(sim.dev_dir)
@@ -331,8 +333,7 @@ def test_orphaned_child_keeps_the_card(procs, tmp_path):
         [child] = held[1]
         assert child != sim.proc.pid and sim.stats()["engine_pid"] == child
         cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        assert "multiprocessing.spawn" in cmdline
-        assert "vllm" not in cmdline.lower() and str(sim.port) not in cmdline
+        assert cmdline.strip() == "VLLM::EngineCore" and str(sim.port) not in cmdline
         assert b"FLEET_TAG=fleet-test/7" in Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
         assert used_mib(sim.dev_dir, 1) > 50000
 
@@ -347,6 +348,59 @@ def test_orphaned_child_keeps_the_card(procs, tmp_path):
         assert used_mib(sim.dev_dir, 1) == 2
     finally:
         kill_quietly(child)
+
+
+def titled(pgid: int) -> dict[str, int]:
+    """Title -> pid of the renamed members of a process group (VLLM::EngineCore, VLLM::Worker)."""
+    out = {}
+    for pid in group_members(pgid):
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+        if cmd.startswith("VLLM::"):
+            out[cmd] = pid
+    return out
+
+
+def environ_has(pid: int, entry: bytes) -> bool:
+    return entry in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+
+
+@pytest.mark.parametrize("spt_noenv", [False, True])
+def test_engine_and_worker_rename_themselves_and_hide_the_tag_without_spt_noenv(procs, tmp_path, spt_noenv):
+    """What vLLM does and the sim long hid: EngineCore and Worker rename themselves with setproctitle,
+    which overwrites the memory /proc/PID/environ shows. 1. Start the sim with FLEET_TAG (and SPT_NOENV=1
+    or not). 2. Its group holds VLLM::EngineCore and VLLM::Worker, in the server's session. 3. Their
+    environ shows FLEET_TAG only with SPT_NOENV=1; the server's always does."""
+    env = {"FLEET_TAG": "fleet-test/3", **({"SPT_NOENV": "1"} if spt_noenv else {})}
+    sim = start_sim(procs, tmp_path, env=env)
+    found = wait_until(lambda: len(titled(sim.proc.pid)) == 2 and titled(sim.proc.pid),
+                       what="VLLM::EngineCore and VLLM::Worker")
+    assert set(found) == {"VLLM::EngineCore", "VLLM::Worker"}
+    assert found["VLLM::EngineCore"] == sim.stats()["engine_pid"]
+    tag = b"FLEET_TAG=fleet-test/3"
+    assert environ_has(sim.proc.pid, tag)
+    for pid in found.values():
+        assert os.getsid(pid) == sim.proc.pid
+        assert environ_has(pid, tag) is spt_noenv
+
+
+@pytest.mark.parametrize("mode, stays", [("exit", False), ("stay", True)])
+def test_after_engine_death_api_server_exits_like_vllm_032_or_stays_like_011(procs, tmp_path, mode, stays):
+    """1. SIGKILL the engine core alone. 2. /health 503 while /v1/models still answers 200 (both modes).
+    3. exit (vLLM 0.32, the default): the API server exits by itself after --sim-exit-delay-s, its worker
+    gone too; stay (vLLM 0.11): it stays up, /health 503."""
+    sim = start_sim(procs, tmp_path, "--sim-after-engine-death", mode, "--sim-exit-delay-s", "1.5")
+    core = sim.stats()["engine_pid"]
+    worker = wait_until(lambda: titled(sim.proc.pid).get("VLLM::Worker"), what="the worker")
+    os.kill(core, signal.SIGKILL)
+    wait_until(lambda: http_status(sim.url("/health")) == 503, timeout=5, what="/health 503")
+    assert http_status(sim.url("/v1/models")) == 200
+    wait_until(lambda: not devices.pid_alive(worker), timeout=5, what="the worker to follow its engine")
+    if stays:
+        time.sleep(2.5)
+        assert sim.proc.poll() is None and http_status(sim.url("/health")) == 503
+    else:
+        assert sim.proc.wait(10) == 1
+        wait_until(lambda: not group_members(sim.proc.pid), timeout=10, what="the whole group gone")
 
 
 def test_sigterm_stops_server_and_child(procs, tmp_path):

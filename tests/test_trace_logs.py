@@ -61,4 +61,4 @@ def test_logs_refuses_an_unknown_instance_in_one_sentence(tmp_path):
     assert r.returncode == 2
     assert "there is no instance 5; instances are 0-1." in r.stderr and "Traceback" not in r.stderr
     r = inv("logs", "--host", "t", "--proxy", "--results", inventory=inventory)
-    assert r.returncode == 2 and "choose one of --instance I, --proxy and --results." in r.stderr
+    assert r.returncode == 2 and "choose one of --instance I, --proxy, --results and --keeper." in r.stderr

@@ -36,8 +36,16 @@ def parser() -> argparse.ArgumentParser:
                        help="time per output token (FLEET_SIM_TOKEN_MS, 10)")
     serve.add_argument("--sim-output-tokens", dest="output_tokens", type=int,
                        help="natural answer length in tokens (FLEET_SIM_OUTPUT_TOKENS, 200)")
+    serve.add_argument("--sim-after-engine-death", dest="after_engine_death", choices=("exit", "stay"),
+                       help="once the engine core died: exit like vLLM 0.32 (default) or stay up with "
+                            "/health 503 like vLLM 0.11 (FLEET_SIM_AFTER_ENGINE_DEATH)")
+    serve.add_argument("--sim-exit-delay-s", dest="exit_delay_s", type=float,
+                       help="how long the API server lives on after its engine died, in exit mode "
+                            "(FLEET_SIM_EXIT_DELAY_S, 4)")
     serve.add_argument("--sim-instant", dest="instant", action="store_true",
                        help="no load, prefill or token time (FLEET_SIM_INSTANT=1)")
+    serve.add_argument("--sim-fail-start", dest="fail_start", action="store_true",
+                       help="exit at once with an engine start-up error (a crash loop on demand)")
 
     smi = sub.add_parser("smi", help="print `hy-smi --showmeminfo vram` for the sim's cards")
     smi.add_argument("--dev-dir", help="device directory (FLEET_SIM_DEV_DIR, ./sim-dev)")
@@ -64,14 +72,19 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     if ignored:
         logging.getLogger("fleet.sim").info("ignored vllm serve arguments: %s", " ".join(ignored))
-    config = settle(vars(args))
-    asyncio.run(_serve(config))
-    return 0
+    if args.fail_start:
+        logging.getLogger("fleet.sim").error("RuntimeError: Engine core initialization failed (--sim-fail-start)")
+        return 1
+    try:
+        config = settle(vars(args))
+    except ValueError as e:
+        parser().error(str(e))
+    return asyncio.run(_serve(config))
 
 
-async def _serve(config) -> None:
+async def _serve(config) -> int:
     from fleet.sim.server import serve  # aiohttp only where it is needed: smi runs without it
-    await serve(config)
+    return await serve(config)
 
 
 def smi(dev_dir: str | None, show_use: bool) -> int:

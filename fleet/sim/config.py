@@ -13,7 +13,11 @@ TIMING = {
     "prefill_ms": ("FLEET_SIM_PREFILL_MS", 100.0, float),
     "token_ms": ("FLEET_SIM_TOKEN_MS", 10.0, float),
     "output_tokens": ("FLEET_SIM_OUTPUT_TOKENS", 200, int),
+    "exit_delay_s": ("FLEET_SIM_EXIT_DELAY_S", 4.0, float),
 }
+# What the API server does once its engine core died: vLLM 0.32 exits by itself a few seconds later
+# (EngineDeadError; /health 503 and /v1/models 200 meanwhile), vLLM 0.11 stays up with /health 503.
+AFTER_ENGINE_DEATH = ("exit", "stay")
 
 
 @dataclass
@@ -30,6 +34,8 @@ class SimConfig:
     prefill_ms: float = 100.0
     token_ms: float = 10.0
     output_tokens: int = 200
+    after_engine_death: str = "exit"
+    exit_delay_s: float = 4.0
     dev_dir: Path = field(default_factory=devices.default_dev_dir)
     card: int = 0
 
@@ -52,6 +58,9 @@ def settle(flags: dict, environ=None) -> SimConfig:
         timing[name] = kind(given if given is not None else env.get(var) or default)
     if flags.get("instant") or _truthy(env.get("FLEET_SIM_INSTANT")):
         timing.update(load_s=0.0, prefill_ms=0.0, token_ms=0.0)
+    after = flags.get("after_engine_death") or env.get("FLEET_SIM_AFTER_ENGINE_DEATH") or "exit"
+    if after not in AFTER_ENGINE_DEATH:
+        raise ValueError(f"after_engine_death must be one of {', '.join(AFTER_ENGINE_DEATH)}, not {after!r}")
     model = flags["model"]
     return SimConfig(
         model=model,
@@ -62,5 +71,6 @@ def settle(flags: dict, environ=None) -> SimConfig:
         max_model_len=flags.get("max_model_len") or 32768,
         dev_dir=devices.default_dev_dir(env),
         card=devices.visible_card(env),
+        after_engine_death=after,
         **timing,
     )

@@ -1,4 +1,10 @@
-"""The engine child: a spawned process that holds the card's device files, as vLLM's EngineCore holds VRAM."""
+"""The engine child: a spawned process that holds the card's device files, as vLLM's EngineCore holds VRAM.
+
+Like vLLM's, it renames itself `VLLM::EngineCore` with the setproctitle package and starts a worker that
+renames itself `VLLM::Worker`. setproctitle reuses the memory /proc/PID/environ shows for the longer
+title, so FLEET_TAG vanishes from both unless SPT_NOENV is set in their environment (vLLM does the same;
+start_cluster.sh exports SPT_NOENV=1). Both stay in the server's process group and session.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -6,10 +12,45 @@ import logging
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 from fleet.sim import devices
 
 log = logging.getLogger("fleet.sim")
+
+ENGINE_TITLE = "VLLM::EngineCore"
+WORKER_TITLE = "VLLM::Worker"
+
+
+def set_title(title: str) -> None:
+    """Rename this process as vLLM does; without the setproctitle package, say so and keep the name."""
+    try:
+        import setproctitle
+    except ImportError:
+        log.warning("setproctitle is not installed: %s keeps its command line (vLLM's would not)", title)
+        return
+    setproctitle.setproctitle(title)
+
+
+def worker_main(parent: int) -> None:
+    """The worker: renamed, it lives while its engine core does (vLLM's workers watch their parent too),
+    and ends on SIGTERM or SIGINT."""
+    set_title(WORKER_TITLE)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
+    while os.getppid() == parent:
+        time.sleep(0.2)
+
+
+def start_worker() -> subprocess.Popen:
+    """Start the worker beside this engine core: same environment, same process group and session."""
+    root = str(Path(__file__).resolve().parent.parent.parent)
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.Popen([sys.executable, "-c", f"from fleet.sim.core import worker_main; "
+                             f"worker_main({os.getpid()})"], env=env, stdin=subprocess.DEVNULL)
 
 # What ends the child cleanly. Nothing else is handled, on purpose: like an orphaned EngineCore it
 # must outlive a SIGKILL of its parent and never notice a pipe closing.
@@ -18,20 +59,28 @@ _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
 def engine_core_main(dev_dir: str, card: int, ready) -> None:
     """Child entry point: open kfd and the card's renderD file, report ready, hold them until SIGTERM/SIGINT."""
+    set_title(ENGINE_TITLE)
+    worker = start_worker()   # before the mask: a child inherits blocked signals across exec
     signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
     held = [open(p, "rb") for p in devices.ensure_card(dev_dir, card)]
     ready.send(os.getpid())
     ready.close()
     signal.sigwait(_STOP_SIGNALS)
+    worker.terminate()
     for f in held:
         f.close()
+    try:
+        worker.wait(5)
+    except subprocess.TimeoutExpired:
+        worker.kill()
 
 
 class EngineCore:
     """The server's handle on its engine child: start it, learn when it died, stop it."""
 
-    def __init__(self, dev_dir, card: int):
+    def __init__(self, dev_dir, card: int, on_death=None):
         self.dev_dir = str(dev_dir)
+        self.on_death = on_death          # called once when the child dies other than by shutdown()
         self.card = card
         self.process = None
         self.dead = False
@@ -47,7 +96,7 @@ class EngineCore:
         return self.process is not None and not self.dead
 
     def start(self) -> None:
-        """Spawn the child (spawn, not fork: its command line is multiprocessing's, with no port in it)."""
+        """Spawn the child (spawn, not fork: no port in its command line, which it then renames)."""
         ctx = multiprocessing.get_context("spawn")
         self._ready, child_end = ctx.Pipe(duplex=False)
         # daemon: an orderly exit of the server always takes the child along; only a SIGKILL orphans it.
@@ -74,6 +123,8 @@ class EngineCore:
         if not self.dead:
             log.error("engine core (pid %d) died, exit code %s", self.process.pid, self.process.exitcode)
         self.dead = True
+        if self.on_death and not self._stopping:
+            self.on_death()
 
     def kill(self) -> None:
         """Engine death on demand: SIGKILL the child, as a crash would end it."""

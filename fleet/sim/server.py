@@ -20,7 +20,7 @@ from fleet.sim.scheduler import Scheduler
 log = logging.getLogger("fleet.sim")
 
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
-FAULTS = ("engine-death", "hang", "unhealthy", "recover")
+FAULTS = ("engine-death", "hang", "stall", "unhealthy", "recover")
 # How often the utilisation file is rewritten at most, and at least (so smi can tell it is fresh).
 USE_MIN_INTERVAL_S = 0.1
 USE_HEARTBEAT_S = 1.0
@@ -31,12 +31,16 @@ class Engine:
 
     def __init__(self, config: SimConfig):
         self.config = config
-        self.core = EngineCore(config.dev_dir, config.card)
+        self.core = EngineCore(config.dev_dir, config.card, on_death=self._engine_died)
+        self.exit_now = asyncio.Event()   # set when the API server must end by itself (engine dead, 0.32)
         self.scheduler = Scheduler(config.max_num_seqs, self._load_changed)
         self.ready = False
         self.unhung = asyncio.Event()
         self.unhung.set()
         self.unhealthy = False   # the reversible fault: /health 503 until recover, requests still served
+        self.unstalled = asyncio.Event()   # stall: /health 200, requests accepted, no token comes out
+        self.unstalled.set()
+        self.generated_tokens = 0
         self._use_changed = asyncio.Event()
         self.started = protocol.now()
 
@@ -53,11 +57,23 @@ class Engine:
             self._use_changed.set()
         elif name == "hang":
             self.unhung.clear()
+        elif name == "stall":
+            self.unstalled.clear()
         elif name == "unhealthy":
             self.unhealthy = True
         elif name == "recover":
             self.unhung.set()
+            self.unstalled.set()
             self.unhealthy = False
+
+    def _engine_died(self) -> None:
+        """The engine core is gone: like vLLM 0.32, end the API server a few seconds later (exit mode),
+        or, like vLLM 0.11, stay up answering /health 503 (stay mode)."""
+        self._use_changed.set()
+        if self.config.after_engine_death == "exit":
+            log.error("EngineDeadError: EngineCore encountered an issue; the API server exits in %gs",
+                      self.config.exit_delay_s)
+            asyncio.get_running_loop().call_later(self.config.exit_delay_s, self.exit_now.set)
 
     def stats(self) -> dict:
         s = self.scheduler
@@ -110,8 +126,10 @@ class Engine:
                     delay = start + (i + 1) * cfg.token_ms / 1000 - time.monotonic()
                     await asyncio.sleep(max(0.0, delay))
                     await self.unhung.wait()
+                    await self.unstalled.wait()
                     self._check_alive()
                     await emit(tok)
+                    self.generated_tokens += 1
         except (asyncio.CancelledError, ConnectionResetError):
             self.scheduler.aborted_total += 1
             raise
@@ -265,6 +283,8 @@ def metrics_text(engine: Engine) -> str:
         ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", s.waiting),
         ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
          s.running / s.max_num_seqs),
+        ("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.",
+         engine.generated_tokens),
         ("fleet_sim:peak_running", "gauge", "Most requests ever running at once.", s.peak_running),
         ("fleet_sim:peak_in_flight", "gauge", "Most requests ever running plus waiting at once.",
          s.peak_in_flight),
@@ -314,8 +334,9 @@ def make_app(config: SimConfig) -> web.Application:
     return app
 
 
-async def serve(config: SimConfig) -> None:
-    """Run the server until SIGTERM or SIGINT; then stop the engine child, then the HTTP side."""
+async def serve(config: SimConfig) -> int:
+    """Run the server until SIGTERM or SIGINT (exit code 0), or until it ends by itself after its engine
+    died (exit mode, 1); then stop the engine child, then the HTTP side."""
     app = make_app(config)
     # handler_cancellation: a client that hangs up cancels its handler, freeing its slot at once.
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=2.0, access_log=None)
@@ -334,8 +355,21 @@ async def serve(config: SimConfig) -> None:
         log.info("fleet.sim serving %s as %s on http://%s:%d (pid %d, max_num_seqs %d)", config.model,
                  ",".join(config.served_model_names), config.host, config.port, os.getpid(),
                  config.max_num_seqs)
-        await stop.wait()
+        await _first(stop.wait(), engine.exit_now.wait())
+        if engine.exit_now.is_set() and not stop.is_set():
+            log.error("the engine core is dead: API server exiting")
+            return 1
         log.info("shutting down: engine core first")
         await engine.core.shutdown()
+        return 0
     finally:
         await runner.cleanup()
+
+
+async def _first(*aws):
+    """Wait until the first of the awaitables is done; cancel the others."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    for t in pending:
+        t.cancel()
+    return done, pending

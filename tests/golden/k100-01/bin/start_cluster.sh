@@ -30,6 +30,7 @@ set -u
 ENGINE=(vllm serve /data/models/MiniCPM-V-4_5)
 EXTRA_ARGS=(--trust-remote-code --limit-mm-per-prompt '{"image": 4}' --dtype bfloat16)
 SERVED_NAME=MiniCPM-V-4_5
+GPU_MEMORY_UTILIZATION=0.9
 
 mkdir -p "$DEPLOY_DIR/run" "$DEPLOY_DIR/logs" || exit 1
 command -v ss >/dev/null || { echo "ss not found: install iproute2" >&2; exit 3; }
@@ -69,12 +70,17 @@ start_instance() {
     fi
     [ -f "$log" ] && mv -f "$log" "$log.1"
     rm -f "$DEPLOY_DIR/run/instance_$i.ready"
-    local args=(--host "$BIND" --port "$port" --max-num-seqs "$MAX_SEQS" --max-model-len "$MAX_LEN"
-                --served-model-name "$SERVED_NAME")
+    # --served-model-name=NAME, one token: the flag takes one or more values, and in this form it takes
+    # exactly one, so no extra argument after it can become another served name.
+    local args=(--host "$BIND" --port "$port" --max-num-seqs "$MAX_SEQS" --max-model-len "$MAX_LEN")
+    args+=(--gpu-memory-utilization "$GPU_MEMORY_UTILIZATION")
+    args+=("--served-model-name=$SERVED_NAME")
     [ "$EAGER" = 1 ] && args+=(--enforce-eager)
     # setsid: the instance leads its own session (and group), where its spawned children stay: a stop
     # finds them by that session even when they are renamed, orphaned and without FLEET_TAG.
-    FLEET_TAG="$FLEET_ID/$i" HIP_VISIBLE_DEVICES="$i" \
+    # SPT_NOENV=1: vLLM renames EngineCore and Worker with setproctitle, which otherwise overwrites
+    # the environment /proc/PID/environ shows, FLEET_TAG included.
+    FLEET_TAG="$FLEET_ID/$i" SPT_NOENV=1 HIP_VISIBLE_DEVICES="$i" \
         setsid "${ENGINE[@]}" "${args[@]}" "${EXTRA_ARGS[@]}" >"$log" 2>&1 </dev/null &
     local pid=$!
     record_identity "$pidfile" "$pid" "$FLEET_ID/$i"

@@ -1,0 +1,85 @@
+"""The keeper seen from the control node: started by deploy beside the proxy, read back by status.
+
+The keeper itself runs on the host (hostagent/keeper.py); this module starts it through the host agent
+(`python -m hostagent keeper-start`), and turns what it wrote in run/keeper.json into status fields.
+"""
+from __future__ import annotations
+
+from .errors import FleetError
+from .inventory import HostVars
+
+AGENT_CONFIG = "conf/hostagent.json"
+# Files whose change means the running keeper is stale: its code and its configuration.
+KEEPER_FILES = (AGENT_CONFIG, "conf/nginx_front.json")
+
+
+def status(hv: HostVars, facts: dict) -> dict:
+    """The `keeper` object of `inv status --json`: pid, state, and per instance what it did."""
+    k = facts.get("keeper") or {}
+    st = k.get("state") if isinstance(k.get("state"), dict) else {}
+    enabled = hv["keeper"]["enabled"]
+    if k.get("alive"):
+        state = "running"
+    elif k.get("pidfile"):
+        state = "dead"
+    else:
+        state = "stopped" if enabled else "disabled"
+    return {"pid": k.get("pid"), "state": state, "enabled": enabled, "instances": st.get("instances") or {}}
+
+
+def instance_fields(keeper: dict, index: int) -> dict:
+    """What an instance's status object gains from the keeper: restarts, last reason and when, its view."""
+    w = keeper["instances"].get(str(index)) or {}
+    return {"restarts": w.get("restarts", 0), "restarts_by_reason": w.get("by_reason") or {},
+            "last_restart_reason": w.get("last_reason"), "last_restart_at": w.get("last_at"),
+            "last_restart_result": w.get("last_result"), "keeper_state": w.get("state"),
+            "crashloop": bool(w.get("crashloop")), "crashloop_log": w.get("log_tail") or []}
+
+
+def deploy(conn, hv: HostVars, facts: dict, changed_files: set[str], report, emit, check: bool) -> None:
+    """Start the keeper when it does not run, restart it when its code or configuration changed, stop it
+    when keeper.enabled is false."""
+    from .front import host_command       # front imports lifecycle, which imports this module
+    k = facts.get("keeper") or {}
+    if not hv["keeper"]["enabled"]:
+        if k.get("alive"):
+            if check:
+                report.add("keeper", "changed", f"would stop pid {k['pid']} (keeper.enabled is false)")
+                return
+            host_command(conn, hv, "keeper-stop", emit, config=AGENT_CONFIG)
+            report.add("keeper", "changed", f"stopped pid {k['pid']} (keeper.enabled is false)")
+        else:
+            report.add("keeper", "skipped", "keeper.enabled is false")
+        return
+    stale = any(f in KEEPER_FILES or f.startswith("hostagent/") for f in changed_files)
+    if k.get("alive") and not stale:
+        report.add("keeper", "ok", f"already running, pid {k['pid']}")
+        return
+    verb = "restart" if k.get("alive") else "start"
+    if check:
+        report.add("keeper", "changed", f"would {verb} the keeper")
+        return
+    try:
+        r = host_command(conn, hv, "keeper-start", emit, config=AGENT_CONFIG)
+    except FleetError as e:
+        report.add("keeper", "failed", str(e))
+        return
+    report.add("keeper", "changed", f"{verb}ed, pid {r['pid']}, log logs/keeper.log")
+
+
+def report_lines(st: dict) -> list[tuple[str, str, str]]:
+    """(step name, status, message) for `inv status`: a crash-looping instance fails loudly."""
+    out = []
+    for inst in st["instances"]:
+        if inst.get("crashloop"):
+            tail = "\n".join("    " + line for line in inst.get("crashloop_log") or []) or "    (empty)"
+            out.append((f"instance {inst['index']}", "failed",
+                        f"CRASHLOOP: the keeper restarted it {inst['restarts']} time(s) "
+                        f"(last: {inst['last_restart_reason']}) and gave up; fix the cause, then "
+                        f"`inv restart --host {st['host']} --instance {inst['index']}`. Last lines of "
+                        f"logs/vllm_{inst['index']}.log:\n{tail}"))
+    keeper = st.get("keeper") or {}
+    if keeper.get("state") == "dead":
+        out.append(("keeper", "failed", "the keeper is not running (run/keeper.pid is stale): dead instances "
+                    f"are not restarted; `inv deploy --host {st['host']}` starts it; see logs/keeper.log"))
+    return out

