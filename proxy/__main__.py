@@ -47,18 +47,23 @@ async def serve(config, config_path: str, admin_wait_s: float = 0.0) -> None:
         await asyncio.wait_for(proxy.checked.wait(), config.health.timeout_s + 2)
     except asyncio.TimeoutError:
         pass
-    sock = listen_socket(config.listen.host, config.listen.port, config.listen.reuse_port)
-    stop_steering(sock)   # a program left by a proxy that handed the port over must not favour us
-    public = web.SockSite(runner, sock)
-    await public.start()
     admin_task = None
     try:
-        await web.TCPSite(admin_runner, config.admin.host, config.admin.port).start()
-    except OSError:
-        if admin_wait_s <= 0:
-            raise
-        log.info("admin port %d held by the proxy this one replaces; taken when it leaves", config.admin.port)
-        admin_task = asyncio.create_task(_take_admin(admin_runner, config, sock, admin_wait_s))
+        sock = listen_socket(config.listen.host, config.listen.port, config.listen.reuse_port)
+        stop_steering(sock)   # a program left by a proxy that handed the port over must not favour us
+        public = web.SockSite(runner, sock)
+        await public.start()
+        try:
+            await web.TCPSite(admin_runner, config.admin.host, config.admin.port).start()
+        except OSError:
+            if admin_wait_s <= 0:
+                raise
+            log.info("admin port %d held by the proxy this one replaces; taken when it leaves", config.admin.port)
+            admin_task = asyncio.create_task(_take_admin(admin_runner, config, sock, admin_wait_s))
+    except OSError:   # a port taken: close the client session and the health loop before saying so
+        await runner.cleanup()
+        await admin_runner.cleanup()
+        raise
     log.info("listening on %s:%d, admin on %s:%d, backends %s", config.listen.host, config.listen.port,
              config.admin.host, config.admin.port, ", ".join(config.backends))
 
@@ -139,11 +144,27 @@ async def _take_admin(admin_runner, config, sock, wait_s: float) -> None:
     log.info("admin on %s:%d", config.admin.host, config.admin.port)
 
 
+def run(main_coroutine, loop: str = "auto") -> None:
+    """Run on uvloop when it is importable (every vLLM environment has it) unless loop is "asyncio"."""
+    try:
+        if loop == "asyncio":
+            raise ImportError("asyncio asked for")
+        import uvloop
+    except ImportError as e:
+        log.info("event loop: asyncio (%s)", e if loop == "asyncio" else "uvloop is not installed")
+        asyncio.run(main_coroutine)
+        return
+    log.info("event loop: uvloop %s", uvloop.__version__)
+    uvloop.run(main_coroutine)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m proxy", description=__doc__)
     parser.add_argument("--config", required=True, help="the proxy's YAML config (conf/proxy.yaml)")
     parser.add_argument("--admin-wait-s", type=float, default=0.0,
                         help="a zero-gap restart: the admin port is taken once the proxy replaced leaves it")
+    parser.add_argument("--loop", choices=("auto", "asyncio"), default="auto",
+                        help="auto: uvloop when installed (the default); asyncio: the standard loop")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=logfile.FORMAT)
     try:
@@ -158,7 +179,7 @@ def main(argv=None) -> int:
         print(f"proxy: cannot write its log {config.log.path} ({e.strerror or e}).", file=sys.stderr)
         return 2
     try:
-        asyncio.run(serve(config, args.config, args.admin_wait_s))
+        run(serve(config, args.config, args.admin_wait_s), args.loop)
     except OSError as e:
         print(f"proxy: cannot listen ({e.strerror or e}); is the port taken?", file=sys.stderr)
         return 1

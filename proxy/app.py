@@ -9,7 +9,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from .balancer import Backend, Balancer
+from .balancer import Backend
 from .config import ProxyConfig
 from .forward import json_error, proxy_handler
 from .state import PROXY, Proxy
@@ -46,7 +46,7 @@ async def _check(proxy: Proxy, backend: Backend) -> None:
             err = None if ok else f"/health answered {r.status}"
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
         ok, err = False, f"/health: {type(e).__name__}: {e}"
-    if Balancer.mark(backend, ok, err):
+    if proxy.balancer.mark(backend, ok, err):
         log.info("backend %s is now %s%s", backend.name, "healthy" if ok else "unhealthy",
                  "" if ok else f" ({err})")
 
@@ -112,7 +112,7 @@ def make_admin_app(proxy: Proxy) -> web.Application:
         b = proxy.balancer.backends.get(name)
         if b is None:
             return json_error(404, f"no backend named {name}; GET /admin/backends lists them.", "not_found")
-        b.drained = request.match_info["action"] == "drain"
+        proxy.balancer.set_drained(b, request.match_info["action"] == "drain")
         log.info("backend %s %s (%d in flight)", b.name, "drained" if b.drained else "enabled", b.in_flight)
         return web.json_response(b.as_dict())
 
@@ -125,7 +125,9 @@ def make_admin_app(proxy: Proxy) -> web.Application:
                                   "shutdown_timeout_s": c.shutdown_timeout_s,
                                   "fix_numeric_user": c.fix_numeric_user, "api_keys": c.api_keys_file is not None,
                                   "health_interval_s": c.health.interval_s,
-                                  "log": [c.log.max_mb, c.log.backups]})
+                                  "log": [c.log.max_mb, c.log.backups], "slots": c.slots,
+                                  "queue": {"max": c.queue.max, "timeout_s": c.queue.timeout_s},
+                                  "queued": proxy.balancer.queued})
 
     async def reload(request):
         ok = proxy.reload()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ipaddress
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,14 @@ class ResultsLogConfig:
 
 
 @dataclass(frozen=True)
+class QueueConfig:
+    """Where a request waits when every backend's slots are taken: one FIFO, bounded in length and time."""
+
+    max: int = 256          # requests that may wait; 0: none, a request that finds no slot gets 429 at once
+    timeout_s: float = 60.0  # the longest a request waits before 503 with Retry-After
+
+
+@dataclass(frozen=True)
 class LogConfig:
     """The proxy's own log: written to path (standard error when None), rotated at max_mb while it runs."""
 
@@ -79,6 +88,8 @@ class ProxyConfig:
     shutdown_timeout_s: float = 30.0
     fix_numeric_user: bool = True  # the seed's incident: vLLM answers 400 to a numeric `user`
     api_keys_file: str | None = None
+    slots: int = 0                # per backend: max_num_seqs + proxy.queue.headroom; 0: no limit, no queue
+    queue: QueueConfig = QueueConfig()
 
     @property
     def max_body_bytes(self) -> int:
@@ -88,7 +99,7 @@ class ProxyConfig:
 
 TOP_KEYS = ("listen", "admin", "backends", "health", "timeout_s", "connect_timeout_s",
             "max_body_mb", "results_log", "log", "retries", "max_fails", "shutdown_timeout_s",
-            "fix_numeric_user", "api_keys_file")
+            "fix_numeric_user", "api_keys_file", "slots", "queue")
 
 
 def load_config(path: str | Path) -> ProxyConfig:
@@ -134,6 +145,7 @@ def parse_config(data: Any, source: str = "config") -> ProxyConfig:
     defaults = ProxyConfig(backends=())
     health = _mapping(top.get("health", {}), "health", ("path", "interval_s", "timeout_s"))
     results = _mapping(top.get("results_log", {}), "results_log", ("path", "max_mb", "backups"))
+    queue = _mapping(top.get("queue", {}), "queue", ("max", "timeout_s"))
     own_log = _mapping(top.get("log", {}), "log", ("path", "max_mb", "backups"))
     admin = _address(top.get("admin", {}), "admin", defaults.admin)
     if not _is_loopback(admin.host):
@@ -168,6 +180,9 @@ def parse_config(data: Any, source: str = "config") -> ProxyConfig:
         shutdown_timeout_s=_positive(top, "shutdown_timeout_s", defaults.shutdown_timeout_s),
         fix_numeric_user=_flag(top, "fix_numeric_user", defaults.fix_numeric_user),
         api_keys_file=_optional_text(top.get("api_keys_file"), "api_keys_file"),
+        slots=_count(top, "slots", defaults.slots, minimum=0),
+        queue=QueueConfig(max=_count(queue, "max", defaults.queue.max, minimum=0, prefix="queue."),
+                          timeout_s=_positive(queue, "timeout_s", defaults.queue.timeout_s, "queue.")),
     )
 
 
@@ -220,18 +235,18 @@ def _port(value: Any, where: str, from_text: bool = False) -> int:
 
 
 def _positive(m: dict, key: str, default: float, prefix: str = "") -> float:
-    """m[key] (or default) as a number greater than zero."""
+    """m[key] (or default) as a finite number greater than zero."""
     value = m.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ConfigError(f"{prefix}{key} must be a number greater than 0, not {value!r}.")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ConfigError(f"{prefix}{key} must be a finite number greater than 0, not {value!r}.")
     return float(value)
 
 
-def _count(m: dict, key: str, default: int, minimum: int) -> int:
+def _count(m: dict, key: str, default: int, minimum: int, prefix: str = "") -> int:
     """m[key] (or default) as a whole number of at least minimum."""
     value = m.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{key} must be a whole number of at least {minimum}, not {value!r}.")
+        raise ConfigError(f"{prefix}{key} must be a whole number of at least {minimum}, not {value!r}.")
     return value
 
 

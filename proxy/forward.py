@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import itertools
+import json
+import secrets
 import time
-import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
@@ -12,7 +14,7 @@ import aiohttp
 from aiohttp import web
 from yarl import URL  # aiohttp's own URL type; encoded=True passes the client's path through as sent
 
-from .balancer import Backend
+from .balancer import Backend, QueueFull, QueueTimeout
 from .fixups import fix_numeric_user
 from .results_log import LOGGED_PATHS, ResponseObserver, trace_id_of, user_value
 from .state import PROXY
@@ -25,7 +27,18 @@ RETRY_STATUSES = frozenset({502, 503})
 ERROR_BODY_BYTES = 1024 * 1024   # a 502/503 body kept to hand on when no other backend is left
 WHOLE_BODY_BYTES = 8 * 1024 * 1024  # a non-SSE answer up to this size is read whole, then sent in one write
 CLIENT_CLOSED = 499              # nginx's status for "the client went away first"
+RETRY_AFTER_FULL_S = 1           # a full queue empties by a slot at a time: come back soon
+RETRY_AFTER_TIMEOUT_S = 5        # a request waited its whole queue.timeout_s: the fleet is overloaded
 NO_BACKEND = "none"              # the metrics label of answers no backend saw (401, 413, 503)
+
+
+_ID_PREFIX = secrets.token_hex(8)   # this process's own: ids stay unique across restarts and workers
+_ID_COUNTER = itertools.count(1)
+
+
+def new_request_id() -> str:
+    """A new request id, 32 hex digits like a uuid4's, without a system call per request."""
+    return f"{_ID_PREFIX}{next(_ID_COUNTER):016x}"
 
 
 def upstream_headers(headers) -> dict:
@@ -72,12 +85,16 @@ class Exchange:
     request_id: str
     t0: float = field(default_factory=time.monotonic)
     body: bytes = b""
-    logged: bool = False
+    logged: bool = False           # a chat/completions request: it gets results-log lines
     trace_id: str | None = None
     fixups: list = field(default_factory=list)
     attempts: int = 0
     backend: str = ""
-    cut: bool = False        # still in flight at the drain bound of a stopping proxy: cancelled
+    cut: bool = False              # still in flight at the drain bound of a stopping proxy: cancelled
+    queued_ms: float = 0.0         # time it waited in the queue for a slot
+
+    def __post_init__(self) -> None:
+        self.logged = self.request.method == "POST" and self.request.path in LOGGED_PATHS
 
     def describe(self) -> dict:
         """What names this request in a drain report."""
@@ -86,21 +103,29 @@ class Exchange:
 
 
 async def proxy_handler(request: web.Request) -> web.StreamResponse:
-    """Pick a backend and count the request on it, then read the body and forward it."""
+    """Pick a backend and count the request on it (waiting for a free slot if need be), then read
+    the body and forward it."""
     proxy = request.app[PROXY]
-    request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+    request_id = request.headers.get("X-Request-Id") or new_request_id()
     if proxy.api_keys is not None and not _authorized(request, proxy.api_keys):
-        proxy.metrics.requests.labels(NO_BACKEND, "401").inc()
+        proxy.metrics.answered(NO_BACKEND, 401)
         return json_error(401, "missing or wrong API key; send `Authorization: Bearer <key>`.",
                           "unauthorized", {"X-Request-Id": request_id, "WWW-Authenticate": "Bearer"})
     balancer = proxy.balancer
-    backend = balancer.acquire()       # counted here, before the body is read (the seed's pile-up fix)
+    ex = Exchange(request, request_id)
+    proxy.requests[id(ex)] = ex        # what a drain waits for (a queued request too), and names if it cuts it
+    # Counted here, before the body is read (the seed's pile-up fix); a request that finds every
+    # slot taken waits its turn in the queue, its body unread.
+    backend = None if balancer.queued else balancer.acquire()
     if backend is None:
-        proxy.metrics.requests.labels(NO_BACKEND, "503").inc()
-        return json_error(503, "no healthy backend is available; check `inv status`.", "no_backend",
-                          {"X-Request-Id": request_id})
-    ex = Exchange(request, request_id, backend=backend.name)
-    proxy.requests[id(ex)] = ex        # what a drain waits for, and names when it has to cut it
+        try:
+            backend = await _wait_for_slot(ex, proxy)
+        finally:
+            if not isinstance(backend, Backend):     # answered here (429, 503) or the client left
+                proxy.requests.pop(id(ex), None)
+        if isinstance(backend, web.Response):
+            return backend
+    ex.backend = backend.name
     outcome = Outcome()
     try:
         response = await _read_body(ex, proxy, backend)
@@ -113,13 +138,14 @@ async def proxy_handler(request: web.Request) -> web.StreamResponse:
             tried.append(backend)
             if not outcome.retryable or len(tried) > proxy.config.retries:
                 break
-            other = balancer.acquire(exclude=tried)
+            # The request holds a slot already: it may go over another backend's slots, never wait.
+            other = balancer.acquire(exclude=tried, over=True)
             if other is None:
                 break
             failed, backend = backend, other   # swap first: `backend` is what `finally` releases
             ex.backend = backend.name
             balancer.release(failed)
-            proxy.metrics.requests.labels(failed.name, str(outcome.status)).inc()
+            proxy.metrics.answered(failed.name, outcome.status)
             proxy.metrics.retries.labels(failed.name).inc()
             _log_attempt(ex, proxy, failed, outcome, final=False)
         return _finish(ex, proxy, backend, outcome)
@@ -133,8 +159,8 @@ async def proxy_handler(request: web.Request) -> web.StreamResponse:
         proxy.requests.pop(id(ex), None)
         balancer.release(backend)
         label = backend.name if ex.attempts else NO_BACKEND   # a 413 never reached a backend
-        proxy.metrics.requests.labels(label, str(outcome.status)).inc()
-        proxy.metrics.duration.labels(label).observe(time.monotonic() - ex.t0)
+        proxy.metrics.answered(label, outcome.status)
+        proxy.metrics.took(label, time.monotonic() - ex.t0)
 
 
 def _client_gone(ex: Exchange, proxy, backend: Backend) -> Outcome:
@@ -143,6 +169,51 @@ def _client_gone(ex: Exchange, proxy, backend: Backend) -> Outcome:
     proxy.metrics.aborted.labels(backend.name).inc()
     _log_attempt(ex, proxy, backend, outcome, final=True)
     return outcome
+
+
+async def _wait_for_slot(ex: Exchange, proxy) -> Backend | web.Response:
+    """Wait in the queue for a slot; the backend it got, or the answer when the request ends here:
+    503 (no backend at all, or queue.timeout_s waited, with Retry-After) or 429 (the queue is full)."""
+    config, metrics = proxy.config, proxy.metrics
+    ids = {"X-Request-Id": ex.request_id}
+    try:
+        backend = await proxy.balancer.wait_for_slot(config.queue.timeout_s)
+    except QueueFull:
+        metrics.queue_rejected.labels("full").inc()
+        return await _turned_away(ex, proxy, json_error(
+            429, f"every backend is busy and {config.queue.max} requests already wait; retry shortly.",
+            "queue_full", {**ids, "Retry-After": str(RETRY_AFTER_FULL_S)}))
+    except QueueTimeout:
+        metrics.queue_rejected.labels("timeout").inc()
+        metrics.queue_wait.observe(time.monotonic() - ex.t0)
+        return await _turned_away(ex, proxy, json_error(
+            503, f"no backend slot came free within {config.queue.timeout_s:g}s; retry later.",
+            "queue_timeout", {**ids, "Retry-After": str(RETRY_AFTER_TIMEOUT_S)}))
+    except asyncio.CancelledError:      # the client left while it waited: it has left the queue
+        metrics.queue_rejected.labels("gone").inc()
+        metrics.answered(NO_BACKEND, CLIENT_CLOSED)
+        _log_attempt(ex, proxy, None, Outcome(status=CLIENT_CLOSED, error="the client went away while queued"),
+                     final=True)
+        raise
+    if backend is None:
+        metrics.answered(NO_BACKEND, 503)
+        return json_error(503, "no healthy backend is available; check `inv status`.", "no_backend", ids)
+    ex.queued_ms = round((time.monotonic() - ex.t0) * 1000, 1)
+    metrics.queue_wait.observe(ex.queued_ms / 1000)
+    return backend
+
+
+async def _turned_away(ex: Exchange, proxy, response: web.Response) -> web.Response:
+    """Count and log a request the queue refused; its body is read only for the log's trace id."""
+    proxy.metrics.answered(NO_BACKEND, response.status)
+    if ex.logged and (ex.request.content_length or 0) <= proxy.config.max_body_bytes:
+        try:
+            ex.trace_id = trace_id_of(user_value(await ex.request.read()))
+        except web.HTTPRequestEntityTooLarge:
+            pass
+    message = json.loads(response.body)["error"]["message"]
+    _log_attempt(ex, proxy, None, Outcome(status=response.status, error=message), final=True)
+    return response
 
 
 def _authorized(request: web.Request, keys: frozenset) -> bool:
@@ -164,7 +235,6 @@ async def _read_body(ex: Exchange, proxy, backend: Backend) -> web.Response | No
         ex.body = await request.read()
     except web.HTTPRequestEntityTooLarge:
         return too_large()
-    ex.logged = request.method == "POST" and request.path in LOGGED_PATHS
     if ex.logged:
         raw_user = user_value(ex.body)   # one scan of a body that may hold MiBs of base64 images
         ex.trace_id = trace_id_of(raw_user)
@@ -307,16 +377,17 @@ def _finish(ex: Exchange, proxy, backend: Backend, out: Outcome) -> web.StreamRe
     return json_error(out.status or 502, out.error or "upstream failed", kind, _ids(ex, backend))
 
 
-def _log_attempt(ex: Exchange, proxy, backend: Backend, out: Outcome, final: bool) -> None:
-    """One results-log line per attempt at a chat/completions request."""
+def _log_attempt(ex: Exchange, proxy, backend: Backend | None, out: Outcome, final: bool) -> None:
+    """One results-log line per attempt at a chat/completions request (backend None: it got none)."""
     if not ex.logged:
         return
     entry = {"ts": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
-             "trace_id": ex.trace_id, "request_id": ex.request_id, "backend": backend.name,
+             "trace_id": ex.trace_id, "request_id": ex.request_id,
+             "backend": backend.name if backend is not None else None,
              "path": ex.request.path, "status": out.status,
              "latency_ms": round((time.monotonic() - ex.t0) * 1000, 1),
              "attempt": ex.attempts, "attempt_ms": out.attempt_ms, "final": final,
-             "retries": ex.attempts - 1,
+             "retries": max(0, ex.attempts - 1), "queued_ms": ex.queued_ms,
              "stream": bool(out.observer and out.observer.streamed)}
     if ex.fixups:
         entry["fixups"] = ex.fixups

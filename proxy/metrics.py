@@ -7,6 +7,7 @@ from prometheus_client.core import GaugeMetricFamily
 from .balancer import Balancer
 
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120)
 
 
 class BackendState:
@@ -26,12 +27,17 @@ class BackendState:
                                     labels=["backend"])
         drained = GaugeMetricFamily("proxy_backend_drained", "1 while the backend is drained by the admin",
                                     labels=["backend"])
+        slots = GaugeMetricFamily("proxy_backend_slots",
+                                  "Requests the proxy sends a backend at once (0: no limit)", labels=["backend"])
         for b in balancer.backends.values():
             in_flight.add_metric([b.name], b.in_flight)
             peak.add_metric([b.name], b.peak_in_flight)
             healthy.add_metric([b.name], 1 if b.healthy else 0)
             drained.add_metric([b.name], 1 if b.drained else 0)
-        return [in_flight, peak, healthy, drained]
+            slots.add_metric([b.name], b.slots)
+        queued = GaugeMetricFamily("proxy_queue_length", "Requests waiting in the proxy for a free slot")
+        queued.add_metric([], balancer.queued)
+        return [in_flight, peak, healthy, drained, slots, queued]
 
 
 class Metrics:
@@ -51,4 +57,26 @@ class Metrics:
                                        ["backend", "kind"], registry=r)
         self.aborted = Counter("proxy_client_aborts", "Requests whose client went away first",
                                ["backend"], registry=r)
+        self.queue_wait = Histogram("proxy_queue_wait_seconds",
+                                    "Time a request waited for a slot, of those that found none free",
+                                    buckets=WAIT_BUCKETS, registry=r)
+        self.queue_rejected = Counter("proxy_queue_rejected",
+                                      "Requests the queue turned away: full (429), timeout (503)",
+                                      ["reason"], registry=r)
         r.register(BackendState(balancer_of))
+        self._answered: dict = {}   # (backend, status) -> its counter child: labels() costs on every call
+        self._timed: dict = {}      # backend -> its duration histogram child
+
+    def answered(self, backend: str, status: int) -> None:
+        """Count one answer of status for backend (a label, "none" when no backend saw it)."""
+        child = self._answered.get((backend, status))
+        if child is None:
+            child = self._answered[(backend, status)] = self.requests.labels(backend, str(status))
+        child.inc()
+
+    def took(self, backend: str, seconds: float) -> None:
+        """Observe one request's time to its last byte."""
+        child = self._timed.get(backend)
+        if child is None:
+            child = self._timed[backend] = self.duration.labels(backend)
+        child.observe(seconds)

@@ -24,7 +24,7 @@ class Proxy:
         self._use(config)
         self.config_path = config_path
         self.api_keys = load_api_keys(config.api_keys_file)
-        self.balancer = Balancer(config.backends)
+        self.balancer = Balancer(config.backends, config.slots, config.queue.max)
         self.metrics = Metrics(lambda: self.balancer)
         self.results = ResultsLog(config.results_log)
         self.session: aiohttp.ClientSession | None = None
@@ -57,7 +57,7 @@ class Proxy:
             self.results, old_results = results, self.results
             # Flushing the old file joins its writer thread: not on the event loop.
             threading.Thread(target=old_results.stop, name="results-log-stop", daemon=True).start()
-        added, removed = self.balancer.update(new.backends)
+        added, removed = self.balancer.update(new.backends, new.slots, new.queue.max)
         self._use(new)
         self.api_keys = keys
         self.check_now.set()

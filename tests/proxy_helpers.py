@@ -34,10 +34,11 @@ def start_sims(procs, tmp_path, n, seqs=4, token_ms=5, extra=()):
     raise AssertionError("three times a sim's port was taken before it could bind it")
 
 
-def start_proxy(procs, tmp_path, ports, **extra):
+def start_proxy(procs, tmp_path, ports, env_extra=None, **extra):
     """The proxy over ports (a list of sim ports, or of host:port names); returns (port, admin_port).
 
-    Its config is tmp_path/proxy.yaml and its log tmp_path/proxy.log; a lost port race is retried.
+    Its config is tmp_path/proxy.yaml (extra: more config keys) and its log tmp_path/proxy.log;
+    env_extra: environment variables added to its own; a lost port race is retried.
     """
     for attempt in range(3):
         port, admin = free_port(), free_port()
@@ -48,7 +49,8 @@ def start_proxy(procs, tmp_path, ports, **extra):
         path = tmp_path / "proxy.yaml"
         path.write_text(yaml.safe_dump(conf))
         with open(tmp_path / "proxy.log", "ab") as log:
-            proxy = procs.start([PYTHON, "-m", "proxy", "--config", str(path)], cwd=ROOT, stderr=log)
+            proxy = procs.start([PYTHON, "-m", "proxy", "--config", str(path)], cwd=ROOT, stderr=log,
+                                env={**os.environ, **(env_extra or {})})
 
         def up():
             if proxy.poll() is not None:

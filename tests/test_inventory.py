@@ -106,6 +106,12 @@ ERRORS = [
      "hosts.b.extra_args: expected a list of strings, got '--trust-remote-code'."),
     (("    instances: 2", "    instances: 2\n    ssh: {port: 22}"),
      "hosts.b.ssh.host: connection is ssh but no ssh.host is given; add it."),
+    (("    instances: 2", "    instances: 2\n    proxy: {queue: {max: -1}}"),
+     "hosts.b.proxy.queue.max: expected an integer from 0 to 1000000, got -1."),
+    (("    instances: 2", "    instances: 2\n    proxy: {queue: {timeout_s: 0}}"),
+     "hosts.b.proxy.queue.timeout_s: expected a finite number of seconds above 0, at most 604800, got 0."),
+    (("    instances: 2", "    instances: 2\n    proxy: {queue: {headroom: 1.5}}"),
+     "hosts.b.proxy.queue.headroom: expected an integer from 0 to 65536, got 1.5."),
 ]
 
 

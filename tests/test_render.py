@@ -42,6 +42,20 @@ def test_k100_renders_its_golden_file(path):
     assert content == golden.read_text()
 
 
+def test_proxy_slots_are_max_num_seqs_plus_headroom_and_the_proxy_reads_them(tmp_path):
+    """The rendered conf/proxy.yaml gives each backend max_num_seqs + proxy.queue.headroom slots and
+    the queue's bounds, and the proxy's own loader takes the file as it is."""
+    from proxy.config import load_config
+    conf = tmp_path / "proxy.yaml"
+    conf.write_text(rendered(k100())["conf/proxy.yaml"].content)
+    default = load_config(conf)
+    assert (default.slots, default.queue.max, default.queue.timeout_s) == (4, 256, 60.0)
+    conf.write_text(rendered(k100(["max_num_seqs=6", "proxy.queue.headroom=2", "proxy.queue.max=0",
+                                   "proxy.queue.timeout_s=2.5"]))["conf/proxy.yaml"].content)
+    changed = load_config(conf)
+    assert (changed.slots, changed.queue.max, changed.queue.timeout_s) == (8, 0, 2.5)
+
+
 def test_render_is_pure_and_modes_are_set():
     a, b = render.render_host(k100()), render.render_host(k100())
     assert a == b

@@ -1,0 +1,250 @@
+"""The benchmarks' stack: sim engines and every front before them, on free loopback ports, stopped by pid.
+
+Fronts: `direct` (the sims themselves; `url` gives the first), `proxy` (conf/proxy.yaml as `inv render`
+makes it: slots from max_num_seqs, the queue on), `proxy-lc` (the same with `slots: 0`: least connections
+alone, as before the queue), `nginx` (conf/nginx.conf as rendered), `vllm-router` and `smg` (from
+bench/.venv-routers, made by bench/setup_routers.sh, or the PATH). A front whose program is missing is
+left out and said so.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from fleet import inventory, render  # noqa: E402
+from hostagent import upstream  # noqa: E402
+
+ROUTERS_BIN = Path(__file__).resolve().parent / ".venv-routers" / "bin"
+
+
+def free_ports(n: int) -> int:
+    """The first of n consecutive free loopback ports."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n >= 65535:
+            continue
+        if all(_free(base + i) for i in range(n)):
+            return base
+    raise SystemExit("bench: no run of free loopback ports found.")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def wait_http(url: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if urllib.request.urlopen(url, timeout=1).status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise SystemExit(f"bench: {url} did not answer 200 within {timeout:g}s.")
+
+
+def find_program(name: str) -> str | None:
+    """A front's program: bench/.venv-routers/bin first, then the PATH (nginx: /usr/sbin too)."""
+    local = ROUTERS_BIN / name
+    if local.exists():
+        return str(local)
+    return shutil.which(name) or (f"/usr/sbin/{name}" if os.path.exists(f"/usr/sbin/{name}") else None)
+
+
+class Stack:
+    """n sims and the fronts asked for, from rendered files in work/deploy; stop() ends them all by pid.
+
+    sim_args: the sims' timing flags. max_num_seqs: each sim's, and the inventory's (the proxy's slots).
+    """
+
+    FRONTS = ("direct", "proxy", "proxy-lc", "proxy-asyncio", "nginx", "vllm-router", "smg")
+
+    def __init__(self, work: Path, backends: int, max_num_seqs: int, sim_args: list[str],
+                 proxy_set: tuple[str, ...] = ()):
+        self.work, self.deploy = work, work / "deploy"
+        self.n, self.max_num_seqs, self.sim_args = backends, max_num_seqs, sim_args
+        base = free_ports(backends + 16)
+        self.backend_ports = [base + i for i in range(backends)]
+        spare = iter(range(base + backends, base + backends + 16))
+        self.ports = {f: next(spare) for f in self.FRONTS if f != "direct"}
+        self.admin_ports = {f: next(spare) for f in ("proxy", "proxy-lc", "proxy-asyncio")}
+        self.metrics_ports = {f: next(spare) for f in ("vllm-router", "smg")}
+        self.procs: list[subprocess.Popen] = []
+        self.nginx_pid_file: Path | None = None
+        self.skipped: dict[str, str] = {}
+        inv_path = work / "hosts.yml"
+        inv_path.write_text(textwrap.dedent(f"""\
+            hosts:
+              bench:
+                connection: local
+                engine: sim
+                accelerator: sim
+                accelerators: {backends}
+                instances: {backends}
+                max_num_seqs: {max_num_seqs}
+                base_port: {base}
+                deploy_dir: {self.deploy}
+                proxy: {{port: {self.ports['proxy']}, admin_port: {self.admin_ports['proxy']}, bind: 127.0.0.1}}
+            """))
+        inv = inventory.load(inv_path)
+
+        def rendered(*overrides: str) -> dict[str, str]:
+            hv = inv.host_vars("bench", [*proxy_set, *overrides])
+            hv.vars["python"] = sys.executable
+            return {f.path: f.content for f in render.render_host(hv)}
+        files = rendered()
+        for d in ("conf", "logs", "run/nginx", "sim-dev"):
+            (self.deploy / d).mkdir(parents=True, exist_ok=True)
+        proxy_conf = yaml.safe_load(files["conf/proxy.yaml"])
+        self.slots = proxy_conf["slots"]
+        for front in ("proxy", "proxy-lc", "proxy-asyncio"):
+            conf = {**proxy_conf, "listen": {**proxy_conf["listen"], "port": self.ports[front]},
+                    "admin": {**proxy_conf["admin"], "port": self.admin_ports[front]},
+                    "results_log": {**proxy_conf["results_log"],
+                                    "path": str(self.deploy / "logs" / f"req_results_{front}.log")}}
+            if front == "proxy-lc":
+                conf["slots"] = 0
+            (self.deploy / "conf" / f"{front}.yaml").write_text(yaml.safe_dump(conf))
+        (self.deploy / "conf" / "nginx.conf").write_text(
+            rendered(f"proxy.port={self.ports['nginx']}")["conf/nginx.conf"])
+        # nginx.conf includes the upstream list the /health watcher keeps: every backend up here.
+        (self.deploy / "run" / "nginx_upstream.conf").write_text(
+            upstream.render([f"127.0.0.1:{p}" for p in self.backend_ports], set(), 1, 5))
+
+    def url(self, front: str) -> str:
+        port = self.backend_ports[0] if front == "direct" else self.ports[front]
+        return f"http://127.0.0.1:{port}"
+
+    def _start(self, argv, log: str, **kw) -> subprocess.Popen:
+        out = open(self.deploy / "logs" / log, "ab")
+        p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, **kw)
+        self.procs.append(p)
+        return p
+
+    def start(self, fronts: list[str]) -> list[str]:
+        """Start the sims and the fronts asked for; returns the fronts that run."""
+        env = {**os.environ, "FLEET_SIM_DEV_DIR": str(self.deploy / "sim-dev")}
+        env.pop("FLEET_TAG", None)
+        for i, port in enumerate(self.backend_ports):
+            self._start([sys.executable, "-m", "fleet.sim", "serve", "m", "--host", "127.0.0.1", "--port", str(port),
+                         "--max-num-seqs", str(self.max_num_seqs), "--sim-load-s", "0", *self.sim_args],
+                        f"sim_{i}.log", cwd=ROOT, env={**env, "SIM_VISIBLE_DEVICES": str(i)})
+        for port in self.backend_ports:
+            wait_http(f"http://127.0.0.1:{port}/health")
+        running = []
+        for front in fronts:
+            how = getattr(self, "_start_" + front.replace("-", "_"))
+            why = how()
+            if why:
+                self.skipped[front] = why
+                print(f"bench: {front} left out: {why}", file=sys.stderr)
+            else:
+                running.append(front)
+        return running
+
+    def _start_direct(self):
+        return None   # the sims themselves
+
+    def _proxy(self, front: str, *extra: str):
+        self._start([sys.executable, "-m", "proxy", "--config", str(self.deploy / "conf" / f"{front}.yaml"), *extra],
+                    f"{front}.log", cwd=ROOT)
+        wait_http(self.url(front) + "/health")
+
+    def _start_proxy(self):
+        self._proxy("proxy")
+
+    def _start_proxy_lc(self):
+        self._proxy("proxy-lc")
+
+    def _start_proxy_asyncio(self):
+        self._proxy("proxy-asyncio", "--loop", "asyncio")
+
+    def _start_nginx(self):
+        nginx = find_program("nginx")
+        if not nginx:
+            return "nginx is not installed (Debian package nginx)"
+        conf = self.deploy / "conf" / "nginx.conf"
+        check = subprocess.run([nginx, "-t", "-q", "-p", str(self.deploy), "-c", str(conf)],
+                               capture_output=True, text=True)
+        if check.returncode != 0:
+            raise SystemExit(f"bench: nginx -t refused the rendered config: {check.stderr.strip()}")
+        subprocess.run([nginx, "-p", str(self.deploy), "-c", str(conf)], check=True)
+        self.nginx_pid_file = self.deploy / "run" / "nginx.master.pid"   # nginx's own
+        wait_http(self.url("nginx") + "/v1/models")
+
+    def _workers(self) -> list[str]:
+        return [f"http://127.0.0.1:{p}" for p in self.backend_ports]
+
+    def _start_vllm_router(self):
+        prog = find_program("vllm-router")
+        if not prog:
+            return "not installed; run bench/setup_routers.sh"
+        self._start([prog, "--host", "127.0.0.1", "--port", str(self.ports["vllm-router"]),
+                     "--worker-urls", *self._workers(), "--prometheus-host", "127.0.0.1",
+                     "--prometheus-port", str(self.metrics_ports["vllm-router"]), "--log-level", "warning"],
+                    "vllm-router.log")
+        wait_http(self.url("vllm-router") + "/v1/models", timeout=60)
+
+    def _start_smg(self):
+        prog = find_program("smg")
+        if not prog:
+            return "not installed; run bench/setup_routers.sh"
+        self._start([prog, "launch", "--host", "127.0.0.1", "--port", str(self.ports["smg"]),
+                     "--worker-urls", *self._workers(), "--prometheus-host", "127.0.0.1",
+                     "--prometheus-port", str(self.metrics_ports["smg"]), "--log-level", "warn"],
+                    "smg.log")
+        wait_http(self.url("smg") + "/v1/models", timeout=60)
+
+    def sim_stats(self) -> list[dict]:
+        """Each sim's /sim/stats (peak_in_flight: the most requests it held at once)."""
+        import json
+        out = []
+        for p in self.backend_ports:
+            with urllib.request.urlopen(f"http://127.0.0.1:{p}/sim/stats", timeout=5) as r:
+                out.append(json.loads(r.read()))
+        return out
+
+    def reset_sim_stats(self) -> None:
+        for p in self.backend_ports:
+            req = urllib.request.Request(f"http://127.0.0.1:{p}/sim/reset-stats", method="POST", data=b"")
+            urllib.request.urlopen(req, timeout=5).read()
+
+    def stop(self) -> None:
+        if self.nginx_pid_file and self.nginx_pid_file.exists():
+            try:
+                os.kill(int(self.nginx_pid_file.read_text().split()[0]), signal.SIGQUIT)
+            except (ProcessLookupError, ValueError):
+                pass
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(5)
