@@ -33,9 +33,17 @@ def status_table(st: dict) -> str:
     owned = {i["pid"] for i in st["instances"]} | {p["pid"]} | {(st.get("nginx") or {}).get("watcher_pid")} \
         | {k.get("pid")}
     others = [t for t in st.get("tagged", []) if t["pid"] not in owned]
-    if others:
-        lines.append(f"  {len(others)} more process(es) carry the deployment's tag (engine children "
-                     "or orphans): " + ", ".join(str(t["pid"]) for t in others[:12]))
+    # The engine's own children (EngineCore, Worker) live in their instance's session: expected, not news.
+    # A tagged process outside every running session is a leftover of a killed process.
+    sessions = {pid for pid in owned if pid}
+    children = [t for t in others if t.get("sid") in sessions]
+    strays = [t for t in others if t.get("sid") not in sessions]
+    if children:
+        lines.append(f"  + {len(children)} engine process(es) in the running instances' sessions")
+    if strays:
+        lines.append(f"  {len(strays)} process(es) carry the deployment's tag outside any running instance "
+                     "(orphans of a killed process; `inv stop --instance I` or a deploy stops them): "
+                     + ", ".join(str(t["pid"]) for t in strays[:12]))
     return "\n".join(lines)
 
 
