@@ -67,6 +67,16 @@ def deploy(conn, hv: HostVars, facts: dict, changed_files: set[str], report, emi
     report.add("keeper", "changed", f"{verb}ed, pid {r['pid']}, log logs/keeper.log")
 
 
+def start_again(conn, hv: HostVars, emit) -> None:
+    """Start the keeper a stop took down before that stop was refused (another run held the lock)."""
+    from .front import host_command
+    try:
+        r = host_command(conn, hv, "keeper-start", emit, config=AGENT_CONFIG)
+        emit(f"keeper: started again, pid {r['pid']}: this stop did not run")
+    except FleetError as e:
+        emit(f"keeper: could not start it again ({e}); `inv deploy --host {hv.name}` starts it")
+
+
 def report_lines(st: dict) -> list[tuple[str, str, str]]:
     """(step name, status, message) for `inv status`: a crash-looping instance fails loudly."""
     out = []

@@ -529,8 +529,14 @@ def stop(conn: Transport, hv: HostVars, emit: Emit = lambda line: None, instance
         # The keeper first, before the lock: it may hold the lock for a restart of its own, which its
         # stop cancels (and its exit frees the lock); once it is gone nothing restarts what stop takes down.
         stop_processes(conn, hv, ["--keeper"], lambda line: (emit(line), keeper.append(line)))
-    with runlock.held_unless(check, conn, hv, "stop", emit, wait):
-        report = _stop(conn, hv, emit, instance, check, force, now)
+    try:
+        with runlock.held_unless(check, conn, hv, "stop", emit, wait):
+            report = _stop(conn, hv, emit, instance, check, force, now)
+    except runlock.LockedError:
+        # Refused: nothing was stopped but the keeper, so it comes back (else dead instances stay dead).
+        if hv["keeper"]["enabled"] and any(line.startswith("keeper: stopped") for line in keeper):
+            fleet_keeper.start_again(conn, hv, emit)
+        raise
     if any(line.startswith("keeper: stopped") for line in keeper):
         report.steps.insert(0, Step("keeper", "changed", "stopped first: " + "; ".join(
             line for line in keeper if line.startswith("keeper: stopping"))[:200]))

@@ -9,7 +9,7 @@ import jinja2
 
 from . import accelerators
 from .errors import TemplateError
-from .inventory import HostVars
+from .inventory import HostVars, backend_name
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 
@@ -117,6 +117,10 @@ def context(hv: HostVars) -> dict:
         "deployment_id": hv.deployment_id,
         "ports": hv.ports,
         "backends": hv.backends,
+        # This host's own instances as its proxy names them and where they answer (an entry host's
+        # `backends` are every fronted host's; the host agent drains and probes only its own).
+        "instance_backends": [backend_name(hv.instance_host, p) for p in hv.ports],
+        "instance_host": hv.instance_host,
         "engine_argv": engine_argv(hv),
         "stop_spec": stop_spec(hv),
         "visibility_var": accelerators.kind(v["accelerator"]).visibility_var,

@@ -41,11 +41,12 @@ def drain(cfg: dict, timeout_s: float, say=print) -> dict:
 
 
 def proxy_in_flight(cfg: dict) -> int | None:
-    """The proxy's requests in flight (its admin API), or None when it does not answer."""
-    status, body = host.admin_call(cfg, "GET", "/admin/backends", timeout=2)
+    """The proxy's requests in flight, those waiting in its queue included (its admin API), or None when
+    it does not answer."""
+    status, body = host.admin_call(cfg, "GET", "/admin/requests", timeout=2)
     if status != 200 or not isinstance(body, list):
         return None
-    return sum(b.get("in_flight", 0) for b in body)
+    return len(body)
 
 
 def drain_proxy(cfg: dict, pid: int, pgid: int, timeout_s: float, say) -> dict:

@@ -56,10 +56,10 @@ def pidfile_identity(cfg: dict, i: int) -> tuple[str, int] | None:
         return None
 
 
-def generated_tokens(port: int) -> float | None:
+def generated_tokens(url: str) -> float | None:
     """vllm:generation_tokens_total summed over its series, None when /metrics cannot be read."""
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=2) as r:
             text = r.read().decode("utf-8", "replace")
     except (OSError, ValueError):
         return None
@@ -74,13 +74,13 @@ def generated_tokens(port: int) -> float | None:
     return total if seen else None
 
 
-def probe(cfg: dict, port: int) -> str:
+def probe(cfg: dict, url: str) -> str:
     """One stall probe: "ok", "busy" (timed out while the engine kept generating), "timeout" or "error"."""
     body = json.dumps({"model": cfg["served_model_name"], "prompt": "ping", "max_tokens": 1,
                        "user": PROBE_USER, "stream": False}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+    req = urllib.request.Request(f"{url}/v1/completions", body,
                                  {"Content-Type": "application/json", PROBE_HEADER: "keeper"})
-    before = generated_tokens(port)
+    before = generated_tokens(url)
     try:
         with urllib.request.urlopen(req, timeout=cfg["keeper"]["probe_timeout_s"]) as r:
             r.read()
@@ -90,7 +90,7 @@ def probe(cfg: dict, port: int) -> str:
     except (TimeoutError, OSError) as e:
         if not isinstance(e, TimeoutError) and "timed out" not in str(e):
             return "error"
-    after = generated_tokens(port)
+    after = generated_tokens(url)
     if before is not None and after is not None and after > before:
         return "busy"                      # queued behind long requests, but tokens are flowing
     return "timeout"
@@ -245,7 +245,8 @@ class Keeper:
         /health status when it is."""
         if restart.instance_pid(self.cfg, w.index) is None:
             return False, None
-        return True, restart.health(self.cfg["instances"][w.index]["port"], timeout=min(2.0, self.interval() + 1))
+        return True, restart.health(restart.instance_url(self.cfg["instances"][w.index]),
+                                    timeout=min(2.0, self.interval() + 1))
 
     def look(self, w: Watch, alive: bool, status: int | None, drained: bool) -> None:
         """Settle one instance's state, and act on it when it is dead."""
@@ -274,7 +275,7 @@ class Keeper:
             if w.probe_failures >= self.k["probe_failures"]:
                 reason = "stalled"
             elif self.k["stall_probe"] and not w.probing and now >= w.next_probe:
-                self._probe(w, inst["port"])
+                self._probe(w, restart.instance_url(inst))
         elif w.healthy_once:
             w.unhealthy_since = w.unhealthy_since or now
             if now - w.unhealthy_since >= self.k["dead_after_s"]:
@@ -353,13 +354,13 @@ class Keeper:
             self.held = None
             self.restarting = None
 
-    def _probe(self, w: Watch, port: int) -> None:
+    def _probe(self, w: Watch, url: str) -> None:
         w.probing = True
         w.next_probe = time.monotonic() + self.k["probe_interval_s"]
 
         def run():
             try:
-                result = probe(self.cfg, port)
+                result = probe(self.cfg, url)
                 w.probes[result] = w.probes.get(result, 0) + 1
                 if result == "timeout":
                     w.probe_failures += 1

@@ -62,10 +62,16 @@ def backends(cfg: dict) -> dict[str, dict] | None:
     return {b["name"]: b for b in body}
 
 
-def health(port: int, timeout: float = 2.0) -> int | None:
-    """The status of GET /health on an instance's port, None when nothing answers in time."""
+def instance_url(inst: dict) -> str:
+    """Where an instance answers: its bind address (loopback unless another host fronts it) and port."""
+    addr = inst.get("address") or "127.0.0.1"
+    return f"http://[{addr}]:{inst['port']}" if ":" in addr else f"http://{addr}:{inst['port']}"
+
+
+def health(url: str, timeout: float = 2.0) -> int | None:
+    """The status of GET /health on an instance (its instance_url), None when nothing answers in time."""
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=timeout) as r:
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout) as r:
             return r.status
     except urllib.error.HTTPError as e:
         return e.code
@@ -262,11 +268,12 @@ def _wait_released(cfg, i, sid, steps, say, cancelled) -> bool:
 
 def _wait_healthy(cfg, i, steps, say, cancelled) -> bool:
     port = cfg["instances"][i]["port"]
+    url = instance_url(cfg["instances"][i])
     t0 = time.monotonic()
     while True:
         pid = instance_pid(cfg, i)
         elapsed = time.monotonic() - t0
-        if pid and health(port) == 200:
+        if pid and health(url) == 200:
             say(f"instance {i}: healthy on :{port} after {elapsed:.1f}s")
             return steps.add(f"instance {i}", "changed", f"started, pid {pid}, healthy on :{port}")
         if not pid or elapsed > cfg["health_timeout_s"]:

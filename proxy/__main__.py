@@ -155,7 +155,11 @@ def run(main_coroutine, loop: str = "auto") -> None:
         asyncio.run(main_coroutine)
         return
     log.info("event loop: uvloop %s", uvloop.__version__)
-    uvloop.run(main_coroutine)
+    if hasattr(uvloop, "run"):
+        uvloop.run(main_coroutine)
+    else:                              # uvloop before 0.18 (an older vendor vLLM environment)
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+        asyncio.run(main_coroutine)
 
 
 def main(argv=None) -> int:

@@ -189,11 +189,12 @@ async def _wait_for_slot(ex: Exchange, proxy) -> Backend | web.Response:
         return await _turned_away(ex, proxy, json_error(
             503, f"no backend slot came free within {config.queue.timeout_s:g}s; retry later.",
             "queue_timeout", {**ids, "Retry-After": str(RETRY_AFTER_TIMEOUT_S)}))
-    except asyncio.CancelledError:      # the client left while it waited: it has left the queue
+    except asyncio.CancelledError:      # the client left while it waited (or a drain cut it): out of the queue
         metrics.queue_rejected.labels("gone").inc()
         metrics.answered(NO_BACKEND, CLIENT_CLOSED)
-        _log_attempt(ex, proxy, None, Outcome(status=CLIENT_CLOSED, error="the client went away while queued"),
-                     final=True)
+        why = ("cut while queued: still waiting when the stopping proxy's drain bound passed" if ex.cut
+               else "the client went away while queued")
+        _log_attempt(ex, proxy, None, Outcome(status=CLIENT_CLOSED, error=why), final=True)
         raise
     if backend is None:
         metrics.answered(NO_BACKEND, 503)

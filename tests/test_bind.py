@@ -2,6 +2,7 @@
 (and its API keys) is the only door to the instances."""
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import urllib.error
@@ -129,3 +130,30 @@ def test_fronted_instances_listen_on_their_address(tmp_path):
     assert 'BIND="${BIND:-0.0.0.0}"' in script and '--host "$BIND"' in script
     assert override.instance_host == "127.0.0.1"
     assert inventory.load(path).host_vars("e")["bind"] == "127.0.0.1"     # nobody fronts e: loopback
+
+
+def test_the_host_agent_reaches_its_own_instances_where_they_listen(tmp_path):
+    """The keeper and the host agent's restart drain, probe and health-check this host's own instances:
+    1. a fronted member's instances listen on its address, so conf/hostagent.json names that address;
+    2. an entry host that fronts another host and itself lists every host's backends in its proxy, but
+       its host agent gets only its own, in its own order (a restart must drain the instance it stops)."""
+    path = tmp_path / "hosts.yml"
+    path.write_text(yaml.safe_dump({
+        "defaults": {"engine": "sim", "accelerator": "sim", "instances": 2, "accelerators": 2},
+        "hosts": {"m": {"connection": "local", "address": "10.20.0.12", "base_port": 18002,
+                        "deploy_dir": str(tmp_path / "m"), "proxy": {"port": 18000, "admin_port": 18001}},
+                  "e": {"connection": "local", "address": "10.20.0.11", "fronts": ["m", "e"], "base_port": 19002,
+                        "deploy_dir": str(tmp_path / "e"), "proxy": {"port": 19000, "admin_port": 19001}}}}))
+    loaded = inventory.load(path)
+
+    def agent(name):
+        hv = loaded.host_vars(name)
+        hv.vars["python"] = "python3"
+        return json.loads({f.path: f.content for f in render.render_host(hv)}["conf/hostagent.json"])
+
+    m, e = agent("m"), agent("e")
+    assert [(i["address"], i["port"], i["backend"]) for i in m["instances"]] == \
+        [("10.20.0.12", 18002, "10.20.0.12:18002"), ("10.20.0.12", 18003, "10.20.0.12:18003")]
+    assert loaded.host_vars("e").backends[:2] == ["10.20.0.12:18002", "10.20.0.12:18003"]   # m's first
+    assert [i["backend"] for i in e["instances"]] == [f"{e['instances'][0]['address']}:19002",
+                                                      f"{e['instances'][0]['address']}:19003"]

@@ -18,6 +18,7 @@ import pytest
 
 from conftest import wait_until
 from fleet_helpers import deployment_id, inv, kill_tagged, status_json, tagged_pids, write_inventory
+from hostagent import lock
 
 KEEPER = """\
 keeper: {{dead_after_s: 3, backoff_base_s: {base}, backoff_max_s: 4, max_restarts: 3, window_s: 120,
@@ -334,3 +335,23 @@ def test_the_keeper_log_is_rotated(tmp_path):
     names = sorted(p.name for p in (tmp_path / "logs").iterdir())
     assert names == ["keeper.log", "keeper.log.1", "keeper.log.2"], names
     assert all(p.stat().st_size <= 1100 for p in (tmp_path / "logs").iterdir())
+
+
+def test_a_stop_refused_by_the_lock_leaves_the_keeper_running(cluster):
+    """1. A cluster with its keeper; another run holds the deployment's lock.
+    2. `inv stop` stops the keeper first (it must not restart what a stop takes down), then is refused
+       by the lock, naming the holder.
+    3. Nothing else was stopped, so the keeper is started again: a refused stop must not leave dead
+       instances without their keeper."""
+    inventory, deploy, st = cluster(instances=2)
+    held = lock.try_hold(str(deploy), "inv deploy (this test)")
+    assert held is not None
+    try:
+        r = inv("stop", "--host", "t", inventory=inventory)
+        assert r.returncode != 0 and "another run holds" in r.stdout + r.stderr, r.stdout + r.stderr
+        assert "keeper: started again" in r.stdout + r.stderr, r.stdout + r.stderr
+    finally:
+        held.release()
+    after = status_json(inventory)
+    assert after["keeper"]["state"] == "running" and after["keeper"]["pid"] != st["keeper"]["pid"], after["keeper"]
+    assert [i["state"] for i in after["instances"]] == ["healthy", "healthy"]

@@ -8,6 +8,7 @@
 #   ./stop_cluster.sh                 everything
 #   ./stop_cluster.sh --instance 3    instance 3 only
 #   ./stop_cluster.sh --proxy         the proxy only
+#   ./stop_cluster.sh --keeper        the keeper only
 #   ./stop_cluster.sh --check         list what would be stopped, stop nothing
 #   GRACE_S=30 ./stop_cluster.sh      seconds between SIGTERM and SIGKILL (default 10)
 # Nothing is killed by a name pattern, and nothing of another user.
