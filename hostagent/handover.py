@@ -83,12 +83,13 @@ def _spawn_nginx(cfg: dict, nginx: str, sock) -> int:
     return p.pid
 
 
-def _start_proxy(cfg: dict, wait_free: str | None = None, beside_s: float | None = None) -> None:
+def _start_proxy(cfg: dict, wait_free: str | None = None, beside_s: float | None = None,
+                 drained: list[str] = ()) -> None:
     env = None
     if wait_free:
         env = {**os.environ, "WAIT_FREE": wait_free}
     elif beside_s is not None:
-        env = {**os.environ, "BESIDE_S": f"{beside_s:g}"}
+        env = {**os.environ, "BESIDE_S": f"{beside_s:g}", "FLEET_PROXY_DRAINED": ",".join(drained)}
     r = subprocess.run([os.path.join(cfg["deploy_dir"], "bin", "start_proxy.sh")], capture_output=True,
                        text=True, timeout=60, env=env)
     if r.returncode != 0:
@@ -305,7 +306,11 @@ def restart_proxy(cfg: dict, need_healthy: bool, say=print) -> dict:
         return _restart_with_gap(cfg, old_pid, old_pgid, say)
     next_file = host.run_path(cfg, "proxy.next.pid")
     drain_s = float(cfg["proxy_shutdown_s"])
-    _start_proxy(cfg, beside_s=drain_s + 30)
+    status, body = host.admin_call(cfg, "GET", "/admin/backends", timeout=2)
+    drained = [b["name"] for b in body if b.get("drained")] if status == 200 and isinstance(body, list) else []
+    if drained:
+        say(f"proxy: the new one keeps {', '.join(drained)} drained, as the operator left them")
+    _start_proxy(cfg, beside_s=drain_s + 30, drained=drained)
     new = host.ours(cfg, "proxy.next.pid", "proxy")
     new_pid, new_pgid = (new.pid, new.pgid) if new else (None, None)
     t0 = time.monotonic()

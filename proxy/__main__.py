@@ -35,6 +35,12 @@ async def serve(config, config_path: str, admin_wait_s: float = 0.0) -> None:
     app = make_app(config, config_path)
     proxy = app[PROXY]
     admin = make_admin_app(proxy)
+    # A proxy that replaces another (a zero-gap restart) keeps the operator's drains: the host agent hands
+    # over the names the old one had drained, so a drained instance stays out of service.
+    for name in filter(None, os.environ.get("FLEET_PROXY_DRAINED", "").split(",")):
+        if name in proxy.balancer.backends:
+            proxy.balancer.set_drained(proxy.balancer.backends[name], True)
+            log.info("backend %s drained, as the proxy this one replaces had it", name)
     # handler_cancellation: a client that goes away cancels its handler, which aborts the upstream request.
     # shutdown_timeout: what the requests still in flight get once the drain below has run its course.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=CUT_GRACE_S)

@@ -291,3 +291,21 @@ def test_a_new_proxy_that_does_not_come_up_leaves_the_old_one_serving(cluster, t
     after = status_json(inventory)
     assert after["proxy"]["pid"] == pid and after["proxy"]["backends"] is not None
     assert not (deploy / "run" / "proxy.next.pid").exists()
+
+
+def test_a_proxy_restart_keeps_the_operators_drains(cluster):
+    """1. The operator drains instance 2 in the proxy (to keep it out of service). 2. A deploy restarts
+    the proxy (a restart-only setting). 3. The new proxy has instance 2 drained too, and says so."""
+    inventory, deploy, st = cluster
+    admin = st["proxy"]["port"] + 1
+    name = f"127.0.0.1:{st['instances'][2]['port']}"
+    conn = http.client.HTTPConnection("127.0.0.1", admin, timeout=5)
+    conn.request("POST", f"/admin/backends/{name}/drain")
+    assert conn.getresponse().status == 200
+    r = inv("deploy", "--host", "t", "--set", "proxy.max_body_mb=32", inventory=inventory)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"keeps {name} drained" in r.stdout, r.stdout
+    after = status_json(inventory, "--set", "proxy.max_body_mb=32")
+    assert after["proxy"]["pid"] != st["proxy"]["pid"]
+    drained = {b["name"]: b["drained"] for b in after["proxy"]["backends"]}
+    assert drained[name] is True and sum(drained.values()) == 1, drained
