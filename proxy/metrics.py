@@ -63,6 +63,9 @@ class Metrics:
         self.queue_rejected = Counter("proxy_queue_rejected",
                                       "Requests the queue turned away: full (429), timeout (503)",
                                       ["reason"], registry=r)
+        self.results_dropped = Counter("proxy_results_log_dropped",
+                                       "Results-log lines lost because the file could not be written",
+                                       registry=r)
         r.register(BackendState(balancer_of))
         self._answered: dict = {}   # (backend, status) -> its counter child: labels() costs on every call
         self._timed: dict = {}      # backend -> its duration histogram child

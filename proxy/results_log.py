@@ -165,8 +165,9 @@ class ResultsLog:
     BATCH = 4096     # lines per write at most
     GATHER_S = 0.05  # how long the writer lets lines gather after the first one of a batch
 
-    def __init__(self, config: ResultsLogConfig):
+    def __init__(self, config: ResultsLogConfig, on_dropped=None):
         self.config = config
+        self._on_dropped = on_dropped          # called with the count of lines lost, from the writer thread
         self.path = os.path.abspath(config.path)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -256,6 +257,8 @@ class ResultsLog:
             log.error("results log %s: cannot write: %s; its lines are dropped until it can be written "
                       "again, and the proxy goes on serving", self.path, why)
         self._dropped += lines
+        if self._on_dropped is not None:
+            self._on_dropped(lines)
 
     def _recovered(self) -> None:
         if self._dropped:

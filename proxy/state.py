@@ -26,7 +26,7 @@ class Proxy:
         self.api_keys = load_api_keys(config.api_keys_file)
         self.balancer = Balancer(config.backends, config.slots, config.queue.max)
         self.metrics = Metrics(lambda: self.balancer)
-        self.results = ResultsLog(config.results_log)
+        self.results = ResultsLog(config.results_log, self.metrics.results_dropped.inc)
         self.session: aiohttp.ClientSession | None = None
         self.log = log
         self.check_now = asyncio.Event()  # wakes the health loop early (after a reload)
@@ -45,7 +45,7 @@ class Proxy:
             new = self._keep_restart_only(new)
             results = None
             if new.results_log != self.config.results_log:
-                results = ResultsLog(new.results_log)
+                results = ResultsLog(new.results_log, self.metrics.results_dropped.inc)
                 results.start()   # may fail (an unwritable path): then nothing has changed yet
         except ConfigError as e:
             log.error("reload refused, the running config stays: %s", e)

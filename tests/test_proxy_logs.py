@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import shutil
 import socket
-import time
 import urllib.request
 
 from conftest import wait_until
-from proxy.results_log import ResultsLog
 from proxy_helpers import start_proxy, start_sims
 
 BAD_REQUESTS = (
@@ -31,6 +29,15 @@ def chat(port: int, rid: str) -> int:
     with urllib.request.urlopen(req, timeout=30) as r:
         r.read()
         return r.status
+
+
+def dropped(port: int) -> float:
+    """The proxy's count of results-log lines it could not write, from its /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("proxy_results_log_dropped_total "):
+                return float(line.split()[1])
+    return 0.0
 
 
 def test_malformed_requests_leave_proxy_log_bounded(procs, tmp_path):
@@ -76,9 +83,8 @@ def test_unwritable_results_log_is_named_once_and_serving_goes_on(procs, tmp_pat
     results.mkdir()
     for i in range(3):
         assert chat(port, f"lost-{i}") == 200
-        wait_until(lambda: "cannot write" in own_log.read_text(), what="the failure logged")
-        # Let the writer take this line alone (it gathers a batch for 50 ms): three failing batches.
-        time.sleep(4 * ResultsLog.GATHER_S)
+        # Each line lost before the next request: three failing batches, not one batch of three.
+        wait_until(lambda: dropped(port) == i + 1, what=f"line {i + 1} counted as dropped")
     text = own_log.read_text()
     assert text.count("cannot write") == 1, text
     line = next(x for x in text.splitlines() if "cannot write" in x)
