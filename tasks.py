@@ -112,10 +112,10 @@ def status(c, host="", json_=False, set_=None, inventory_="", forks="5"):
 
 
 @task(help=_help("host", "inventory", "set", "forks", "wait",
-                 instance="stop only this instance (its process group and its tag)",
+                 instance="stop only this instance: drained in the proxy first, then stopped by its record, session and tag",
                  check="list what would be stopped, stop nothing",
                  force="also kill your processes still holding the accelerator's device files",
-                 now="skip the drain: stop the front and the instances at once, cutting requests in flight"),
+                 now="skip the drain: stop the front (or the instance) at once, cutting requests in flight"),
       iterable=["set_"], auto_shortflags=False)   # -i would be ambiguous: --instance and --inventory
 def stop(c, host="", instance=None, check=False, force=False, now=False, set_=None, inventory_="", forks="5",
          wait=False):

@@ -516,6 +516,45 @@ def _drain_front(conn, hv, facts, report, emit, check) -> None:
                   f"had {bound:g}s (drain_timeout_s): {cut} cut, named above"))
 
 
+def _drain_instance(conn, hv, facts, instance, report, emit, check) -> bool:
+    """`stop --instance I`'s first step: the proxy stops sending the instance requests and those in
+    flight on it finish, up to drain_timeout_s (hostagent drain-instance). True when the backend must be
+    enabled again once the instance is stopped (the drain was this stop's, not the operator's)."""
+    name = f"instance {instance} drain"
+    if (facts.get("mode") or "proxy") == "nginx":
+        step = report.add(name, "skipped", "nginx is the front and has no drain of one backend: requests in "
+                          "flight on the instance are cut")
+        emit(f"instance {instance}: {step.message}")
+        return False
+    if not facts["proxy"]["alive"]:
+        report.add(name, "ok", "no proxy runs: nothing to drain")
+        return False
+    if check:
+        step = report.add(name, "changed", f"would drain it in the proxy and wait up to "
+                          f"{hv['drain_timeout_s']:g}s (drain_timeout_s) for its requests in flight")
+        emit(f"instance {instance}: {step.message}")
+        return False
+    result = _agent_steps(conn, hv, f"drain-instance --instance {instance}", report, emit)
+    return bool(result.get("enable_after"))
+
+
+def _agent_steps(conn, hv, command: str, report: Report, emit: Emit) -> dict:
+    """Run a host agent command that answers with steps (conf/hostagent.json) and add them to report; a
+    host agent that cannot be run is one skipped step, and the stop goes on."""
+    from .front import host_command
+    try:
+        result = host_command(conn, hv, command, lambda line: emit(line.split(": ", 1)[-1]),
+                              config=fleet_keeper.AGENT_CONFIG, raise_failed=False,
+                              timeout=hv["drain_timeout_s"] + 60)
+    except FleetError as e:
+        report.add(command.split()[0], "skipped", f"{str(e).removeprefix(hv.name + ': ')}; stopped at once")
+        return {}
+    for step in result.get("steps") or [{"name": command.split()[0], "status": "failed",
+                                         "message": result.get("error", "no answer")}]:
+        report.add(step["name"], step["status"], step["message"])
+    return result
+
+
 def stop(conn: Transport, hv: HostVars, emit: Emit = lambda line: None, instance: int | None = None,
          check: bool = False, force: bool = False, wait: bool = False, now: bool = False) -> Report:
     """Drain the front (unless now), stop the proxy and the instances by process group, sweep what
@@ -547,11 +586,16 @@ def _stop(conn: Transport, hv: HostVars, emit: Emit, instance: int | None, check
           now: bool) -> Report:
     report = Report(hv.name)
     before = probe(conn, hv, readonly=True)
+    enable_after = False
     if instance is None and not now:
         _drain_front(conn, hv, before, report, emit, check)
+    elif not now and before["instances"][instance]["alive"]:
+        enable_after = _drain_instance(conn, hv, before, instance, report, emit, check)
     cards_before, cards_why = release.read_cards(conn, hv)
     args = (["--instance", str(instance)] if instance is not None else []) + (["--check"] if check else [])
     r = stop_processes(conn, hv, args, emit)
+    if enable_after:
+        _agent_steps(conn, hv, f"enable-instance --instance {instance}", report, emit)
     after = probe(conn, hv, readonly=True)
     targets = [f for f in before["instances"] if instance is None or f["index"] == instance]
     for f in targets:

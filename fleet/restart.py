@@ -9,9 +9,8 @@ from __future__ import annotations
 from . import front, lifecycle, runlock
 from .errors import FleetError
 from .inventory import HostVars
+from .keeper import AGENT_CONFIG
 from .lifecycle import Emit, Report
-
-AGENT_CONFIG = "conf/hostagent.json"
 
 
 def restart(conn, hv: HostVars, emit: Emit = lambda line: None, instance: int | None = None,

@@ -2,7 +2,8 @@
 
 nginx front (--config conf/nginx_front.json): check (preflight), to-nginx, to-proxy, reload, watch.
 Instances (--config conf/hostagent.json): restart --instance I | --rolling; keeper (runs it here),
-keeper-start (in its own session, a running one stopped first), keeper-stop.
+keeper-start (in its own session, a running one stopped first), keeper-stop; drain-instance --instance I
+and enable-instance --instance I (before and after `inv stop --instance I`).
 Proxy front (--config conf/nginx_front.json): restart-proxy [--healthy] (a zero-gap restart of the
 proxy), drain --timeout-s T (stop's first step: the front stops taking requests, finishes those in flight).
 Each command but watch and keeper prints progress lines, then one line `FLEET_RESULT {json}`; the exit
@@ -21,10 +22,11 @@ from . import drain, handover, host, keeper, lock, restart, watch
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hostagent", description=__doc__)
     parser.add_argument("command", choices=["check", "to-nginx", "to-proxy", "reload", "watch", "restart",
-                                            "keeper", "keeper-start", "keeper-stop", "restart-proxy", "drain"])
+                                            "keeper", "keeper-start", "keeper-stop", "restart-proxy", "drain",
+                                            "drain-instance", "enable-instance"])
     parser.add_argument("--config", required=True)
     parser.add_argument("--nginx", default=None, help="the nginx binary (default: found as check does)")
-    parser.add_argument("--instance", type=int, default=None, help="restart: the instance")
+    parser.add_argument("--instance", type=int, default=None, help="restart, drain-instance, enable-instance: the instance")
     parser.add_argument("--rolling", action="store_true", help="restart: every instance in turn")
     parser.add_argument("--locked", action="store_true",
                         help="restart: the caller holds the run lock (inv restart); else it is taken here")
@@ -52,6 +54,8 @@ def main(argv=None) -> int:
             return 0
         if args.command == "restart":
             return _restart(cfg, args, say)
+        if args.command in ("drain-instance", "enable-instance"):
+            return _one_instance(cfg, args, say)
         if args.command == "check":
             result = handover.preflight(cfg, args.nginx)
         elif args.command == "to-nginx":
@@ -69,6 +73,24 @@ def main(argv=None) -> int:
     except host.FrontError as e:
         print("FLEET_RESULT " + json.dumps({"ok": False, "error": str(e)}), flush=True)
         return 1
+
+
+def _instance(cfg: dict, args) -> int:
+    """--instance, checked against the config."""
+    n = len(cfg["instances"])
+    if args.instance is None or not 0 <= args.instance < n:
+        raise host.FrontError(f"{args.command} needs --instance I, one of 0-{n - 1}.")
+    return args.instance
+
+
+def _one_instance(cfg: dict, args, say) -> int:
+    """drain-instance or enable-instance: the steps go back in the FLEET_RESULT line."""
+    i = _instance(cfg, args)
+    result = (restart.drain_for_stop(cfg, i, say) if args.command == "drain-instance"
+              else restart.enable_after_stop(cfg, i, say))
+    ok = not any(s["status"] == "failed" for s in result["steps"])
+    print("FLEET_RESULT " + json.dumps({"ok": ok, **result}), flush=True)
+    return 0 if ok else 1
 
 
 def _restart(cfg: dict, args, say) -> int:

@@ -226,6 +226,40 @@ def restart_all(cfg: dict, say: Say = print) -> Steps:
     return steps
 
 
+def drain_for_stop(cfg: dict, i: int, say: Say = print) -> dict:
+    """`inv stop --instance I`'s first step: drain instance i's backend in the proxy and wait for its
+    requests in flight (drain_timeout_s). {"steps", "enable_after"}: enable_after when the drain was
+    this stop's (the operator had not drained it before), so that once the instance is stopped the
+    proxy's health check, not a drain, keeps it out, and a later start brings it back by itself."""
+    name = cfg["instances"][i]["backend"]
+    steps = Steps()
+    known = backends(cfg)
+    if known is None or name not in known:
+        why = ("the proxy does not answer on its admin port" if known is None
+               else f"the proxy has no backend {name}")
+        say(f"instance {i}: {why}; stopping it without drain")
+        steps.add(f"instance {i} drain", "skipped", f"{why}: stopped at once")
+        return {"steps": steps, "enable_after": False}
+    was_drained = bool(known[name].get("drained"))
+    drained = _drain(cfg, i, name, steps, say, lambda: False)
+    return {"steps": steps, "enable_after": drained and not was_drained}
+
+
+def enable_after_stop(cfg: dict, i: int, say: Say = print) -> dict:
+    """Give a stopped instance's backend back to the proxy's health check (see drain_for_stop)."""
+    name = cfg["instances"][i]["backend"]
+    steps = Steps()
+    status, body = admin(cfg, "POST", f"/admin/backends/{name}/enable")
+    if status != 200:
+        steps.add(f"instance {i} enable", "failed", f"the proxy refused to enable {name} ({status}: "
+                  f"{str(body)[:100]}); it stays drained: POST /admin/backends/{name}/enable on the admin "
+                  "port once the instance runs again")
+    else:
+        steps.add(f"instance {i} enable", "ok", f"{name} enabled again; the proxy's health check keeps "
+                  "it out while it is stopped")
+    return {"steps": steps}
+
+
 def _drain(cfg, i, name, steps, say, cancelled) -> bool:
     status, body = admin(cfg, "POST", f"/admin/backends/{name}/drain")
     if status != 200:

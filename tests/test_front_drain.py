@@ -126,6 +126,36 @@ def test_stop_under_load_fails_no_accepted_request(cluster):
     assert status_json(inventory)["front"] is None
 
 
+def test_stop_one_instance_under_load_drains_it_first(cluster):
+    """1. `--check` says instance 0 would be drained. 2. 8 clients with new connections and 8 with
+    kept-alive ones send ~0.5 s requests. 3. `inv stop --instance 0` while they run: the proxy stops
+    sending it requests, those in flight on it finish, then it is stopped. 4. Not one request failed.
+    5. The backend is enabled again (its health check, not a drain, keeps it out), so `inv deploy`
+    brings it back into service with nothing more."""
+    inventory, deploy, st = cluster
+    port = st["proxy"]["port"]
+    backend = f"127.0.0.1:{st['instances'][0]['port']}"
+    check = inv("stop", "--host", "t", "--instance", "0", "--check", inventory=inventory)
+    assert "would drain it in the proxy and wait up to 60s (drain_timeout_s)" in check.stdout, check.stdout
+    with Load(port, MODEL, 8, max_tokens=100) as fresh, Load(port, MODEL, 8, True, 100) as kept:
+        wait_until(lambda: _running(st["instances"][0]["port"]) > 0, what="requests running on instance 0")
+        r = inv("stop", "--host", "t", "--instance", "0", inventory=inventory)
+        time.sleep(1.0)
+    assert r.returncode == 0, r.stdout + r.stderr
+    print(f"\nstop --instance 0 under load: {dict(fresh.outcomes)} {dict(kept.outcomes)}")
+    assert fresh.failed == 0 and kept.failed == 0, (fresh.outcomes, kept.outcomes)
+    assert re.search(rf"^instance 0: drained {backend} in [\d.]+s$", r.stdout, re.M), r.stdout
+    assert fresh.total > 16 and kept.total > 16
+    st = status_json(inventory)
+    assert [i["state"] for i in st["instances"]] == ["stopped", "healthy", "healthy", "healthy"]
+    b0 = next(b for b in st["proxy"]["backends"] if b["name"] == backend)
+    assert not b0["drained"], b0
+    again = inv("deploy", "--host", "t", inventory=inventory)
+    assert again.returncode == 0, again.stdout + again.stderr
+    wait_until(lambda: next(b for b in status_json(inventory)["proxy"]["backends"]
+                            if b["name"] == backend)["healthy"], what="instance 0 back in the proxy")
+
+
 def test_stop_past_the_drain_bound_names_the_cut_requests(cluster):
     """1. `--check` says the front would be drained. 2. Four ~20 s streams run, each with a known request
     id. 3. `inv stop --set drain_timeout_s=2`: the proxy stops accepting, prints its progress, and after
