@@ -41,27 +41,37 @@ def _inventory(path):
     return inventory.load(path)
 
 
-def _run(host, inv_path, overrides, action, forks=5, stream=None, quiet=False, order=None):
-    """Run an action on the selected hosts, print failures and recap lines, exit with the contract's code."""
+def _run(host, inv_path, overrides, action, forks=5, stream=None, quiet=False, order=None, readonly=False,
+         ctrl_c_ends=False):
+    """Run an action on the selected hosts, print failures and recap lines, exit with the contract's code.
+    readonly: the action changes nothing on a host, so Ctrl-C (or a closed output) stops it at once;
+    ctrl_c_ends: Ctrl-C is how the action ends (logs --follow), not an interruption."""
     if not host:
         raise Exit("--host is required: name a host, a comma list, a group or all "
                    "(for example --host local).", code=2)
     out = stream or sys.stdout
     try:
         inv = _inventory(inv_path)
-        reports = runner.run_hosts(inv, host, action, overrides, forks=_number(forks, '--forks', minimum=1), stream=out, order=order)
+        reports = runner.run_hosts(inv, host, action, overrides, forks=_number(forks, '--forks', minimum=1),
+                                   stream=out, order=order, readonly=readonly)
     except FleetError as e:
         raise Exit(f"error: {e}", code=2)
-    for r in reports:
-        for line in display.failures(r):
-            print(line, file=sys.stderr)
-        for line in display.skips(r):
-            print(line, file=sys.stderr if quiet else out)
-    if not quiet:
-        print(file=out)
-    for r in reports:
-        print(r.recap(), file=out if not quiet else sys.stderr)
-    code = runner.exit_code(reports)
+    try:
+        for r in reports:
+            for line in display.failures(r):
+                print(line, file=sys.stderr)
+            for line in display.skips(r):
+                print(line, file=sys.stderr if quiet else out)
+        if not quiet:
+            print(file=out)
+        for r in reports:
+            print(r.recap(), file=out if not quiet else sys.stderr)
+        if runner.interrupted() and not ctrl_c_ends:
+            print("interrupted (Ctrl-C)" + ("." if readonly else f": {runner.interrupted_help(host)}."), file=sys.stderr)
+        out.flush()
+    except BrokenPipeError:
+        runner.output_closed(out)
+    code = runner.exit_code(reports, interrupted_is_failure=not ctrl_c_ends)
     return reports, code
 
 
@@ -90,7 +100,7 @@ def deploy(c, host="", check=False, diff=False, set_=None, inventory_="", forks=
         if report.status and not check:
             emit(display.status_table(report.status))
         return report
-    _finish(_run(host, inventory_, set_, action, forks, order="entry-last")[1])
+    _finish(_run(host, inventory_, set_, action, forks, order="entry-last", readonly=check)[1])
 
 
 @task(help=_help("host", "inventory", "set", "forks",
@@ -105,9 +115,12 @@ def status(c, host="", json_=False, set_=None, inventory_="", forks="5"):
         if not json_:
             emit(display.status_table(report.status))
         return report
-    reports, code = _run(host, inventory_, set_, action, forks, stream=stream, quiet=json_)
+    reports, code = _run(host, inventory_, set_, action, forks, stream=stream, quiet=json_, readonly=True)
     if json_:
-        print(json.dumps([r.status for r in reports if r.status is not None], indent=2))
+        try:
+            print(json.dumps([r.status for r in reports if r.status is not None], indent=2), flush=True)
+        except BrokenPipeError:
+            runner.output_closed(sys.stdout)
     _finish(code)
 
 
@@ -125,7 +138,7 @@ def stop(c, host="", instance=None, check=False, force=False, now=False, set_=No
 
     def action(conn, hv, emit):
         return lifecycle.stop(conn, hv, emit, instance=index, check=check, force=force, wait=wait, now=now)
-    _finish(_run(host, inventory_, set_, action, forks, order="entry-first")[1])
+    _finish(_run(host, inventory_, set_, action, forks, order="entry-first", readonly=check)[1])
 
 
 @task(help=_help("host", "inventory", "set", out="directory to write the rendered files into"), iterable=["set_"], name="render")
@@ -197,7 +210,7 @@ def logs(c, host="", instance=None, proxy=False, results=False, keeper=False, n=
     def action(conn, hv, emit):
         return fleet_logs.tail(conn, hv, emit, lines=lines, follow=follow, instance=index,
                                proxy=proxy, results=results, keeper=keeper)
-    _finish(_run(host, inventory_, set_, action, forks=1)[1])
+    _finish(_run(host, inventory_, set_, action, forks=1, readonly=True, ctrl_c_ends=follow)[1])
 
 
 @task(help=_help("host", "inventory", "set", ident="a trace id (the request's `user`) or an X-Request-Id"),
@@ -209,7 +222,7 @@ def trace(c, ident, host="", set_=None, inventory_=""):
 
     def action(conn, hv, emit):
         return fleet_logs.trace(conn, hv, emit, ident)
-    _finish(_run(host, inventory_, set_, action, forks=1)[1])
+    _finish(_run(host, inventory_, set_, action, forks=1, readonly=True)[1])
 
 
 def _number(value, flag: str, minimum: int = 0) -> int:
@@ -256,7 +269,7 @@ def doctor(c, host="", set_=None, inventory_="", forks="5"):
 
     def action(conn, hv, emit):
         return doctor_mod.doctor(conn, hv, emit)
-    _finish(_run(host, inventory_, set_, action, forks)[1])
+    _finish(_run(host, inventory_, set_, action, forks, readonly=True)[1])
 
 
 @task(help=_help("host", "inventory", "set",
@@ -285,7 +298,7 @@ def bench(c, host="", inventory_="", set_=None, scenario="short,detailed,thinkin
     def action(conn, hv, emit):
         target = (Path(out) / hv.name if many else Path(out)) if out else None
         return bench_mod.run_host(conn, hv, emit, scenarios, levels, n, image or None, target)
-    _finish(_run(host, inventory_, set_, action, forks=1)[1])
+    _finish(_run(host, inventory_, set_, action, forks=1, readonly=True)[1])
 
 
 @task(help=_help("host", "inventory", "set", "forks", "wait"), iterable=["set_"],

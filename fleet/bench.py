@@ -35,6 +35,7 @@ from .client import entry_url
 from .errors import FleetError
 from .inventory import HostVars
 from .render import environment
+from .transport import INTERRUPT
 
 DEFAULT_CONCURRENCY = (8, 16, 32, 48, 64)
 # Throughput that grows by no more than this from one level to the next has stopped growing.
@@ -518,6 +519,21 @@ async def _sweep(hv, url, scenarios, levels, requests, image, timeout_s, sampler
     return out
 
 
+async def _until_interrupted(host: str, coro):
+    """Run coro; Ctrl-C (the run's interrupt) cancels it, and with it the requests in flight."""
+    task = asyncio.ensure_future(coro)
+    while not task.done():
+        await asyncio.wait([task], timeout=0.2)
+        if INTERRUPT.level and not task.done():
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            INTERRUPT.check(host)
+    return task.result()
+
+
 def run(hv: HostVars, scenarios: list[Scenario], levels: list[int], requests: int = 0,
         image_path: str | None = None, timeout_s: float | None = None, progress: Progress | None = None) -> dict:
     """Benchmark one host through its entry port; every raw figure and the findings, as plain data.
@@ -536,8 +552,9 @@ def run(hv: HostVars, scenarios: list[Scenario], levels: list[int], requests: in
     sampler = UtilSampler(read, reason=reason)
     started = time.time()
     try:
-        results = asyncio.run(_sweep(hv, url + "/v1/chat/completions", scenarios, levels, requests, image,
-                                     timeout_s, sampler, progress or Progress()))
+        results = asyncio.run(_until_interrupted(hv.name, _sweep(
+            hv, url + "/v1/chat/completions", scenarios, levels, requests, image, timeout_s, sampler,
+            progress or Progress())))
     finally:
         close()
     for r in results:

@@ -19,3 +19,7 @@ class RemoteError(FleetError):
 
 class UnreachableError(RemoteError):
     """The host could not be reached at all (connection refused, timeout, auth, host key)."""
+
+
+class InterruptedRun(FleetError):
+    """The operator pressed Ctrl-C (or closed the output of a read-only command): the run stops."""

@@ -5,7 +5,7 @@ import json
 import shlex
 
 from .display import request_block
-from .errors import FleetError
+from .errors import FleetError, InterruptedRun
 from .inventory import HostVars
 from .lifecycle import Emit, Report, prepare
 from .transport import Transport
@@ -51,7 +51,16 @@ def tail(conn: Transport, hv: HostVars, emit: Emit, lines: int = 50, follow: boo
         return report
     emit(f"==> {hv.name}:{path} <==")
     flag = "-F " if follow else ""
-    r = conn.run(f"tail -n {int(lines)} {flag}{shlex.quote(path)}", on_line=emit)
+    try:
+        r = conn.run(f"tail -n {int(lines)} {flag}{shlex.quote(path)}", on_line=emit)
+    except InterruptedRun:
+        if not follow:
+            raise
+        report.add("logs", "ok", f"{path}: followed until Ctrl-C")   # how --follow ends: not a failure
+        return report
+    if follow and r.exited in (-2, 130):   # tail itself got the terminal's Ctrl-C first
+        report.add("logs", "ok", f"{path}: followed until Ctrl-C")
+        return report
     report.add("logs", "ok" if r.ok else "failed", path if r.ok else r.stderr.strip())
     return report
 

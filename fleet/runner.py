@@ -1,41 +1,81 @@
 """Running one lifecycle action on many hosts: in parallel, bounded, one host's failure isolated."""
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Callable
 
 from . import cluster
-from .errors import FleetError, UnreachableError
+from .errors import FleetError, InterruptedRun, UnreachableError
 from .inventory import HostVars, Inventory
 from .lifecycle import Report
-from .transport import Transport, connect
+from .transport import INTERRUPT, Transport, connect
 
 Action = Callable[[Transport, HostVars, Callable[[str], None]], Report]
 
 _print_lock = threading.Lock()
 
 
-def line_printer(host: str, prefix: bool, stream=None):
-    """An emit function printing each line whole, prefixed with the host when several run at once."""
+def line_printer(host: str, prefix: bool, stream=None, readonly: bool = False):
+    """An emit function printing each line whole, prefixed with the host when several run at once.
+    When the output is closed (`| head`), printing stops; a read-only run stops too (nobody reads it),
+    a run that changes hosts goes on to its end rather than stop half-way."""
     def emit(line: str) -> None:
+        out = stream or sys.stdout
         with _print_lock:
-            print(f"{host} | {line}" if prefix else line, file=stream or sys.stdout, flush=True)
+            try:
+                print(f"{host} | {line}" if prefix else line, file=out, flush=True)
+            except BrokenPipeError:
+                output_closed(out)
+                if readonly:
+                    INTERRUPT.raise_to(2)
     return emit
 
 
+def output_closed(stream) -> None:
+    """The reader of stream went away: send what is still printed to /dev/null (no traceback at exit)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
+def interrupted() -> bool:
+    """Whether Ctrl-C stopped this run."""
+    return INTERRUPT.level > 0
+
+
+def interrupted_help(host: str = "H") -> str:
+    """What to do after a Ctrl-C stopped a run that changes hosts."""
+    return (f"what had started keeps running: `inv status --host {host}` shows where each host stands, and "
+            "running the command again finishes what it left")
+
+
 def run_hosts(inv: Inventory, pattern: str, action: Action, overrides=(), forks: int = 5,
-              stream=None, order: str | None = None) -> list[Report]:
+              stream=None, order: str | None = None, readonly: bool = False) -> list[Report]:
     """Resolve --host, then run action on each host, at most `forks` at once; reports come back in
     inventory order. order "entry-last" (deploy) or "entry-first" (stop) runs the entry hosts of a
-    cluster across hosts after, or before, the others (see fleet.cluster)."""
+    cluster across hosts after, or before, the others (see fleet.cluster).
+
+    Ctrl-C: a read-only run (readonly) stops at once, cutting its commands; a run that changes hosts
+    starts no new command after the first Ctrl-C (each host finishes the command under way, so no step
+    is cut in the middle) and cuts them at the second; a third leaves at once."""
     names = inv.select(pattern)
     host_vars = [inv.host_vars(n, overrides) for n in names]   # every host validated before any runs
     many = len(names) > 1
 
     def one(hv: HostVars) -> Report:
-        emit = line_printer(hv.name, many, stream)
+        if interrupted():
+            report = Report(hv.name)
+            report.add("run", "skipped", "not started: the run was interrupted (Ctrl-C)")
+            return report
+        emit = line_printer(hv.name, many, stream, readonly)
         conn = connect(hv)
         try:
             return action(conn, hv, emit)
@@ -44,11 +84,17 @@ def run_hosts(inv: Inventory, pattern: str, action: Action, overrides=(), forks:
         except FleetError as e:
             report = Report(hv.name)
             message = str(e)   # the failure line names the host already: not twice
-            report.add("run", "failed", message[len(hv.name) + 2:] if message.startswith(f"{hv.name}: ") else message)
+            message = message[len(hv.name) + 2:] if message.startswith(f"{hv.name}: ") else message
+            if interrupted() and not isinstance(e, InterruptedRun):
+                message += " (after Ctrl-C)"
+            report.add("run", "failed", message)
             return report
         except Exception as e:   # a bug or an unforeseen remote failure: this host fails, the others go on
             report = Report(hv.name)
-            report.add("run", "failed", f"unexpected error ({type(e).__name__}: {e}); please report it.")
+            if interrupted():    # a command cut by Ctrl-C can fail in any way: that is the interrupt's
+                report.add("run", "failed", f"interrupted (Ctrl-C) ({type(e).__name__}: {e})")
+            else:
+                report.add("run", "failed", f"unexpected error ({type(e).__name__}: {e}); please report it.")
             return report
         finally:
             try:
@@ -57,15 +103,44 @@ def run_hosts(inv: Inventory, pattern: str, action: Action, overrides=(), forks:
                 pass
 
     reports: dict[str, Report] = {}
-    for batch in cluster.phases(host_vars, order):
-        with ThreadPoolExecutor(max_workers=max(1, forks)) as pool:
-            for hv, report in zip(batch, pool.map(one, batch)):
-                reports[hv.name] = report
+    with _ctrl_c_raises_the_interrupt(readonly):
+        for batch in cluster.phases(host_vars, order):
+            with ThreadPoolExecutor(max_workers=max(1, forks)) as pool:
+                for hv, report in zip(batch, pool.map(one, batch)):
+                    reports[hv.name] = report
     return [reports[hv.name] for hv in host_vars]
 
 
-def exit_code(reports: list[Report]) -> int:
-    """0 when every host succeeded, 4 when one was unreachable, else 2 when one failed."""
+@contextmanager
+def _ctrl_c_raises_the_interrupt(readonly: bool):
+    """While the hosts run, SIGINT raises the interrupt a level (see run_hosts) instead of throwing
+    KeyboardInterrupt into whatever the main thread was doing (waiting for the hosts' threads, which
+    would then run on to their end unseen)."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is signal.SIG_IGN:     # started with Ctrl-C ignored (nohup &)
+        yield
+        return
+
+    def on_sigint(signum, frame):
+        if INTERRUPT.level >= 2:
+            print(f"interrupted again: leaving at once; {interrupted_help()}.", file=sys.stderr, flush=True)
+            os._exit(130)
+        level = 2 if readonly or INTERRUPT.level == 1 else 1
+        INTERRUPT.raise_to(level)
+        if level == 1:
+            print("interrupted: no host starts another command; Ctrl-C again cuts those under way.",
+                  file=sys.stderr, flush=True)
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def exit_code(reports: list[Report], interrupted_is_failure: bool = True) -> int:
+    """0 when every host succeeded, 4 when one was unreachable, else 2 when one failed; 130 after Ctrl-C."""
+    if interrupted_is_failure and interrupted():
+        return 130
     if any(r.unreachable for r in reports):
         return 4
     if any(r.failed for r in reports):

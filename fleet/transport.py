@@ -14,7 +14,48 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from .errors import RemoteError, UnreachableError
+from .errors import InterruptedRun, RemoteError, UnreachableError
+
+
+class Interrupt:
+    """Ctrl-C, as every transport of this process sees it. Level 1: no new command starts on any host
+    (a command under way finishes, so no step is cut in the middle); level 2: the commands under way are
+    cut too (a local child is killed by its pid, an SSH channel is closed), for a read-only run or a
+    second Ctrl-C. The run lock's holder is never cut here: it ends when its run lets it go."""
+
+    def __init__(self):
+        self.level = 0
+        self._lock = threading.Lock()
+        self._procs: set = set()
+
+    def check(self, host: str, level: int = 1) -> None:
+        """Raise InterruptedRun when the run was interrupted at this level or above."""
+        if self.level >= level:
+            raise InterruptedRun(f"{host}: interrupted (Ctrl-C)")
+
+    def raise_to(self, level: int) -> None:
+        with self._lock:
+            self.level = max(self.level, level)
+            procs = list(self._procs) if self.level >= 2 else []
+        for proc in procs:
+            try:
+                proc.kill()      # our own child, by its pid (Popen does nothing once it was reaped)
+            except OSError:
+                pass
+
+    def track(self, proc) -> None:
+        with self._lock:
+            self._procs.add(proc)
+            cut = self.level >= 2
+        if cut:
+            proc.kill()
+
+    def untrack(self, proc) -> None:
+        with self._lock:
+            self._procs.discard(proc)
+
+
+INTERRUPT = Interrupt()
 
 
 @dataclass
@@ -83,11 +124,18 @@ class Running:
         self._lines.put(None)
 
     def readline(self, timeout: float | None = None) -> str | None:
-        """The next line of standard output; None once the command's output has ended."""
-        try:
-            return self._lines.get(timeout=timeout)
-        except queue.Empty:
-            raise RemoteError(f"{self.host}: no answer within {timeout:g}s from a command on the host.") from None
+        """The next line of standard output; None once the command's output has ended. Ctrl-C ends the
+        wait (InterruptedRun)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            INTERRUPT.check(self.host)
+            left = 0.2 if deadline is None else min(0.2, deadline - time.monotonic())
+            if left <= 0:
+                raise RemoteError(f"{self.host}: no answer within {timeout:g}s from a command on the host.")
+            try:
+                return self._lines.get(timeout=left)
+            except queue.Empty:
+                continue
 
     def stderr(self) -> str:
         return self._stderr()
@@ -108,11 +156,21 @@ class LocalTransport(Transport):
         self.host = host
 
     def run(self, command, *, stdin=None, timeout=None, on_line=None) -> Result:
+        INTERRUPT.check(self.host)
         # The deploying process's own FLEET_TAG (if any) must not leak into what it starts.
         env = {k: v for k, v in os.environ.items() if k != "FLEET_TAG"}
         proc = subprocess.Popen(["bash", "-c", command], stdin=subprocess.PIPE if stdin is not None else
                                 subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, env=env)
+        INTERRUPT.track(proc)
+        try:
+            result = self._finish(proc, command, stdin, timeout, on_line)
+        finally:
+            INTERRUPT.untrack(proc)
+        INTERRUPT.check(self.host, level=2)   # a command cut by Ctrl-C: its output means nothing
+        return result
+
+    def _finish(self, proc, command, stdin, timeout, on_line) -> Result:
         if on_line is None:
             try:
                 out, err = proc.communicate(stdin, timeout=timeout)
@@ -133,6 +191,7 @@ class LocalTransport(Transport):
         return Result(proc.returncode, "".join(lines), err)
 
     def start(self, command) -> Running:
+        INTERRUPT.check(self.host)
         env = {k: v for k, v in os.environ.items() if k != "FLEET_TAG"}
         proc = subprocess.Popen(["bash", "-c", command], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, env=env)
@@ -147,6 +206,7 @@ class LocalTransport(Transport):
                        lambda: proc.stderr.read() if proc.poll() is not None else "")
 
     def put(self, path, content, mode) -> None:
+        INTERRUPT.check(self.host)
         directory = os.path.dirname(path)
         try:
             os.makedirs(directory, exist_ok=True)
@@ -269,6 +329,7 @@ class SSHTransport(Transport):
 
         import paramiko
 
+        INTERRUPT.check(self.host)
         transport = self.conn.transport
         try:
             chan = transport.open_session(timeout=30)
@@ -283,6 +344,7 @@ class SSHTransport(Transport):
         exited_at = None
         try:
             while True:
+                INTERRUPT.check(self.host, level=2)   # Ctrl-C cuts the command: its channel closes below
                 select.select([chan], [], [], 0.02)
                 while chan.recv_ready():
                     data = chan.recv(65536)
@@ -315,6 +377,7 @@ class SSHTransport(Transport):
 
     def start(self, command) -> Running:
         import paramiko
+        INTERRUPT.check(self.host)
         try:
             chan = self.conn.transport.open_session(timeout=30)
             chan.exec_command(f"bash -c {shlex.quote(command)}")
@@ -345,6 +408,7 @@ class SSHTransport(Transport):
         import io
 
         import paramiko
+        INTERRUPT.check(self.host)
         directory = os.path.dirname(path)
         tmp = f"{directory}/.fleet-{os.getpid()}-{os.path.basename(path)}"
         sftp = self._sftp()

@@ -22,6 +22,7 @@ import errno
 import fcntl
 import json
 import os
+import signal
 import sys
 import time
 
@@ -145,6 +146,9 @@ def main(argv=None):
         print("usage: lock.py hold DEPLOY_DIR --what WHAT [--wait]", file=sys.stderr)
         return 64
     deploy_dir, rest = argv[1], argv[2:]
+    # A Ctrl-C at the operator's terminal reaches this holder too when the run is local: it ends when its
+    # run closes its input (the run decides when the lock goes), never on the run's own interrupt.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     wait = "--wait" in rest
     what = rest[rest.index("--what") + 1] if "--what" in rest[:-1] else "a run"
     try:

@@ -1,0 +1,117 @@
+"""The command line as an operator meets it at night: Ctrl-C in the middle of a run, output closed early
+(`| head`), the short flags, the sentences a wrong option gets. Real `inv` processes on a local sim host."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from conftest import PYTHON, ROOT, wait_until
+
+from hostagent import processes
+
+from fleet_helpers import deployment_id, inv, kill_tagged, write_inventory
+
+
+def start_inv(*args, inventory=None) -> subprocess.Popen:
+    """`inv ARGS` in its own process group, with Ctrl-C's default action (a background job may have
+    inherited SIGINT ignored), its output read by the test."""
+    argv = [PYTHON, "-m", "invoke", *args] + (["--inventory", str(inventory)] if inventory else [])
+    env = {k: v for k, v in os.environ.items() if k != "FLEET_TAG"}
+    return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+def read_until(proc: subprocess.Popen, text: str, timeout: float = 60) -> list[str]:
+    """Standard output's lines up to the first holding text (the test fails if it never comes)."""
+    lines, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if text in line:
+            return lines
+    pytest.fail(f"{text!r} never came; output so far:\n{''.join(lines)}\n{proc.stderr.read()}")
+
+
+def children_of(pid: int) -> list[int]:
+    """The live processes whose parent is pid."""
+    return [p.pid for p in processes.snapshot().values() if p.ppid == pid and p.alive]
+
+
+@pytest.fixture
+def inventory(tmp_path):
+    path = write_inventory(tmp_path, instances=2, sim="{load_s: 6, prefill_ms: 20, token_ms: 5}")
+    dep = deployment_id(path)
+    try:
+        yield path
+    finally:
+        inv("stop", "--host", "t", "--now", inventory=path)
+        kill_tagged(dep + "/")
+
+
+def test_ctrl_c_during_deploy_stops_before_the_next_step_and_says_what_to_do(inventory):
+    # SIGINT to inv alone, as over SSH (the terminal's Ctrl-C reaches no remote command): before, the
+    # deploy went on to its end and then exited 1 with no word; Ctrl-C seemed ignored for minutes.
+    proc = start_inv("deploy", "--host", "t", inventory=inventory)
+    try:
+        lines = read_until(proc, "started 2 instance(s)")
+        os.kill(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = "".join(lines) + out
+    assert proc.returncode == 130, out + err
+    assert "proxy: started" not in out, out          # stopped while the instances loaded (6 s)
+    assert "Traceback" not in err, err
+    assert "interrupted (Ctrl-C): what had started keeps running: `inv status --host t`" in err, err
+    assert not children_of(proc.pid)
+    # The lock went with the run, and running the command again finishes what it left.
+    again = inv("deploy", "--host", "t", inventory=inventory)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "instance 0: already" in again.stdout and "proxy: started" in again.stdout, again.stdout
+
+
+def test_ctrl_c_ends_logs_follow_at_once_and_cleanly(inventory):
+    deployed = inv("deploy", "--host", "t", inventory=inventory)
+    assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+    proc = start_inv("logs", "--host", "t", "--follow", "-n", "1", inventory=inventory)
+    try:
+        read_until(proc, "==> t:")
+        assert wait_until(lambda: children_of(proc.pid), timeout=10), "tail -F never started"
+        tails = children_of(proc.pid)
+        os.kill(proc.pid, signal.SIGINT)      # to inv only: the tail must be stopped by inv itself
+        out, err = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out + err     # Ctrl-C is how --follow ends, not a failure
+    assert "failed=0" in out and "Traceback" not in err, out + err
+    time.sleep(0.2)
+    assert tails and not [p for p in tails if processes.snapshot().get(p) and processes.snapshot()[p].alive]
+
+
+def test_closed_output_ends_a_read_only_run_without_a_traceback(inventory):
+    deployed = inv("deploy", "--host", "t", inventory=inventory)
+    assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+    # `inv status | head -0`, `inv logs --follow | grep -m1 x`: the reader is gone before inv writes.
+    for args in (["status", "--host", "t"], ["status", "--host", "t", "--json"],
+                 ["logs", "--host", "t", "--follow"]):
+        proc = start_inv(*args, inventory=inventory)
+        proc.stdout.close()
+        try:
+            err = proc.stderr.read()
+            proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert "Traceback" not in err and "BrokenPipe" not in err, (args, err)
