@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from invoke import Exit, task
+from invoke import Exit, Task, task
 
 from fleet import display, inventory, lifecycle, runner
 from fleet import logs as fleet_logs
@@ -29,6 +29,17 @@ COMMON_HELP = {
 }
 
 
+class _MinusIInventory(Task):
+    """A task with no automatic short flags (--instance and --inventory would both want -i) whose
+    --inventory still answers to -i, as on every other command: --instance has no short flag."""
+
+    def arg_opts(self, name, default, taken_names):
+        opts = super().arg_opts(name, default, taken_names)
+        if name == "inventory_":
+            opts["names"].append("i")
+        return opts
+
+
 def _help(*keys, **extra):
     """The help of the common arguments a task takes, plus its own."""
     return {**{k: COMMON_HELP[k] for k in keys}, **extra}
@@ -36,6 +47,9 @@ def _help(*keys, **extra):
 
 def _inventory(path):
     """Load the inventory; the default path also works from any directory below the project."""
+    if path and str(path).isdigit() and not Path(path).exists():
+        raise Exit(f"-i is --inventory, the inventory file (got {path!r}); for instance {path}, write "
+                   f"--instance {path}.", code=2)
     if not path and not os.environ.get("FLEET_INVENTORY") and not Path(inventory.DEFAULT_INVENTORY).exists():
         path = HERE / inventory.DEFAULT_INVENTORY
     return inventory.load(path)
@@ -129,7 +143,7 @@ def status(c, host="", json_=False, set_=None, inventory_="", forks="5"):
                  check="list what would be stopped, stop nothing",
                  force="also kill your processes still holding the accelerator's device files",
                  now="skip the drain: stop the front (or the instance) at once, cutting requests in flight"),
-      iterable=["set_"], auto_shortflags=False)   # -i would be ambiguous: --instance and --inventory
+      iterable=["set_"], auto_shortflags=False, klass=_MinusIInventory)
 def stop(c, host="", instance=None, check=False, force=False, now=False, set_=None, inventory_="", forks="5",
          wait=False):
     """Drain the front (up to drain_timeout_s), then stop the proxy and every instance: each process proven
@@ -200,7 +214,7 @@ def chat(c, host="local", prompt="Describe a sunrise over the sea in one sentenc
                  keeper="show the keeper's log (logs/keeper.log: what it found dead and restarted)",
                  n="how many lines (default 50)",
                  follow="keep printing as the file grows (Ctrl-C to end)"),
-      iterable=["set_"], auto_shortflags=False)
+      iterable=["set_"], auto_shortflags=False, klass=_MinusIInventory)
 def logs(c, host="", instance=None, proxy=False, results=False, keeper=False, n="50", follow=False, set_=None,
          inventory_=""):
     """Tail the right log file on the right host."""
@@ -214,7 +228,7 @@ def logs(c, host="", instance=None, proxy=False, results=False, keeper=False, n=
 
 
 @task(help=_help("host", "inventory", "set", ident="a trace id (the request's `user`) or an X-Request-Id"),
-      iterable=["set_"], auto_shortflags=False)
+      iterable=["set_"], auto_shortflags=False, klass=_MinusIInventory)
 def trace(c, ident, host="", set_=None, inventory_=""):
     """Show every results-log line of one request, across the rotated files, oldest first."""
     if not ident:
@@ -249,7 +263,7 @@ def _instance_number(instance):
 @task(help=_help("host", "inventory", "set", "forks", "wait",
                  instance="restart only this instance",
                  rolling="restart every instance in turn, never more than one out of service"),
-      iterable=["set_"], auto_shortflags=False)   # -i would be ambiguous: --instance and --inventory
+      iterable=["set_"], auto_shortflags=False, klass=_MinusIInventory)
 def restart(c, host="", instance=None, rolling=False, set_=None, inventory_="", forks="5", wait=False):
     """Drain, stop, wait for the card, start, wait for /health, enable: one instance or all in turn."""
     from fleet import restart as restart_mod

@@ -115,3 +115,19 @@ def test_closed_output_ends_a_read_only_run_without_a_traceback(inventory):
                 proc.kill()
                 proc.wait()
         assert "Traceback" not in err and "BrokenPipe" not in err, (args, err)
+
+
+def test_minus_i_is_the_inventory_on_every_command(tmp_path):
+    # Before, stop, restart, logs and trace answered `-i FILE` with "No idea what '-i' is!".
+    path = write_inventory(tmp_path, instances=2)
+    for args in (["status"], ["stop", "--check"], ["logs", "-n", "1"], ["restart", "--instance", "5"],
+                 ["trace", "some-id"], ["doctor"]):
+        r = inv(*args, "--host", "t", "-i", str(path))
+        assert "No idea" not in r.stdout + r.stderr, (args, r.stdout, r.stderr)
+        assert not r.stderr.startswith("error:"), (args, r.stderr)      # the inventory was read
+    r = inv("restart", "--host", "t", "-i", str(path), "--instance", "5")
+    assert r.returncode == 2 and "there is no instance 5; instances are 0-1" in r.stderr, r.stderr
+    # -i with an instance number in mind: one sentence, nothing stopped.
+    r = inv("stop", "--host", "t", "-i", "1")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "-i is --inventory, the inventory file (got '1'); for instance 1, write --instance 1." in r.stderr
