@@ -77,8 +77,11 @@ def held(conn, hv, step: str, emit: Callable[[str], None] = lambda line: None, w
             line = running.readline(timeout=None if wait else 60)
             if line is None:
                 status = running.close(5)
-                raise RemoteError(f"{hv.name}: taking the lock {d}/run/fleet.lock failed (exit {status}): "
-                                  f"{(running.stderr().strip().splitlines() or ['no output'])[-1]}")
+                why = (running.stderr().strip().splitlines() or ["no output"])[-1]
+                if status == 2:    # the holder could not create or open the file: deploy_dir is not writable
+                    raise RemoteError(f"{hv.name}: {why}: deploy_dir {d} must be a directory this user can "
+                                      "write; fix its permissions, or set deploy_dir to one you own.")
+                raise RemoteError(f"{hv.name}: taking the lock {d}/run/fleet.lock failed (exit {status}): {why}")
             if not line.startswith("FLEET_LOCK "):
                 continue
             msg = json.loads(line[len("FLEET_LOCK "):])

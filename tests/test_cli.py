@@ -131,3 +131,14 @@ def test_minus_i_is_the_inventory_on_every_command(tmp_path):
     r = inv("stop", "--host", "t", "-i", "1")
     assert r.returncode == 2, r.stdout + r.stderr
     assert "-i is --inventory, the inventory file (got '1'); for instance 1, write --instance 1." in r.stderr
+
+
+def test_a_deploy_dir_that_cannot_be_written_is_one_sentence_that_says_what_to_do(tmp_path):
+    # Before: "taking the lock .../run/fleet.lock failed (exit 2): cannot lock ... (Not a directory)".
+    path = write_inventory(tmp_path, instances=2)
+    (tmp_path / "a-file").write_text("")
+    for args in (["deploy", "--no-doctor"], ["stop"], ["restart", "--instance", "0"]):
+        r = inv(*args, "--host", "t", "--set", f"deploy_dir={tmp_path / 'a-file' / 'deploy'}", inventory=path)
+        assert r.returncode == 2, (args, r.stdout, r.stderr)
+        assert (f"deploy_dir {tmp_path / 'a-file' / 'deploy'} must be a directory this user can write; fix its "
+                "permissions, or set deploy_dir to one you own.") in r.stderr, (args, r.stderr)
