@@ -302,12 +302,10 @@ def bench(c, host="", inventory_="", set_=None, scenario="short,detailed,thinkin
     try:
         scenarios = bench_mod.parse_scenarios(scenario)
         levels = bench_mod.parse_concurrency(concurrency)
-        n = int(requests)
+        n = _number(requests, "--requests", minimum=0)
         many = bool(host) and len(_inventory(inventory_).select(host)) > 1
     except FleetError as e:
         raise Exit(f"error: {e}", code=2)
-    except ValueError:
-        raise Exit(f"--requests takes a number of requests per level, got {requests!r}.", code=2)
 
     def action(conn, hv, emit):
         target = (Path(out) / hv.name if many else Path(out)) if out else None

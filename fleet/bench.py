@@ -392,13 +392,17 @@ def analyse(scenario: dict, capacity: int, capacity_text: str) -> dict:
     at_cap = [lv for lv in levels if lv["concurrency"] <= capacity]
     if at_cap and single_s:
         lv = at_cap[-1]
-        ratio = lv["total_s"] / single_s
+        # --requests beyond the concurrency sends them in waves: each client's requests run one after
+        # another, so the level takes `waves` request times even when every slot runs in parallel.
+        waves = math.ceil(lv["requests"] / lv["concurrency"]) if lv["concurrency"] else 1
+        ratio = lv["total_s"] / (single_s * waves)
         findings.update(parallel_concurrency=lv["concurrency"], parallel_ratio=round(ratio, 3))
         verdict = ("the slots run in parallel" if ratio <= 1.5 else
                    "requests queued below capacity: check the requests per backend and the engines' logs")
+        alone = (f"one request alone ({single_s:.2f} s)" if waves == 1 else
+                 f"{waves} requests one after another ({waves} x {single_s:.2f} s)")
         text.append(f"At concurrency {lv['concurrency']} the {lv['requests']} requests took "
-                    f"{lv['total_s']:.2f} s in all, {ratio:.2f}x one request alone ({single_s:.2f} s): "
-                    f"{verdict}.")
+                    f"{lv['total_s']:.2f} s in all, {ratio:.2f}x {alone}: {verdict}.")
     if sat is not None:
         nxt = levels[[lv["concurrency"] for lv in levels].index(sat) + 1]
         at = next(lv for lv in levels if lv["concurrency"] == sat)

@@ -163,6 +163,7 @@ def test_mistakes_are_one_sentence(tmp_path):
         (["--image", str(tmp_path / "missing.png")], "no such file"),
         (["--concurrency", "8,x"], "--concurrency takes a comma list of positive integers"),
         (["--scenario", "long"], "unknown scenario 'long'"),
+        (["--requests", "-3"], "--requests takes a whole number of at least 0, got '-3'"),
         ([], "nothing answers at http://127.0.0.1:"),
     ]
     not_an_image = tmp_path / "notes.txt"
@@ -174,6 +175,21 @@ def test_mistakes_are_one_sentence(tmp_path):
         assert message in r.stdout + r.stderr, (args, r.stdout, r.stderr)
         assert "Traceback" not in r.stdout + r.stderr
     assert not out.exists()
+
+
+def test_parallel_finding_counts_the_waves_of_requests_beyond_the_concurrency():
+    """--requests 6 at concurrency 4 is two waves: 2x one request is parallel, not queueing (it said
+    "2.02x one request alone: requests queued below capacity")."""
+    scenario = {"single": {"ok": True, "latency_s": 0.36},
+                "levels": [{"concurrency": 4, "requests": 6, "ok": 6, "total_s": 0.72, "throughput_rps": 8.3,
+                            "utilisation": None, "failures": {}}]}
+    found = bench.analyse(scenario, 16, "4 instances x max_num_seqs 4")
+    assert found["parallel_ratio"] == 1.0
+    assert ("At concurrency 4 the 6 requests took 0.72 s in all, 1.00x 2 requests one after another "
+            "(2 x 0.36 s): the slots run in parallel.") in found["text"]
+    scenario["levels"][0].update(requests=4, ok=4, total_s=0.72)
+    found = bench.analyse(scenario, 16, "4 instances x max_num_seqs 4")
+    assert "2.00x one request alone (0.36 s): requests queued below capacity" in " ".join(found["text"])
 
 
 def test_generated_png_is_a_valid_image():
