@@ -5,7 +5,7 @@ import os
 import signal
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from typing import Callable
 
@@ -106,8 +106,13 @@ def run_hosts(inv: Inventory, pattern: str, action: Action, overrides=(), forks:
     with _ctrl_c_raises_the_interrupt(readonly):
         for batch in cluster.phases(host_vars, order):
             with ThreadPoolExecutor(max_workers=max(1, forks)) as pool:
-                for hv, report in zip(batch, pool.map(one, batch)):
-                    reports[hv.name] = report
+                futures = [pool.submit(one, hv) for hv in batch]
+                # Python runs a signal's handler in the main thread only when that thread runs: the
+                # kernel may hand SIGINT to a host's thread, so the main one must not sleep in one wait.
+                while wait(futures, timeout=0.2).not_done:
+                    pass
+                for hv, future in zip(batch, futures):
+                    reports[hv.name] = future.result()
     return [reports[hv.name] for hv in host_vars]
 
 
