@@ -191,19 +191,34 @@ def status(conn: Transport, hv: HostVars, emit: Emit = lambda line: None) -> Rep
     """Read the host's state; ok unless an instance or the proxy is not serving."""
     hv = prepare(conn, hv)
     report = Report(hv.name)
-    report.status = st = status_of(hv, probe(conn, hv))
+    facts = probe(conn, hv)
+    report.status = st = status_of(hv, facts)
     loud = {name: (status, message) for name, status, message in fleet_keeper.report_lines(st)}
-    for inst in st["instances"]:
+    for inst, f in zip(st["instances"], facts["instances"]):
         name = f"instance {inst['index']}"
         report.add(name, *loud.pop(name, ("ok" if inst["state"] in ("healthy", "loading", "stopped") else
-                                          "failed", inst["state"])))
+                                          "failed", _state_and_remedy(hv, inst["state"], f, inst["index"]))))
     for name, (status, message) in loud.items():
         report.add(name, status, message)
     # The entry port is what clients use: a front that should run and does not is a failure.
     if st.get("mode", "proxy") != "nginx":
         p = st["proxy"]
-        report.add("proxy", "failed" if p["state"] in ("dead", "port-taken") else "ok", p["state"])
+        report.add("proxy", "failed" if p["state"] in ("dead", "port-taken") else "ok",
+                   _state_and_remedy(hv, p["state"], facts["proxy"]))
     return report
+
+
+def _state_and_remedy(hv: HostVars, state: str, f: dict, index: int | None = None) -> str:
+    """A failed state in status, with where to look and what brings it back (the proxy: index None)."""
+    h = hv.name
+    if state == "port-taken" and f.get("stranger"):
+        return f"port-taken: {f['stranger']}"
+    if state != "dead":
+        return state
+    if index is None:
+        return f"dead: `inv logs --host {h}` shows why; `inv deploy --host {h}` starts it again"
+    return (f"dead: `inv logs --host {h} --instance {index}` shows why; `inv restart --host {h} --instance "
+            f"{index}` starts it again")
 
 
 # --- deploy -------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from conftest import PYTHON, ROOT, wait_until
 
 from hostagent import processes
 
-from fleet_helpers import deployment_id, inv, kill_tagged, write_inventory
+from fleet_helpers import deployment_id, inv, kill_tagged, status_json, write_inventory
 
 
 def start_inv(*args, inventory=None) -> subprocess.Popen:
@@ -45,14 +45,25 @@ def children_of(pid: int) -> list[int]:
 
 
 @pytest.fixture
-def inventory(tmp_path):
-    path = write_inventory(tmp_path, instances=2, sim="{load_s: 6, prefill_ms: 20, token_ms: 5}")
-    dep = deployment_id(path)
+def make_inventory(tmp_path):
+    """write_inventory(tmp_path, **kw) for a 2-instance host; whatever it deployed is stopped at the end."""
+    made = []
+
+    def make(**kw):
+        path = write_inventory(tmp_path, instances=2, **kw)
+        made.append(path)
+        return path
     try:
-        yield path
+        yield make
     finally:
-        inv("stop", "--host", "t", "--now", inventory=path)
-        kill_tagged(dep + "/")
+        for path in made:
+            inv("stop", "--host", "t", "--now", inventory=path)
+            kill_tagged(deployment_id(path) + "/")
+
+
+@pytest.fixture
+def inventory(make_inventory):
+    return make_inventory(sim="{load_s: 6, prefill_ms: 20, token_ms: 5}")
 
 
 def test_ctrl_c_during_deploy_stops_before_the_next_step_and_says_what_to_do(inventory):
@@ -142,3 +153,21 @@ def test_a_deploy_dir_that_cannot_be_written_is_one_sentence_that_says_what_to_d
         assert r.returncode == 2, (args, r.stdout, r.stderr)
         assert (f"deploy_dir {tmp_path / 'a-file' / 'deploy'} must be a directory this user can write; fix its "
                 "permissions, or set deploy_dir to one you own.") in r.stderr, (args, r.stderr)
+
+
+def test_status_says_where_to_look_and_what_brings_a_dead_part_back(make_inventory):
+    # Before: "FAILED: instance 1: dead", "FAILED: proxy: dead", and nothing more.
+    path = make_inventory(extra="keeper: {enabled: false}\n")
+    r = inv("deploy", "--host", "t", inventory=path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    st = status_json(path)
+    for pid in (st["proxy"]["pid"], st["instances"][1]["pid"]):
+        os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: (lambda s: s["proxy"]["state"] == s["instances"][1]["state"] == "dead")(
+        status_json(path)), what="the proxy and instance 1 seen dead")
+    r = inv("status", "--host", "t", inventory=path)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert ("t: FAILED: instance 1: dead: `inv logs --host t --instance 1` shows why; `inv restart --host t "
+            "--instance 1` starts it again") in r.stderr, r.stderr
+    assert "t: FAILED: proxy: dead: `inv logs --host t` shows why; `inv deploy --host t` starts it again" \
+        in r.stderr, r.stderr
