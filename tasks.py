@@ -146,8 +146,10 @@ def status(c, host="", json_=False, set_=None, inventory_="", forks="5"):
       iterable=["set_"], auto_shortflags=False, klass=_MinusIInventory)
 def stop(c, host="", instance=None, check=False, force=False, now=False, set_=None, inventory_="", forks="5",
          wait=False):
-    """Drain the front (up to drain_timeout_s), then stop the proxy and every instance: each process proven
-    the deployment's (pid file record, tag, session)."""
+    """Drain the front, then stop the proxy and every instance, each process proven the deployment's.
+
+    The drain waits up to drain_timeout_s; a process is the deployment's by its pid file record, tag or
+    session."""
     index = _instance_number(instance)
 
     def action(conn, hv, emit):

@@ -80,7 +80,13 @@ class Inventory:
             merged["connection"] = "ssh" if merged.get("ssh") else "local"
         fronted = merged["bind"] is None and any(
             name in self.fronts_of(other, overrides) for other in self.hosts if other != name)
-        hv = HostVars.build(name, merged, self.path)
+        try:
+            hv = HostVars.build(name, merged, self.path)
+        except InventoryError as e:
+            if not overrides:
+                raise
+            # A rule across keys names the file's key path; the value may be --set's, so say it took part.
+            raise InventoryError(f"{str(e).rstrip('.')} (with --set {' '.join(overrides)}).") from None
         if fronted:                              # another host's proxy reaches these instances
             from .cluster import address
             hv.vars["bind"] = address(hv)
@@ -252,7 +258,7 @@ def parse_overrides(overrides) -> dict:
     """`--set key=value` pairs -> a nested layer; values are read as YAML (`6` -> 6, `true` -> True)."""
     layer: dict = {}
     for item in overrides or ():
-        if "=" not in item:
+        if "=" not in item or not item.split("=", 1)[0].strip():
             raise InventoryError(f"--set {item}: expected key=value (for example --set max_num_seqs=6).")
         key, raw = item.split("=", 1)
         key = key.strip()

@@ -316,3 +316,17 @@ def test_ports_shared_on_one_ssh_target_are_named_and_other_machines_may_reuse_t
     ok = text.replace("base_port: 9102}", "base_port: 9102, proxy: {port: 9100, admin_port: 9101}}")
     assert [h.ports for h in map(inventory.load(write(tmp_path, ok)).host_vars, "xyz")] == \
         [[9002, 9003], [9002, 9003], [9102, 9103]]
+
+
+def test_a_rule_across_keys_broken_by_set_says_set_took_part(tmp_path):
+    """The file's key path is named, and the --set that broke the rule with it (it named the file alone,
+    whose value was fine)."""
+    inv = inventory.load(write(tmp_path, BASE))
+    with pytest.raises(InventoryError, match=r"hosts\.a\.instances: expected at least 1 instance, got 0 "
+                                             r"\(with --set instances=0\)\.$"):
+        inv.host_vars("a", ["instances=0"])
+    with pytest.raises(InventoryError, match=r"hosts\.a\.proxy\.port: 9102 clashes with instance 0 .*; move one "
+                                             r"of them \(with --set proxy\.port=9102\)\.$"):
+        inv.host_vars("a", ["proxy.port=9102"])
+    with pytest.raises(InventoryError, match=r"^--set =3: expected key=value"):
+        inv.host_vars("a", ["=3"])
