@@ -132,6 +132,9 @@ def checks(conn, hv: HostVars, f: dict) -> list[Check]:
                      "of the device files)"))
     # logs
     d = f["disk"]
+    if d.get("unwritable"):
+        out.append(Check("deploy_dir", "fail", f"{hv['deploy_dir']} cannot be written: {d['unwritable']}",
+                         "set deploy_dir to a directory you can write, or fix this one's permissions"))
     status = "ok" if d["free"] >= LOG_WARN_BYTES else ("warn" if d["free"] >= LOG_FAIL_BYTES else "fail")
     out.append(Check("logs", status, f"{_gib(d['free'])} free under {d['dir']}",
                      "" if status == "ok" else "free disk space there, or move deploy_dir"))

@@ -88,6 +88,19 @@ def disk(path):
     return d, st.f_bavail * st.f_frsize
 
 
+def unwritable(path):
+    """Why deploy could not create or write deploy_dir (its nearest existing part is a file, or a
+    directory this user may not write), or None."""
+    d = os.path.expanduser(path)
+    while d and not os.path.lexists(d):
+        d = os.path.dirname(d.rstrip("/")) or "/"
+    if not os.path.isdir(d):
+        return "%s is not a directory" % d
+    if not os.access(d, os.W_OK | os.X_OK):
+        return "%s is not writable by this user" % d
+    return None
+
+
 def memory():
     """MemTotal and MemAvailable in bytes (accelerator cpu: the instances live in RAM)."""
     out = {}
@@ -123,7 +136,7 @@ def main():
         "ports": port_facts(spec),
         "smi": {"exit": smi_code, "output": smi_out},
         "tools": {name: which(name) for name in ("fuser", "ss")},
-        "disk": {"dir": where, "free": free},
+        "disk": {"dir": where, "free": free, "unwritable": unwritable(spec["deploy_dir"])},
         "memory": memory(),
         "cores": cores(),
         "sim_devices": os.path.isdir(os.path.join(spec["deploy_dir"], "sim-dev")),

@@ -153,6 +153,11 @@ def test_a_deploy_dir_that_cannot_be_written_is_one_sentence_that_says_what_to_d
         assert r.returncode == 2, (args, r.stdout, r.stderr)
         assert (f"deploy_dir {tmp_path / 'a-file' / 'deploy'} must be a directory this user can write; fix its "
                 "permissions, or set deploy_dir to one you own.") in r.stderr, (args, r.stderr)
+    # The doctor says so too (it checked only the free space, and said ok).
+    r = inv("doctor", "--host", "t", "--set", f"deploy_dir={tmp_path / 'a-file' / 'deploy'}", inventory=path)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert (f"fail  deploy_dir: {tmp_path / 'a-file' / 'deploy'} cannot be written: {tmp_path / 'a-file'} is not a "
+            "directory\n      fix: set deploy_dir to a directory you can write") in r.stdout, r.stdout
 
 
 def test_status_says_where_to_look_and_what_brings_a_dead_part_back(make_inventory):
