@@ -146,7 +146,10 @@ def _cpu_checks(hv: HostVars, f: dict) -> list[Check]:
     out = []
     n, have = hv["instances"], f.get("cores") or 0
     per = hv["cpus_per_instance"] or (have // n if n else 0)
-    if per < 1 or per * n > have:
+    if per < 1:     # cpus_per_instance 0 splits the cores: fewer cores than instances leaves none each
+        out.append(Check("cores", "fail", f"{n} instance(s) need a core each at least, and the host has {have}",
+                         f"lower instances to {have} or fewer"))
+    elif per * n > have:
         out.append(Check("cores", "fail", f"{n} instance(s) x {per} core(s) do not fit the {have} core(s) "
                          "of the host", "lower instances or cpus_per_instance"))
     else:

@@ -62,3 +62,18 @@ def test_doctor_names_a_missing_model_path_and_a_taken_port(tmp_path):
     assert re.search(r"^ok    model: \S+ exists, 0.0 GiB in 1 file\(s\)$", r.stdout, re.M), r.stdout
     r = inv("deploy", "--host", "t", "--check", "--no-doctor", inventory=inventory)
     assert r.returncode == 0 and "would start" in r.stdout and "model:" not in r.stdout, r.stdout + r.stderr
+
+
+def test_cpu_instances_beyond_the_cores_say_so_plainly(tmp_path):
+    """cpus_per_instance 0 splits the host's cores: 4 instances on 2 cores get none each (it said
+    "4 instance(s) x 0 core(s) do not fit the 2 core(s)")."""
+    from fleet import doctor, inventory
+    path = tmp_path / "hosts.yml"
+    path.write_text("hosts:\n  c: {engine: vllm, accelerator: cpu, instances: 4, model: /m}\n")
+    hv = inventory.load(path).host_vars("c")
+    cores = doctor._cpu_checks(hv, {"cores": 2, "memory": {}})[0]
+    assert (cores.status, cores.message, cores.fix) == (
+        "fail", "4 instance(s) need a core each at least, and the host has 2", "lower instances to 2 or fewer")
+    hv = inventory.load(path).host_vars("c", ["cpus_per_instance=1"])
+    assert doctor._cpu_checks(hv, {"cores": 2, "memory": {}})[0].message == \
+        "4 instance(s) x 1 core(s) do not fit the 2 core(s) of the host"
