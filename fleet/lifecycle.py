@@ -597,6 +597,11 @@ def stop(conn: Transport, hv: HostVars, emit: Emit = lambda line: None, instance
     return report
 
 
+def left_of(facts: dict, hv: HostVars, instance: int) -> list[dict]:
+    """The processes carrying instance's tag in a probe's facts."""
+    return [t for t in facts["tagged"] if t["tag"] == f"{hv.deployment_id}/{instance}"]
+
+
 def _stop(conn: Transport, hv: HostVars, emit: Emit, instance: int | None, check: bool, force: bool,
           now: bool) -> Report:
     report = Report(hv.name)
@@ -619,6 +624,8 @@ def _stop(conn: Transport, hv: HostVars, emit: Emit, instance: int | None, check
             stale = f.get("stale")
             report.add(name, "ok", f"its pid file named pid {f['recorded_pid']}, {stale}: not touched" if stale
                        else "already stopped")
+            if instance is not None and not stale and not left_of(before, hv, instance):
+                emit(f"{name}: not running: nothing to stop")
         elif check:
             report.add(name, "changed", f"would stop pid {f['pid']} and its session")
         else:
@@ -638,8 +645,7 @@ def _stop(conn: Transport, hv: HostVars, emit: Emit, instance: int | None, check
         for what, pid in (("nginx", n.get("pid")), ("watcher", n.get("watcher_pid"))):
             if pid:
                 report.add(what, "changed", ("would stop" if check else "stopped") + f" pid {pid}")
-    left = after["tagged"] if instance is None else \
-        [t for t in after["tagged"] if t["tag"] == f"{hv.deployment_id}/{instance}"]
+    left = after["tagged"] if instance is None else left_of(after, hv, instance)
     if left and not check:
         pids = ", ".join(f"{t['pid']} ({t['cmdline'][:60]})" for t in left)
         report.add("tag sweep", "failed", f"processes with the deployment's tag are still alive: {pids}")

@@ -176,3 +176,15 @@ def test_status_says_where_to_look_and_what_brings_a_dead_part_back(make_invento
             "--instance 1` starts it again") in r.stderr, r.stderr
     assert "t: FAILED: proxy: dead: `inv logs --host t` shows why; `inv deploy --host t` starts it again" \
         in r.stderr, r.stderr
+
+
+def test_stopping_a_stopped_instance_says_there_was_nothing_to_stop(make_inventory):
+    path = make_inventory()
+    r = inv("deploy", "--host", "t", inventory=path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    first = inv("stop", "--host", "t", "--instance", "1", inventory=path)
+    assert first.returncode == 0 and "instance 1: stopping pid" in first.stdout, first.stdout + first.stderr
+    assert "nothing to stop" not in first.stdout
+    again = inv("stop", "--host", "t", "--instance", "1", inventory=path)     # it printed the cards alone
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert again.stdout.startswith("instance 1: not running: nothing to stop\n"), again.stdout
