@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -31,7 +32,8 @@ def cluster(tmp_path_factory):
     """A deployed 4-instance sim cluster behind the proxy; stopped and swept by tag at the end."""
     require_tool("nginx")
     tmp = tmp_path_factory.mktemp("nginx")
-    inventory = write_inventory(tmp)
+    # 5 ms a token with no cap on the answer: chat(N) takes N x 5 ms (the sim stops at 200 tokens otherwise)
+    inventory = write_inventory(tmp, sim="{load_s: 0.3, prefill_ms: 20, token_ms: 5, output_tokens: 5000}")
     dep = deployment_id(inventory)
     try:
         r = inv("deploy", "--host", "t", inventory=inventory)
@@ -186,15 +188,15 @@ def test_status_deploy_keeps_nginx_mode(nginx_front):
 
 
 def test_least_connections(nginx_front):
-    """1. Three long requests keep three backends busy (least_conn puts each on an idle one).
+    """1. Three long requests (3 s) keep three backends busy (least_conn puts each on an idle one).
     2. Short requests sent one after another all go to the fourth, idle backend.
-    3. 16 concurrent requests over 4 backends: none sees more than 5 at once.
+    3. 16 concurrent requests (1.5 s) over 4 backends: none sees more than 5 at once.
     """
     inventory, deploy, st = nginx_front
     port = st["proxy"]["port"]
     ports = [i["port"] for i in st["instances"]]
     long_backends = []
-    threads = [threading.Thread(target=lambda: long_backends.append(post(port, chat(400))[1]["x-backend"]))
+    threads = [threading.Thread(target=lambda: long_backends.append(post(port, chat(600))[1]["x-backend"]))
                for _ in range(3)]
     for t in threads:
         t.start()
@@ -290,11 +292,15 @@ def test_watcher_takes_an_unhealthy_backend_out_and_puts_it_back(nginx_front):
     b0 = st["instances"][0]["port"]
     name = f"127.0.0.1:{b0}"
     upstream_file = deploy / "run" / "nginx_upstream.conf"
+    master = status_json(inventory)["nginx"]["pid"]
+    old_workers = serving_workers(master)
     fault(b0, "unhealthy")
     try:
         wait_until(lambda: upstream.parse_down(upstream_file.read_text()) == {name}, timeout=10,
                    what="the watcher to mark backend 0 down")
-        time.sleep(0.3)      # the reload: new workers take over from the old ones
+        # The reload (SIGHUP after the file is written): new workers take over, the old ones stop accepting.
+        wait_until(lambda: (lambda now: now and not now & old_workers)(serving_workers(master)),
+                   what="nginx's reload to replace its workers")
         seen = [post(port, chat(1))[1]["x-backend"] for _ in range(12)]
         assert name not in seen and len(set(seen)) == 3, seen
     finally:
@@ -305,6 +311,23 @@ def test_watcher_takes_an_unhealthy_backend_out_and_puts_it_back(nginx_front):
                what="a request on backend 0 again")
     log = (deploy / "logs" / "keeper.log").read_text()      # the keeper watches (keeper.enabled)
     assert f"{name}: /health failed, marked down" in log and f"{name}: /health answers 200 again" in log
+
+
+def serving_workers(master: int) -> set[int]:
+    """Pids of nginx master's workers that accept connections (not those shutting down after a reload)."""
+    found = set()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            title = Path(f"/proc/{name}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+        except (OSError, ValueError):
+            continue
+        if ppid == master and title == "nginx: worker process":
+            found.add(int(name))
+    return found
 
 
 def test_stop_stops_nginx_and_watcher_then_deploy_starts_nginx(nginx_front):

@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 import yaml
 
-from conftest import PYTHON, ROOT, free_port, http_status, wait_until
+from conftest import PYTHON, ROOT, free_ports, http_status, wait_until
 from proxy_helpers import start_proxy, start_sims
 
 
@@ -112,8 +112,8 @@ def test_limits_errors_and_results_log(procs, tmp_path):
 
 
 def test_no_healthy_backend_is_503_json(procs, tmp_path):
-    port, admin = free_port(), free_port()
-    dead_port = free_port()
+    base = free_ports(3)      # three distinct ports: three free_port() calls may return the same one
+    port, admin, dead_port = base, base + 1, base + 2
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump({"listen": {"host": "127.0.0.1", "port": port},
                                     "admin": {"host": "127.0.0.1", "port": admin},

@@ -404,18 +404,23 @@ def test_sighup_adds_and_removes_backends_under_load(procs, tmp_path):
     conf_path = tmp_path / "proxy.yaml"
     marks = {}
 
+    def reloaded():
+        state = asyncio.run(backends(admin))
+        return list(state) == [name(p) for p in ports[1:]] and state[name(ports[2])]["healthy"]
+
     async def reload():
         await asyncio.sleep(0.6)
         conf = yaml.safe_load(conf_path.read_text())
         conf["backends"] = [name(p) for p in ports[1:]]
         conf_path.write_text(yaml.safe_dump(conf))
-        marks["t"] = time.monotonic()
         proxy.send_signal(signal.SIGHUP)
+        # the new backend's first /health runs right after the reload
+        await asyncio.to_thread(wait_until, reloaded, what="the reload with backend 2 healthy")
+        marks["settled"] = time.monotonic()
 
-    results = asyncio.run(load(f"http://127.0.0.1:{port}", 16, 2.2, chat(), reload()))
+    results = asyncio.run(load(f"http://127.0.0.1:{port}", 16, 3.0, chat(), reload()))
     assert [r for r in results if r.status != 200] == []
-    settled = marks["t"] + 0.5   # the new backend's first /health runs right after the reload
-    after = [r for r in results if r.start > settled]
+    after = [r for r in results if r.start > marks["settled"]]
     assert after and name(ports[0]) not in {r.backend for r in after}
     assert name(ports[2]) in {r.backend for r in after}
     assert list(asyncio.run(backends(admin))) == [name(p) for p in ports[1:]]
@@ -428,22 +433,30 @@ def test_sighup_adds_and_removes_backends_under_load(procs, tmp_path):
 
 
 def test_sigterm_lets_requests_in_flight_finish(procs, tmp_path):
-    """1. 8 requests of about 1 s each are in flight.  2. The proxy gets SIGTERM: it stops accepting
-    at once.  3. All 8 complete with their full answer, and the proxy exits 0."""
+    """1. 8 requests of about 2 s each are in flight.  2. The proxy gets SIGTERM: it stops accepting
+    at once, while all 8 still run.  3. All 8 complete with their full answer, and the proxy exits 0."""
     ports = start_sims(procs, tmp_path, 2, token_ms=20)
     port, admin = start_proxy(procs, tmp_path, ports, shutdown_timeout_s=10)
     proxy = procs.started[-1]
     url = f"http://127.0.0.1:{port}"
 
+    def all_in_flight() -> bool:
+        return sum(b["in_flight"] for b in asyncio.run(backends(admin)).values()) == 8
+
+    def refused() -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return False
+        except OSError:
+            return True
+
     async def run():
         async with aiohttp.ClientSession() as s:
-            tasks = [asyncio.create_task(one(s, url, chat(max_tokens=50, stream=True))) for _ in range(8)]
-            await asyncio.sleep(0.3)
-            assert sum(b["in_flight"] for b in (await backends(admin)).values()) == 8
+            tasks = [asyncio.create_task(one(s, url, chat(max_tokens=100, stream=True))) for _ in range(8)]
+            await asyncio.to_thread(wait_until, all_in_flight, what="8 requests in flight")
             proxy.send_signal(signal.SIGTERM)
-            await asyncio.sleep(0.2)
-            with pytest.raises(OSError):
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            await asyncio.to_thread(wait_until, refused, what="the port to refuse connections")
+            assert not any(t.done() for t in tasks), "a request ended before the port refused new connections"
             return await asyncio.gather(*tasks)
     results = asyncio.run(run())
     assert [r.status for r in results] == [200] * 8

@@ -157,12 +157,15 @@ async def post(session, port, body, **kw):
         return r.status, r.headers.get("Retry-After"), r.headers.get("X-Backend")
 
 
-async def behind_a_busy_slot(port: int, long_tokens: int, body: dict):
-    """A request of long_tokens takes the slot; 0.3 s later body is sent: (long's answer, body's
-    answer, seconds body took)."""
+async def behind_a_busy_slot(port: int, admin: int, long_tokens: int, body: dict):
+    """A request of long_tokens takes the slot; once the proxy counts it in flight, body is sent:
+    (long's answer, body's answer, seconds body took)."""
+    def taken():
+        return sum(b["in_flight"] for b in get_json(f"http://127.0.0.1:{admin}/admin/backends")) == 1
+
     async with aiohttp.ClientSession() as s:
         long = asyncio.create_task(post(s, port, chat(long_tokens)))
-        await asyncio.sleep(0.3)
+        await asyncio.to_thread(wait_until, taken, what="the long request on the slot")
         t0 = time.monotonic()
         second = await post(s, port, body)
         took = time.monotonic() - t0
@@ -203,8 +206,8 @@ def test_slots_cap_each_backend_the_rest_queue_then_429(procs, tmp_path):
     async def run():
         async with aiohttp.ClientSession() as s:
             seven = [asyncio.create_task(post(s, port, chat(20, user=f"ok-{i}"))) for i in range(7)]
-            await asyncio.sleep(0.5)
-            assert get_json(f"http://127.0.0.1:{admin}/admin/config")["queued"] == 3
+            config = f"http://127.0.0.1:{admin}/admin/config"
+            await asyncio.to_thread(wait_until, lambda: get_json(config)["queued"] == 3, what="4 running, 3 queued")
             eighth = await post(s, port, chat(20, user="turned-away"))
             return await asyncio.gather(*seven), eighth
     seven, eighth = asyncio.run(run())
@@ -234,7 +237,7 @@ def test_waiting_too_long_is_503_with_retry_after(procs, tmp_path):
     ports = start_sims(procs, tmp_path, 1, seqs=1, token_ms=100)
     port, admin = start_proxy(procs, tmp_path, ports, slots=1, queue={"max": 8, "timeout_s": 0.5})
 
-    long, late, waited = asyncio.run(behind_a_busy_slot(port, 20, chat(2, user="late")))
+    long, late, waited = asyncio.run(behind_a_busy_slot(port, admin, 20, chat(2, user="late")))
     assert long[0] == 200
     assert late[0] == 503 and late[1] == "5" and 0.45 < waited < 1.8, (late, waited)
     text = metrics(port)
@@ -286,9 +289,9 @@ def test_no_queue_at_all_answers_429_at_once(procs, tmp_path):
     """queue.max 0: a request that finds every slot taken is refused at once, not held until the
     3 s request on the one slot ends."""
     ports = start_sims(procs, tmp_path, 1, seqs=1, token_ms=100)
-    port, _ = start_proxy(procs, tmp_path, ports, slots=1, queue={"max": 0, "timeout_s": 60})
+    port, admin = start_proxy(procs, tmp_path, ports, slots=1, queue={"max": 0, "timeout_s": 60})
 
-    long, refused, took = asyncio.run(behind_a_busy_slot(port, 30, chat(2)))
+    long, refused, took = asyncio.run(behind_a_busy_slot(port, admin, 30, chat(2)))
     assert long[0] == 200 and refused[0] == 429 and took < 1.5
 
 
