@@ -562,7 +562,7 @@ def _agent_steps(conn, hv, command: str, report: Report, emit: Emit) -> dict:
                               config=fleet_keeper.AGENT_CONFIG, raise_failed=False,
                               timeout=hv["drain_timeout_s"] + 60)
     except FleetError as e:
-        report.add(command.split()[0], "skipped", f"{str(e).removeprefix(hv.name + ': ')}; stopped at once")
+        report.add(command.split()[0], "skipped", str(e).removeprefix(hv.name + ': '))
         return {}
     for step in result.get("steps") or [{"name": command.split()[0], "status": "failed",
                                          "message": result.get("error", "no answer")}]:
@@ -607,9 +607,14 @@ def _stop(conn: Transport, hv: HostVars, emit: Emit, instance: int | None, check
     report = Report(hv.name)
     before = probe(conn, hv, readonly=True)
     enable_after = False
-    if instance is None and not now:
+    front_up = before["proxy"]["alive"] or (before.get("nginx") or {}).get("alive")
+    if now:
+        if front_up and (instance is None or before["instances"][instance]["alive"]):
+            report.add("drain", "skipped", "--now: no drain; requests in flight "
+                       + ("" if instance is None else f"on instance {instance} ") + "are cut")
+    elif instance is None:
         _drain_front(conn, hv, before, report, emit, check)
-    elif not now and before["instances"][instance]["alive"]:
+    elif before["instances"][instance]["alive"]:
         enable_after = _drain_instance(conn, hv, before, instance, report, emit, check)
     cards_before, cards_why = release.read_cards(conn, hv)
     args = (["--instance", str(instance)] if instance is not None else []) + (["--check"] if check else [])
