@@ -106,8 +106,11 @@ def test_ctrl_c_ends_logs_follow_at_once_and_cleanly(inventory):
             proc.wait()
     assert proc.returncode == 0, out + err     # Ctrl-C is how --follow ends, not a failure
     assert "failed=0" in out and "Traceback" not in err, out + err
-    time.sleep(0.2)
-    assert tails and not [p for p in tails if processes.snapshot().get(p) and processes.snapshot()[p].alive]
+    def tails_gone() -> bool:
+        alive = processes.snapshot()
+        return not [p for p in tails if p in alive and alive[p].alive]
+    assert tails
+    wait_until(tails_gone, timeout=5, what="inv's tail -F to be gone")
 
 
 def test_closed_output_ends_a_read_only_run_without_a_traceback(inventory):
