@@ -12,7 +12,9 @@ from pathlib import Path
 
 from invoke import Exit, Task, task
 
-from fleet import display, inventory, lifecycle, runner
+from fleet import deploy as fleet_deploy
+from fleet import display, facts, inventory, runner, sync
+from fleet import stop as fleet_stop
 from fleet import logs as fleet_logs
 from fleet.client import chat as chat_request
 from fleet.errors import FleetError
@@ -110,7 +112,7 @@ def _finish(code):
 def deploy(c, host="", check=False, diff=False, set_=None, inventory_="", forks="5", doctor=True, wait=False):
     """Render, put changed files, start the instances (staggered) and the proxy, wait for /health."""
     def action(conn, hv, emit):
-        report = lifecycle.deploy(conn, hv, emit, check=check, diff=diff, doctor=doctor, wait=wait)
+        report = fleet_deploy.deploy(conn, hv, emit, check=check, diff=diff, doctor=doctor, wait=wait)
         if report.status and not check:
             emit(display.status_table(report.status))
         return report
@@ -125,7 +127,7 @@ def status(c, host="", json_=False, set_=None, inventory_="", forks="5"):
     stream = sys.stderr if json_ else sys.stdout
 
     def action(conn, hv, emit):
-        report = lifecycle.status(conn, hv, emit)
+        report = facts.status(conn, hv, emit)
         if not json_:
             emit(display.status_table(report.status))
         return report
@@ -153,7 +155,7 @@ def stop(c, host="", instance=None, check=False, force=False, now=False, set_=No
     index = _instance_number(instance)
 
     def action(conn, hv, emit):
-        return lifecycle.stop(conn, hv, emit, instance=index, check=check, force=force, wait=wait, now=now)
+        return fleet_stop.stop(conn, hv, emit, instance=index, check=check, force=force, wait=wait, now=now)
     _finish(_run(host, inventory_, set_, action, forks, order="entry-first", readonly=check)[1])
 
 
@@ -172,7 +174,7 @@ def render_(c, host="", out="", set_=None, inventory_=""):
                     "USER", "user")) + hv["deploy_dir"][1:]
             hv.vars["python"] = hv["python"] or "python3"
             target = Path(out) / name if len(names) > 1 else Path(out)
-            files = lifecycle.host_files(hv)
+            files = sync.host_files(hv)
             # A path in the way (a file where a directory must go) fails before anything is written.
             dirs = sorted({(target / f.path).parent for f in files})
             for d in dirs:

@@ -1,4 +1,5 @@
-"""vllm-fleet: the control plane (inventory, rendering, transport, lifecycle).
+"""vllm-fleet's control plane: inventory, rendering, transport, and one module per command.
 
-Kept free of imports: `fleet.sim` is deployed to hosts on its own and must not pull in the rest.
+Kept free of imports: `fleet.sim` (the simulated engine) is deployed to hosts on its own, under
+`lib/fleet/`, and must not pull in the rest.
 """

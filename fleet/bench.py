@@ -31,11 +31,14 @@ from typing import Callable
 
 import aiohttp
 
+from . import smi
 from .client import entry_url
 from .errors import FleetError
+from .facts import prepare
 from .inventory import HostVars
 from .render import environment
-from .transport import INTERRUPT
+from .report import Report
+from .transport import INTERRUPT, connect
 
 DEFAULT_CONCURRENCY = (8, 16, 32, 48, 64)
 # Throughput that grows by no more than this from one level to the next has stopped growing.
@@ -300,11 +303,6 @@ def card_figures(card) -> dict:
 
 def smi_reader(hv: HostVars) -> tuple[Callable[[], list] | None, str, Callable[[], None]]:
     """(read, reason, close): the host's smi through its own connection, or None and why not."""
-    try:
-        from . import smi
-    except ImportError:
-        return None, "no accelerator reader in this toolkit (fleet.smi)", lambda: None
-    from .transport import connect
     conn = connect(hv)
     return (lambda: smi.read_cards(conn, hv)), "", conn.close
 
@@ -751,8 +749,6 @@ def run_host(conn, hv: HostVars, emit: Callable[[str], None], scenarios: list[Sc
 
     A scenario in which no request succeeded is a failed step; the reports are written all the same.
     """
-    from .lifecycle import Report, prepare
-
     report = Report(hv.name)
     out_dir = Path(out_dir or default_out(hv.name))
     check_writable(out_dir)   # before any load is sent: a sweep's results are not to be lost at the end

@@ -16,6 +16,11 @@ if TYPE_CHECKING:
     from .inventory import HostVars, Inventory
 
 
+def backend_name(host: str, port: int) -> str:
+    """A backend's name, host:port, as X-Backend, the metrics and the admin API show it ([::1]:8002 for IPv6)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def address(hv: "HostVars") -> str:
     """How other hosts (an entry host's proxy, `inv chat`) reach this host's ports."""
     if hv["address"]:
@@ -27,7 +32,6 @@ def address(hv: "HostVars") -> str:
 
 def front_backends(inv: "Inventory", entry: "HostVars", overrides=()) -> list[str]:
     """The backends of an entry host's proxy: the instances of every host it fronts, in its order."""
-    from .inventory import backend_name
     where = f"{inv.path}: hosts.{entry.name}.fronts"
     backends: list[str] = []
     owner: dict[str, str] = {}

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from .lifecycle import Report
+from .report import Report
 
 
 def status_table(st: dict) -> str:

@@ -1,24 +1,18 @@
 """`inv doctor`: is this host ready to run the deployment? Each check says ok, warn or fail, with the fix.
 
-One probe-style script (fleet/doctor_probe.py) reads the facts on the host after env_setup; the checks
+One probe-style script (hostagent/probes/doctor.py) reads the facts on the host after env_setup; the checks
 here judge them: the engine binary runs, the model path exists (and its size), each port is free or
 ours, each card has gpu_memory_utilization x total free (else its holders), smi/fuser/ss are found,
 and there is room for logs.
 """
 from __future__ import annotations
 
-import json
 import math
-import shlex
 from dataclasses import dataclass
-from pathlib import Path
 
-from . import hostcode, lifecycle, release, smi
-from .errors import FleetError
+from . import agent, facts, release, smi
 from .inventory import HostVars
-from .lifecycle import Emit, Report
-
-PROBE = hostcode.bundle((Path(__file__).resolve().parent / "doctor_probe.py").read_text(), "processes")
+from .report import Emit, Report
 
 LOG_WARN_BYTES = 2 * 2**30      # vLLM logs plus the results log (50 MB x 4) plus room to breathe
 LOG_FAIL_BYTES = 256 * 2**20
@@ -51,7 +45,7 @@ def engine_cmd(hv: HostVars) -> list[str]:
     return [hv["vllm_bin"] or "vllm", "--version"]
 
 
-def facts(conn, hv: HostVars) -> dict:
+def read_facts(conn, hv: HostVars) -> dict:
     """Run the doctor's probe on the host, after env_setup (so PATH is the engine's)."""
     dep = hv.deployment_id
     ports = [{"port": p, "host": hv.instance_host, "what": f"instance {i}", "key": "base_port",
@@ -64,17 +58,7 @@ def facts(conn, hv: HostVars) -> dict:
                "pidfiles": [proxy]}]
     spec = {"deploy_dir": hv["deploy_dir"], "deployment_id": dep, "engine_cmd": engine_cmd(hv), "model": hv["model"],
             "check_model": hv["engine"] != "sim", "ports": ports, "smi_cmd": smi.smi_command(hv)}
-    python = release.host_python(hv)
-    setup = f"set +u\n{hv['env_setup']}\n" if hv["env_setup"] else ""
-    r = conn.run(f"{setup}{shlex.quote(python)} - {shlex.quote(json.dumps(spec))}", stdin=PROBE, timeout=300)
-    if not r.ok:
-        raise FleetError(f"{hv.name}: the doctor's probe failed (exit {r.exited}): "
-                         f"{(r.stderr.strip().splitlines() or ['no output'])[-1]}; check env_setup and python.")
-    try:
-        return json.loads(r.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        raise FleetError(f"{hv.name}: the doctor's probe printed something that is not JSON; check the "
-                         "host's shell startup files and env_setup for output.") from None
+    return agent.run_script(conn, hv, "doctor", spec, "the doctor's probe", timeout=300, env_setup=True)
 
 
 def checks(conn, hv: HostVars, f: dict) -> list[Check]:
@@ -232,9 +216,9 @@ def _card_checks(conn, hv: HostVars, f: dict) -> list[Check]:
 
 def doctor(conn, hv: HostVars, emit: Emit = lambda line: None, report: Report | None = None) -> Report:
     """Run every check on the host, emit a line each, and add them to report (a warn counts as ok)."""
-    hv = lifecycle.prepare(conn, hv)
+    hv = facts.prepare(conn, hv)
     report = report or Report(hv.name)
-    for c in checks(conn, hv, facts(conn, hv)):
+    for c in checks(conn, hv, read_facts(conn, hv)):
         emit(c.line())
         # The line is emitted once, here; a step keeps its message only when it failed (the recap and
         # the failure list show it), so deploy does not print every check twice.

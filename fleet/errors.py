@@ -17,6 +17,10 @@ class RemoteError(FleetError):
     """A command or file operation on a host failed."""
 
 
+class AgentError(RemoteError):
+    """The host agent ran and answered a failure (a swap, a drain, the keeper's start); it says why."""
+
+
 class UnreachableError(RemoteError):
     """The host could not be reached at all (connection refused, timeout, auth, host key)."""
 

@@ -6,78 +6,50 @@ it and turns what it prints into report steps.
 """
 from __future__ import annotations
 
-import json
 import shlex
+import time
 
-from . import lifecycle, runlock
-from .errors import FleetError, RemoteError
+from . import agent, facts, runlock, sync
+from .errors import FleetError
 from .inventory import HostVars
-from .lifecycle import Emit, Report
+from .report import Emit, Report
+from .stop import stop_processes
 from .transport import Transport
 
-NGINX_FILES = ("conf/nginx.conf", "conf/nginx_front.json")
+NGINX_FILES = ("conf/nginx.conf", agent.FRONT_CONFIG)
 NO_RESULTS_LOG = ("nginx has no results log: logs/req_results.log gets no new lines while nginx is the "
                   "front; logs/nginx_access.log has one JSON line per request (request_id, backend, status, "
                   "request and upstream times), but no trace id, finish_reason, tokens or error bodies.")
 
 
-class FrontError(FleetError):
-    """The swap could not be done; the message says why and what to do."""
-
-
-def host_command(conn: Transport, hv: HostVars, command: str, emit: Emit,
-                 config: str = "conf/nginx_front.json", raise_failed: bool = True,
-                 timeout: float | None = 300) -> dict:
-    """Run `python -m hostagent COMMAND` in deploy_dir; its FLEET_RESULT line as a dict (a failure said
-    there raises FrontError unless raise_failed is False)."""
-    line = (f"cd {shlex.quote(hv['deploy_dir'])} && {shlex.quote(hv['python'])} -m hostagent {command} "
-            f"--config {shlex.quote(config)}")
-    results = []
-
-    def on_line(text: str) -> None:
-        if text.startswith("FLEET_RESULT "):
-            results.append(text[len("FLEET_RESULT "):])
-        else:
-            emit(f"{hv.name}: {text}")
-    r = conn.run(line, on_line=on_line, timeout=timeout)
-    try:
-        result = json.loads(results[-1])
-    except (IndexError, ValueError):
-        raise RemoteError(f"{hv.name}: hostagent {command} failed (exit {r.exited}): "
-                          f"{(r.stderr.strip().splitlines() or ['no output'])[-1]}") from None
-    if not result["ok"] and raise_failed:
-        raise FrontError(f"{hv.name}: {result['error']}")
-    return result
-
-
 def _prepare(conn: Transport, hv: HostVars, report: Report, emit: Emit) -> tuple[HostVars, dict]:
     """Put the changed files (the nginx config included) and read the host's state."""
-    hv = lifecycle.prepare(conn, hv)
-    files = lifecycle.host_files(hv)
-    facts = lifecycle.probe(conn, hv, [f.path for f in files])
-    if not facts["deploy_dir_exists"]:
-        raise FrontError(f"{hv.name}: nothing is deployed in {hv['deploy_dir']}; run `inv deploy` first.")
-    lifecycle._put_files(conn, hv, files, facts, report, emit, check=False, diff=False)
-    return hv, facts
+    hv = facts.prepare(conn, hv)
+    files = sync.host_files(hv)
+    found = facts.probe(conn, hv, [f.path for f in files])
+    if not found["deploy_dir_exists"]:
+        raise FleetError(f"{hv.name}: nothing is deployed in {hv['deploy_dir']}; run `inv deploy` first.")
+    sync.put_files(conn, hv, files, found, report, emit)
+    return hv, found
 
 
 def swap_to_nginx(conn: Transport, hv: HostVars, emit: Emit = lambda line: None, wait: bool = False) -> Report:
     """Preflight nginx, hand the entry port over from the proxy, start the /health watcher."""
-    hv = lifecycle.prepare(conn, hv)
+    hv = facts.prepare(conn, hv)
     with runlock.held(conn, hv, "swap-to-nginx", emit, wait):
         return _swap_to_nginx(conn, hv, emit)
 
 
 def _swap_to_nginx(conn: Transport, hv: HostVars, emit: Emit) -> Report:
     report = Report(hv.name)
-    hv, facts = _prepare(conn, hv, report, emit)
-    if not any(f["alive"] and f["health"] == 200 for f in facts["instances"]):
-        raise FrontError(f"{hv.name}: no instance is healthy; run `inv deploy` (and check `inv status`) "
+    hv, found = _prepare(conn, hv, report, emit)
+    if not any(f["alive"] and f["health"] == 200 for f in found["instances"]):
+        raise FleetError(f"{hv.name}: no instance is healthy; run `inv deploy` (and check `inv status`) "
                          "before swapping the front.")
-    pre = host_command(conn, hv, "check", emit)
+    pre = agent.host_command(conn, hv, "check", emit, config=agent.FRONT_CONFIG)
     report.add("nginx preflight", "ok", f"nginx {pre['version']} at {pre['nginx']}, nginx -t passes, "
                f"port {hv['proxy']['port']} usable")
-    r = host_command(conn, hv, "to-nginx", emit)
+    r = agent.host_command(conn, hv, "to-nginx", emit, config=agent.FRONT_CONFIG)
     if "gap_ms" in r:
         report.add("front", "changed", f"nginx pid {r['pid']} took port {hv['proxy']['port']} from the proxy: "
                    f"refused connections for at most {r['gap_ms']} ms, queued ones waited {r['ready_ms']} ms")
@@ -89,22 +61,22 @@ def _swap_to_nginx(conn: Transport, hv: HostVars, emit: Emit) -> Report:
         report.add("watcher", "changed", f"started, pid {r['watcher_pid']}")
     report.data["swap"] = r
     emit(NO_RESULTS_LOG)
-    report.status = lifecycle.status_of(hv, lifecycle.probe(conn, hv))
+    report.status = facts.status_of(hv, facts.probe(conn, hv))
     _confirm(report, "nginx")
     return report
 
 
 def swap_to_proxy(conn: Transport, hv: HostVars, emit: Emit = lambda line: None, wait: bool = False) -> Report:
     """Stop the watcher, let nginx quit gracefully, start the aiohttp proxy on the entry port."""
-    hv = lifecycle.prepare(conn, hv)
+    hv = facts.prepare(conn, hv)
     with runlock.held(conn, hv, "swap-to-proxy", emit, wait):
         return _swap_to_proxy(conn, hv, emit)
 
 
 def _swap_to_proxy(conn: Transport, hv: HostVars, emit: Emit) -> Report:
     report = Report(hv.name)
-    hv, facts = _prepare(conn, hv, report, emit)
-    r = host_command(conn, hv, "to-proxy", emit)
+    hv, found = _prepare(conn, hv, report, emit)
+    r = agent.host_command(conn, hv, "to-proxy", emit, config=agent.FRONT_CONFIG)
     if "gap_ms" in r:
         report.add("front", "changed", f"the proxy took port {hv['proxy']['port']} from nginx: refused "
                    f"connections for at most {r['gap_ms']} ms")
@@ -113,7 +85,7 @@ def _swap_to_proxy(conn: Transport, hv: HostVars, emit: Emit) -> Report:
                    "proxy started" if r["changed"] else "the proxy is already the front")
     report.data["swap"] = r
     emit("the proxy writes its results log again: logs/req_results.log")
-    report.status = lifecycle.status_of(hv, lifecycle.probe(conn, hv))
+    report.status = facts.status_of(hv, facts.probe(conn, hv))
     _confirm(report, "proxy")
     return report
 
@@ -125,14 +97,14 @@ def _confirm(report: Report, want: str) -> None:
                f"the entry port answers from {front or 'nothing'}, not {want}; see `inv status`")
 
 
-def deploy_nginx(conn: Transport, hv: HostVars, facts: dict, changed_files: set[str], report: Report,
+def deploy_nginx(conn: Transport, hv: HostVars, found: dict, changed_files: set[str], report: Report,
                  emit: Emit, check: bool) -> None:
     """deploy in nginx mode: keep nginx the front, start it when it is down, reload it when its
     configuration changed; the proxy is not started."""
-    n = facts.get("nginx") or {}
+    n = found.get("nginx") or {}
     stale = any(f in NGINX_FILES or f.startswith("hostagent/") for f in changed_files)
     # keeper.enabled: the keeper does the /health watching (one agent); else the watcher does.
-    watching = (facts.get("keeper") or {}).get("alive") if hv["keeper"]["enabled"] else n.get("watcher_alive")
+    watching = (found.get("keeper") or {}).get("alive") if hv["keeper"]["enabled"] else n.get("watcher_alive")
     if n.get("alive") and watching and not stale:
         report.add("front", "ok", f"nginx already running on :{hv['proxy']['port']}, pid {n['pid']}")
         return
@@ -141,9 +113,107 @@ def deploy_nginx(conn: Transport, hv: HostVars, facts: dict, changed_files: set[
         report.add("front", "changed", f"would {verb} nginx on :{hv['proxy']['port']}")
         return
     try:
-        r = host_command(conn, hv, "reload" if stale else "to-nginx", emit)
+        r = agent.host_command(conn, hv, "reload" if stale else "to-nginx", emit, config=agent.FRONT_CONFIG)
     except FleetError as e:
         report.add("front", "failed", str(e))
         return
     report.add("front", "changed", f"nginx {verb}ed, pid {r['pid']}" + (", watcher restarted"
                if r.get("watcher_pid") else ""))
+
+
+# --- the proxy ---------------------------------------------------------------------------------
+
+def deploy_front(conn: Transport, hv: HostVars, found: dict, changed_files: set[str], report: Report,
+                 emit: Emit, check: bool) -> None:
+    """deploy's front step: start the proxy, or reload or restart it when its config or code changed; in
+    nginx mode, keep nginx the front instead."""
+    if found.get("mode") == "nginx":
+        deploy_nginx(conn, hv, found, changed_files, report, emit, check)
+        return
+    p = found["proxy"]
+    state = facts.proxy_state(p)
+    stale = any(f == "conf/proxy.yaml" or f.startswith("proxy/") for f in changed_files)
+    if state == "port-taken":
+        report.add("proxy", "failed", f"port {hv['proxy']['port']} is taken by a process that is not this "
+                   "deployment's proxy; free it or change proxy.port")
+        return
+    if state in ("healthy", "no-backend") and not stale:
+        report.add("proxy", "ok", f"already running on :{p['port']}, pid {p['pid']}")
+        return
+    # Only the config changed, and the running proxy answers on the ports it names: SIGHUP re-reads it
+    # without dropping a request. New code, or a proxy that does not answer there, needs a restart.
+    reloadable = (state in ("healthy", "no-backend") and p["backends"] is not None
+                  and not any(f.startswith("proxy/") for f in changed_files))
+    if reloadable:
+        if check:
+            report.add("proxy", "changed", f"would reload (SIGHUP) pid {p['pid']} with the new config")
+            return
+        if _reload_proxy(conn, hv, p, report):
+            return
+    verb = "restart" if state in ("healthy", "no-backend") else "start"
+    if check:
+        report.add("proxy", "changed", f"would {verb} on :{hv['proxy']['port']}")
+        return
+    if verb == "restart":
+        _restart_proxy(conn, hv, state, report, emit)
+        return
+    bin_dir = shlex.quote(f"{hv['deploy_dir']}/bin")
+    if p["alive"]:     # alive but not answering: nothing to hand the port over from
+        stop_processes(conn, hv, ["--proxy"], emit)
+    r = conn.run(f"{bin_dir}/start_proxy.sh", on_line=emit)
+    if not r.ok:
+        report.add("proxy", "failed", f"start_proxy.sh failed (exit {r.exited}): {r.stderr.strip()[-300:]}")
+        return
+    t0 = time.monotonic()
+    while True:
+        f = facts.probe(conn, hv)["proxy"]
+        if f["alive"] and f["health"] == 200:
+            report.add("proxy", "changed", f"{verb}ed, pid {f['pid']}, healthy on :{f['port']}")
+            return
+        if not f["alive"] or time.monotonic() - t0 > 30:
+            tail = facts.log_tail(conn, hv, "logs/proxy.log")
+            why = "exited" if not f["alive"] else "not healthy after 30s (no backend healthy?)"
+            report.add("proxy", "failed", f"{why}; last lines of logs/proxy.log:\n{tail}")
+            return
+        time.sleep(0.2)
+
+
+def _restart_proxy(conn, hv, state, report, emit) -> None:
+    """Replace the running proxy with one running the new code or settings, beside it on the same port
+    (hostagent restart-proxy): confirmed first, then the old one drains; the port never refuses."""
+    try:
+        r = agent.host_command(conn, hv, "restart-proxy" + (" --healthy" if state == "healthy" else ""), emit,
+                               config=agent.FRONT_CONFIG, timeout=hv["proxy"]["shutdown_timeout_s"] + 120)
+    except FleetError as e:
+        report.add("proxy", "failed", str(e).removeprefix(f"{hv.name}: "))
+        return
+    if r["overlap"]:
+        cut = r.get("cut") or []
+        report.add("proxy", "changed", f"restarted beside the old one on :{hv['proxy']['port']}, pid {r['old_pid']} "
+                   f"-> {r['pid']}: the port refused no connection; the old one finished its requests"
+                   + (f", but {len(cut)} cut after proxy.shutdown_timeout_s" if cut else ""))
+    else:
+        report.add("proxy", "changed", f"restarted, pid {r['old_pid']} -> {r['pid']}: the old one did not share "
+                   f"its port, which refused connections for about {r['gap_ms']} ms")
+
+
+def _reload_proxy(conn, hv, p, report) -> bool:
+    """SIGHUP the running proxy and wait until its admin lists the new backends; False if it did not."""
+    conn.run(f"kill -HUP {int(p['pid'])}")
+    want = hv.backends
+    px = hv["proxy"]
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        f = facts.probe(conn, hv)["proxy"]
+        running = f.get("config") or {}
+        if f["alive"] and running.get("backends") == want:
+            # What a running proxy keeps until a restart (its listeners, the body limit, the drain time,
+            # its log's rotation).
+            if (running.get("max_body_mb"), running.get("shutdown_timeout_s"), running.get("log")) != (
+                    float(px["max_body_mb"]), float(px["shutdown_timeout_s"]),
+                    [float(px["log"]["max_mb"]), px["log"]["backups"]]):
+                return False
+            report.add("proxy", "changed", f"reloaded (SIGHUP), pid {p['pid']}, {len(want)} backends")
+            return True
+        time.sleep(0.2)
+    return False

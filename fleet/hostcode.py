@@ -29,3 +29,15 @@ def bundle(script: str, *modules: str) -> str:
                   f"setattr(_pkg, {name!r}, _m)",
                   f"exec(compile({source(name)!r}, 'hostagent/{name}.py', 'exec'), _m.__dict__)"]
     return "\n".join(lines) + "\ndel _sys, _types, _pkg, _m\n" + script
+
+
+# The probes: host code run from the control node, each with the host agent modules it imports.
+PROBES = {"state": ("probe.py", ("processes",)), "holders": ("holders_probe.py", ("processes",)),
+          "doctor": ("doctor_probe.py", ("processes",)), "cpu_mem": ("cpu_mem_probe.py", ())}
+
+
+def probe(name: str) -> str:
+    """The source of the probe NAME, bundled with the host agent modules it imports."""
+    file, modules = PROBES[name]
+    text = (Path(__file__).resolve().parent / file).read_text()
+    return bundle(text, *modules) if modules else text

@@ -18,7 +18,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from . import schema
+from . import cluster, schema
+from .cluster import backend_name
 from .errors import InventoryError
 
 DEFAULT_INVENTORY = "inventory/hosts.yml"
@@ -88,11 +89,10 @@ class Inventory:
             # A rule across keys names the file's key path; the value may be --set's, so say it took part.
             raise InventoryError(f"{str(e).rstrip('.')} (with --set {' '.join(overrides)}).") from None
         if fronted:                              # another host's proxy reaches these instances
-            from .cluster import address
-            hv.vars["bind"] = address(hv)
+            hv.vars["bind"] = cluster.address(hv)
         if hv["fronts"]:
-            from .cluster import front_backends   # an entry host's backends are its members' instances
-            hv.front_backends = front_backends(self, hv, overrides)
+            # an entry host's backends are its members' instances
+            hv.front_backends = cluster.front_backends(self, hv, overrides)
         return hv
 
 
@@ -362,11 +362,6 @@ class HostVars:
         out = [(p, "base_port", f"instance {i}") for i, p in enumerate(self.ports)]
         return out + [(self.vars["proxy"]["port"], "proxy.port", "proxy"),
                       (self.vars["proxy"]["admin_port"], "proxy.admin_port", "proxy admin")]
-
-
-def backend_name(host: str, port: int) -> str:
-    """A backend's name, host:port, as X-Backend, the metrics and the admin API show it ([::1]:8002 for IPv6)."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def machine(hv: HostVars) -> str:

@@ -5,12 +5,12 @@ The keeper itself runs on the host (hostagent/keeper.py); this module starts it 
 """
 from __future__ import annotations
 
+from . import agent
 from .errors import FleetError
 from .inventory import HostVars
 
-AGENT_CONFIG = "conf/hostagent.json"
 # Files whose change means the running keeper is stale: its code and its configuration.
-KEEPER_FILES = (AGENT_CONFIG, "conf/nginx_front.json")
+KEEPER_FILES = (agent.AGENT_CONFIG, agent.FRONT_CONFIG)
 
 
 def status(hv: HostVars, facts: dict) -> dict:
@@ -39,14 +39,13 @@ def instance_fields(keeper: dict, index: int) -> dict:
 def deploy(conn, hv: HostVars, facts: dict, changed_files: set[str], report, emit, check: bool) -> None:
     """Start the keeper when it does not run, restart it when its code or configuration changed, stop it
     when keeper.enabled is false."""
-    from .front import host_command       # front imports lifecycle, which imports this module
     k = facts.get("keeper") or {}
     if not hv["keeper"]["enabled"]:
         if k.get("alive"):
             if check:
                 report.add("keeper", "changed", f"would stop pid {k['pid']} (keeper.enabled is false)")
                 return
-            host_command(conn, hv, "keeper-stop", emit, config=AGENT_CONFIG)
+            agent.host_command(conn, hv, "keeper-stop", emit)
             report.add("keeper", "changed", f"stopped pid {k['pid']} (keeper.enabled is false)")
         else:
             report.add("keeper", "skipped", "keeper.enabled is false")
@@ -60,7 +59,7 @@ def deploy(conn, hv: HostVars, facts: dict, changed_files: set[str], report, emi
         report.add("keeper", "changed", f"would {verb} the keeper")
         return
     try:
-        r = host_command(conn, hv, "keeper-start", emit, config=AGENT_CONFIG)
+        r = agent.host_command(conn, hv, "keeper-start", emit)
     except FleetError as e:
         report.add("keeper", "failed", str(e))
         return
@@ -69,9 +68,8 @@ def deploy(conn, hv: HostVars, facts: dict, changed_files: set[str], report, emi
 
 def start_again(conn, hv: HostVars, emit) -> None:
     """Start the keeper a stop took down before that stop was refused (another run held the lock)."""
-    from .front import host_command
     try:
-        r = host_command(conn, hv, "keeper-start", emit, config=AGENT_CONFIG)
+        r = agent.host_command(conn, hv, "keeper-start", emit)
         emit(f"keeper: started again, pid {r['pid']}: this stop did not run")
     except FleetError as e:
         emit(f"keeper: could not start it again ({e}); `inv deploy --host {hv.name}` starts it")

@@ -7,7 +7,8 @@ import shlex
 from .display import request_block
 from .errors import FleetError, InterruptedRun
 from .inventory import HostVars
-from .lifecycle import Emit, Report, prepare
+from .facts import prepare
+from .report import Emit, Report
 from .transport import Transport
 
 RESULTS_LOG = "logs/req_results.log"

@@ -6,7 +6,6 @@ Python with the proxy's modules; the step then fails that host with one sentence
 from __future__ import annotations
 
 import shlex
-import sys
 
 from .errors import RemoteError
 from .inventory import HostVars
@@ -24,22 +23,6 @@ MODULE_PACKAGES = {"yaml": "pyyaml", "prometheus_client": "prometheus-client"}
 
 _FIND_MODULES = ("import importlib.util, sys; "
                  "print(' '.join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))")
-
-
-def with_env_setup(hv: HostVars, command: str) -> str:
-    """A shell line running command after the host's env_setup, whose output goes to stderr so that
-    it cannot mix with what command prints, and which cannot read command's standard input."""
-    setup = hv["env_setup"] or ":"
-    return f"{{ {setup}\n}} </dev/null >&2\n{command}"
-
-
-def probe_python(hv: HostVars, args: str) -> str:
-    """The shell line running the state probe (standard library only) with the host's Python:
-    python3 from the login PATH when there is one, else the inventory's `python` after env_setup."""
-    if hv["connection"] == "local":
-        return f"{shlex.quote(sys.executable)} {args}"
-    return (f"if command -v python3 >/dev/null 2>&1; then exec python3 {args}; fi\n"
-            + with_env_setup(hv, f"exec {shlex.quote(hv['python'] or 'python3')} {args}"))
 
 
 def script(hv: HostVars, step: str) -> str:

@@ -9,40 +9,14 @@ stop, naming who holds it.
 """
 from __future__ import annotations
 
-import json
 import math
-import shlex
-import sys
 import time
-from pathlib import Path
 from typing import Callable
 
-from . import accelerators, hostcode, smi
-from .errors import FleetError, RemoteError
-
-HOLDERS_PROBE = hostcode.bundle((Path(__file__).resolve().parent / "holders_probe.py").read_text(), "processes")
+from . import accelerators, agent, smi
+from .errors import FleetError
 
 Emit = Callable[[str], None]
-
-
-def host_python(hv) -> str:
-    """The Python that runs probe scripts on the host (the toolkit's own on the local host)."""
-    return sys.executable if hv["connection"] == "local" else "python3"
-
-
-def run_script(conn, hv, source: str, spec: dict, what: str, timeout: float = 120) -> dict:
-    """Run a probe-style script (`python3 - SPEC_JSON`, source on stdin) and return its JSON."""
-    python = host_python(hv)
-    r = conn.run(f"{shlex.quote(python)} - {shlex.quote(json.dumps(spec))}", stdin=source, timeout=timeout)
-    if not r.ok:
-        if r.exited == 127:
-            raise RemoteError(f"{hv.name}: {python} is not found on the host; install Python 3 there.")
-        raise RemoteError(f"{hv.name}: {what} failed: {(r.stderr.strip().splitlines() or ['no output'])[-1]}")
-    try:
-        return json.loads(r.stdout)
-    except ValueError:
-        raise RemoteError(f"{hv.name}: {what} printed something that is not JSON; check the host's shell "
-                          "startup files for output.") from None
 
 
 # --- facts --------------------------------------------------------------------------------------
@@ -63,7 +37,7 @@ def device_globs(hv, indexes: list[int] | None) -> list[str]:
 
 
 def holders(conn, hv, indexes: list[int] | None, instance: int | None = None, kill: bool = False) -> dict:
-    """Who holds the device files (see fleet/holders_probe.py); with kill, the user's own ones are killed.
+    """Who holds the device files (see hostagent/probes/holders.py); with kill, the user's own ones are killed.
 
     With `instance`, the other instances and the proxy of this deployment are spared.
     """
@@ -75,7 +49,7 @@ def holders(conn, hv, indexes: list[int] | None, instance: int | None = None, ki
     spec = {"globs": device_globs(hv, cards), "spare_tags": spare, "kill": kill, "grace_s": hv["stop_grace_s"]}
     if cards is not None and accelerators.kind(hv["accelerator"]).render_from_sysfs:
         spec["render_cards"] = cards
-    return run_script(conn, hv, HOLDERS_PROBE, spec, "listing the device files' holders")
+    return agent.run_script(conn, hv, "holders", spec, "listing the device files' holders")
 
 
 def release_threshold(hv) -> float:

@@ -9,7 +9,8 @@ import jinja2
 
 from . import accelerators
 from .errors import TemplateError
-from .inventory import HostVars, backend_name
+from .cluster import backend_name
+from .inventory import HostVars
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 

@@ -6,11 +6,10 @@ function on the host.
 """
 from __future__ import annotations
 
-from . import front, lifecycle, runlock
+from . import agent, facts, runlock, sync
 from .errors import FleetError
 from .inventory import HostVars
-from .keeper import AGENT_CONFIG
-from .lifecycle import Emit, Report
+from .report import Emit, Report
 
 
 def restart(conn, hv: HostVars, emit: Emit = lambda line: None, instance: int | None = None,
@@ -18,7 +17,7 @@ def restart(conn, hv: HostVars, emit: Emit = lambda line: None, instance: int | 
     """Restart one instance, or every instance in turn (rolling); stops at the first that fails.
     wait: when another run (or the keeper's restart) holds the deployment's lock, wait for it instead of
     failing at once."""
-    hv = lifecycle.prepare(conn, hv)
+    hv = facts.prepare(conn, hv)
     if (instance is None) == (not rolling):
         raise FleetError("restart needs either --instance I or --rolling.")
     if instance is not None and not 0 <= instance < hv["instances"]:
@@ -29,19 +28,19 @@ def restart(conn, hv: HostVars, emit: Emit = lambda line: None, instance: int | 
 
 def _restart(conn, hv: HostVars, emit: Emit, instance: int | None) -> Report:
     report = Report(hv.name)
-    files = lifecycle.host_files(hv)
-    facts = lifecycle.probe(conn, hv, [f.path for f in files], readonly=True)
-    if not facts["files"].get("bin/start_cluster.sh"):
+    files = sync.host_files(hv)
+    found = facts.probe(conn, hv, [f.path for f in files], readonly=True)
+    if not found["files"].get("bin/start_cluster.sh"):
         raise FleetError(f"{hv.name} is not deployed under {hv['deploy_dir']}; run "
                          f"`inv deploy --host {hv.name}` first.")
     # The instance starts with the current inventory: put what changed (the proxy keeps running as is).
-    lifecycle._put_files(conn, hv, files, facts, report, emit, check=False, diff=False)
+    sync.put_files(conn, hv, files, found, report, emit)
     what = "--rolling" if instance is None else f"--instance {int(instance)}"
-    result = front.host_command(conn, hv, f"restart {what} --locked", lambda line: emit(line.split(": ", 1)[-1]),
-                                config=AGENT_CONFIG, raise_failed=False, timeout=None)
+    result = agent.host_command(conn, hv, f"restart {what} --locked", lambda line: emit(line.split(": ", 1)[-1]),
+                                raise_failed=False, timeout=None)
     if "steps" not in result:
         raise FleetError(f"{hv.name}: {result.get('error', 'the host agent did not restart')}")
     for s in result["steps"]:
         report.add(s["name"], s["status"], s["message"])
-    report.status = lifecycle.status_of(hv, lifecycle.probe(conn, hv))
+    report.status = facts.status_of(hv, facts.probe(conn, hv))
     return report

@@ -16,7 +16,7 @@ import threading
 from contextlib import contextmanager, nullcontext
 from typing import Callable
 
-from . import hostcode, preflight
+from . import agent
 from .errors import FleetError, RemoteError
 
 # Runs of this process already holding a deployment's lock: a restart's stop does not lock twice.
@@ -69,9 +69,8 @@ def held(conn, hv, step: str, emit: Callable[[str], None] = lambda line: None, w
             with _guard:
                 _held[key] -= 1
         return
-    args = (f"-c {shlex.quote(hostcode.source('lock'))} hold {shlex.quote(d)} --what {shlex.quote(what(step))}"
-            + (" --wait" if wait else ""))
-    running = conn.start(preflight.probe_python(hv, args))
+    running = agent.start_module(conn, hv, "lock", f"hold {shlex.quote(d)} --what {shlex.quote(what(step))}"
+                                 + (" --wait" if wait else ""))
     try:
         while True:
             line = running.readline(timeout=None if wait else 60)

@@ -12,7 +12,7 @@ from typing import Callable
 from . import cluster
 from .errors import FleetError, InterruptedRun, UnreachableError
 from .inventory import HostVars, Inventory
-from .lifecycle import Report
+from .report import Report
 from .transport import INTERRUPT, Transport, connect
 
 Action = Callable[[Transport, HostVars, Callable[[str], None]], Report]

@@ -17,9 +17,8 @@ import math
 import re
 import shlex
 from dataclasses import dataclass
-from pathlib import Path
 
-from . import accelerators
+from . import accelerators, agent, hostcode
 from .errors import FleetError, RemoteError
 
 NAN = math.nan
@@ -71,7 +70,6 @@ def _fmt(x: float) -> str:
 KIND_TOOL = {"dcu": "hy-smi", "rocm": "rocm-smi", "nvidia": "nvidia-smi", "sim": "python -m fleet.sim smi",
              "cpu": "/proc (fleet/cpu_mem_probe.py)"}
 # accelerator cpu has no smi: this script reads each instance's resident memory from /proc instead.
-CPU_MEM_PROBE = (Path(__file__).resolve().parent / "cpu_mem_probe.py").read_text()
 
 NVIDIA_FIELDS = ("index", "memory.used", "memory.total", "utilization.gpu")
 # The arguments each smi runs with, by the binary's name: memory and utilisation, machine-readable.
@@ -255,8 +253,8 @@ def smi_command(hv) -> str:
                 f"exec {shlex.quote(py)} -m fleet.sim smi --dev-dir {shlex.quote(d + '/sim-dev')} --showuse")
     if hv["accelerator"] == "cpu" and not wanted:
         spec = {"deploy_dir": d, "deployment_id": hv.deployment_id, "instances": hv["instances"]}
-        return (f"echo {shlex.quote(MARKER + 'cpu')}; "
-                f"exec python3 -c {shlex.quote(CPU_MEM_PROBE)} {shlex.quote(json.dumps(spec))}")
+        return (f"echo {shlex.quote(MARKER + 'cpu')}\n" + agent.python_command(
+            hv, f"-c {shlex.quote(hostcode.probe('cpu_mem'))} {shlex.quote(json.dumps(spec))}"))
     candidates = [wanted] if wanted else list(accelerators.kind(hv["accelerator"]).smi_candidates)
     cases = " ".join(f"{name}) set -- {shlex.join(args)} ;;" for name, args in SMI_ARGS.items())
     return (f"for c in {shlex.join(candidates)}; do "

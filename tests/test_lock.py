@@ -119,7 +119,7 @@ def test_over_ssh_the_lock_is_on_the_host_and_a_dropped_connection_frees_it(sshd
     SSH connection is refused, naming it; 3. the first connection drops without a word (as when the
     control node dies): the holder on the host sees its input close and the lock is free."""
     from fleet import inventory
-    from fleet.lifecycle import prepare
+    from fleet.facts import prepare
     from fleet.transport import connect
     from test_ssh import ssh_host, write
 

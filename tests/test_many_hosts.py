@@ -12,7 +12,7 @@ import yaml
 
 from fleet import cluster, inventory, runner
 from fleet.errors import InventoryError, RemoteError, UnreachableError
-from fleet.lifecycle import Report
+from fleet.report import Report
 
 from fleet_helpers import inv, write_inventory
 

@@ -15,7 +15,7 @@ from conftest import require_tool, wait_until
 
 from fleet import inventory as inv_mod
 from fleet import smi
-from fleet.lifecycle import prepare
+from fleet.facts import prepare
 from fleet.sim import devices
 from fleet.transport import LocalTransport
 from fleet_helpers import (deployment_id, inv, kill_tagged, session_members, status_json, tagged_pids,
@@ -246,7 +246,7 @@ def test_cpu_accelerator_release_is_no_process_left_read_from_proc(tmp_path):
 def test_a_skipped_step_says_why_on_its_own_line():
     """No step is skipped silently: the CLI prints each skipped step with its reason (display.skips)."""
     from fleet import display
-    from fleet.lifecycle import Report
+    from fleet.report import Report
     report = Report("h")
     report.add("release", "skipped", "cannot read the cards' memory: no smi found")
     report.add("instance 0", "ok", "already stopped")

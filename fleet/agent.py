@@ -1,0 +1,101 @@
+"""The one way to run host code: a script sent on standard input, or the host agent deployed in deploy_dir.
+
+Host code is standard library only (hostagent/), so any Python 3 runs it. One rule picks the interpreter:
+on the local host, the control node's own; on a remote host, `python3` from the login PATH when there is
+one, else the inventory's `python` after `env_setup` (a host whose only Python is the vLLM environment's).
+A script sent on stdin (the state probe, the holders probe, the doctor's probe, the lock holder) works
+where nothing is deployed yet; `host_command` runs the deployed agent (`python -m hostagent COMMAND`).
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+
+from . import hostcode
+from .errors import AgentError, RemoteError
+from .inventory import HostVars
+from .report import Emit
+from .transport import Transport
+
+AGENT_CONFIG = "conf/hostagent.json"   # the keeper, restart, drain-instance: the instances
+FRONT_CONFIG = "conf/nginx_front.json"  # the front's commands: swaps, restart-proxy, drain
+
+
+def with_env_setup(hv: HostVars, command: str) -> str:
+    """A shell line running command after the host's env_setup, whose output goes to stderr so that
+    it cannot mix with what command prints, and which cannot read command's standard input."""
+    setup = hv["env_setup"] or ":"
+    return f"{{ {setup}\n}} </dev/null >&2\n{command}"
+
+
+def python_command(hv: HostVars, args: str, env_setup: bool = False) -> str:
+    """The shell line running host code (`python ARGS`) by the one interpreter rule. env_setup: run the
+    host's env_setup first in any case (the doctor's probe looks for the engine on its PATH)."""
+    if hv["connection"] == "local":
+        line = f"exec {shlex.quote(sys.executable)} {args}"
+        return with_env_setup(hv, line) if env_setup and hv["env_setup"] else line
+    fallback = f"exec {shlex.quote(hv['python'] or 'python3')} {args}"
+    first = f"if command -v python3 >/dev/null 2>&1; then exec python3 {args}; fi\n"
+    if env_setup:
+        return with_env_setup(hv, first + fallback)
+    return first + with_env_setup(hv, fallback)
+
+
+def _last_error(r) -> str:
+    return (r.stderr.strip().splitlines() or ["no output"])[-1]
+
+
+def run_script(conn: Transport, hv: HostVars, name: str, spec: dict, what: str, timeout: float = 120,
+               env_setup: bool = False) -> dict:
+    """Run hostagent/probes/NAME.py on the host (`python - SPEC_JSON`, the source on stdin with the host
+    agent modules it imports) and return the JSON it prints last."""
+    r = conn.run(python_command(hv, f"- {shlex.quote(json.dumps(spec))}", env_setup),
+                 stdin=hostcode.probe(name), timeout=timeout)
+    if not r.ok:
+        if r.exited == 127:
+            raise RemoteError(f"{hv.name}: no python3 on the host's PATH, nor {hv['python'] or 'python3'} "
+                              "after env_setup; install Python 3 there or set python.")
+        raise RemoteError(f"{hv.name}: {what} failed (exit {r.exited}): {_last_error(r)}")
+    try:
+        return json.loads((r.stdout.strip().splitlines() or [""])[-1])
+    except ValueError:
+        raise RemoteError(f"{hv.name}: {what} printed something that is not JSON; check the host's shell "
+                          "startup files and env_setup for output.") from None
+
+
+def run_module(conn: Transport, hv: HostVars, name: str, args: str, emit: Emit | None = None,
+               timeout: float | None = None):
+    """Run hostagent/NAME.py as a script sent on stdin (`python - ARGS`); the finished run back."""
+    return conn.run(python_command(hv, f"- {args}"), stdin=hostcode.source(name), on_line=emit,
+                    timeout=timeout)
+
+
+def start_module(conn: Transport, hv: HostVars, name: str, args: str):
+    """Start hostagent/NAME.py as `python -c SOURCE ARGS` and return the running command: its standard
+    input stays open for the caller (the run lock's holder keeps the lock while it does)."""
+    return conn.start(python_command(hv, f"-c {shlex.quote(hostcode.source(name))} {args}"))
+
+
+def host_command(conn: Transport, hv: HostVars, command: str, emit: Emit,
+                 config: str = AGENT_CONFIG, raise_failed: bool = True, timeout: float | None = 300) -> dict:
+    """Run the deployed host agent, `python -m hostagent COMMAND --config CONFIG` in deploy_dir; its
+    FLEET_RESULT line as a dict (a failure said there raises AgentError unless raise_failed is False)."""
+    line = (f"cd {shlex.quote(hv['deploy_dir'])} || exit 1\n"
+            + python_command(hv, f"-m hostagent {command} --config {shlex.quote(config)}"))
+    results = []
+
+    def on_line(text: str) -> None:
+        if text.startswith("FLEET_RESULT "):
+            results.append(text[len("FLEET_RESULT "):])
+        else:
+            emit(f"{hv.name}: {text}")
+    r = conn.run(line, on_line=on_line, timeout=timeout)
+    try:
+        result = json.loads(results[-1])
+    except (IndexError, ValueError):
+        raise RemoteError(f"{hv.name}: hostagent {command.split()[0]} failed (exit {r.exited}): "
+                          f"{_last_error(r)}") from None
+    if not result["ok"] and raise_failed:
+        raise AgentError(f"{hv.name}: {result['error']}")
+    return result

@@ -1,0 +1,153 @@
+"""Facts about a host's deployment, read before anything acts: the host variables resolved on the host
+(`prepare`), the state probe's answer (`probe`: pid files, ports, /health, the proxy's admin view, the
+keeper's record) and `inv status`, which is that answer put in the operator's terms.
+
+Facts first, then actions: deploy, stop, restart and the swaps read these, compare them with what the
+inventory wants, and only then act.
+"""
+from __future__ import annotations
+
+import copy
+import shlex
+import sys
+
+from . import agent
+from . import keeper as fleet_keeper
+from .inventory import HostVars
+from .report import Emit, Report
+from .transport import Transport
+
+
+def prepare(conn: Transport, hv: HostVars) -> HostVars:
+    """Resolve what depends on the host itself: an absolute deploy_dir and the Python to run."""
+    hv = copy.copy(hv)
+    hv.vars = copy.deepcopy(hv.vars)
+    d = hv.vars["deploy_dir"]
+    if d == "~" or d.startswith("~/"):
+        d = conn.home().rstrip("/") + d[1:]
+    if not d.startswith("/"):
+        d = conn.home().rstrip("/") + "/" + d
+    hv.vars["deploy_dir"] = d.rstrip("/") or "/"
+    m = hv.vars["model"]
+    if m == "~" or m.startswith("~/"):      # the engine gets it as one quoted argument: no shell expands it
+        hv.vars["model"] = conn.home().rstrip("/") + m[1:]
+    if not hv.vars["python"]:
+        # The control node's own interpreter has aiohttp; a remote host's python3 comes from env_setup.
+        hv.vars["python"] = sys.executable if hv["connection"] == "local" else "python3"
+    return hv
+
+
+def probe(conn: Transport, hv: HostVars, files: list[str] = (), readonly: bool = False) -> dict:
+    """Read the deployment's state on the host (hostagent/probes/state.py); files: paths under deploy_dir
+    whose hash and mode to report; readonly: create nothing on the host."""
+    spec = {"deploy_dir": hv["deploy_dir"], "ports": hv.ports, "instance_host": hv.instance_host,
+            "proxy_port": hv["proxy"]["port"], "admin_port": hv["proxy"]["admin_port"],
+            "deployment_id": hv.deployment_id, "health_timeout_s": hv["health_timeout_s"],
+            "files": list(files), "readonly": readonly}
+    return agent.run_script(conn, hv, "state", spec, "reading the deployment's state", timeout=60)
+
+
+def instance_state(f: dict, health_timeout_s: float) -> str:
+    """loading, healthy, dead, stopped or port-taken, from one instance's facts."""
+    if f["alive"]:
+        if f["health"] == 200:
+            return "healthy"
+        if f["was_ready"] or (f["age_s"] or 0) > health_timeout_s:
+            return "dead"          # it was healthy once (engine death) or never became healthy in time
+        return "loading"
+    if f["listening"]:
+        return "port-taken"
+    return "dead" if f["pidfile"] else "stopped"
+
+
+def proxy_state(f: dict) -> str:
+    """healthy, no-backend (up but no healthy backend), dead, stopped or port-taken."""
+    if f["alive"]:
+        if f["health"] == 200:
+            return "healthy"
+        return "no-backend" if f["health"] == 503 else "dead"
+    if f["listening"]:
+        return "port-taken"
+    return "dead" if f["pidfile"] else "stopped"
+
+
+def status_of(hv: HostVars, facts: dict) -> dict:
+    """The `inv status --json` object of one host."""
+    keeper = fleet_keeper.status(hv, facts)
+    instances = [{"index": f["index"], "port": f["port"], "accelerator": f["index"], "pid": f["pid"],
+                  "pgid": f["pgid"], "state": instance_state(f, hv["health_timeout_s"]),
+                  **fleet_keeper.instance_fields(keeper, f["index"])}
+                 for f in facts["instances"]]
+    for inst in instances:
+        if inst["crashloop"] and inst["state"] in ("dead", "stopped"):
+            inst["state"] = "crashloop"
+    p = facts["proxy"]
+    proxy = {"pid": p["pid"], "port": p["port"], "state": proxy_state(p), "backends": p["backends"]}
+    mode = facts.get("mode") or "proxy"
+    n = facts.get("nginx") or {}
+    nginx = {"pid": n.get("pid"), "port": p["port"], "state": "running" if n.get("alive") else "stopped",
+             "watcher_pid": n.get("watcher_pid") or (keeper["pid"] if hv["keeper"]["enabled"] else None)}
+    if n.get("alive") and not p["alive"]:
+        proxy["state"] = "stopped"           # the port is nginx's, not taken by a stranger
+    front = None
+    if mode == "proxy" and proxy["state"] in ("healthy", "no-backend"):
+        front = "proxy"
+    elif mode == "nginx" and n.get("alive"):
+        front = "nginx"
+    return {"host": hv.name, "deployment_id": hv.deployment_id, "deploy_dir": hv["deploy_dir"],
+            "front": front, "mode": mode, "proxy": proxy, "nginx": nginx, "keeper": keeper, "instances": instances,
+            "tagged": facts["tagged"]}
+
+
+def status(conn: Transport, hv: HostVars, emit: Emit = lambda line: None) -> Report:
+    """Read the host's state; ok unless an instance or the proxy is not serving."""
+    hv = prepare(conn, hv)
+    report = Report(hv.name)
+    facts = probe(conn, hv)
+    report.status = st = status_of(hv, facts)
+    loud = {name: (status, message) for name, status, message in fleet_keeper.report_lines(st)}
+    for inst, f in zip(st["instances"], facts["instances"]):
+        name = f"instance {inst['index']}"
+        report.add(name, *loud.pop(name, ("ok" if inst["state"] in ("healthy", "loading", "stopped") else
+                                          "failed", _state_and_remedy(hv, inst["state"], f, inst["index"]))))
+    for name, (status, message) in loud.items():
+        report.add(name, status, message)
+    # The entry port is what clients use: a front that should run and does not is a failure.
+    if st.get("mode", "proxy") != "nginx":
+        p = st["proxy"]
+        report.add("proxy", "failed" if p["state"] in ("dead", "port-taken") else "ok",
+                   _state_and_remedy(hv, p["state"], facts["proxy"]))
+    return report
+
+
+def _state_and_remedy(hv: HostVars, state: str, f: dict, index: int | None = None) -> str:
+    """A failed state in status, with where to look and what brings it back (the proxy: index None)."""
+    h = hv.name
+    if state == "port-taken" and f.get("stranger"):
+        return f"port-taken: {f['stranger']}"
+    if state != "dead":
+        return state
+    if index is None:
+        return f"dead: `inv logs --host {h}` shows why; `inv deploy --host {h}` starts it again"
+    return (f"dead: `inv logs --host {h} --instance {index}` shows why; `inv restart --host {h} --instance "
+            f"{index}` starts it again")
+
+
+def foreign_ports(hv: HostVars, facts: dict) -> list[tuple[int, str]]:
+    """(port, sentence) for each instance or proxy port held by a process that is not the deployment's."""
+    st = status_of(hv, facts)
+    taken = [f for f, inst in zip(facts["instances"], st["instances"]) if inst["state"] == "port-taken"]
+    if st["proxy"]["state"] == "port-taken":
+        taken.append(facts["proxy"])
+    return [(f["port"], f["stranger"]) for f in taken if f.get("stranger")]
+
+
+def tagged(facts: dict, hv: HostVars, instance: int) -> list[dict]:
+    """The processes carrying instance's tag in a probe's facts."""
+    return [t for t in facts["tagged"] if t["tag"] == f"{hv.deployment_id}/{instance}"]
+
+
+def log_tail(conn: Transport, hv: HostVars, rel: str, n: int = 15) -> str:
+    """The last n lines of a log under deploy_dir, indented for a report step."""
+    r = conn.run(f"tail -n {n} {shlex.quote(hv['deploy_dir'] + '/' + rel)} 2>/dev/null")
+    return "\n".join("    " + line for line in r.stdout.splitlines()) or "    (empty)"

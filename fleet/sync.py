@@ -1,0 +1,89 @@
+"""What goes into a host's deploy_dir, and putting it there: the rendered files plus the code the host
+runs (the proxy, the host agent, the sim engine when engine is sim); only files whose content or mode
+differs from the host's copy are put, and --diff shows how they differ."""
+from __future__ import annotations
+
+import difflib
+import hashlib
+from importlib.util import find_spec
+from pathlib import Path
+
+from .inventory import HostVars
+from .render import RenderedFile, render_host
+from .report import Emit, Report
+from .transport import Transport
+
+
+def package_dir(name: str) -> Path:
+    """Where an installed (or checked-out) top-level package's files are, found without importing it."""
+    spec = find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"the package {name} is not installed beside fleet; reinstall vllm-fleet")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _package_files(name: str, under: str) -> list[RenderedFile]:
+    root = package_dir(name)
+    return [RenderedFile(f"{under}/{p.relative_to(root)}", p.read_text(), 0o644)
+            for p in sorted(root.rglob("*.py")) if "__pycache__" not in p.parts]
+
+
+def code_files(hv: HostVars) -> list[RenderedFile]:
+    """The code the host runs besides the engine: the proxy and the host agent, and the sim engine when
+    engine is sim (under lib/, as `fleet.sim`; fleet/__init__.py is empty, so no control-plane code)."""
+    files = _package_files("proxy", "proxy") + _package_files("hostagent", "hostagent")
+    if hv["engine"] == "sim":
+        fleet = Path(__file__).resolve().parent
+        files.append(RenderedFile("lib/fleet/__init__.py", (fleet / "__init__.py").read_text()))
+        files += [RenderedFile(f"lib/fleet/sim/{p.name}", p.read_text(), 0o644)
+                  for p in sorted((fleet / "sim").glob("*.py"))]
+    return files
+
+
+def host_files(hv: HostVars) -> list[RenderedFile]:
+    """Everything deploy puts under deploy_dir."""
+    return render_host(hv) + code_files(hv)
+
+
+def _sha(content: str) -> str:
+    return hashlib.sha256(content.encode()).hexdigest()
+
+
+def put_files(conn: Transport, hv: HostVars, files: list[RenderedFile], facts: dict, report: Report,
+              emit: Emit, check: bool = False, diff: bool = False) -> set[str]:
+    """Put each file whose content or mode differs from the host's copy (facts: the state probe's answer
+    for these files); with diff, show how. The paths put (or that would be, with check) come back."""
+    changed = set()
+    modes = facts.get("file_modes") or {}
+    for f in files:
+        have = facts["files"].get(f.path)
+        have_mode = modes.get(f.path)
+        same_content = have == _sha(f.content)
+        if same_content and have_mode in (None, f.mode):
+            report.add(f"file {f.path}", "ok")
+            continue
+        changed.add(f.path)
+        path = f"{hv['deploy_dir']}/{f.path}"
+        if diff:
+            for line in _diff_lines(conn, hv, f, path, have, have_mode, same_content):
+                emit(line)
+        if not check:
+            conn.put(path, f.content.encode(), f.mode)
+        why = ("new" if have is None else "content changed" if not same_content
+               else f"mode {have_mode:04o} -> {f.mode:04o}")
+        report.add(f"file {f.path}", "changed", ("would put" if check else "put") + f" ({why})")
+    return changed
+
+
+def _diff_lines(conn, hv, f, path, have, have_mode, same_content) -> list[str]:
+    """A unified diff of the host's copy (or /dev/null) against the rendered file, git style for modes."""
+    lines = []
+    if have is not None and have_mode not in (None, f.mode):
+        lines += [f"old mode {have_mode:04o} {hv.name}:{f.path}", f"new mode {f.mode:04o} rendered:{f.path}"]
+    if not same_content:
+        old = conn.read(path) if have is not None else None
+        old_text = old.decode("utf-8", "replace") if old is not None else ""
+        lines += difflib.unified_diff(old_text.splitlines(), f.content.splitlines(),
+                                      f"{hv.name}:{f.path}" if have is not None else "/dev/null",
+                                      f"rendered:{f.path}", lineterm="")
+    return lines
