@@ -23,6 +23,7 @@ def test_inventory_reference_is_generated_from_the_schema():
 
 
 def test_every_key_of_the_schema_is_documented():
+    """Every key the schema takes (nested keys dotted) has its text and its heading in the reference."""
     text = schema_doc.markdown()
     for _, key, info in schema_doc.keys():
         assert (info.json_schema_extra or {}).get("doc"), f"{key}: add doc() text in fleet/schema.py"
