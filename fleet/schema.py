@@ -1,7 +1,8 @@
 """The inventory's schema: every key a host can set, its type, its bounds and its default, declared once.
 
 Each model below is one mapping of the inventory (`HostSettings` a host's keys, `ProxySettings` its
-`proxy:` block...). A field's description is the phrase an error puts after "expected"; the loader
+`proxy:` block...). A field's description is the phrase an error puts after "expected"; its `doc()`
+text is what the reference (docs/inventory.md, written by fleet.schema_doc) says about it. The loader
 (fleet.inventory) turns pydantic's errors into one sentence naming the file and the key path. A new
 nested block (say `keeper:`) is a new `Section` subclass plus one field on `HostSettings`.
 
@@ -64,6 +65,13 @@ def _seconds(off: bool = False):
                                   description="a finite number of seconds above 0, at most 604800")]
 
 
+def doc(default, text: str):
+    """A field's default and its reference text, the description in docs/inventory.md
+    (fleet.schema_doc). Kept apart from `description`, which is the phrase an error puts after
+    "expected" and the type in the reference."""
+    return Field(default, json_schema_extra={"doc": text})
+
+
 def _number(lo: float, hi: float, what: str, low_open: bool = False):
     bound = {"gt": lo} if low_open else {"ge": lo}
     return Annotated[float, Field(**bound, le=hi, allow_inf_nan=False, description=what)]
@@ -97,130 +105,264 @@ class Section(BaseModel):
 class SSHSettings(Section):
     """null (or absent) leaves a key to ~/.ssh/config, then to ssh's own default (port 22, your user)."""
 
-    host: Address | None = None
-    port: Port | None = None
-    user: Text | None = None
-    key_file: Path | None = None
-    accept_new_host_key: Flag = False
-    connect_timeout_s: _seconds() = 10.0
-    known_hosts: Path | None = None
+    host: Address | None = doc(None,
+        "The SSH address: an IP address, a host name, or a `Host` alias of `~/.ssh/config` (whose "
+        "HostName, Port, User, IdentityFile, ProxyJump and UserKnownHostsFile are then used; "
+        "inventory keys win over them).")
+    port: Port | None = doc(None,
+        "The SSH port. Unset: `~/.ssh/config`'s Port, else 22.")
+    user: Text | None = doc(None,
+        "The login user. Unset: `~/.ssh/config`'s User, else your own user name.")
+    key_file: Path | None = doc(None,
+        "The private key file. Unset: `~/.ssh/config`'s IdentityFile, else ssh's own default.")
+    accept_new_host_key: Flag = doc(False,
+        "Accept an unknown host key and record it in `ssh.known_hosts`; a key that differs from the "
+        "recorded one is always refused.")
+    connect_timeout_s: _seconds() = doc(10.0,
+        "The SSH connect timeout.")
+    known_hosts: Path | None = doc(None,
+        "The known_hosts file host keys are checked against (and recorded into). Unset: "
+        "`~/.ssh/config`'s UserKnownHostsFile, else `~/.ssh/known_hosts`.")
 
 
 class SimSettings(Section):
-    load_s: _seconds(off=True) = 3.0
-    prefill_ms: _number(0, 3.6e6, "a number of milliseconds from 0 to 3600000") = 100.0
-    token_ms: _number(0, 3.6e6, "a number of milliseconds from 0 to 3600000") = 10.0
-    output_tokens: _int(1, 1_000_000) = 200
-    instant: Flag = False
+    load_s: _seconds(off=True) = doc(3.0,
+        "How long the sim engine 'loads weights' (`/health` 503 meanwhile); 0 turns it off.")
+    prefill_ms: _number(0, 3.6e6, "a number of milliseconds from 0 to 3600000") = doc(100.0,
+        "The sim engine's time to first token, plus 1 ms per image.")
+    token_ms: _number(0, 3.6e6, "a number of milliseconds from 0 to 3600000") = doc(10.0,
+        "The sim engine's time per output token.")
+    output_tokens: _int(1, 1_000_000) = doc(200,
+        "The sim engine's natural answer length in tokens (`max_tokens` cuts it short with "
+        "finish_reason `length`).")
+    instant: Flag = doc(False,
+        "No load, prefill or token time: for benchmarks of the proxy alone.")
 
 
 class ResultsLogSettings(Section):
-    max_mb: MiB = 50.0
-    backups: _int(1, 100) = 3
+    max_mb: MiB = doc(50.0,
+        "Size at which `logs/req_results.log` rotates; `logs/keeper.log` rotates at the same size.")
+    backups: _int(1, 100) = doc(3,
+        "Rotated files kept of the results log (and of the keeper's log).")
 
 
 class LogSettings(Section):
     """logs/proxy.log, rotated by size while the proxy runs."""
 
-    max_mb: MiB = 20.0
-    backups: _int(1, 100) = 3
+    max_mb: MiB = doc(20.0,
+        "Size at which `logs/proxy.log` rotates while the proxy runs (its standard output and error "
+        "land there too); a change restarts the proxy at the next deploy.")
+    backups: _int(1, 100) = doc(3,
+        "Rotated files of `logs/proxy.log` kept.")
 
 
 class QueueSettings(Section):
     """The proxy's admission queue (issue 14)."""
 
-    max: _int(0, 1_000_000) = 256                  # 0: no queue, answer at once
-    timeout_s: _seconds() = 60.0
-    headroom: _int(0, 65536) = 0                   # in-flight per backend beyond max_num_seqs
+    max: _int(0, 1_000_000) = doc(256,
+        "Requests that may wait in the proxy's queue when every backend's slots are taken; beyond it,"
+        " 429 with `Retry-After: 1`. 0: no queue, such a request gets 429 at once.")
+    timeout_s: _seconds() = doc(60.0,
+        "The longest a request waits in the queue; then 503 with `Retry-After: 5`.")
+    headroom: _int(0, 65536) = doc(0,
+        "Requests a backend gets beyond its `max_num_seqs` (its slots are `max_num_seqs + headroom`):"
+        " a little headroom keeps the engine's own scheduler fed between two requests. An entry host "
+        "(`fronts`) counts its own `max_num_seqs` for every backend it fronts: give it its members' "
+        "value.")
 
 
 class ProxySettings(Section):
-    port: Port = 8000
-    admin_port: Port = 8001
-    bind: Address = "0.0.0.0"
-    health_interval_s: _seconds() = 5.0
-    timeout_s: _seconds() = 300.0
-    connect_timeout_s: _seconds() = 5.0
-    max_body_mb: MiB = 64.0
-    retries: _int(0, 16) = 2
-    max_fails: _int(1, 1000) = 3
-    shutdown_timeout_s: _seconds() = 30.0
-    fix_numeric_user: Flag = True
-    api_keys_file: Path = ""
-    results_log: ResultsLogSettings = ResultsLogSettings()
-    log: LogSettings = LogSettings()
-    queue: QueueSettings = QueueSettings()
+    port: Port = doc(8000,
+        "The entry port (nginx mode listens on it too).")
+    admin_port: Port = doc(8001,
+        "The proxy's admin listener, bound to 127.0.0.1 only.")
+    bind: Address = doc("0.0.0.0",
+        "The entry port's address (nginx mode's too).")
+    health_interval_s: _seconds() = doc(5.0,
+        "The period of the proxy's active `/health` checks, of nginx mode's watcher, and of the "
+        "keeper's rounds (at most 5 s for the keeper).")
+    timeout_s: _seconds() = doc(300.0,
+        "Upstream timeout of a request (nginx mode: its read and send timeouts).")
+    connect_timeout_s: _seconds() = doc(5.0,
+        "Upstream connect timeout (nginx mode's too).")
+    max_body_mb: MiB = doc(64.0,
+        "Request body limit (base64 images are large), 413 beyond; nginx mode's "
+        "`client_max_body_size`.")
+    retries: _int(0, 16) = doc(2,
+        "Other backends tried when the connection failed, or a 502/503 came back, before any byte "
+        "reached the client; never after.")
+    max_fails: _int(1, 1000) = doc(3,
+        "Consecutive 5xx answers that take a backend out until its next good `/health`; a 4xx never "
+        "counts, and a connect error or timeout takes it out at once.")
+    shutdown_timeout_s: _seconds() = doc(30.0,
+        "How long requests in flight may finish on SIGTERM, and for the old proxy at a zero-gap "
+        "restart.")
+    fix_numeric_user: Flag = doc(True,
+        "Turn a numeric `user` into a string before vLLM sees it (vLLM answers 400 otherwise); "
+        "recorded as a fixup in the results log.")
+    api_keys_file: Path = doc("",
+        "A file of client API keys, one per line; then `/v1/*` needs `Authorization: Bearer KEY` (401"
+        " otherwise), while `/health` and `/metrics` stay open. Empty: no key needed.")
+    results_log: ResultsLogSettings = doc(ResultsLogSettings(),
+        "Rotation of the results log, `logs/req_results.log`.")
+    log: LogSettings = doc(LogSettings(),
+        "Rotation of the proxy's own log, `logs/proxy.log`.")
+    queue: QueueSettings = doc(QueueSettings(),
+        "The proxy's admission queue.")
 
 
 class NginxSettings(Section):
     """nginx mode (`inv swap-to-nginx`); empty strings mean: found on the host / under deploy_dir."""
 
-    bin: Path = ""
-    user: NginxUser = ""
-    log_dir: Path = ""
-    temp_dir: Path = ""
-    worker_processes: WorkerProcesses = "auto"
-    max_fails: _int(0, 1000) = 1                   # 0: nginx never marks a backend failed by itself
+    bin: Path = doc("",
+        "The nginx binary of nginx mode. Empty: found on the PATH, then at `/usr/sbin/nginx`, "
+        "`/usr/local/sbin/nginx`, `/usr/local/nginx/sbin/nginx`.")
+    user: NginxUser = doc("",
+        'The `user` of nginx\'s workers when nginx runs as root (`-g "user U G;"`), ignored otherwise.'
+        " Empty: the owner of deploy_dir.")
+    log_dir: Path = doc("",
+        "Where nginx writes its logs. Empty: `deploy_dir/logs`.")
+    temp_dir: Path = doc("",
+        "Where nginx writes request-body temp files. Empty: `deploy_dir/run/nginx`.")
+    worker_processes: WorkerProcesses = doc("auto",
+        "nginx's worker processes.")
+    max_fails: _int(0, 1000) = doc(1,
+        "Passive checks: a backend with this many connect errors or timeouts is out for "
+        "`nginx.fail_timeout_s`; 0 turns them off.")
     # nginx's `server ... fail_timeout=` takes whole seconds only (`500ms` is refused there).
     fail_timeout_s: Annotated[float, _fails(lambda v: v == int(v)),
                               Field(ge=1, le=WEEK_S, allow_inf_nan=False,
-                                    description="a whole number of seconds from 1 to 604800")] = 5.0
-    keepalive: _int(1, 65536) = 64
+                                    description="a whole number of seconds from 1 to 604800")] = doc(5.0,
+        "How long a backend failed by the passive checks stays out (whole seconds: nginx takes no "
+        "fraction there).")
+    keepalive: _int(1, 65536) = doc(64,
+        "Idle keep-alive connections to the backends kept per nginx worker.")
 
 
 class KeeperSettings(Section):
     """The keeper (hostagent/keeper.py): restarts dead or stalled instances with backoff."""
 
-    enabled: Flag = True
-    dead_after_s: _seconds() = 30.0                # /health failing this long, after healthy once: dead
-    max_restarts: _int(1, 1000) = 5                # this many within window_s, then dead again: crashloop
-    window_s: _seconds() = 1800.0
-    backoff_base_s: _seconds(off=True) = 10.0      # wait before restart k+1: base x 2^k, at most max
-    backoff_max_s: _seconds(off=True) = 300.0
-    stall_probe: Flag | None = None                # null: on for engine vllm, off for sim
-    probe_interval_s: _seconds() = 30.0
-    probe_timeout_s: _seconds() = 20.0
-    probe_failures: _int(1, 1000) = 3
+    enabled: Flag = doc(True,
+        "Run the keeper beside the proxy; false: deploy stops it.")
+    dead_after_s: _seconds() = doc(30.0,
+        "How long `/health` may fail, after the instance had been healthy, before it is dead.")
+    max_restarts: _int(1, 1000) = doc(5,
+        "Restarts of one instance within `keeper.window_s` after which its next death is a "
+        "`crashloop`: no more restarts.")
+    window_s: _seconds() = doc(1800.0,
+        "The window `keeper.max_restarts` counts restarts in.")
+    backoff_base_s: _seconds(off=True) = doc(10.0,
+        "The wait before an instance's first restart; restart k+1 waits base x 2^k (10 s, 20 s, 40 s "
+        "...).")
+    backoff_max_s: _seconds(off=True) = doc(300.0,
+        "The longest wait before a restart.")
+    stall_probe: Flag | None = doc(None,
+        "Send a 1-token completion to each healthy instance every `keeper.probe_interval_s`. Unset: "
+        "on for engine `vllm`, off for `sim`.")
+    probe_interval_s: _seconds() = doc(30.0,
+        "The stall probe's period.")
+    probe_timeout_s: _seconds() = doc(20.0,
+        "The stall probe's timeout.")
+    probe_failures: _int(1, 1000) = doc(3,
+        "Stall-probe timeouts in a row, with `/health` 200 and no token generated meanwhile, that "
+        "count as dead (`stalled`).")
 
 
 class HostSettings(Section):
     """Every key of a host (and of `defaults:` and a group, which set the same keys for many hosts)."""
 
     # null: ssh when an ssh block is given
-    connection: Annotated[Literal["local", "ssh"] | None, Field(description="local or ssh")] = None
-    ssh: SSHSettings | None = None
-    engine: Annotated[Literal["vllm", "sim"], Field(description="vllm or sim")] = "vllm"
-    accelerator: AcceleratorKind = "dcu"
-    accelerators: _int(0, MAX_INSTANCES) = 8
-    instances: _int(0, MAX_INSTANCES) = 8
-    base_port: Port = 8002
-    bind: Address | None = None                           # null: derived (see fleet.inventory.engine_bind)
-    model: Text = ""
-    served_model_name: Text | None = None                 # null: the model path's last part
-    max_num_seqs: _int(1, 65536) = 4
-    max_model_len: _int(1, 100_000_000) = 8192
-    enforce_eager: Flag = False
-    gpu_memory_utilization: _number(0, 1, "a fraction in (0, 1]", low_open=True) = 0.9
-    cpus_per_instance: _int(0, 4096) = 0                  # cpu accelerator: 0 splits the host's cores evenly
-    cpu_kvcache_gib: _number(0, 65536, "a size in GiB above 0, at most 65536", low_open=True) = 4.0
-    extra_args: Strings = []
-    env_setup: Text = ""
-    python: Path | None = None
-    vllm_bin: Path | None = None
-    deploy_dir: Annotated[Path, Field(min_length=1)] = "~/vllm-fleet"
-    stagger_s: _seconds(off=True) = 5.0
-    health_timeout_s: _seconds() = 600.0
-    stop_grace_s: _seconds() = 10.0
-    release_timeout_s: _seconds(off=True) = 60.0
-    release_threshold_mib: _number(0, 1e9, "a number of MiB from 0 to 1000000000") = 1024.0
-    drain_timeout_s: _seconds(off=True) = 60.0
-    smi: Path | None = None
-    sim: SimSettings = SimSettings()
-    address: Address | None = None                        # how other hosts reach this one
-    fronts: HostNames = []
-    proxy: ProxySettings = ProxySettings()
-    nginx: NginxSettings = NginxSettings()
-    keeper: KeeperSettings = KeeperSettings()
+    connection: Annotated[Literal["local", "ssh"] | None, Field(description="local or ssh")] = doc(None,
+        "How the control node reaches the host: `local`, or `ssh` (Fabric/paramiko). Unset: `ssh` "
+        "when an `ssh` block is given, else `local`.")
+    ssh: SSHSettings | None = doc(None,
+        "The host's SSH settings (the `ssh.*` keys); with it, the host is reached over SSH.")
+    engine: Annotated[Literal["vllm", "sim"], Field(description="vllm or sim")] = doc("vllm",
+        "`vllm`, or `sim`: the simulated engine (`python -m fleet.sim`).")
+    accelerator: AcceleratorKind = doc("dcu",
+        "`dcu` (Hygon), `rocm`, `nvidia`, `cpu` (vLLM's CPU build: no card, each instance on its own "
+        "cores) or `sim` (the simulated engine's fake cards).")
+    accelerators: _int(0, MAX_INSTANCES) = doc(8,
+        "Cards on the host; `instances` may not exceed it (not used by `cpu`).")
+    instances: _int(0, MAX_INSTANCES) = doc(8,
+        "Instances to run, one per card: instance i on card i.")
+    base_port: Port = doc(8002,
+        "Instance i listens on `base_port + i`.")
+    bind: Address | None = doc(None,
+        "The address the engines listen on (`--host`); set it (`0.0.0.0`) only to reach instances "
+        "directly, which bypasses the proxy and its API keys. Unset: 127.0.0.1, or the host's "
+        "`address` when another host's proxy fronts it.")
+    model: Text = doc("",
+        "The model path, required for engine `vllm`; a leading `~/` is the host user's home.")
+    served_model_name: Text | None = doc(None,
+        "The model's name in the API (`--served-model-name`). Unset: the model path's last part.")
+    max_num_seqs: _int(1, 65536) = doc(4,
+        "`--max-num-seqs` of each instance: the sequences it runs at once.")
+    max_model_len: _int(1, 100_000_000) = doc(8192,
+        "`--max-model-len`.")
+    enforce_eager: Flag = doc(False,
+        "Add `--enforce-eager`.")
+    gpu_memory_utilization: _number(0, 1, "a fraction in (0, 1]", low_open=True) = doc(0.9,
+        "The fraction of each card the engine may take, `--gpu-memory-utilization` (not passed for "
+        "`cpu`).")
+    cpus_per_instance: _int(0, 4096) = doc(0,
+        "Accelerator `cpu`: cores per instance, C; instance i gets cores [i x C, (i+1) x C) of those "
+        "the host lets it use (its cpuset), through `VLLM_CPU_OMP_THREADS_BIND`. 0 splits the host's "
+        "cores evenly; more than the host has is refused in one sentence, by `inv doctor` and by "
+        "`start_cluster.sh` (exit 3).")
+    cpu_kvcache_gib: _number(0, 65536, "a size in GiB above 0, at most 65536", low_open=True) = doc(4.0,
+        "Accelerator `cpu`: each instance's KV cache in GiB, `VLLM_CPU_KVCACHE_SPACE` (vLLM 0.32 "
+        "reads whole GiB).")
+    extra_args: Strings = doc([],
+        "More `vllm serve` arguments, each passed as one literal argument after the toolkit's own "
+        "(numbers are taken as text). The served name goes as `--served-model-name=NAME`, which takes"
+        " exactly one value, so no extra argument can become another served name.")
+    env_setup: Text = doc("",
+        "Shell code run before the engine and the proxy start (source the DTK env, activate a conda "
+        "env); the one value that is shell by design.")
+    python: Path | None = doc(None,
+        "The host's Python with aiohttp, yaml and prometheus_client, which runs the proxy and the sim"
+        " engine: a path, or a name on the PATH that `env_setup` leaves. Unset: `python3`; on a local"
+        " host, the toolkit's own Python.")
+    vllm_bin: Path | None = doc(None,
+        "The engine binary. Unset: `vllm`.")
+    deploy_dir: Annotated[Path, Field(min_length=1)] = doc("~/vllm-fleet",
+        "Where everything lives on the host.")
+    stagger_s: _seconds(off=True) = doc(5.0,
+        "Seconds between instance starts (8 x 17 GB reads at once saturate a disk); 0 turns the wait "
+        "off.")
+    health_timeout_s: _seconds() = doc(600.0,
+        "How long an instance may load before it counts as dead.")
+    stop_grace_s: _seconds() = doc(10.0,
+        "The grace between SIGTERM and SIGKILL when stopping a process.")
+    release_timeout_s: _seconds(off=True) = doc(60.0,
+        "How long a stop waits for the cards' memory to be given back, polling the smi; 0 turns the "
+        "wait off.")
+    release_threshold_mib: _number(0, 1e9, "a number of MiB from 0 to 1000000000") = doc(1024.0,
+        "A card counts as released at or under this much used memory (an idle K100_AI shows 2-3 MiB).")
+    drain_timeout_s: _seconds(off=True) = doc(60.0,
+        "How long a stop waits for the front's requests in flight, and a restart for a drained "
+        "instance's; 0 turns the wait off.")
+    smi: Path | None = doc(None,
+        "The smi binary; its arguments follow from its name (`hy-smi --showmeminfo vram --showuse`, "
+        "`rocm-smi ... --json`, `nvidia-smi --query-"
+        "gpu=index,memory.used,memory.total,utilization.gpu --format=csv,noheader,nounits`). Unset: "
+        "`/opt/hyhal/bin/hy-smi`, `/opt/dtk/bin/rocm-smi`, `/opt/rocm/bin/rocm-smi`, then the PATH; "
+        "nvidia: `nvidia-smi`; sim: `python -m fleet.sim smi`.")
+    sim: SimSettings = doc(SimSettings(),
+        "The simulated engine's timing model (engine `sim`).")
+    address: Address | None = doc(None,
+        "How other hosts (an entry host's proxy) and `inv chat` reach this host's ports. Unset: "
+        "`ssh.host`, or 127.0.0.1 for a local host.")
+    fronts: HostNames = doc([],
+        "Makes this host an entry host: its proxy fronts the instances of these hosts, itself "
+        "included only when listed.")
+    proxy: ProxySettings = doc(ProxySettings(),
+        "The aiohttp proxy on the entry port.")
+    nginx: NginxSettings = doc(NginxSettings(),
+        "nginx mode (`inv swap-to-nginx`).")
+    keeper: KeeperSettings = doc(KeeperSettings(),
+        "The keeper, which restarts dead or stalled instances.")
 
 
 def defaults() -> dict[str, Any]:

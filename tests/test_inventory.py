@@ -283,22 +283,6 @@ def test_max_body_renders_exactly_in_nginx_and_the_proxy():
     assert f"client_max_body_size {int(1.3 * 1024 * 1024)};" in nginx
 
 
-def test_every_schema_key_is_in_the_readme_reference():
-    """The README's inventory reference names every key the schema takes (nested keys dotted)."""
-    from pydantic import BaseModel
-
-    from fleet import schema
-    readme = (ROOT / "README.md").read_text()
-    reference = readme[readme.index("## Inventory reference"):readme.index("## nginx mode")]
-
-    def keys(model, prefix=""):
-        for name, info in model.model_fields.items():
-            section = inventory._section(info.annotation)
-            yield from keys(section, f"{prefix}{name}.") if section is not None else [f"{prefix}{name}"]
-    missing = [k for k in keys(schema.HostSettings) if f"`{k}`" not in reference]
-    assert not missing, f"README's inventory reference lacks {missing}"
-
-
 def test_ports_shared_on_one_ssh_target_are_named_and_other_machines_may_reuse_them(tmp_path):
     """Two hosts on one ssh target may not both listen on a port; on two targets they may (same base_port)."""
     text = textwrap.dedent("""\
