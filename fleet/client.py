@@ -6,13 +6,13 @@ import time
 import urllib.error
 import urllib.request
 
+from .cluster import address
 from .errors import FleetError
 from .inventory import HostVars
 
 
 def entry_url(hv: HostVars) -> str:
     """http://address:port of the host's entry (proxy or nginx) as seen from here."""
-    from .cluster import address
     return f"http://{address(hv)}:{hv['proxy']['port']}"
 
 

@@ -12,7 +12,7 @@ from .errors import TemplateError
 from .cluster import backend_name
 from .inventory import HostVars
 
-TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+TEMPLATES = Path(__file__).resolve().parent / "templates"   # package data: shipped in the wheel
 
 
 @dataclass(frozen=True)
