@@ -288,7 +288,10 @@ def render_(c, host="", out="", set_=None, inventory_=""):
                 path = target / f.path
                 path.write_text(f.content)
                 path.chmod(f.mode)
-                print(f"wrote {path}")
+                try:
+                    print(f"wrote {path}")
+                except BrokenPipeError:      # `| head`: the files are still all written
+                    runner.output_closed(sys.stdout)
     except FleetError as e:
         raise _error(str(e))
     except OSError as e:

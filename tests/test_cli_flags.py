@@ -335,3 +335,24 @@ def test_a_failed_ssh_banner_is_one_unreachable_line_without_paramikos_traceback
     unreachable = [line for line in r.stderr.splitlines() if "UNREACHABLE" in line]
     assert r.stderr.splitlines() == unreachable and len(unreachable) == 1, r.stderr
     assert unreachable[0].startswith(f"s: UNREACHABLE: s: SSH to 127.0.0.1:{server.port} failed ("), r.stderr
+
+
+def test_render_into_a_closed_output_writes_every_file_and_says_no_error(tmp_path, inventory_file):
+    # `render ... | head -1` said "error: cannot write OUT (Broken pipe); choose another --out".
+    out = tmp_path / "out"
+    proc = subprocess.Popen([PYTHON, "-m", "invoke", "render", "-H", "t", "--out", str(out), "-i", str(inventory_file)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()          # the reader is gone before the first line
+    try:
+        err = proc.stderr.read()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and err == "", (proc.returncode, err)
+    from fleet import lifecycle
+    hv = inv_mod.load(inventory_file).host_vars("t")
+    hv.vars["python"] = "python3"
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()) == \
+        sorted(f.path for f in lifecycle.host_files(hv))
