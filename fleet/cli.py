@@ -15,6 +15,7 @@ import json
 import os
 import re
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
@@ -31,6 +32,7 @@ NAME = "vllm-fleet"
 CHECKOUT = Path(__file__).resolve().parent.parent
 
 HOST_HELP = "a host, a comma list of hosts, a group, or all"
+HOST_REQUIRED = "--host is required: name a host, a comma list, a group or all (for example --host local)."
 COMMON_HELP = {
     "host": HOST_HELP,
     "inventory": "inventory file (default: $FLEET_INVENTORY, else inventory/hosts.yml in the current directory)",
@@ -145,8 +147,7 @@ def _run(host, inv_path, overrides, action, forks=5, stream=None, quiet=False, o
     readonly: the action changes nothing on a host, so Ctrl-C (or a closed output) stops it at once;
     ctrl_c_ends: Ctrl-C is how the action ends (logs --follow), not an interruption."""
     if not host:
-        raise _error("--host is required: name a host, a comma list, a group or all "
-                     "(for example --host local).")
+        raise _error(HOST_REQUIRED)
     out = stream or sys.stdout
     try:
         inv = _inventory(inv_path)
@@ -433,7 +434,7 @@ def vars_(c, host="", set_=None, inventory_="", json_=False):
     group NAME, host (the host's own keys), --set; derived: computed from other keys (served_model_name
     from model, connection from ssh, ...)."""
     if not host:
-        raise _error("--host is required: name a host, a comma list, a group or all (for example --host local).")
+        raise _error(HOST_REQUIRED)
     try:
         inv = _inventory(inventory_)
         explained = {name: inv.explain(name, set_) for name in inv.select(host)}
@@ -489,26 +490,23 @@ class FleetProgram(Program):
             super().parse_cleanup()
 
 
-class _parse_errors:
+@contextmanager
+def _parse_errors():
     """Turn invoke's ParseError into the toolkit's user error (see _error)."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, e, tb):
-        if isinstance(e, ParseError):
-            message = str(e).rstrip("!.")
-            missing = re.match(r"Flag <\w+: ([\w-]+)", message)
-            if missing:                     # invoke names the Argument object: name the flag instead
-                message = f"--{missing.group(1).strip('_').replace('_', '-')} needs a value"
-            message = message[:1].lower() + message[1:]
-            context = getattr(e, "context", None)
-            if context is not None and getattr(context, "name", None):
-                message += f"; `{NAME} {context.name} --help` lists its options"
-            else:
-                message += f"; `{NAME} --list` lists the tasks"
-            raise _error(message + ".") from None
-        return False
+    try:
+        yield
+    except ParseError as e:
+        message = str(e).rstrip("!.")
+        missing = re.match(r"Flag <\w+: ([\w-]+)", message)
+        if missing:                     # invoke names the Argument object: name the flag instead
+            message = f"--{missing.group(1).strip('_').replace('_', '-')} needs a value"
+        message = message[:1].lower() + message[1:]
+        context = getattr(e, "context", None)
+        if context is not None and getattr(context, "name", None):
+            message += f"; `{NAME} {context.name} --help` lists its options"
+        else:
+            message += f"; `{NAME} --list` lists the tasks"
+        raise _error(message + ".") from None
 
 
 def program() -> FleetProgram:
