@@ -95,6 +95,35 @@ class Inventory:
             hv.front_backends = cluster.front_backends(self, hv, overrides)
         return hv
 
+    def explain(self, name: str, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, tuple[Any, str]]:
+        """Each resolved variable of a host, nested keys dotted (`proxy.port`), with where its value came
+        from: `default` (built in), `defaults`, `group NAME`, `host`, `--set`, or `derived` when a rule
+        computed it from other keys (served_model_name from model, connection from ssh, ...)."""
+        resolved = self.host_vars(name, overrides).vars
+        groups = [g for g, group in self.groups.items() if name in group.get("hosts", [])]
+        origins: dict[str, str] = {}
+        merged = copy.deepcopy(BUILTIN_DEFAULTS)
+        for origin, layer in zip(["defaults", *(f"group {g}" for g in groups), "host", "--set"],
+                                 self.layers(name, overrides)):
+            _merge(merged, layer)
+            origins.update(dict.fromkeys(_dotted(layer), origin))
+        layered = _dotted(check_layer(merged, self.path, f"hosts.{name}").model_dump())
+        return {key: (value, "derived" if key in layered and layered[key] != value
+                      else origins.get(key, "default"))
+                for key, value in _dotted(resolved).items()}
+
+
+def _dotted(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """A nested mapping flattened to dotted keys ({"proxy": {"port": 1}} -> {"proxy.port": 1});
+    an empty mapping stays a value."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(_dotted(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
 
 def _merge(into: dict, layer: dict) -> None:
     """Deep-merge layer into `into`: mappings merge key by key, everything else replaces."""

@@ -4,6 +4,7 @@ Lifecycle code takes a Transport and never asks which kind it has.
 """
 from __future__ import annotations
 
+import logging
 import os
 import shlex
 import queue
@@ -270,6 +271,7 @@ class SSHTransport(Transport):
         import paramiko
         from fabric import Config, Connection
 
+        _silence_paramiko()
         kwargs = {}
         if self.ssh.get("key_file"):
             key = os.path.expanduser(self.ssh["key_file"])
@@ -475,6 +477,16 @@ class _RecordNewKey:
     def missing_host_key(self, client, hostname, key):
         client.get_host_keys().add(hostname, key.get_name(), key)
         self.line = f"{hostname} {key.get_name()} {key.get_base64()}\n"
+
+
+def _silence_paramiko() -> None:
+    """Keep paramiko's own log off the terminal. Its transport thread logs a failed banner read (a port
+    that is not sshd, a closed connection) as an ERROR with two tracebacks, which Python's last-resort
+    handler prints on stderr; the exception it then raises is what the user is told, in one line."""
+    log = logging.getLogger("paramiko")
+    if not any(isinstance(h, logging.NullHandler) for h in log.handlers):
+        log.addHandler(logging.NullHandler())
+    log.propagate = False
 
 
 def connect(hv) -> Transport:

@@ -1,0 +1,519 @@
+"""The vllm-fleet command line: `vllm-fleet deploy --host k100-01` (the console script), or
+`inv deploy --host k100-01` from a checkout (its tasks.py exposes this module's `ns`).
+
+Each task settles its arguments, calls one library function and prints what comes back.
+No logic of its own lives here.
+
+One meaning per short flag on every task: -H --host, -i --inventory, -e --set (as Ansible's -e),
+-f --forks (as Ansible's), -n the lines of `logs`; -h is help, nothing else. Every other option is long only.
+A user error is one sentence on standard error beginning `error: `, and exit 2.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import re
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import yaml
+from invoke import Collection, Exit, ParseError, Program, Task, task
+from invoke.parser import Argument
+
+from . import bench as bench_mod
+from . import deploy as fleet_deploy
+from . import display, facts, front, inventory, runner, sync
+from . import doctor as doctor_mod
+from . import logs as fleet_logs
+from . import restart as restart_mod
+from . import stop as fleet_stop
+from .client import chat as chat_request
+from .errors import FleetError
+
+NAME = "vllm-fleet"
+# The checkout this module runs from, when it runs from one (an installed wheel has none).
+CHECKOUT = Path(__file__).resolve().parent.parent
+
+HOST_HELP = "a host, a comma list of hosts, a group, or all"
+HOST_REQUIRED = "--host is required: name a host, a comma list, a group or all (for example --host local)."
+COMMON_HELP = {
+    "host": HOST_HELP,
+    "inventory": "inventory file (default: $FLEET_INVENTORY, else inventory/hosts.yml in the current directory)",
+    "set": "KEY=VALUE: override an inventory key for this run, dotted for nested keys (repeatable)",
+    "forks": "how many hosts to work on at once (default 5)",
+    "wait": "when another run holds the deployment's lock, wait for it to end instead of failing at once",
+}
+# The only short flags, each with one meaning on every task (invoke's automatic ones are off).
+SHORT_FLAGS = {"host": "H", "inventory_": "i", "set_": "e", "forks": "f", "lines": "n"}
+# Options that take a whole number: shown as INT in help, checked with a one-sentence error.
+WHOLE_NUMBERS = {"forks", "lines", "instance", "max_tokens", "requests"}
+HELP_FLAGS = ("--help", "-h")
+
+
+def _version() -> str:
+    """vllm-fleet's version: the installed distribution's, else (a checkout not installed) pyproject's."""
+    try:
+        return importlib.metadata.version(NAME)
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        found = re.search(r'^version\s*=\s*"([^"]+)"', (CHECKOUT / "pyproject.toml").read_text(), re.M)
+    except OSError:
+        found = None
+    return found.group(1) if found else "unknown"
+
+
+VERSION = _version()
+
+
+class _WholeNumber(Argument):
+    """An INT option that keeps a value int() refuses, so the task says what is wrong in one sentence
+    (invoke's own cast would end in a traceback)."""
+
+    def set_value(self, value, cast=True):
+        try:
+            super().set_value(value, cast)
+        except ValueError:
+            self.raw_value = self._value = value
+
+
+class FleetTask(Task):
+    """A task with the toolkit's flags: the short flags of SHORT_FLAGS only, whole numbers typed INT
+    (with the task's own sentence for a bad one), --set repeatable."""
+
+    def arg_opts(self, name, default, taken_names):
+        opts = super().arg_opts(name, default, taken_names)
+        if name in SHORT_FLAGS:
+            opts["names"].append(SHORT_FLAGS[name])
+        if name in WHOLE_NUMBERS:
+            opts["kind"] = int
+        return opts
+
+    def get_arguments(self, ignore_unknown_help=None):
+        helps = dict(self.help)          # invoke pops them: a second parse (trace's help) would have none
+        try:
+            found = super().get_arguments(ignore_unknown_help)
+        finally:
+            self.help = helps
+        args = []
+        for arg in found:
+            kw = dict(names=arg.names, default=arg.default, help=arg.help, positional=arg.positional,
+                      optional=arg.optional, attr_name=arg.attr_name)
+            if arg.name == "set_":      # repeatable; invoke's help shows a list as a switch: its help says KEY=VALUE
+                arg = Argument(kind=list, **{**kw, "default": []})
+            elif arg.kind is int:
+                arg = _WholeNumber(kind=int, **kw)
+            args.append(arg)
+        return args
+
+
+def command(*args, **kwargs):
+    """invoke's @task with the toolkit's flags (see FleetTask)."""
+    return task(*args, klass=FleetTask, auto_shortflags=False, **kwargs)
+
+
+def _help(*keys, **extra):
+    """The help of the common arguments a task takes, plus its own."""
+    return {**{k: COMMON_HELP[k] for k in keys}, **extra}
+
+
+def _error(message: str) -> Exit:
+    """A user error, as every one is shown: one sentence on standard error beginning `error: `, exit 2."""
+    return Exit(message if message.startswith("error: ") else f"error: {message}", code=2)
+
+
+def _default_inventory() -> Path:
+    """inventory/hosts.yml in the current directory; from a checkout, also its own (inv run below it)."""
+    here = Path(inventory.DEFAULT_INVENTORY)
+    if here.exists():
+        return here
+    checkout = CHECKOUT / inventory.DEFAULT_INVENTORY
+    if (CHECKOUT / "tasks.py").exists() and checkout.exists():
+        return checkout
+    raise _error(f"no inventory: there is no {inventory.DEFAULT_INVENTORY} in {Path.cwd()}; "
+                 "pass -i FILE or set FLEET_INVENTORY.")
+
+
+def _inventory(path):
+    """Load the inventory: -i FILE, else $FLEET_INVENTORY, else the default (see _default_inventory)."""
+    if path and str(path).isdigit() and not Path(path).exists():
+        raise _error(f"-i is --inventory, the inventory file (got {path!r}); for instance {path}, write "
+                     f"--instance {path}.")
+    if not path and not os.environ.get("FLEET_INVENTORY"):
+        path = _default_inventory()
+    return inventory.load(path)
+
+
+def _run(host, inv_path, overrides, action, forks=5, stream=None, quiet=False, order=None, readonly=False,
+         ctrl_c_ends=False):
+    """Run an action on the selected hosts, print failures and recap lines, exit with the contract's code.
+    readonly: the action changes nothing on a host, so Ctrl-C (or a closed output) stops it at once;
+    ctrl_c_ends: Ctrl-C is how the action ends (logs --follow), not an interruption."""
+    if not host:
+        raise _error(HOST_REQUIRED)
+    out = stream or sys.stdout
+    try:
+        inv = _inventory(inv_path)
+        reports = runner.run_hosts(inv, host, action, overrides, forks=_number(forks, '--forks', minimum=1),
+                                   stream=out, order=order, readonly=readonly)
+    except FleetError as e:
+        raise _error(str(e))
+    try:
+        for r in reports:
+            for line in display.failures(r):
+                print(line, file=sys.stderr)
+            for line in display.skips(r):
+                print(line, file=sys.stderr if quiet else out)
+        if not quiet:
+            print(file=out)
+        for r in reports:
+            print(r.recap(), file=out if not quiet else sys.stderr)
+        if runner.interrupted() and not ctrl_c_ends:
+            print("interrupted (Ctrl-C)" + ("." if readonly else f": {runner.interrupted_help(host)}."), file=sys.stderr)
+        out.flush()
+    except BrokenPipeError:
+        runner.output_closed(out)
+    code = runner.exit_code(reports, interrupted_is_failure=not ctrl_c_ends)
+    return reports, code
+
+
+def _then_table(step):
+    """An action running step(conn, hv, emit), then printing the host's status table."""
+    def action(conn, hv, emit):
+        report = step(conn, hv, emit)
+        emit(display.status_table(report.status))
+        return report
+    return action
+
+
+def _finish(code):
+    if code:
+        raise Exit(code=code)
+
+
+def _number(value, flag: str, minimum: int = 0) -> int:
+    """A whole-number option, or one sentence saying what is wrong."""
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = None
+    if n is None or n < minimum:
+        raise _error(f"{flag} takes a whole number of at least {minimum}, got {str(value)!r}.")
+    return n
+
+
+def _instance_number(instance):
+    """--instance as an int, or None when not given."""
+    if instance is None:
+        return None
+    try:
+        return int(instance)
+    except ValueError:
+        raise _error(f"--instance takes an instance number, got {instance!r}.")
+
+
+@command(help=_help("host", "inventory", "set", "forks", "wait", check="show what would change, change nothing",
+                    diff="show a unified diff of every rendered file against the host's copy",
+                    doctor="run the doctor's checks first and stop on a failure (default; --no-doctor skips)"))
+def deploy(c, host="", check=False, diff=False, set_=None, inventory_="", forks=5, doctor=True, wait=False):
+    """Render, put changed files, start the instances (staggered) and the proxy, wait for /health."""
+    def action(conn, hv, emit):
+        report = fleet_deploy.deploy(conn, hv, emit, check=check, diff=diff, doctor=doctor, wait=wait)
+        if report.status and not check:
+            emit(display.status_table(report.status))
+        return report
+    _finish(_run(host, inventory_, set_, action, forks, order="entry-last", readonly=check)[1])
+
+
+@command(help=_help("host", "inventory", "set", "forks",
+                    json="print a JSON list, one object per host, and nothing else on stdout"))
+def status(c, host="", json_=False, set_=None, inventory_="", forks=5):
+    """Show each instance's port, accelerator, pid and state, and the proxy's."""
+    stream = sys.stderr if json_ else sys.stdout
+
+    def action(conn, hv, emit):
+        report = facts.status(conn, hv, emit)
+        if not json_:
+            emit(display.status_table(report.status))
+        return report
+    reports, code = _run(host, inventory_, set_, action, forks, stream=stream, quiet=json_, readonly=True)
+    if json_:
+        try:
+            print(json.dumps([r.status for r in reports if r.status is not None], indent=2), flush=True)
+        except BrokenPipeError:
+            runner.output_closed(sys.stdout)
+    _finish(code)
+
+
+@command(help=_help("host", "inventory", "set", "forks", "wait",
+                    instance="stop only this instance: drained in the proxy first, then stopped by its record, "
+                             "session and tag",
+                    check="list what would be stopped, stop nothing",
+                    force="also kill your processes still holding the accelerator's device files",
+                    now="skip the drain: stop the front (or the instance) at once, cutting requests in flight"))
+def stop(c, host="", instance=None, check=False, force=False, now=False, set_=None, inventory_="", forks=5,
+         wait=False):
+    """Drain the front, then stop the proxy and every instance, each process proven the deployment's.
+
+    The drain waits up to drain_timeout_s; a process is the deployment's by its pid file record, tag or
+    session."""
+    index = _instance_number(instance)
+
+    def action(conn, hv, emit):
+        return fleet_stop.stop(conn, hv, emit, instance=index, check=check, force=force, wait=wait, now=now)
+    _finish(_run(host, inventory_, set_, action, forks, order="entry-first", readonly=check)[1])
+
+
+@command(help=_help("host", "inventory", "set", out="directory to write the rendered files into"), name="render")
+def render_(c, host="", out="", set_=None, inventory_=""):
+    """Write what deploy would put on a host into a local directory (no host contacted)."""
+    if not host or not out:
+        raise _error("render needs --host H and --out DIR.")
+    try:
+        inv = _inventory(inventory_)
+        names = inv.select(host)
+        for name in names:
+            hv = inv.host_vars(name, set_)
+            if hv["deploy_dir"].startswith("~"):
+                hv.vars["deploy_dir"] = "/home/" + ((hv["ssh"] or {}).get("user") or os.environ.get(
+                    "USER", "user")) + hv["deploy_dir"][1:]
+            hv.vars["python"] = hv["python"] or "python3"
+            target = Path(out) / name if len(names) > 1 else Path(out)
+            files = sync.host_files(hv)
+            # A path in the way (a file where a directory must go) fails before anything is written.
+            dirs = sorted({(target / f.path).parent for f in files})
+            for d in dirs:
+                for a in (d, *d.parents):
+                    if a.exists() and not a.is_dir():
+                        raise _error(f"{a} is a file, and render needs a directory there; choose another --out.")
+            for d in dirs:
+                d.mkdir(parents=True, exist_ok=True)
+            for f in files:
+                path = target / f.path
+                path.write_text(f.content)
+                path.chmod(f.mode)
+                try:
+                    print(f"wrote {path}")
+                except BrokenPipeError:      # `| head`: the files are still all written
+                    runner.output_closed(sys.stdout)
+    except FleetError as e:
+        raise _error(str(e))
+    except OSError as e:
+        where = e.filename or out
+        raise _error(f"cannot write {where} ({e.strerror}); choose another --out.")
+
+
+@command(help=_help("inventory", "set", host="the host whose entry port to send to", prompt="the user message",
+                    max_tokens="max_tokens of the request"))
+def chat(c, host="local", prompt="Describe a sunrise over the sea in one sentence.", max_tokens=64, set_=None,
+         inventory_=""):
+    """Send one chat completion through the host's entry port and print the answer and its backend."""
+    tokens = _number(max_tokens, "--max-tokens", minimum=1)
+    try:
+        inv = _inventory(inventory_)
+        hv = inv.host_vars(inv.select(host)[0], set_)
+        r = chat_request(hv, prompt, max_tokens=tokens)
+    except FleetError as e:
+        raise _error(str(e))
+    print(f"answer ({r['completion_tokens']} tokens, finish_reason={r['finish_reason']}, "
+          f"{r['latency_s']}s, X-Backend: {r['backend']}, X-Request-Id: {r['request_id']}):")
+    print(f"  {r['answer']}")
+
+
+@command(help=_help("host", "inventory", "set",
+                    instance="show instance I's engine log (logs/vllm_I.log)",
+                    proxy="show the proxy's log (the default)",
+                    results="show the results log (one JSON line per request)",
+                    keeper="show the keeper's log (logs/keeper.log: what it found dead and restarted)",
+                    lines="how many lines (default 50)",
+                    follow="keep printing as the file grows (Ctrl-C to end)"))
+def logs(c, host="", instance=None, proxy=False, results=False, keeper=False, lines=50, follow=False, set_=None,
+         inventory_=""):
+    """Tail the right log file on the right host."""
+    index = _instance_number(instance)
+    count = _number(lines, "-n", minimum=1)
+
+    def action(conn, hv, emit):
+        return fleet_logs.tail(conn, hv, emit, lines=count, follow=follow, instance=index,
+                               proxy=proxy, results=results, keeper=keeper)
+    _finish(_run(host, inventory_, set_, action, forks=1, readonly=True, ctrl_c_ends=follow)[1])
+
+
+@command(help=_help("host", "inventory", "set", ident="a trace id (the request's `user`) or an X-Request-Id"))
+def trace(c, ident, host="", set_=None, inventory_=""):
+    """Show every results-log line of one request, across the rotated files, oldest first."""
+    if ident in HELP_FLAGS:
+        # invoke's parser hands the first word after `trace` to the id, whatever it is; the console script
+        # sees it while parsing (FleetProgram.parse_tasks), `inv` only here.
+        Program(namespace=ns, binary="inv[oke]").run(["inv", "--help", "trace"], exit=False)
+        return
+    if not ident:
+        raise _error("trace needs the id to look for: trace ID --host H.")
+
+    def action(conn, hv, emit):
+        return fleet_logs.trace(conn, hv, emit, ident)
+    _finish(_run(host, inventory_, set_, action, forks=1, readonly=True)[1])
+
+
+@command(help=_help("host", "inventory", "set", "forks", "wait",
+                    instance="restart only this instance",
+                    rolling="restart every instance in turn, never more than one out of service"))
+def restart(c, host="", instance=None, rolling=False, set_=None, inventory_="", forks=5, wait=False):
+    """Drain, stop, wait for the card, start, wait for /health, enable: one instance or all in turn."""
+    if (instance is None) == (not rolling):
+        raise _error("restart needs either --instance I or --rolling.")
+    index = _instance_number(instance)
+
+    def action(conn, hv, emit):
+        return restart_mod.restart(conn, hv, emit, instance=index, rolling=rolling, wait=wait)
+    _finish(_run(host, inventory_, set_, _then_table(action), forks)[1])
+
+
+@command(help=_help("host", "inventory", "set", "forks"))
+def doctor(c, host="", set_=None, inventory_="", forks=5):
+    """Check the host before a deploy: engine, model path, ports, free memory per card, tools, log room."""
+
+    def action(conn, hv, emit):
+        return doctor_mod.doctor(conn, hv, emit)
+    _finish(_run(host, inventory_, set_, action, forks, readonly=True)[1])
+
+
+@command(help=_help("host", "inventory", "set",
+                    scenario="comma list of short, detailed, thinking (default: all three)",
+                    concurrency="comma list of concurrency levels (default 8,16,32,48,64)",
+                    requests="requests per level (default 0: one per concurrent client, a single wave)",
+                    image="an image file to send (default: a generated PNG); none: text only, for a "
+                          "text-only model",
+                    out="directory for bench.json, report.md and chart.svg "
+                        "(default bench-results/HOST-YYYYmmdd-HHMMSS)"))
+def bench(c, host="", inventory_="", set_=None, scenario="short,detailed,thinking",
+          concurrency="8,16,32,48,64", requests=0, image="", out=""):
+    """Load-test a host through its entry port: a concurrency sweep per scenario, tables, JSON, Markdown, SVG."""
+    try:
+        scenarios = bench_mod.parse_scenarios(scenario)
+        levels = bench_mod.parse_concurrency(concurrency)
+        n = _number(requests, "--requests", minimum=0)
+        many = bool(host) and len(_inventory(inventory_).select(host)) > 1
+    except FleetError as e:
+        raise _error(str(e))
+
+    def action(conn, hv, emit):
+        target = (Path(out) / hv.name if many else Path(out)) if out else None
+        return bench_mod.run_host(conn, hv, emit, scenarios, levels, n, image or None, target)
+    _finish(_run(host, inventory_, set_, action, forks=1, readonly=True)[1])
+
+
+@command(help=_help("host", "inventory", "set", "forks", "wait"), name="swap-to-nginx")
+def swap_to_nginx(c, host="", set_=None, inventory_="", forks=5, wait=False):
+    """Put nginx on the entry port in place of the aiohttp proxy, with the /health watcher."""
+    _finish(_run(host, inventory_, set_, _then_table(
+        lambda conn, hv, emit: front.swap_to_nginx(conn, hv, emit, wait)), forks)[1])
+
+
+@command(help=_help("host", "inventory", "set", "forks", "wait"), name="swap-to-proxy")
+def swap_to_proxy(c, host="", set_=None, inventory_="", forks=5, wait=False):
+    """Give the entry port back to the aiohttp proxy: nginx quits gracefully, the watcher stops."""
+    _finish(_run(host, inventory_, set_, _then_table(
+        lambda conn, hv, emit: front.swap_to_proxy(conn, hv, emit, wait)), forks)[1])
+
+
+def _show(value) -> str:
+    """A value as the inventory would spell it (YAML, one line)."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=1 << 30, allow_unicode=True).strip()
+    return text[:-len("\n...")] if text.endswith("\n...") else text
+
+
+@command(help=_help("host", "inventory", "set", json="print a JSON list, one object per host, and nothing else"),
+         name="vars")
+def vars_(c, host="", set_=None, inventory_="", json_=False):
+    """Print a host's resolved variables, each with where it came from (like ansible-inventory --host).
+
+    Origins, lowest first: default (the built-in default), defaults (the inventory's defaults block),
+    group NAME, host (the host's own keys), --set; derived: computed from other keys (served_model_name
+    from model, connection from ssh, ...)."""
+    if not host:
+        raise _error(HOST_REQUIRED)
+    try:
+        inv = _inventory(inventory_)
+        explained = {name: inv.explain(name, set_) for name in inv.select(host)}
+    except FleetError as e:
+        raise _error(str(e))
+    if json_:
+        print(json.dumps([{"host": name, "inventory": inv.path,
+                           "vars": {k: {"value": v, "origin": o} for k, (v, o) in found.items()}}
+                          for name, found in explained.items()], indent=2))
+        return
+    for i, (name, found) in enumerate(explained.items()):
+        rows = [(f"{k}: {_show(v)}", o) for k, (v, o) in found.items()]
+        width = min(60, max(len(left) for left, _ in rows))
+        print(("\n" if i else "") + f"# {name} ({inv.path})")
+        for left, origin in rows:
+            print(f"{left:<{width}}  # {origin}")
+
+
+@command
+def version(c):
+    """Print vllm-fleet's version (`inv --version` is invoke's own)."""
+    print(f"{NAME} {VERSION}")
+
+
+ns = Collection(deploy, status, stop, restart, render_, chat, logs, trace, doctor, bench, swap_to_nginx,
+                swap_to_proxy, vars_, version)
+
+
+class FleetProgram(Program):
+    """invoke's Program with the toolkit's error format: a word it cannot parse is one `error: ` line, exit 2
+    (invoke's own says it on standard error and exits 1), and no core flag taking a task's short flag
+    (invoke's -e is --echo and -f --config: here -e is --set and -f --forks)."""
+
+    def core_args(self):
+        args = super().core_args()
+        for arg in args:
+            arg.names = tuple(n for n in arg.names if n not in SHORT_FLAGS.values())
+        return args
+
+    def parse_core(self, argv):
+        with _parse_errors():
+            super().parse_core(argv)
+
+    def parse_tasks(self):
+        with _parse_errors():
+            super().parse_tasks()
+        for context in self.tasks:       # `trace --help`: the parser took --help for the id (see trace)
+            if context.name == "trace" and context.args.ident.value in HELP_FLAGS:
+                self.args.help.value = "trace"
+
+    def parse_cleanup(self):
+        with _parse_errors():
+            super().parse_cleanup()
+
+
+@contextmanager
+def _parse_errors():
+    """Turn invoke's ParseError into the toolkit's user error (see _error)."""
+    try:
+        yield
+    except ParseError as e:
+        message = str(e).rstrip("!.")
+        missing = re.match(r"Flag <\w+: ([\w-]+)", message)
+        if missing:                     # invoke names the Argument object: name the flag instead
+            message = f"--{missing.group(1).strip('_').replace('_', '-')} needs a value"
+        message = message[:1].lower() + message[1:]
+        context = getattr(e, "context", None)
+        if context is not None and getattr(context, "name", None):
+            message += f"; `{NAME} {context.name} --help` lists its options"
+        else:
+            message += f"; `{NAME} --list` lists the tasks"
+        raise _error(message + ".") from None
+
+
+def program() -> FleetProgram:
+    """The vllm-fleet program (the console script's)."""
+    return FleetProgram(namespace=ns, version=VERSION, name=NAME, binary=NAME, binary_names=[NAME])
+
+
+def main() -> None:
+    """The `vllm-fleet` console script."""
+    program().run()
