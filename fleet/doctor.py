@@ -1,6 +1,6 @@
 """`inv doctor`: is this host ready to run the deployment? Each check says ok, warn or fail, with the fix.
 
-One probe-style script (fleet/doctor_probe.py) reads the facts on the host after env_setup; the checks
+One probe-style script (hostagent/probes/doctor.py) reads the facts on the host after env_setup; the checks
 here judge them: the engine binary runs, the model path exists (and its size), each port is free or
 ours, each card has gpu_memory_utilization x total free (else its holders), smi/fuser/ss are found,
 and there is room for logs.
@@ -11,14 +11,13 @@ import json
 import math
 import shlex
 from dataclasses import dataclass
-from pathlib import Path
 
 from . import hostcode, lifecycle, release, smi
 from .errors import FleetError
 from .inventory import HostVars
 from .lifecycle import Emit, Report
 
-PROBE = hostcode.bundle((Path(__file__).resolve().parent / "doctor_probe.py").read_text(), "processes")
+PROBE = hostcode.probe("doctor")
 
 LOG_WARN_BYTES = 2 * 2**30      # vLLM logs plus the results log (50 MB x 4) plus room to breathe
 LOG_FAIL_BYTES = 256 * 2**20

@@ -25,8 +25,8 @@ from .render import RenderedFile, render_host, stop_spec
 from .transport import Transport
 
 ROOT = Path(__file__).resolve().parent.parent
-PROBE = hostcode.bundle((Path(__file__).resolve().parent / "probe.py").read_text(), "processes")
-STOPPER = hostcode.source("processes")
+PROBE = hostcode.probe("state")
+STOPPER = hostcode.script("processes")
 
 Emit = Callable[[str], None]
 
@@ -109,7 +109,7 @@ def host_files(hv: HostVars) -> list[RenderedFile]:
 # --- facts --------------------------------------------------------------------------------------
 
 def probe(conn: Transport, hv: HostVars, files: list[str] = (), readonly: bool = False) -> dict:
-    """Read the deployment's state on the host (see fleet/probe.py)."""
+    """Read the deployment's state on the host (see hostagent/probes/state.py)."""
     spec = {"deploy_dir": hv["deploy_dir"], "ports": hv.ports, "instance_host": hv.instance_host,
             "proxy_port": hv["proxy"]["port"],
             "admin_port": hv["proxy"]["admin_port"], "deployment_id": hv.deployment_id,

@@ -14,13 +14,12 @@ import math
 import shlex
 import sys
 import time
-from pathlib import Path
 from typing import Callable
 
 from . import accelerators, hostcode, smi
 from .errors import FleetError, RemoteError
 
-HOLDERS_PROBE = hostcode.bundle((Path(__file__).resolve().parent / "holders_probe.py").read_text(), "processes")
+HOLDERS_PROBE = hostcode.probe("holders")
 
 Emit = Callable[[str], None]
 
@@ -63,7 +62,7 @@ def device_globs(hv, indexes: list[int] | None) -> list[str]:
 
 
 def holders(conn, hv, indexes: list[int] | None, instance: int | None = None, kill: bool = False) -> dict:
-    """Who holds the device files (see fleet/holders_probe.py); with kill, the user's own ones are killed.
+    """Who holds the device files (see hostagent/probes/holders.py); with kill, the user's own ones are killed.
 
     With `instance`, the other instances and the proxy of this deployment are spared.
     """

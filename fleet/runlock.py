@@ -69,7 +69,7 @@ def held(conn, hv, step: str, emit: Callable[[str], None] = lambda line: None, w
             with _guard:
                 _held[key] -= 1
         return
-    args = (f"-c {shlex.quote(hostcode.source('lock'))} hold {shlex.quote(d)} --what {shlex.quote(what(step))}"
+    args = (f"-c {shlex.quote(hostcode.script('lock'))} hold {shlex.quote(d)} --what {shlex.quote(what(step))}"
             + (" --wait" if wait else ""))
     running = conn.start(preflight.probe_python(hv, args))
     try:

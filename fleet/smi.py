@@ -17,9 +17,8 @@ import math
 import re
 import shlex
 from dataclasses import dataclass
-from pathlib import Path
 
-from . import accelerators
+from . import accelerators, hostcode
 from .errors import FleetError, RemoteError
 
 NAN = math.nan
@@ -69,9 +68,9 @@ def _fmt(x: float) -> str:
 
 # Tool names as used in messages; `parse` also takes an accelerator kind.
 KIND_TOOL = {"dcu": "hy-smi", "rocm": "rocm-smi", "nvidia": "nvidia-smi", "sim": "python -m fleet.sim smi",
-             "cpu": "/proc (fleet/cpu_mem_probe.py)"}
+             "cpu": "/proc (hostagent/probes/cpu_mem.py)"}
 # accelerator cpu has no smi: this script reads each instance's resident memory from /proc instead.
-CPU_MEM_PROBE = (Path(__file__).resolve().parent / "cpu_mem_probe.py").read_text()
+CPU_MEM_PROBE = hostcode.probe("cpu_mem")
 
 NVIDIA_FIELDS = ("index", "memory.used", "memory.total", "utilization.gpu")
 # The arguments each smi runs with, by the binary's name: memory and utilisation, machine-readable.
