@@ -14,7 +14,9 @@ A dead instance is restarted after a wait of backoff_base_s * 2^k (k: its restar
 most backoff_max_s; after max_restarts within window_s it is put in `crashloop` and not restarted again
 until someone else starts it (inv restart, inv deploy: a new pid file).
 
-It never acts while the deployment's run lock is held (deploy, stop, restart, swaps), and holds that lock
+What is dead and what to do is decided by keeper_decisions.decide, a pure function (an instance's state
+is instances.classify's, the one `inv status` uses); this module observes, calls it and carries out its
+actions. It never acts while the deployment's run lock is held (deploy, stop, restart, swaps), and holds that lock
 itself while it restarts. In nginx mode it also does the /health watching and access-log rotation
 (hostagent/watch.py). What it knows goes to run/keeper.json (read by `inv status`) and run/keeper.prom
 (Prometheus text format, for node_exporter's textfile collector); its log is logs/keeper.log, rotated.
