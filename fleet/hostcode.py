@@ -16,7 +16,11 @@ import importlib.util
 from functools import lru_cache
 from pathlib import Path
 
-HOSTAGENT = Path(importlib.util.find_spec("hostagent").submodule_search_locations[0])
+_SPEC = importlib.util.find_spec("hostagent")
+if _SPEC is None or not _SPEC.submodule_search_locations:
+    raise ImportError("the hostagent package is not installed beside fleet; install vllm-fleet with its "
+                      "hostagent package (pyproject's packages must include hostagent*).")
+HOSTAGENT = Path(_SPEC.submodule_search_locations[0])
 
 
 def path(name: str) -> Path:
