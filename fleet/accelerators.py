@@ -3,7 +3,7 @@
 `cpu` is vLLM's CPU backend: no card, no device file, no smi. Instance i gets its own cores
 (VLLM_CPU_OMP_THREADS_BIND, worked out on the host by start_cluster.sh) and its KV cache size
 (VLLM_CPU_KVCACHE_SPACE); its "memory" is the resident memory of its processes, read from /proc
-(fleet/cpu_mem_probe.py), and it is released when none of them is left.
+(hostagent/probes/cpu_mem.py), and it is released when none of them is left.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ class Kind:
     # Where the smi is looked for, in order. Absolute paths first: PATH over non-interactive SSH
     # lacks /opt/hyhal/bin and /opt/dtk/bin. The arguments follow from the binary's name (fleet.smi).
     smi_candidates: tuple[str, ...]
-    # True: card i's render node is found on the host from sysfs (fleet/holders_probe.py), not
+    # True: card i's render node is found on the host from sysfs (hostagent/probes/holders.py), not
     # assumed to be renderD(128+i): a BMC's graphics device or another enumeration shifts them.
     render_from_sysfs: bool = False
 
@@ -42,7 +42,7 @@ KINDS = {
     # its smi is `python -m fleet.sim smi`, built by fleet.smi.smi_command.
     "sim": Kind("sim", "SIM_VISIBLE_DEVICES", ("{deploy_dir}/sim-dev/kfd", "{deploy_dir}/sim-dev/renderD*"),
                 ("{deploy_dir}/sim-dev/renderD{render}",), ("fleet.sim",)),
-    # vLLM's CPU build: no device files, no smi (memory is read from /proc by fleet/cpu_mem_probe.py).
+    # vLLM's CPU build: no device files, no smi (memory is read from /proc by hostagent/probes/cpu_mem.py).
     "cpu": Kind("cpu", "", (), (), ()),
 }
 

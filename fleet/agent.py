@@ -12,14 +12,16 @@ import json
 import shlex
 import sys
 
+from hostagent import layout
+
 from . import hostcode
 from .errors import AgentError, RemoteError
 from .inventory import HostVars
-from .report import Emit
+from .report import Emit, Report
 from .transport import Transport
 
-AGENT_CONFIG = "conf/hostagent.json"   # the keeper, restart, drain-instance: the instances
-FRONT_CONFIG = "conf/nginx_front.json"  # the front's commands: swaps, restart-proxy, drain
+AGENT_CONFIG = layout.HOSTAGENT_CONF    # the keeper, restart, drain-instance, wait-healthy: the instances
+FRONT_CONFIG = layout.NGINX_FRONT_CONF  # the front's commands: swaps, restart-proxy, drain
 
 
 def with_env_setup(hv: HostVars, command: str) -> str:
@@ -67,14 +69,14 @@ def run_script(conn: Transport, hv: HostVars, name: str, spec: dict, what: str, 
 def run_module(conn: Transport, hv: HostVars, name: str, args: str, emit: Emit | None = None,
                timeout: float | None = None):
     """Run hostagent/NAME.py as a script sent on stdin (`python - ARGS`); the finished run back."""
-    return conn.run(python_command(hv, f"- {args}"), stdin=hostcode.source(name), on_line=emit,
+    return conn.run(python_command(hv, f"- {args}"), stdin=hostcode.script(name), on_line=emit,
                     timeout=timeout)
 
 
 def start_module(conn: Transport, hv: HostVars, name: str, args: str):
     """Start hostagent/NAME.py as `python -c SOURCE ARGS` and return the running command: its standard
     input stays open for the caller (the run lock's holder keeps the lock while it does)."""
-    return conn.start(python_command(hv, f"-c {shlex.quote(hostcode.source(name))} {args}"))
+    return conn.start(python_command(hv, f"-c {shlex.quote(hostcode.script(name))} {args}"))
 
 
 def host_command(conn: Transport, hv: HostVars, command: str, emit: Emit,
@@ -98,4 +100,16 @@ def host_command(conn: Transport, hv: HostVars, command: str, emit: Emit,
                           f"{_last_error(r)}") from None
     if not result["ok"] and raise_failed:
         raise AgentError(f"{hv.name}: {result['error']}")
+    return result
+
+
+def steps(conn: Transport, hv: HostVars, command: str, report: Report, emit: Emit,
+          timeout: float | None = None) -> dict:
+    """Run a host agent command that answers with steps (restart, wait-healthy, drain-instance, ...), relay
+    its progress lines without the host's name, and add its steps to report; its FLEET_RESULT back."""
+    result = host_command(conn, hv, command, lambda line: emit(line.split(": ", 1)[-1]), raise_failed=False,
+                          timeout=timeout)
+    for step in result.get("steps") or [{"name": command.split()[0], "status": "failed",
+                                         "message": result.get("error", "the host agent gave no steps")}]:
+        report.add(step["name"], step["status"], step["message"])
     return result

@@ -5,9 +5,10 @@ a running cluster starts nothing and reports changed=0.
 from __future__ import annotations
 
 import shlex
-import time
 
-from . import facts, front, preflight, release, runlock, sync
+from hostagent import layout
+
+from . import agent, facts, front, preflight, release, runlock, sync
 from . import keeper as fleet_keeper
 from .doctor import doctor as run_doctor
 from .errors import RemoteError
@@ -55,15 +56,14 @@ def _deploy(conn: Transport, hv: HostVars, emit: Emit, check: bool, diff: bool, 
                         ["kfd"] + [f"renderD{128 + i}" for i in range(hv["accelerators"])])
         conn.run(f"mkdir -p {shlex.quote(d + '/sim-dev')} && touch {devs}")
 
-    states = [facts.instance_state(f, hv["health_timeout_s"]) for f in found["instances"]]
     # Instances with processes left behind (an API server killed, its EngineCore children still holding
     # the card): those are stopped by group and tag, and their card released, before they start again.
     leftovers = {t["tag"].rpartition("/")[2] for t in found.get("tagged", [])}
     to_start = []
-    for f, state in zip(found["instances"], states):
+    for f, state in ((f, f["state"]) for f in found["instances"]):
         name = f"instance {f['index']}"
         if state in ("healthy", "loading"):
-            note = "" if "bin/start_cluster.sh" not in changed_files else \
+            note = "" if layout.START_CLUSTER not in changed_files else \
                 " (runs with the previous settings; `inv restart --rolling` applies the new ones)"
             report.add(name, "ok", f"already {state} on :{f['port']}, pid {f['pid']}{note}")
         elif state == "port-taken":
@@ -112,31 +112,5 @@ def _start_instances(conn, hv, to_start, report, emit):
         raise RemoteError(f"{hv.name}: {r.stderr.strip()}")
     if not r.ok:
         raise RemoteError(f"{hv.name}: start_cluster.sh failed (exit {r.exited}): {r.stderr.strip()[-300:]}")
-    _wait_healthy(conn, hv, [f["index"] for f in to_start], report, emit)
-
-
-def _wait_healthy(conn, hv, indexes, report, emit):
-    """Poll /health until each started instance is ready, a line per instance as it comes up."""
-    t0 = time.monotonic()
-    waiting = set(indexes)
-    while waiting:
-        now = facts.probe(conn, hv)
-        elapsed = time.monotonic() - t0
-        for f in now["instances"]:
-            i = f["index"]
-            if i not in waiting:
-                continue
-            if f["alive"] and f["health"] == 200:
-                emit(f"instance {i}: healthy on :{f['port']} after {elapsed:.1f}s")
-                report.add(f"instance {i}", "changed", f"started, pid {f['pid']}, healthy on :{f['port']}")
-                waiting.discard(i)
-            elif not f["alive"] or elapsed > hv["health_timeout_s"]:
-                why = "exited" if not f["alive"] else f"not healthy after {hv['health_timeout_s']:g}s"
-                tail = facts.log_tail(conn, hv, f"logs/vllm_{i}.log")
-                report.add(f"instance {i}", "failed", f"{why} on :{f['port']}; last lines of "
-                           f"logs/vllm_{i}.log:\n{tail}")
-                waiting.discard(i)
-        if waiting:
-            time.sleep(0.3)
-
-
+    # The host agent's /health wait (the one the keeper's restarts use): a line per instance as it comes up.
+    agent.steps(conn, hv, "wait-healthy --instances " + ",".join(str(f["index"]) for f in to_start), report, emit)

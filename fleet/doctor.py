@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from hostagent import layout
+
 from . import agent, facts, release, smi
 from .inventory import HostVars
 from .report import Emit, Report
@@ -49,11 +51,11 @@ def read_facts(conn, hv: HostVars) -> dict:
     """Run the doctor's probe on the host, after env_setup (so PATH is the engine's)."""
     dep = hv.deployment_id
     ports = [{"port": p, "host": hv.instance_host, "what": f"instance {i}", "key": "base_port",
-              "pidfiles": [(f"run/instance_{i}.pid", f"{dep}/{i}")]} for i, p in enumerate(hv.ports)]
+              "pidfiles": [(layout.instance_pidfile(i), layout.tag(dep, i))]} for i, p in enumerate(hv.ports)]
     # The entry port is ours when the front holding it is: the proxy, or nginx in nginx mode.
-    proxy = ("run/proxy.pid", f"{dep}/proxy")
+    proxy = (layout.PROXY_PID, layout.tag(dep, "proxy"))
     ports += [{"port": hv["proxy"]["port"], "what": "proxy", "key": "proxy.port",
-               "pidfiles": [proxy, ("run/nginx.pid", f"{dep}/nginx")]},
+               "pidfiles": [proxy, (layout.NGINX_PID, layout.tag(dep, "nginx"))]},
               {"port": hv["proxy"]["admin_port"], "what": "proxy admin", "key": "proxy.admin_port",
                "pidfiles": [proxy]}]
     spec = {"deploy_dir": hv["deploy_dir"], "deployment_id": dep, "engine_cmd": engine_cmd(hv), "model": hv["model"],

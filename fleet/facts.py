@@ -11,6 +11,8 @@ import copy
 import shlex
 import sys
 
+from hostagent import layout
+
 from . import agent
 from . import keeper as fleet_keeper
 from .inventory import HostVars
@@ -39,25 +41,13 @@ def prepare(conn: Transport, hv: HostVars) -> HostVars:
 
 def probe(conn: Transport, hv: HostVars, files: list[str] = (), readonly: bool = False) -> dict:
     """Read the deployment's state on the host (hostagent/probes/state.py); files: paths under deploy_dir
-    whose hash and mode to report; readonly: create nothing on the host."""
+    whose hash and mode to report; readonly: create nothing on the host. Each instance's `state` is
+    hostagent.instances.classify's, the function the keeper uses too."""
     spec = {"deploy_dir": hv["deploy_dir"], "ports": hv.ports, "instance_host": hv.instance_host,
             "proxy_port": hv["proxy"]["port"], "admin_port": hv["proxy"]["admin_port"],
             "deployment_id": hv.deployment_id, "health_timeout_s": hv["health_timeout_s"],
             "files": list(files), "readonly": readonly}
     return agent.run_script(conn, hv, "state", spec, "reading the deployment's state", timeout=60)
-
-
-def instance_state(f: dict, health_timeout_s: float) -> str:
-    """loading, healthy, dead, stopped or port-taken, from one instance's facts."""
-    if f["alive"]:
-        if f["health"] == 200:
-            return "healthy"
-        if f["was_ready"] or (f["age_s"] or 0) > health_timeout_s:
-            return "dead"          # it was healthy once (engine death) or never became healthy in time
-        return "loading"
-    if f["listening"]:
-        return "port-taken"
-    return "dead" if f["pidfile"] else "stopped"
 
 
 def proxy_state(f: dict) -> str:
@@ -75,7 +65,7 @@ def status_of(hv: HostVars, facts: dict) -> dict:
     """The `inv status --json` object of one host."""
     keeper = fleet_keeper.status(hv, facts)
     instances = [{"index": f["index"], "port": f["port"], "accelerator": f["index"], "pid": f["pid"],
-                  "pgid": f["pgid"], "state": instance_state(f, hv["health_timeout_s"]),
+                  "pgid": f["pgid"], "state": f["state"],
                   **fleet_keeper.instance_fields(keeper, f["index"])}
                  for f in facts["instances"]]
     for inst in instances:
@@ -144,7 +134,7 @@ def foreign_ports(hv: HostVars, facts: dict) -> list[tuple[int, str]]:
 
 def tagged(facts: dict, hv: HostVars, instance: int) -> list[dict]:
     """The processes carrying instance's tag in a probe's facts."""
-    return [t for t in facts["tagged"] if t["tag"] == f"{hv.deployment_id}/{instance}"]
+    return [t for t in facts["tagged"] if t["tag"] == layout.tag(hv.deployment_id, instance)]
 
 
 def log_tail(conn: Transport, hv: HostVars, rel: str, n: int = 15) -> str:

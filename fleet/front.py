@@ -9,6 +9,8 @@ from __future__ import annotations
 import shlex
 import time
 
+from hostagent import layout
+
 from . import agent, facts, runlock, sync
 from .errors import FleetError
 from .inventory import HostVars
@@ -16,7 +18,7 @@ from .report import Emit, Report
 from .stop import stop_processes
 from .transport import Transport
 
-NGINX_FILES = ("conf/nginx.conf", agent.FRONT_CONFIG)
+NGINX_FILES = (layout.NGINX_CONF, agent.FRONT_CONFIG)
 NO_RESULTS_LOG = ("nginx has no results log: logs/req_results.log gets no new lines while nginx is the "
                   "front; logs/nginx_access.log has one JSON line per request (request_id, backend, status, "
                   "request and upstream times), but no trace id, finish_reason, tokens or error bodies.")
@@ -132,7 +134,7 @@ def deploy_front(conn: Transport, hv: HostVars, found: dict, changed_files: set[
         return
     p = found["proxy"]
     state = facts.proxy_state(p)
-    stale = any(f == "conf/proxy.yaml" or f.startswith("proxy/") for f in changed_files)
+    stale = any(f == layout.PROXY_CONF or f.startswith(layout.PROXY_CODE + "/") for f in changed_files)
     if state == "port-taken":
         report.add("proxy", "failed", f"port {hv['proxy']['port']} is taken by a process that is not this "
                    "deployment's proxy; free it or change proxy.port")
@@ -171,7 +173,7 @@ def deploy_front(conn: Transport, hv: HostVars, found: dict, changed_files: set[
             report.add("proxy", "changed", f"{verb}ed, pid {f['pid']}, healthy on :{f['port']}")
             return
         if not f["alive"] or time.monotonic() - t0 > 30:
-            tail = facts.log_tail(conn, hv, "logs/proxy.log")
+            tail = facts.log_tail(conn, hv, layout.PROXY_LOG)
             why = "exited" if not f["alive"] else "not healthy after 30s (no backend healthy?)"
             report.add("proxy", "failed", f"{why}; last lines of logs/proxy.log:\n{tail}")
             return

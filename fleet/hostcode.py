@@ -3,41 +3,91 @@
 A probe (`python3 - SPEC_JSON`, source on stdin) runs where nothing may be deployed yet, so it cannot
 import the deployed `hostagent/`. `bundle` puts the modules' text in front of the script and registers
 them as `hostagent.NAME`, so the script's `from hostagent import processes` works the same on the host
-as in the control node's tests. Only self-contained modules (standard library imports alone) qualify.
+as in the control node's tests. Only self-contained modules (standard library imports, and other such
+host agent modules) qualify; `script` finds what a file imports and bundles it in dependency order.
+
+The probes live in hostagent/probes/ (`probe("state")` is hostagent/probes/state.py, bundled). The host
+agent's directory is found without importing it, from an installed wheel as from a checkout.
 """
 from __future__ import annotations
 
+import ast
+import importlib.util
+from functools import lru_cache
 from pathlib import Path
 
-HOSTAGENT = Path(__file__).resolve().parent.parent / "hostagent"
+_SPEC = importlib.util.find_spec("hostagent")
+if _SPEC is None or not _SPEC.submodule_search_locations:
+    raise ImportError("the hostagent package is not installed beside fleet; install vllm-fleet with its "
+                      "hostagent package (pyproject's packages must include hostagent*).")
+HOSTAGENT = Path(_SPEC.submodule_search_locations[0])
+
+
+def path(name: str) -> Path:
+    """The file of host agent module NAME (`processes`, `probes.state`)."""
+    return HOSTAGENT.joinpath(*name.split(".")).with_suffix(".py")
 
 
 def source(name: str) -> str:
-    """The text of hostagent/NAME.py."""
-    return (HOSTAGENT / f"{name}.py").read_text()
+    """The text of hostagent/NAME.py (NAME dotted for a subpackage: `probes.state`)."""
+    return path(name).read_text()
+
+
+@lru_cache(maxsize=None)
+def imports(name: str) -> tuple[str, ...]:
+    """The top-level host agent modules NAME imports (`from hostagent import x`, `from . import x`,
+    `from hostagent.x import ...`), in the order they appear."""
+    parts = ["hostagent", *name.split(".")[:-1]]          # the package NAME is in
+    found: list[str] = []
+    for node in ast.walk(ast.parse(source(name))):
+        if not isinstance(node, ast.ImportFrom) or node.level > len(parts):
+            continue
+        base = parts[:len(parts) - node.level + 1] if node.level else []
+        full = base + (node.module.split(".") if node.module else [])
+        if full[:1] != ["hostagent"]:
+            continue
+        for top in full[1:2] or [a.name for a in node.names]:
+            if path(top).exists() and top not in found:
+                found.append(top)
+    return tuple(found)
+
+
+def needs(name: str) -> list[str]:
+    """Every host agent module NAME imports, directly or not, each after the modules it imports."""
+    order: list[str] = []
+
+    def visit(mod: str, seen: tuple[str, ...]) -> None:
+        for dep in imports(mod):
+            if dep in seen:
+                raise ValueError(f"hostagent/{dep}.py imports itself through {' -> '.join(seen)}")
+            if dep not in order:
+                visit(dep, seen + (dep,))
+                order.append(dep)
+    visit(name, (name,))
+    return order
 
 
 def bundle(script: str, *modules: str) -> str:
-    """script, preceded by the hostagent modules it imports."""
+    """script, preceded by the hostagent modules it imports (given in dependency order)."""
     lines = ["import sys as _sys, types as _types",
              "_pkg = _sys.modules.get('hostagent') or _types.ModuleType('hostagent')",
              "_pkg.__path__ = getattr(_pkg, '__path__', [])",
              "_sys.modules['hostagent'] = _pkg"]
     for name in modules:
         lines += [f"_m = _types.ModuleType('hostagent.{name}')",
+                  "_m.__package__ = 'hostagent'",
                   f"_sys.modules['hostagent.{name}'] = _m",
                   f"setattr(_pkg, {name!r}, _m)",
                   f"exec(compile({source(name)!r}, 'hostagent/{name}.py', 'exec'), _m.__dict__)"]
-    return "\n".join(lines) + "\ndel _sys, _types, _pkg, _m\n" + script
+    lines.append("del _sys, _types, _pkg" + (", _m" if modules else ""))
+    return "\n".join(lines) + "\n" + script
 
 
-# The probes: host code run from the control node, each with the host agent modules it imports.
-PROBES = {"state": ("probe.py", ("processes",)), "holders": ("holders_probe.py", ("processes",)),
-          "doctor": ("doctor_probe.py", ("processes",)), "cpu_mem": ("cpu_mem_probe.py", ())}
+def script(name: str) -> str:
+    """hostagent/NAME.py as a script to send (stdin or `-c`), with the modules it needs bundled."""
+    return bundle(source(name), *needs(name))
 
 
 def probe(name: str) -> str:
-    """The source of the probe NAME, bundled with the host agent modules it imports."""
-    file, modules = PROBES[name]
-    text = (Path(__file__).resolve().parent / file).read_text()
-    return bundle(text, *modules) if modules else text
+    """The probe hostagent/probes/NAME.py (state, holders, doctor, cpu_mem), bundled, to send on stdin."""
+    return script(f"probes.{name}")

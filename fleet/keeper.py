@@ -5,6 +5,8 @@ The keeper itself runs on the host (hostagent/keeper.py); this module starts it 
 """
 from __future__ import annotations
 
+from hostagent import layout
+
 from . import agent
 from .errors import FleetError
 from .inventory import HostVars
@@ -50,7 +52,7 @@ def deploy(conn, hv: HostVars, facts: dict, changed_files: set[str], report, emi
         else:
             report.add("keeper", "skipped", "keeper.enabled is false")
         return
-    stale = any(f in KEEPER_FILES or f.startswith("hostagent/") for f in changed_files)
+    stale = any(f in KEEPER_FILES or f.startswith(layout.HOSTAGENT_CODE + "/") for f in changed_files)
     if k.get("alive") and not stale:
         report.add("keeper", "ok", f"already running, pid {k['pid']}")
         return
@@ -85,7 +87,7 @@ def report_lines(st: dict) -> list[tuple[str, str, str]]:
                         f"CRASHLOOP: the keeper restarted it {inst['restarts']} time(s) "
                         f"(last: {inst['last_restart_reason']}) and gave up; fix the cause, then "
                         f"`inv restart --host {st['host']} --instance {inst['index']}`. Last lines of "
-                        f"logs/vllm_{inst['index']}.log:\n{tail}"))
+                        f"{layout.instance_log(inst['index'])}:\n{tail}"))
     keeper = st.get("keeper") or {}
     if keeper.get("state") == "dead":
         out.append(("keeper", "failed", "the keeper is not running (run/keeper.pid is stale): dead instances "

@@ -4,20 +4,22 @@ from __future__ import annotations
 import json
 import shlex
 
+from hostagent import layout
+
 from .display import request_block
 from .errors import FleetError, InterruptedRun
-from .inventory import HostVars
 from .facts import prepare
+from .inventory import HostVars
 from .report import Emit, Report
 from .transport import Transport
 
-RESULTS_LOG = "logs/req_results.log"
+RESULTS_LOG = layout.RESULTS_LOG
 NGINX_ACCESS_LOG = "logs/nginx_access.log"   # nginx mode's only per-request record (no results log)
 
 
 def front_mode(conn: Transport, hv: HostVars) -> str:
     """The front the host runs: "nginx" when run/mode says so, else "proxy"."""
-    mode = conn.read(f"{hv['deploy_dir']}/run/mode")
+    mode = conn.read(layout.path(hv["deploy_dir"], layout.MODE))
     return "nginx" if mode and mode.decode(errors="replace").strip() == "nginx" else "proxy"
 
 
@@ -27,14 +29,14 @@ def log_path(hv: HostVars, instance: int | None = None, proxy: bool = False, res
     if sum((instance is not None, proxy, results, keeper)) > 1:
         raise FleetError("choose one of --instance I, --proxy, --results and --keeper.")
     if keeper:
-        return f"{hv['deploy_dir']}/logs/keeper.log"
+        return layout.path(hv["deploy_dir"], layout.KEEPER_LOG)
     if instance is not None:
         if not 0 <= instance < hv["instances"]:
             raise FleetError(f"{hv.name}: there is no instance {instance}; instances are 0-{hv['instances'] - 1}.")
-        return f"{hv['deploy_dir']}/logs/vllm_{instance}.log"
+        return layout.path(hv["deploy_dir"], layout.instance_log(instance))
     if results:
         return f"{hv['deploy_dir']}/{RESULTS_LOG}"
-    return f"{hv['deploy_dir']}/logs/proxy.log"
+    return layout.path(hv["deploy_dir"], layout.PROXY_LOG)
 
 
 def tail(conn: Transport, hv: HostVars, emit: Emit, lines: int = 50, follow: bool = False,

@@ -13,6 +13,8 @@ import math
 import time
 from typing import Callable
 
+from hostagent import layout
+
 from . import accelerators, agent, smi
 from .errors import FleetError
 
@@ -43,8 +45,8 @@ def holders(conn, hv, indexes: list[int] | None, instance: int | None = None, ki
     """
     spare = []
     if instance is not None:
-        spare = [f"{hv.deployment_id}/{i}" for i in range(hv["instances"]) if i != instance]
-        spare += [f"{hv.deployment_id}/proxy"]
+        spare = [layout.tag(hv.deployment_id, i) for i in range(hv["instances"]) if i != instance]
+        spare += [layout.tag(hv.deployment_id, "proxy")]
     cards = [instance] if instance is not None else indexes
     spec = {"globs": device_globs(hv, cards), "spare_tags": spare, "kill": kill, "grace_s": hv["stop_grace_s"]}
     if cards is not None and accelerators.kind(hv["accelerator"]).render_from_sysfs:

@@ -7,9 +7,11 @@ from pathlib import Path
 
 import jinja2
 
+from hostagent import layout
+
 from . import accelerators
-from .errors import TemplateError
 from .cluster import backend_name
+from .errors import TemplateError
 from .inventory import HostVars
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"   # package data: shipped in the wheel
@@ -73,13 +75,13 @@ def environment() -> jinja2.Environment:
 
 # Rendered file -> (template, mode). The order is the order files are put on the host.
 FILES = {
-    "bin/start_cluster.sh": ("start_cluster.sh.j2", 0o755),
-    "bin/start_proxy.sh": ("start_proxy.sh.j2", 0o755),
-    "bin/stop_cluster.sh": ("stop_cluster.sh.j2", 0o755),
-    "conf/proxy.yaml": ("proxy.yaml.j2", 0o644),
-    "conf/nginx.conf": ("nginx.conf.j2", 0o644),
-    "conf/nginx_front.json": ("nginx_front.json.j2", 0o644),
-    "conf/hostagent.json": ("hostagent.json.j2", 0o644),
+    layout.START_CLUSTER: ("start_cluster.sh.j2", 0o755),
+    layout.START_PROXY: ("start_proxy.sh.j2", 0o755),
+    layout.STOP_CLUSTER: ("stop_cluster.sh.j2", 0o755),
+    layout.PROXY_CONF: ("proxy.yaml.j2", 0o644),
+    layout.NGINX_CONF: ("nginx.conf.j2", 0o644),
+    layout.NGINX_FRONT_CONF: ("nginx_front.json.j2", 0o644),
+    layout.HOSTAGENT_CONF: ("hostagent.json.j2", 0o644),
 }
 
 

@@ -6,6 +6,8 @@ function on the host.
 """
 from __future__ import annotations
 
+from hostagent import layout
+
 from . import agent, facts, runlock, sync
 from .errors import FleetError
 from .inventory import HostVars
@@ -30,17 +32,12 @@ def _restart(conn, hv: HostVars, emit: Emit, instance: int | None) -> Report:
     report = Report(hv.name)
     files = sync.host_files(hv)
     found = facts.probe(conn, hv, [f.path for f in files], readonly=True)
-    if not found["files"].get("bin/start_cluster.sh"):
+    if not found["files"].get(layout.START_CLUSTER):
         raise FleetError(f"{hv.name} is not deployed under {hv['deploy_dir']}; run "
                          f"`inv deploy --host {hv.name}` first.")
     # The instance starts with the current inventory: put what changed (the proxy keeps running as is).
     sync.put_files(conn, hv, files, found, report, emit)
     what = "--rolling" if instance is None else f"--instance {int(instance)}"
-    result = agent.host_command(conn, hv, f"restart {what} --locked", lambda line: emit(line.split(": ", 1)[-1]),
-                                raise_failed=False, timeout=None)
-    if "steps" not in result:
-        raise FleetError(f"{hv.name}: {result.get('error', 'the host agent did not restart')}")
-    for s in result["steps"]:
-        report.add(s["name"], s["status"], s["message"])
+    agent.steps(conn, hv, f"restart {what} --locked", report, emit)
     report.status = facts.status_of(hv, facts.probe(conn, hv))
     return report

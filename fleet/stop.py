@@ -79,16 +79,10 @@ def _agent_steps(conn, hv, command: str, report: Report, emit: Emit) -> dict:
     """Run a host agent command that answers with steps (conf/hostagent.json) and add them to report; a
     host agent that cannot be run is one skipped step, and the stop goes on."""
     try:
-        result = agent.host_command(conn, hv, command, lambda line: emit(line.split(": ", 1)[-1]),
-                              raise_failed=False,
-                              timeout=hv["drain_timeout_s"] + 60)
+        return agent.steps(conn, hv, command, report, emit, timeout=hv["drain_timeout_s"] + 60)
     except FleetError as e:
         report.add(command.split()[0], "skipped", str(e).removeprefix(hv.name + ': '))
         return {}
-    for step in result.get("steps") or [{"name": command.split()[0], "status": "failed",
-                                         "message": result.get("error", "no answer")}]:
-        report.add(step["name"], step["status"], step["message"])
-    return result
 
 
 def stop(conn: Transport, hv: HostVars, emit: Emit = lambda line: None, instance: int | None = None,

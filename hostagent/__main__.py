@@ -3,7 +3,8 @@
 nginx front (--config conf/nginx_front.json): check (preflight), to-nginx, to-proxy, reload, watch.
 Instances (--config conf/hostagent.json): restart --instance I | --rolling; keeper (runs it here),
 keeper-start (in its own session, a running one stopped first), keeper-stop; drain-instance --instance I
-and enable-instance --instance I (before and after `inv stop --instance I`).
+and enable-instance --instance I (before and after `inv stop --instance I`); wait-healthy --instances 0,1
+(after a start: each instance's /health 200, at most health_timeout_s, one step per instance).
 Proxy front (--config conf/nginx_front.json): restart-proxy [--healthy] (a zero-gap restart of the
 proxy), drain --timeout-s T (stop's first step: the front stops taking requests, finishes those in flight).
 Each command but watch and keeper prints progress lines, then one line `FLEET_RESULT {json}`; the exit
@@ -16,17 +17,18 @@ import json
 import logging
 import sys
 
-from . import drain, handover, host, keeper, lock, restart, watch
+from . import drain, handover, host, instances, keeper, lock, restart, watch
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hostagent", description=__doc__)
     parser.add_argument("command", choices=["check", "to-nginx", "to-proxy", "reload", "watch", "restart",
                                             "keeper", "keeper-start", "keeper-stop", "restart-proxy", "drain",
-                                            "drain-instance", "enable-instance"])
+                                            "drain-instance", "enable-instance", "wait-healthy"])
     parser.add_argument("--config", required=True)
     parser.add_argument("--nginx", default=None, help="the nginx binary (default: found as check does)")
     parser.add_argument("--instance", type=int, default=None, help="restart, drain-instance, enable-instance: the instance")
+    parser.add_argument("--instances", default=None, help="wait-healthy: the instances, a comma list")
     parser.add_argument("--rolling", action="store_true", help="restart: every instance in turn")
     parser.add_argument("--locked", action="store_true",
                         help="restart: the caller holds the run lock (inv restart); else it is taken here")
@@ -56,6 +58,8 @@ def main(argv=None) -> int:
             return _restart(cfg, args, say)
         if args.command in ("drain-instance", "enable-instance"):
             return _one_instance(cfg, args, say)
+        if args.command == "wait-healthy":
+            return _wait_healthy(cfg, args, say)
         if args.command == "check":
             result = handover.preflight(cfg, args.nginx)
         elif args.command == "to-nginx":
@@ -90,6 +94,21 @@ def _one_instance(cfg: dict, args, say) -> int:
               else restart.enable_after_stop(cfg, i, say))
     ok = not any(s["status"] == "failed" for s in result["steps"])
     print("FLEET_RESULT " + json.dumps({"ok": ok, **result}), flush=True)
+    return 0 if ok else 1
+
+
+def _wait_healthy(cfg: dict, args, say) -> int:
+    """wait-healthy --instances 0,1: the steps go back in the FLEET_RESULT line."""
+    n = len(cfg["instances"])
+    try:
+        indexes = [int(i) for i in (args.instances or "").split(",") if i.strip()]
+    except ValueError:
+        indexes = [-1]
+    if not indexes or not all(0 <= i < n for i in indexes):
+        raise host.FrontError(f"wait-healthy needs --instances I,J,... among 0-{n - 1}.")
+    steps = instances.wait_healthy(cfg, indexes, say)
+    ok = not any(s["status"] == "failed" for s in steps)
+    print("FLEET_RESULT " + json.dumps({"ok": ok, "steps": steps}), flush=True)
     return 0 if ok else 1
 
 

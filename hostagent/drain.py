@@ -18,7 +18,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-from . import host
+from . import host, proxyadmin
 
 PROGRESS_S = 1.0       # one line of progress a second
 EXIT_WAIT_S = 5.0      # after the drain, how long the front gets to exit before the stop script takes over
@@ -43,16 +43,17 @@ def drain(cfg: dict, timeout_s: float, say=print) -> dict:
 def proxy_in_flight(cfg: dict) -> int | None:
     """The proxy's requests in flight, those waiting in its queue included (its admin API), or None when
     it does not answer."""
-    status, body = host.admin_call(cfg, "GET", "/admin/requests", timeout=2)
-    if status != 200 or not isinstance(body, list):
+    body = proxyadmin.get_json(cfg["admin_port"], "/admin/requests", timeout=2)
+    if not isinstance(body, list):
         return None
     return len(body)
 
 
 def drain_proxy(cfg: dict, pid: int, pgid: int, timeout_s: float, say) -> dict:
     answer: list = []
-    call = threading.Thread(target=lambda: answer.append(host.admin_call(
-        cfg, "POST", "/admin/drain-and-exit", {"timeout_s": timeout_s, "pid": pid}, timeout=timeout_s + 15)), daemon=True)
+    call = threading.Thread(target=lambda: answer.append(proxyadmin.call(
+        cfg["admin_port"], "POST", "/admin/drain-and-exit", {"timeout_s": timeout_s, "pid": pid},
+        timeout=timeout_s + 15)), daemon=True)
     t0 = time.monotonic()
     call.start()
     say(f"drain: proxy pid {pid} stops accepting; its requests in flight get up to {timeout_s:g}s")

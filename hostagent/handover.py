@@ -18,7 +18,7 @@ import signal
 import subprocess
 import time
 
-from . import host, processes
+from . import host, keeper, layout, processes, proxyadmin
 from .host import FrontError
 
 
@@ -29,7 +29,7 @@ def ms(seconds: float) -> float:
 def preflight(cfg: dict, nginx: str | None = None) -> dict:
     """nginx found, its directories there, the upstream file written, `nginx -t` passing, the port usable."""
     nginx = nginx or host.find_nginx(cfg)
-    for d in (cfg["temp_dir"], cfg["log_dir"], os.path.join(cfg["deploy_dir"], "run")):
+    for d in (cfg["temp_dir"], cfg["log_dir"], host.at(cfg, layout.RUN)):
         os.makedirs(d, exist_ok=True)
     if not os.path.exists(cfg["upstream_file"]):
         host.write_upstream(cfg, host.check_health(cfg))
@@ -79,7 +79,7 @@ def _spawn_nginx(cfg: dict, nginx: str, sock) -> int:
     # nginx writes its own pid file (run/nginx.master.pid, a bare pid); run/nginx.pid is the record
     # the toolkit checks before it signals nginx. nginx's setproctitle erases its environment's tag,
     # so the record's start time is what proves it is ours.
-    processes.write_record(cfg["pid_file"], p.pid, f"{cfg['deployment_id']}/nginx")
+    processes.write_record(cfg["pid_file"], p.pid, layout.tag(cfg["deployment_id"], "nginx"))
     return p.pid
 
 
@@ -90,17 +90,17 @@ def _start_proxy(cfg: dict, wait_free: str | None = None, beside_s: float | None
         env = {**os.environ, "WAIT_FREE": wait_free}
     elif beside_s is not None:
         env = {**os.environ, "BESIDE_S": f"{beside_s:g}", "FLEET_PROXY_DRAINED": ",".join(drained)}
-    r = subprocess.run([os.path.join(cfg["deploy_dir"], "bin", "start_proxy.sh")], capture_output=True,
+    r = subprocess.run([host.at(cfg, layout.START_PROXY)], capture_output=True,
                        text=True, timeout=60, env=env)
     if r.returncode != 0:
-        raise FrontError(f"bin/start_proxy.sh failed (exit {r.returncode}): {r.stderr.strip()[-300:]}")
+        raise FrontError(f"{layout.START_PROXY} failed (exit {r.returncode}): {r.stderr.strip()[-300:]}")
 
 
 def _finish_proxy(cfg: dict, pid: int, pgid: int) -> bool:
     """Wait for the stopped proxy to finish its in-flight requests, then clear its pid file."""
     clean = host.stop_group(pgid, pid, float(cfg["proxy_drain_s"]), sig=0) if host.alive(pid) else True
     try:
-        os.remove(host.run_path(cfg, "proxy.pid"))
+        os.remove(host.at(cfg, layout.PROXY_PID))
     except OSError:
         pass
     return clean
@@ -135,7 +135,7 @@ def to_nginx(cfg: dict, config_path: str, nginx: str | None = None, say=print) -
                     time.sleep(0.001)
             if sock is None:
                 raise FrontError(f"the proxy (pid {proxy_pid}) did not release port {cfg['port']} within 15 s; "
-                                 "look at logs/proxy.log, then retry.")
+                                 f"look at {layout.PROXY_LOG}, then retry.")
         t_bound = time.monotonic()
         pid = _spawn_nginx(cfg, nginx, sock)
         sock.close()
@@ -146,7 +146,7 @@ def to_nginx(cfg: dict, config_path: str, nginx: str | None = None, say=print) -
             if proxy_pid and not overlap:
                 _start_proxy(cfg)
                 say("proxy: started again, nginx did not come up")
-            raise FrontError("nginx did not start: " + host.log_tail(cfg["error_log"]) +
+            raise FrontError("nginx did not start: " + host.log_line(cfg["error_log"]) +
                              "; the proxy keeps the port. Fix what the error log says and retry.")
         t_ready = time.monotonic()
         if overlap:
@@ -162,10 +162,10 @@ def to_nginx(cfg: dict, config_path: str, nginx: str | None = None, say=print) -
             result["proxy_drained"] = _finish_proxy(cfg, proxy_pid, proxy_pgid)
             say(f"proxy: pid {proxy_pid} " + ("finished its in-flight requests and exited" if
                 result["proxy_drained"] else "was killed after proxy_drain_s"))
-    host.write_atomic(host.run_path(cfg, "mode"), "nginx\n")
+    host.write_atomic(host.at(cfg, layout.MODE), "nginx\n")
     if cfg.get("keeper_watches"):
         _keeper_watches(cfg, result, say)
-    elif not host.ours(cfg, "nginx_watch.pid", "nginx-watch"):
+    elif not host.ours(cfg, layout.NGINX_WATCH_PID, "nginx-watch"):
         result["watcher_pid"] = host.start_watcher(cfg, config_path, nginx)
         result["changed"] = True
         say(f"watcher: pid {result['watcher_pid']} polls {cfg['health_path']} of {len(cfg['backends'])} "
@@ -176,17 +176,15 @@ def to_nginx(cfg: dict, config_path: str, nginx: str | None = None, say=print) -
 def _keeper_watches(cfg: dict, result: dict, say) -> None:
     """keeper.enabled: the keeper does the /health watching (one agent, not two); started if it is not
     running, and a watcher left from before is stopped."""
-    from . import keeper
     if host.stop_watcher(cfg):
         say("watcher: stopped, the keeper watches /health now")
-    pid, _ = host.read_pid(host.run_path(cfg, "keeper.pid"))
+    pid, _ = host.read_pid(host.at(cfg, layout.KEEPER_PID))
     if not host.alive(pid):
-        pid = keeper.start(host.load_config(os.path.join(cfg["deploy_dir"], "conf", "hostagent.json")),
-                           "conf/hostagent.json")
+        pid = keeper.start(host.load_config(host.at(cfg, layout.HOSTAGENT_CONF)), layout.HOSTAGENT_CONF)
         result["changed"] = True
     result["watcher_pid"] = pid
     say(f"keeper: pid {pid} polls {cfg['health_path']} of {len(cfg['backends'])} backends every "
-        f"{cfg['interval_s']}s for nginx, log logs/keeper.log")
+        f"{cfg['interval_s']}s for nginx, log {layout.KEEPER_LOG}")
 
 
 def to_proxy(cfg: dict, config_path: str, nginx: str | None = None, say=print) -> dict:
@@ -207,7 +205,7 @@ def to_proxy(cfg: dict, config_path: str, nginx: str | None = None, say=print) -
             ppid, ppgid = host.proxy_pid(cfg)
             if ppid:
                 host.stop_group(ppgid, ppid, 3)
-            raise FrontError("the proxy did not start beside nginx (see logs/proxy.log); nginx keeps the port.")
+            raise FrontError(f"the proxy did not start beside nginx (see {layout.PROXY_LOG}); nginx keeps the port.")
         if host.stop_watcher(cfg):
             say("watcher: stopped")
         say(f"proxy: pid {proxy_pid} shares the port (SO_REUSEPORT) and answers; SIGQUIT to nginx pid {pid}: "
@@ -216,14 +214,14 @@ def to_proxy(cfg: dict, config_path: str, nginx: str | None = None, say=print) -
         result.update(changed=True, overlap=True, gap_ms=0.0, release_ms=0.0)
         say(f"proxy: answers on :{cfg['port']}; port refused connections for at most 0.0 ms")
     elif pid and not host.proxy_pid(cfg)[0]:
-        ready = host.run_path(cfg, "proxy.waiting")
+        ready = host.at(cfg, layout.PROXY_WAITING)
         if os.path.exists(ready):
             os.remove(ready)
         _start_proxy(cfg, wait_free=f"{cfg['bind']}:{cfg['port']}")
         proxy_pid = host.proxy_pid(cfg)[0]
         if not _wait(lambda: os.path.exists(ready) or not host.alive(proxy_pid), 60, 0.01) \
                 or not host.alive(proxy_pid):
-            raise FrontError("the proxy did not start (see logs/proxy.log); nginx keeps the port.")
+            raise FrontError(f"the proxy did not start (see {layout.PROXY_LOG}); nginx keeps the port.")
         say(f"proxy: pid {proxy_pid} imported, waits for the port; SIGQUIT to nginx pid {pid}: it closes "
             "its listener and finishes its in-flight requests")
         if host.stop_watcher(cfg):
@@ -247,7 +245,7 @@ def to_proxy(cfg: dict, config_path: str, nginx: str | None = None, say=print) -
                 host.stop_group(ppgid, ppid, 3)
             _wait(lambda: not host.alive(pid), 15, 0.05)
             to_nginx(cfg, config_path, nginx, say)
-            raise FrontError("the proxy did not answer on the entry port within 30 s (see logs/proxy.log); "
+            raise FrontError(f"the proxy did not answer on the entry port within 30 s (see {layout.PROXY_LOG}); "
                              "nginx is the front again.")
         result.update(changed=True, release_ms=ms((t_refused or t_ready) - t_quit),
                       gap_ms=ms(t_ready - t_refused) if t_refused else 0.0)
@@ -257,11 +255,11 @@ def to_proxy(cfg: dict, config_path: str, nginx: str | None = None, say=print) -
         _start_proxy(cfg)
         result["changed"] = True
         if not _wait(lambda: host.front_answer(cfg) == "proxy", 30, 0.01):
-            raise FrontError("the proxy did not answer on the entry port within 30 s; see logs/proxy.log.")
+            raise FrontError(f"the proxy did not answer on the entry port within 30 s; see {layout.PROXY_LOG}.")
     if host.stop_watcher(cfg):
         result["changed"] = True
         say("watcher: stopped")
-    host.write_atomic(host.run_path(cfg, "mode"), "proxy\n")
+    host.write_atomic(host.at(cfg, layout.MODE), "proxy\n")
     if pid:
         gone = _wait(lambda: not host.alive(pid), 10, 0.05)
         say(f"nginx: pid {pid} " + ("exited" if gone else "still finishes long requests; it exits when they end"))
@@ -277,7 +275,7 @@ def reload(cfg: dict, config_path: str, nginx: str | None = None, say=print) -> 
     host.write_upstream(cfg, host.check_health(cfg))
     os.kill(pid, signal.SIGHUP)
     say(f"nginx: pid {pid} reloaded its configuration")
-    host.write_atomic(host.run_path(cfg, "mode"), "nginx\n")
+    host.write_atomic(host.at(cfg, layout.MODE), "nginx\n")
     result = {"changed": True, "pid": pid, "nginx": pre["nginx"]}
     if cfg.get("keeper_watches"):
         _keeper_watches(cfg, result, say)
@@ -304,14 +302,14 @@ def restart_proxy(cfg: dict, need_healthy: bool, say=print) -> dict:
         raise FrontError("no proxy runs; `inv deploy` starts one.")
     if not host.can_share_port(cfg):
         return _restart_with_gap(cfg, old_pid, old_pgid, say)
-    next_file = host.run_path(cfg, "proxy.next.pid")
+    next_file = host.at(cfg, layout.PROXY_NEXT_PID)
     drain_s = float(cfg["proxy_shutdown_s"])
-    status, body = host.admin_call(cfg, "GET", "/admin/backends", timeout=2)
-    drained = [b["name"] for b in body if b.get("drained")] if status == 200 and isinstance(body, list) else []
+    drained = [name for name, b in (proxyadmin.backends(cfg["admin_port"], timeout=2) or {}).items()
+               if b.get("drained")]
     if drained:
         say(f"proxy: the new one keeps {', '.join(drained)} drained, as the operator left them")
     _start_proxy(cfg, beside_s=drain_s + 30, drained=drained)
-    new = host.ours(cfg, "proxy.next.pid", "proxy")
+    new = host.ours(cfg, layout.PROXY_NEXT_PID, "proxy")
     new_pid, new_pgid = (new.pid, new.pgid) if new else (None, None)
     t0 = time.monotonic()
 
@@ -330,12 +328,12 @@ def restart_proxy(cfg: dict, need_healthy: bool, say=print) -> dict:
             pass
         why = "exited" if verdict == "exited" else \
             "did not answer 200 on /health within 30 s" if need_healthy else "did not answer within 30 s"
-        raise FrontError(f"the new proxy {why} (logs/proxy.log: {host.log_tail(_proxy_log(cfg))}); "
+        raise FrontError(f"the new proxy {why} ({layout.PROXY_LOG}: {host.log_line(_proxy_log(cfg))}); "
                          f"the running proxy (pid {old_pid}) keeps the port.")
     say(f"proxy: new pid {new_pid} answers on :{cfg['port']} beside pid {old_pid} after "
         f"{time.monotonic() - t0:.1f}s; pid {old_pid} stops accepting and drains (up to {drain_s:g}s)")
-    status, answer = host.admin_call(cfg, "POST", "/admin/drain-and-exit", {"timeout_s": drain_s, "pid": old_pid},
-                                     timeout=drain_s + 15)
+    status, answer = proxyadmin.call(cfg["admin_port"], "POST", "/admin/drain-and-exit",
+                                     {"timeout_s": drain_s, "pid": old_pid}, timeout=drain_s + 15)
     result = {"changed": True, "pid": new_pid, "old_pid": old_pid, "overlap": True}
     if status == 200 and isinstance(answer, dict) and answer.get("pid") == old_pid:
         result.update(drained=answer["in_flight_at_start"], waited_s=answer["waited_s"], cut=answer["cut"])
@@ -347,7 +345,7 @@ def restart_proxy(cfg: dict, need_healthy: bool, say=print) -> dict:
         gone = _wait(lambda: not host.alive(old_pid), drain_s + 10, 0.05)
     if not gone:
         host.stop_group(old_pgid, old_pid, 3)
-    os.replace(next_file, host.run_path(cfg, "proxy.pid"))
+    os.replace(next_file, host.at(cfg, layout.PROXY_PID))
     for c in result.get("cut", []):
         say(f"proxy: request {c['request_id']} (trace {c['trace_id']}) on {c['backend']} was cut: still in "
             f"flight after {drain_s:g}s")
@@ -355,17 +353,17 @@ def restart_proxy(cfg: dict, need_healthy: bool, say=print) -> dict:
                                     "and exited" if "drained" in result else "exited"))
 
     def on_admin():
-        answer = host.admin_call(cfg, "GET", "/admin/config", timeout=1)[1]
+        answer = proxyadmin.get_json(cfg["admin_port"], "/admin/config", timeout=1)
         return isinstance(answer, dict) and answer.get("pid") == new_pid
     result["admin"] = bool(_wait(on_admin, 10, 0.05))
     if not result["admin"]:
         say(f"proxy: pid {new_pid} serves, but does not answer on admin port {cfg['admin_port']}; "
-            "see logs/proxy.log")
+            f"see {layout.PROXY_LOG}")
     return result
 
 
 def _proxy_log(cfg: dict) -> str:
-    return os.path.join(cfg["deploy_dir"], "logs", "proxy.log")
+    return host.at(cfg, layout.PROXY_LOG)
 
 
 def _restart_with_gap(cfg: dict, old_pid: int, old_pgid: int, say) -> dict:
@@ -378,7 +376,7 @@ def _restart_with_gap(cfg: dict, old_pid: int, old_pgid: int, say) -> dict:
     new_pid = host.proxy_pid(cfg)[0]
     if not _wait(lambda: host.proxy_answer(cfg)[1] == new_pid or not host.alive(new_pid), 30, 0.01) \
             or not host.alive(new_pid):
-        raise FrontError(f"the new proxy did not start: {host.log_tail(_proxy_log(cfg))}")
+        raise FrontError(f"the new proxy did not start: {host.log_line(_proxy_log(cfg))}")
     gap = ms(time.monotonic() - t_gone)
     say(f"proxy: pid {new_pid} answers; the port refused connections for about {gap} ms")
     return {"changed": True, "pid": new_pid, "old_pid": old_pid, "overlap": False, "gap_ms": gap}

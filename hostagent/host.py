@@ -15,7 +15,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-from . import processes, upstream
+from . import instances, layout, processes, upstream
 
 # Where nginx lives when it is not on PATH (a user's PATH often lacks the sbin directories).
 NGINX_CANDIDATES = ("/usr/sbin/nginx", "/usr/local/sbin/nginx", "/usr/local/nginx/sbin/nginx", "/sbin/nginx")
@@ -83,14 +83,15 @@ def read_pid(path: str) -> tuple[int | None, int | None]:
 alive = processes.alive
 
 
-def ours(cfg: dict, name: str, what: str):
-    """The live process run/NAME records, when it still is the deployment's `what` (its record's start time
-    and tag); None otherwise: a stale pid file is never acted on."""
-    return processes.verified(run_path(cfg, name), f"{cfg['deployment_id']}/{what}")
+def ours(cfg: dict, pidfile: str, what: str):
+    """The live process the pid file records (a layout path), when it still is the deployment's `what`
+    (its record's start time and tag); None otherwise: a stale pid file is never acted on."""
+    return processes.verified(at(cfg, pidfile), layout.tag(cfg["deployment_id"], what))
 
 
-def run_path(cfg: dict, name: str) -> str:
-    return os.path.join(cfg["deploy_dir"], "run", name)
+def at(cfg: dict, rel: str) -> str:
+    """A layout path (hostagent.layout) under the deployment's deploy_dir."""
+    return layout.path(cfg["deploy_dir"], rel)
 
 
 def write_atomic(path: str, text: str) -> None:
@@ -101,12 +102,12 @@ def write_atomic(path: str, text: str) -> None:
 
 
 def nginx_pid(cfg: dict) -> int | None:
-    p = processes.verified(cfg["pid_file"], f"{cfg['deployment_id']}/nginx")
+    p = processes.verified(cfg["pid_file"], layout.tag(cfg["deployment_id"], "nginx"))
     return p.pid if p else None
 
 
 def proxy_pid(cfg: dict) -> tuple[int | None, int | None]:
-    p = ours(cfg, "proxy.pid", "proxy")
+    p = ours(cfg, layout.PROXY_PID, "proxy")
     return (p.pid, p.pgid) if p else (None, None)
 
 
@@ -163,26 +164,6 @@ def proxy_answer(cfg: dict, timeout: float = 1.0) -> tuple[int | None, int | Non
         return status, None
 
 
-def admin_call(cfg: dict, method: str, path: str, body: dict | None = None,
-               timeout: float = 5.0) -> tuple[int | None, object]:
-    """Call the proxy's loopback admin API: (status, decoded JSON or text); (None, reason) when nothing
-    answers."""
-    data = json.dumps(body).encode() if body is not None else (b"" if method == "POST" else None)
-    req = urllib.request.Request(f"http://127.0.0.1:{cfg['admin_port']}{path}", data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            status, raw = r.status, r.read()
-    except urllib.error.HTTPError as e:
-        status, raw = e.code, e.read()
-    except (OSError, ValueError) as e:
-        return None, str(e)
-    try:
-        return status, json.loads(raw)
-    except ValueError:
-        return status, raw.decode("utf-8", "replace")
-
-
 def can_share_port(cfg: dict) -> bool:
     """Whether a listener with SO_REUSEPORT could join the entry port now (bind only, never listen: a
     probe that listened would be handed some of the clients' connections and reset them)."""
@@ -229,7 +210,7 @@ def port_free(cfg: dict, reuse_port: bool = False) -> bool:
 
 
 def tagged_env(cfg: dict, what: str) -> dict:
-    return {**os.environ, "FLEET_TAG": f"{cfg['deployment_id']}/{what}"}
+    return {**os.environ, layout.TAG_VAR: layout.tag(cfg["deployment_id"], what)}
 
 
 def signal_group(pgid: int | None, pid: int, sig) -> None:
@@ -265,20 +246,20 @@ def stop_group(pgid: int | None, pid: int | None, grace_s: float, sig=signal.SIG
 def start_watcher(cfg: dict, config_path: str, nginx: str) -> int:
     """Start the /health watcher in its own session, tagged; its pid goes to run/nginx_watch.pid."""
     stop_watcher(cfg)
-    log = open(os.path.join(cfg["log_dir"], "nginx_watch.log"), "a")
+    log = open(os.path.join(cfg["log_dir"], "nginx_watch.log"), "a")     # nginx.log_dir, logs/ by default
     p = subprocess.Popen([sys.executable, "-m", "hostagent", "watch", "--config", config_path,
                           "--nginx", nginx], cwd=cfg["deploy_dir"], env=tagged_env(cfg, "nginx-watch"),
                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                          start_new_session=True)
     log.close()
-    processes.write_record(run_path(cfg, "nginx_watch.pid"), p.pid, f"{cfg['deployment_id']}/nginx-watch")
+    processes.write_record(at(cfg, layout.NGINX_WATCH_PID), p.pid, layout.tag(cfg["deployment_id"], "nginx-watch"))
     return p.pid
 
 
 def stop_watcher(cfg: dict) -> bool:
     """Stop the watcher if it runs; True when one was stopped."""
-    path = run_path(cfg, "nginx_watch.pid")
-    p = ours(cfg, "nginx_watch.pid", "nginx-watch")
+    path = at(cfg, layout.NGINX_WATCH_PID)
+    p = ours(cfg, layout.NGINX_WATCH_PID, "nginx-watch")
     was = p is not None
     if was:
         stop_group(p.pgid, p.pid, 3)
@@ -289,9 +270,6 @@ def stop_watcher(cfg: dict) -> bool:
     return was
 
 
-def log_tail(path: str, n: int = 5) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return " | ".join(line.strip() for line in f.readlines()[-n:])
-    except OSError:
-        return "(no log)"
+def log_line(path: str, n: int = 5) -> str:
+    """The last n lines of a log on one line, for a one-sentence error."""
+    return " | ".join(line.strip() for line in instances.log_tail(path, n)) or "(no log)"

@@ -14,7 +14,9 @@ A dead instance is restarted after a wait of backoff_base_s * 2^k (k: its restar
 most backoff_max_s; after max_restarts within window_s it is put in `crashloop` and not restarted again
 until someone else starts it (inv restart, inv deploy: a new pid file).
 
-It never acts while the deployment's run lock is held (deploy, stop, restart, swaps), and holds that lock
+What is dead and what to do is decided by keeper_decisions.decide, a pure function (an instance's state
+is instances.classify's, the one `inv status` uses); this module observes, calls it and carries out its
+actions. It never acts while the deployment's run lock is held (deploy, stop, restart, swaps), and holds that lock
 itself while it restarts. In nginx mode it also does the /health watching and access-log rotation
 (hostagent/watch.py). What it knows goes to run/keeper.json (read by `inv status`) and run/keeper.prom
 (Prometheus text format, for node_exporter's textfile collector); its log is logs/keeper.log, rotated.
@@ -34,20 +36,21 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-from . import host, lock, processes, restart, watch
+from . import host, instances, layout, lock, processes, proxyadmin, restart, watch
+from .keeper_decisions import (PROBE_RESULTS, REASONS, Crashloop, Log, MarkReady, Observed, Probe, Restart, Watch,
+                               begin_restart, decide, end_restart, lock_refused)
 
 log = logging.getLogger("hostagent.keeper")
 
 PROBE_USER = "fleet-keeper-probe"
 PROBE_HEADER = "X-Fleet-Probe"
-REASONS = ("exited", "unhealthy", "start-timeout", "stalled")
 
 
 # --- facts ----------------------------------------------------------------------------------------
 
 def pidfile_identity(cfg: dict, i: int) -> tuple[str, int] | None:
     """What identifies one start of instance i: its pid file's text and time; None without a pid file."""
-    path = host.run_path(cfg, f"instance_{i}.pid")
+    path = host.at(cfg, layout.instance_pidfile(i))
     try:
         with open(path) as f:
             text = f.read().strip()
@@ -74,8 +77,9 @@ def generated_tokens(url: str) -> float | None:
     return total if seen else None
 
 
-def probe(cfg: dict, url: str) -> str:
-    """One stall probe: "ok", "busy" (timed out while the engine kept generating), "timeout" or "error"."""
+def probe(cfg: dict, url: str) -> tuple[str, float | None, float | None]:
+    """One stall probe: (answer, generated tokens before, after); answer "ok", "error" (an HTTP error: an
+    answer all the same) or "timeout". keeper_decisions.probe_result tells a stall from a busy engine."""
     body = json.dumps({"model": cfg["served_model_name"], "prompt": "ping", "max_tokens": 1,
                        "user": PROBE_USER, "stream": False}).encode()
     req = urllib.request.Request(f"{url}/v1/completions", body,
@@ -84,116 +88,108 @@ def probe(cfg: dict, url: str) -> str:
     try:
         with urllib.request.urlopen(req, timeout=cfg["keeper"]["probe_timeout_s"]) as r:
             r.read()
-            return "ok"
+            return "ok", before, None
     except urllib.error.HTTPError:
-        return "error"                      # an answer, so not a stall; /health says the rest
+        return "error", before, None
     except (TimeoutError, OSError) as e:
         if not isinstance(e, TimeoutError) and "timed out" not in str(e):
-            return "error"
-    after = generated_tokens(url)
-    if before is not None and after is not None and after > before:
-        return "busy"                      # queued behind long requests, but tokens are flowing
-    return "timeout"
+            return "error", before, None
+    return "timeout", before, generated_tokens(url)
 
 
-# --- one instance's record ------------------------------------------------------------------------
-
-class Watch:
-    """What the keeper knows of one instance."""
-
-    def __init__(self, index: int, saved: dict | None = None):
-        saved = saved or {}
-        self.index = index
-        self.identity: tuple[str, int] | None = None
-        self.healthy_once = False
-        self.unhealthy_since: float | None = None
-        self.probe_failures = 0
-        self.next_probe = 0.0
-        self.probing = False
-        self.dead_reason: str | None = None
-        self.restart_at: float | None = None         # monotonic time of the next restart (backoff)
-        self.state = "unknown"
-        self.recent: list[float] = list(saved.get("recent", []))     # wall times of restarts in window
-        self.restarts = int(saved.get("restarts", 0))
-        self.by_reason: dict[str, int] = dict(saved.get("by_reason", {}))
-        self.last_reason = saved.get("last_reason")
-        self.last_at = saved.get("last_at")
-        self.last_result = saved.get("last_result")
-        self.crashloop = bool(saved.get("crashloop"))
-        self.crashloop_identity = saved.get("crashloop_identity")
-        self.probes: dict[str, int] = dict(saved.get("probes", {}))
-
-    def new_start(self, identity) -> None:
-        self.identity = identity
-        self.healthy_once = False
-        self.unhealthy_since = None
-        self.probe_failures = 0
-        self.dead_reason = None
-        self.restart_at = None
-
-    def record(self) -> dict:
-        left = None if self.restart_at is None else round(max(0.0, self.restart_at - time.monotonic()), 1)
-        return {"state": self.state, "restarts": self.restarts, "by_reason": self.by_reason,
-                "last_reason": self.last_reason, "last_at": self.last_at, "last_result": self.last_result,
-                "recent": self.recent, "crashloop": self.crashloop,
-                "crashloop_identity": list(self.crashloop_identity) if self.crashloop_identity else None,
-                "dead_reason": self.dead_reason, "restart_in_s": left, "probe_failures": self.probe_failures,
-                "probes": self.probes}
+def observe(cfg: dict, i: int, timeout: float) -> Observed:
+    """What the keeper reads of instance i each round (all but drained and the stall probe's outcome)."""
+    inst = cfg["instances"][i]
+    identity = pidfile_identity(cfg, i)
+    alive = identity is not None and instances.recorded_pid(cfg["deploy_dir"], cfg["deployment_id"], i) is not None
+    status = instances.health(instances.url(inst), timeout=timeout) if alive else None
+    return Observed(identity=identity, alive=alive, health=status,
+                    listening=identity is not None and not alive and instances.listening(
+                        inst["port"], inst.get("address") or "127.0.0.1"),
+                    ready=os.path.exists(host.at(cfg, layout.instance_ready(i))),
+                    age_s=time.time() - identity[1] / 1e9 if identity else 0.0)
 
 
 # --- the keeper -----------------------------------------------------------------------------------
 
 class Keeper:
-    def __init__(self, cfg: dict, nginx_cfg: dict | None = None):
+    """The loop: each round it observes every instance, asks keeper_decisions.decide, and carries out the
+    actions. Seams for the tests (as honcho's Manager): the clocks, and the methods that touch the host
+    (observe, backends, try_lock, restart, probe) can be replaced."""
+
+    def __init__(self, cfg: dict, nginx_cfg: dict | None = None, _clock=time.monotonic, _wall=time.time):
         self.cfg = cfg
         self.k = cfg["keeper"]
         self.nginx_cfg = nginx_cfg
+        self.clock, self.wall = _clock, _wall
         self.stop = threading.Event()
         self.held = None                 # the run lock, while the keeper restarts an instance
         self.lock_held_by_other = False
         saved = self._load_state()
-        self.watches = [Watch(inst["index"], saved.get(str(inst["index"]))) for inst in cfg["instances"]]
+        self.watches = {inst["index"]: Watch.restore(inst["index"], saved.get(str(inst["index"])))
+                        for inst in cfg["instances"]}
         self.worker: threading.Thread | None = None
         self.restarting: int | None = None
-        self.started_at = time.time()
+        self.probing: set[int] = set()
+        self.probe_results: dict[int, tuple] = {}
+        self.started_at = self.wall()
         self.mode = "proxy"
         self.written = ""
+
+    # the host (seams)
+    def observe(self, i: int) -> Observed:
+        return observe(self.cfg, i, timeout=min(2.0, self.interval() + 1))
+
+    def backends(self) -> dict | None:
+        return proxyadmin.backends(self.cfg["admin_port"])
+
+    def try_lock(self, what: str):
+        return lock.try_hold(self.cfg["deploy_dir"], what)
+
+    def restart(self, i: int) -> list[dict]:
+        return restart.restart_instance(self.cfg, i, lambda line: log.info("  %s", line), cancelled=self.stop.is_set)
+
+    def probe(self, i: int) -> tuple:
+        return probe(self.cfg, instances.url(self.cfg["instances"][i]))
 
     # files
     def _load_state(self) -> dict:
         try:
-            with open(host.run_path(self.cfg, "keeper.json")) as f:
+            with open(host.at(self.cfg, layout.KEEPER_STATE)) as f:
                 return json.load(f).get("instances", {})
         except (OSError, ValueError, AttributeError):
             return {}
 
     def write_state(self, state: str = "running") -> None:
+        now = self.clock()
         data = {"pid": os.getpid(), "state": state, "started_at": self.started_at, "mode": self.mode,
                 "lock_held": self.lock_held_by_other, "restarting": self.restarting,
-                "interval_s": self.interval(), "instances": {str(w.index): w.record() for w in self.watches}}
+                "interval_s": self.interval(),
+                "instances": {str(i): w.record(now) for i, w in self.watches.items()}}
         text = json.dumps(data, indent=1) + "\n"
         if text == self.written:       # written on change only: a quiet host's deploy_dir stays as it is
             return
-        host.write_atomic(host.run_path(self.cfg, "keeper.json"), text)
-        host.write_atomic(host.run_path(self.cfg, "keeper.prom"), self.metrics_text(state))
+        host.write_atomic(host.at(self.cfg, layout.KEEPER_STATE), text)
+        host.write_atomic(host.at(self.cfg, layout.KEEPER_METRICS), self.metrics_text(state))
         self.written = text
 
     def metrics_text(self, state: str) -> str:
         dep = self.cfg["deployment_id"]
+        watches = list(self.watches.values())
         lines = ["# HELP fleet_keeper_restarts_total Instance restarts by the keeper, by reason.",
                  "# TYPE fleet_keeper_restarts_total counter"]
-        for w in self.watches:
+        for w in watches:
             for reason in REASONS:
                 lines.append(f'fleet_keeper_restarts_total{{deployment="{dep}",instance="{w.index}",'
                              f'reason="{reason}"}} {w.by_reason.get(reason, 0)}')
         lines += ["# HELP fleet_keeper_crashloop 1 while the instance is in crashloop (not restarted).",
                   "# TYPE fleet_keeper_crashloop gauge"]
         lines += [f'fleet_keeper_crashloop{{deployment="{dep}",instance="{w.index}"}} {int(w.crashloop)}'
-                  for w in self.watches]
+                  for w in watches]
         lines += ["# HELP fleet_keeper_probes_total Stall probes sent (user fleet-keeper-probe), by result.",
                   "# TYPE fleet_keeper_probes_total counter"]
-        for w in self.watches:
-            for result in ("ok", "busy", "timeout", "error"):
+        for w in watches:
+            for result in PROBE_RESULTS:
                 lines.append(f'fleet_keeper_probes_total{{deployment="{dep}",instance="{w.index}",'
                              f'result="{result}"}} {w.probes.get(result, 0)}')
         lines += ["# HELP fleet_keeper_up 1 while the keeper runs.", "# TYPE fleet_keeper_up gauge",
@@ -225,152 +221,89 @@ class Keeper:
         log.info("stopped")
 
     def round(self) -> None:
-        self.mode = _read(host.run_path(self.cfg, "mode")) or "proxy"
+        """Observe every instance (but the one being restarted), decide, act."""
+        self.mode = _read(host.at(self.cfg, layout.MODE)) or "proxy"
         if self.mode == "nginx" and self.nginx_cfg is not None:
             watch.step(self.nginx_cfg)
             watch.rotate_access_log(self.nginx_cfg)
         drained = {}
         if self.mode != "nginx":
-            drained = {name: b.get("drained") for name, b in (restart.backends(self.cfg) or {}).items()}
+            drained = {name: b.get("drained") for name, b in (self.backends() or {}).items()}
         self.lock_held_by_other = False
-        watches = [w for w in self.watches if w.index != self.restarting]
-        # /health of every instance at once: a hung one costs a round one timeout, not one per instance.
-        with ThreadPoolExecutor(max_workers=min(16, len(watches) or 1)) as pool:
-            statuses = list(pool.map(self._health, watches))
-        for w, (alive, status) in zip(watches, statuses):
-            self.look(w, alive, status, drained.get(self.cfg["instances"][w.index]["backend"], False))
+        indexes = [i for i in self.watches if i != self.restarting]
+        # every instance at once: a hung one costs a round one /health timeout, not one per instance.
+        with ThreadPoolExecutor(max_workers=min(16, len(indexes) or 1)) as pool:
+            observed = list(pool.map(self.observe, indexes))
+        for i, obs in zip(indexes, observed):
+            obs.drained = bool(drained.get(self.cfg["instances"][i]["backend"], False))
+            obs.probing = i in self.probing
+            obs.probe = self.probe_results.pop(i, None)
+            self.watches[i], actions = decide(self.watches[i], obs, self.clock(), self.wall(), self.k,
+                                              float(self.cfg["health_timeout_s"]),
+                                              busy=self.restarting is not None)
+            for action in actions:
+                self.carry_out(action)
 
-    def _health(self, w: Watch) -> tuple[bool, int | None]:
-        """Whether instance w's recorded process is alive (and still the one its pid file records), and its
-        /health status when it is."""
-        if restart.instance_pid(self.cfg, w.index) is None:
-            return False, None
-        return True, restart.health(restart.instance_url(self.cfg["instances"][w.index]),
-                                    timeout=min(2.0, self.interval() + 1))
+    def carry_out(self, action) -> None:
+        if isinstance(action, Log):
+            getattr(log, action.level)("%s", action.message)
+        elif isinstance(action, MarkReady):
+            log.info("instance %d: healthy on :%d", action.index, self.cfg["instances"][action.index]["port"])
+            _touch(host.at(self.cfg, layout.instance_ready(action.index)))   # as `inv status` marks it
+        elif isinstance(action, Probe):
+            self._start_probe(action.index)
+        elif isinstance(action, Crashloop):
+            i = action.index
+            log.error("instance %d: CRASHLOOP: dead again (%s) after %d restarts within %gs; no more restarts "
+                      "until `inv restart --instance %d` or `inv deploy`. Last lines of %s:\n%s",
+                      i, action.reason, action.restarts, self.k["window_s"], i, layout.instance_log(i),
+                      "\n".join("    " + line for line in instances.engine_log_tail(self.cfg["deploy_dir"], i)))
+        elif isinstance(action, Restart):
+            self._start_restart(action)
 
-    def look(self, w: Watch, alive: bool, status: int | None, drained: bool) -> None:
-        """Settle one instance's state, and act on it when it is dead."""
-        inst = self.cfg["instances"][w.index]
-        now = time.monotonic()
-        identity = pidfile_identity(self.cfg, w.index)
-        if identity is None:
-            w.state, w.identity = "stopped", None
-            w.dead_reason = w.restart_at = None
-            return
-        if identity != w.identity:
-            if w.crashloop and w.crashloop_identity is not None and list(identity) != list(w.crashloop_identity):
-                log.warning("instance %d: started by someone else (inv restart or deploy): crashloop cleared",
-                            w.index)
-                w.crashloop, w.crashloop_identity, w.recent = False, None, []
-            w.new_start(identity)
-            w.healthy_once = os.path.exists(host.run_path(self.cfg, f"instance_{w.index}.ready"))
-        reason = None
-        if not alive:
-            reason = "exited"
-        elif status == 200:
-            if not w.healthy_once:
-                log.info("instance %d: healthy on :%d", w.index, inst["port"])
-                _touch(host.run_path(self.cfg, f"instance_{w.index}.ready"))   # as `inv status` marks it
-            w.healthy_once, w.unhealthy_since = True, None
-            if w.probe_failures >= self.k["probe_failures"]:
-                reason = "stalled"
-            elif self.k["stall_probe"] and not w.probing and now >= w.next_probe:
-                self._probe(w, restart.instance_url(inst))
-        elif w.healthy_once:
-            w.unhealthy_since = w.unhealthy_since or now
-            if now - w.unhealthy_since >= self.k["dead_after_s"]:
-                reason = "unhealthy"
-        elif _age(identity) > float(self.cfg["health_timeout_s"]):
-            reason = "start-timeout"
-        if reason is None:
-            if w.dead_reason is not None:
-                log.info("instance %d: recovered before its restart", w.index)
-            w.dead_reason = w.restart_at = None
-            w.state = "healthy" if status == 200 else ("unhealthy" if w.healthy_once else "loading")
-            if drained:
-                w.state += ", drained"
-            return
-        self.dead(w, reason, drained)
-
-    def dead(self, w: Watch, reason: str, drained: bool) -> None:
-        if w.crashloop:
-            w.state = "crashloop"
-            return
-        if drained:
-            w.state = f"dead ({reason}), drained by the operator: left alone"
-            return
-        if w.dead_reason is None:
-            w.dead_reason = reason
-            cutoff = time.time() - self.k["window_s"]
-            w.recent = [t for t in w.recent if t >= cutoff]
-            if len(w.recent) >= self.k["max_restarts"]:
-                w.crashloop, w.crashloop_identity, w.state = True, w.identity, "crashloop"
-                log.error("instance %d: CRASHLOOP: dead again (%s) after %d restarts within %gs; no more restarts "
-                          "until `inv restart --instance %d` or `inv deploy`. Last lines of logs/vllm_%d.log:\n%s",
-                          w.index, reason, len(w.recent), self.k["window_s"], w.index, w.index,
-                          "\n".join("    " + line for line in restart.log_tail(self.cfg, w.index)))
-                return
-            wait = min(self.k["backoff_max_s"], self.k["backoff_base_s"] * 2 ** len(w.recent))
-            w.restart_at = time.monotonic() + wait
-            log.warning("instance %d: dead (%s); restart %d in %gs", w.index, reason, len(w.recent) + 1, wait)
-        w.state = f"dead ({w.dead_reason}), restart in {max(0.0, w.restart_at - time.monotonic()):.0f}s"
-        if time.monotonic() < w.restart_at or self.restarting is not None:
-            return
-        self.held = lock.try_hold(self.cfg["deploy_dir"], f"keeper (pid {os.getpid()}): restart of instance "
-                                  f"{w.index} ({w.dead_reason})")
+    def _start_restart(self, action: Restart) -> None:
+        i = action.index
+        self.held = self.try_lock(f"keeper (pid {os.getpid()}): restart of instance {i} ({action.reason})")
         if self.held is None:          # taken only to act: a check alone could make a deploy fail
             self.lock_held_by_other = True
-            w.state = f"dead ({w.dead_reason}), waiting: the run lock is held (deploy, stop, restart or swap)"
+            self.watches[i] = lock_refused(self.watches[i])
             return
-        self.restarting = w.index
-        w.state = "restarting"
-        self.worker = threading.Thread(target=self._restart, args=(w,), name=f"restart-{w.index}", daemon=True)
+        self.watches[i] = w = begin_restart(self.watches[i], self.wall())
+        self.restarting = i
+        log.warning("instance %d: restarting (%s), restart %d within %gs", i, action.reason, len(w.recent),
+                    self.k["window_s"])
+        self.worker = threading.Thread(target=self._restart, args=(i,), name=f"restart-{i}", daemon=True)
         self.worker.start()
 
-    def _restart(self, w: Watch) -> None:
-        reason = w.dead_reason
-        w.recent.append(time.time())
-        w.restarts += 1
-        w.by_reason[reason] = w.by_reason.get(reason, 0) + 1
-        w.last_reason, w.last_at = reason, time.time()
-        log.warning("instance %d: restarting (%s), restart %d within %gs", w.index, reason, len(w.recent),
-                    self.k["window_s"])
+    def _restart(self, i: int) -> None:
+        result = "failed: the restart did not end"
         try:
-            steps = restart.restart_instance(self.cfg, w.index, lambda line: log.info("  %s", line),
-                                             cancelled=self.stop.is_set)
+            steps = self.restart(i)
             failed = [s for s in steps if s["status"] == "failed"]
-            w.last_result = "failed: " + failed[-1]["message"].splitlines()[0] if failed else "ok"
-            (log.error if failed else log.warning)("instance %d: restart %s", w.index, w.last_result)
-        except restart.Cancelled:
-            w.last_result = "cancelled (the keeper was stopped)"
-            log.warning("instance %d: restart cancelled: the keeper is stopping", w.index)
+            result = "failed: " + failed[-1]["message"].splitlines()[0] if failed else "ok"
+            (log.error if failed else log.warning)("instance %d: restart %s", i, result)
+        except instances.Cancelled:
+            result = "cancelled (the keeper was stopped)"
+            log.warning("instance %d: restart cancelled: the keeper is stopping", i)
         except Exception as e:           # noqa: BLE001 - the keeper must outlive one bad restart
-            w.last_result = f"failed: {e}"
-            log.exception("instance %d: restart failed", w.index)
+            result = f"failed: {e}"
+            log.exception("instance %d: restart failed", i)
         finally:
-            w.new_start(pidfile_identity(self.cfg, w.index))
-            w.next_probe = time.monotonic() + self.k["probe_interval_s"]
+            self.watches[i] = end_restart(self.watches[i], result, pidfile_identity(self.cfg, i), self.clock(),
+                                          self.k)
             self.held.release()
             self.held = None
             self.restarting = None
 
-    def _probe(self, w: Watch, url: str) -> None:
-        w.probing = True
-        w.next_probe = time.monotonic() + self.k["probe_interval_s"]
+    def _start_probe(self, i: int) -> None:
+        self.probing.add(i)
 
         def run():
             try:
-                result = probe(self.cfg, url)
-                w.probes[result] = w.probes.get(result, 0) + 1
-                if result == "timeout":
-                    w.probe_failures += 1
-                    log.warning("instance %d: stall probe timed out (%d/%d) with /health 200 and no token "
-                                "generated", w.index, w.probe_failures, self.k["probe_failures"])
-                elif result in ("ok", "busy"):
-                    w.probe_failures = 0
+                self.probe_results[i] = self.probe(i)
             finally:
-                w.probing = False
-        threading.Thread(target=run, name=f"probe-{w.index}", daemon=True).start()
+                self.probing.discard(i)
+        threading.Thread(target=run, name=f"probe-{i}", daemon=True).start()
 
 
 def _read(path: str) -> str | None:
@@ -388,21 +321,16 @@ def _touch(path: str) -> None:
         pass
 
 
-def _age(identity) -> float:
-    """Seconds since the pid file of this start was written."""
-    return time.time() - identity[1] / 1e9
-
-
 # --- process --------------------------------------------------------------------------------------
 
 def write_pidfile(cfg: dict) -> None:
     """run/keeper.pid: this process's record, `pid=P pgid=G sid=S start=T tag=<id>/keeper`."""
-    processes.write_record(host.run_path(cfg, "keeper.pid"), os.getpid(), f"{cfg['deployment_id']}/keeper")
+    processes.write_record(host.at(cfg, layout.KEEPER_PID), os.getpid(), layout.tag(cfg["deployment_id"], "keeper"))
 
 
 def setup_logging(cfg: dict) -> None:
     """logs/keeper.log, rotated at log_max_mb, log_backups kept (as the results log)."""
-    path = os.path.join(cfg["deploy_dir"], "logs", "keeper.log")
+    path = host.at(cfg, layout.KEEPER_LOG)
     handler = logging.handlers.RotatingFileHandler(path, maxBytes=int(float(cfg["log_max_mb"]) * 1024 * 1024),
                                                    backupCount=int(cfg["log_backups"]))
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
@@ -413,11 +341,11 @@ def setup_logging(cfg: dict) -> None:
 
 def main(cfg: dict) -> int:
     """Run the keeper in this process until SIGTERM or SIGINT (handlers only set a flag)."""
-    os.makedirs(os.path.join(cfg["deploy_dir"], "logs"), exist_ok=True)
+    os.makedirs(host.at(cfg, layout.LOGS), exist_ok=True)
     setup_logging(cfg)
     nginx_cfg = None
     try:
-        nginx_cfg = host.load_config(os.path.join(cfg["deploy_dir"], cfg["nginx_config"]))
+        nginx_cfg = host.load_config(host.at(cfg, cfg["nginx_config"]))
     except host.FrontError as e:
         log.warning("nginx mode's /health watching is off: %s", e)
     keeper = Keeper(cfg, nginx_cfg)
@@ -430,8 +358,8 @@ def main(cfg: dict) -> int:
 
 def stop(cfg: dict) -> int | None:
     """Stop the running keeper (SIGTERM, grace, SIGKILL); its pid, or None when none ran."""
-    pidfile = host.run_path(cfg, "keeper.pid")
-    p = host.ours(cfg, "keeper.pid", "keeper")
+    pidfile = host.at(cfg, layout.KEEPER_PID)
+    p = host.ours(cfg, layout.KEEPER_PID, "keeper")
     pid = p.pid if p else None
     if p:
         host.stop_group(p.pgid, p.pid, float(cfg["stop_grace_s"]) + 5)
@@ -444,8 +372,8 @@ def start(cfg: dict, config_path: str) -> int:
     """Start the keeper in its own session, tagged <id>/keeper (a running one is stopped first);
     wait until it wrote its pid file."""
     stop(cfg)
-    pidfile = host.run_path(cfg, "keeper.pid")
-    out = open(os.path.join(cfg["deploy_dir"], "logs", "keeper.out"), "a")
+    pidfile = host.at(cfg, layout.KEEPER_PID)
+    out = open(host.at(cfg, layout.KEEPER_OUT), "a")
     p = subprocess.Popen([sys.executable, "-m", "hostagent", "keeper", "--config", config_path],
                          cwd=cfg["deploy_dir"], env=host.tagged_env(cfg, "keeper"), stdin=subprocess.DEVNULL,
                          stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -454,6 +382,5 @@ def start(cfg: dict, config_path: str) -> int:
     while time.monotonic() < deadline and p.poll() is None and not os.path.exists(pidfile):
         time.sleep(0.02)
     if not os.path.exists(pidfile):
-        raise host.FrontError("the keeper did not start: " + host.log_tail(
-            os.path.join(cfg["deploy_dir"], "logs", "keeper.out")))
+        raise host.FrontError("the keeper did not start: " + host.log_line(host.at(cfg, layout.KEEPER_OUT)))
     return p.pid

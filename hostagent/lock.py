@@ -11,7 +11,8 @@ connection drops, the input closes and the lock goes with the process.
 
     python3 lock.py hold DEPLOY_DIR --what "inv deploy" [--wait]
 prints `FLEET_LOCK {"state": "locked" | "held" | "waiting", "holder": {...}}` lines, then holds the lock
-until its standard input closes. Standard library only, Python 3.6+, runs alone (no package import).
+until its standard input closes. Standard library only, Python 3.6+, runs alone (its one import, `layout`,
+bundled in front of it by fleet.hostcode, or found beside it).
 
 On the host, in Python:
     held = try_hold(deploy_dir, "keeper")     # None while a run holds it
@@ -26,11 +27,11 @@ import signal
 import sys
 import time
 
-LOCK = os.path.join("run", "fleet.lock")
+from hostagent import layout   # in the package, or bundled in front by fleet.hostcode
 
 
 def lock_path(deploy_dir):
-    return os.path.join(deploy_dir, LOCK)
+    return layout.path(deploy_dir, layout.LOCK)
 
 
 class Held(object):

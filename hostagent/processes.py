@@ -14,7 +14,7 @@ A live process of this user is the deployment's when
 Never signalled, whatever a file says: pid 0 and 1, this process, its ancestors, and every process in
 its own process group or session; and nothing of another user.
 
-Standard library only, Python 3.6+, no import of the rest of the package: the file also runs alone,
+Standard library only, Python 3.6+, no import of the rest of the package but `layout`: the file also runs alone,
 `python3 - stop SPEC_JSON [--instance I | --proxy] [--check]` with this file on standard input, so
 `inv stop` works where deploy never put the code (bin/stop_cluster.sh runs the deployed copy).
 """
@@ -23,6 +23,8 @@ import os
 import signal
 import sys
 import time
+
+from hostagent import layout   # in the package, or bundled in front by fleet.hostcode
 
 PROTECTED = (0, 1)
 
@@ -67,9 +69,10 @@ def read_tag(pid):
             env = f.read()
     except OSError:
         return None
+    key = layout.TAG_VAR.encode() + b"="
     for kv in env.split(b"\0"):
-        if kv.startswith(b"FLEET_TAG="):
-            return kv[len(b"FLEET_TAG="):].decode("utf-8", "replace")
+        if kv.startswith(key):
+            return kv[len(key):].decode("utf-8", "replace")
     return None
 
 
@@ -326,7 +329,7 @@ def stranger(port, holder, key):
 
 def ours_by_tag(holder, deployment_id):
     """Whether a port holder carries a tag of the deployment (its own leftover, not a stranger)."""
-    return bool(holder) and (holder.get("tag") or "").startswith(deployment_id + "/")
+    return bool(holder) and (holder.get("tag") or "").startswith(layout.tag_prefix(deployment_id))
 
 
 def user_name(uid):
@@ -354,24 +357,24 @@ def targets(spec, only=None, proxy_only=False, everything=False, keeper_only=Fal
     keeper alone; everything: all targets whatever is asked (to tell the deployment's port holders from
     strangers)."""
     d, dep = spec["deploy_dir"], spec["deployment_id"]
-    run = os.path.join(d, "run")
-    keeper = Target("keeper", os.path.join(run, "keeper.pid"), dep + "/keeper")
+
+    def target(name, pidfile, what, port=None, fix=None):
+        return Target(name, layout.path(d, pidfile), layout.tag(dep, what), port, fix)
+    keeper = target("keeper", layout.KEEPER_PID, "keeper")
     if keeper_only:
         return [keeper]
     fronts = [keeper,
-              Target("proxy", os.path.join(run, "proxy.pid"), dep + "/proxy", spec.get("proxy_port"),
-                     "proxy.port"),
-              Target("nginx watcher", os.path.join(run, "nginx_watch.pid"), dep + "/nginx-watch"),
-              Target("nginx", os.path.join(run, "nginx.pid"), dep + "/nginx")]
-    insts = [Target("instance %d" % i, os.path.join(run, "instance_%d.pid" % i), "%s/%d" % (dep, i),
-                    spec["base_port"] + i, "base_port") for i in range(spec["instances"])]
+              target("proxy", layout.PROXY_PID, "proxy", spec.get("proxy_port"), "proxy.port"),
+              target("nginx watcher", layout.NGINX_WATCH_PID, "nginx-watch"),
+              target("nginx", layout.NGINX_PID, "nginx")]
+    insts = [target("instance %d" % i, layout.instance_pidfile(i), i, spec["base_port"] + i, "base_port")
+             for i in range(spec["instances"])]
     try:
-        extra = sorted(int(n[len("instance_"):-len(".pid")]) for n in os.listdir(run)
-                       if n.startswith("instance_") and n.endswith(".pid")
-                       and n[len("instance_"):-len(".pid")].isdigit())
+        extra = sorted(i for i in map(layout.pidfile_instance, os.listdir(layout.path(d, layout.RUN)))
+                       if i is not None)
     except OSError:
         extra = []
-    insts += [Target("instance %d" % i, os.path.join(run, "instance_%d.pid" % i), "%s/%d" % (dep, i))
+    insts += [target("instance %d" % i, layout.instance_pidfile(i), i)
               for i in extra if i >= spec["instances"]]      # from an earlier, larger deploy
     if everything or (only is None and not proxy_only):
         return fronts + insts
@@ -441,12 +444,12 @@ def identify(spec, tlist, procs, guard, say_files=True, any_tag=False):
         if p.uid != me or p.tag is None or not p.alive:
             continue
         t = by_tag.get(p.tag)
-        if t is None and any_tag and p.tag.startswith(dep + "/"):
+        if t is None and any_tag and p.tag.startswith(layout.tag_prefix(dep)):
             t = by_tag[p.tag] = Target("tag %s" % p.tag, None, p.tag)
             tlist = tlist + [t]
         if t is None:
             continue
-        add(p, t, "FLEET_TAG=%s" % p.tag)
+        add(p, t, "%s=%s" % (layout.TAG_VAR, p.tag))
         if p.sid == p.pid and p.sid not in t.sessions:
             t.sessions[p.sid] = None
     # By session, then by process group, of what is proven ours.
@@ -456,7 +459,7 @@ def identify(spec, tlist, procs, guard, say_files=True, any_tag=False):
                 continue
             for p in procs.values():
                 if p.sid == sid and p.uid == me and (since is None or p.start >= since):
-                    if p.tag is not None and not p.tag.startswith(dep + "/"):
+                    if p.tag is not None and not p.tag.startswith(layout.tag_prefix(dep)):
                         continue        # another deployment's, or a user's tagged process: not by session
                     add(p, t, "session %d of %s" % (sid, t.name))
         for g in t.groups:
@@ -478,7 +481,7 @@ def foreign_holders(spec, tlist, found, procs):
             if pid is not None and pid in found.members:
                 continue
             if pid is not None and (pid in found.spared or pid in procs and procs[pid].tag is not None
-                                    and procs[pid].tag.startswith(spec["deployment_id"] + "/")):
+                                    and procs[pid].tag.startswith(layout.tag_prefix(spec["deployment_id"]))):
                 continue
             p = procs.get(pid) if pid is not None else None
             holder = {"pid": pid, "cmdline": p.cmdline[:100] if p else "?", "user": user_name(uid)}

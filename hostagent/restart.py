@@ -19,135 +19,34 @@ it drained, since the old process may still answer.
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from typing import Callable
 
-from . import host, processes
+from . import instances, layout, proxyadmin
 
 Say = Callable[[str], None]
 
 
-class Cancelled(Exception):
-    """The restart was asked to stop (the keeper got SIGTERM): nothing more is started."""
-
-
-def admin(cfg: dict, method: str, path: str, timeout: float = 5) -> tuple[int | None, object]:
-    """Call the proxy's admin API: (status, parsed JSON or text); status None when nothing answers."""
-    req = urllib.request.Request(f"http://127.0.0.1:{cfg['admin_port']}{path}", method=method,
-                                 data=b"" if method == "POST" else None)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            status, body = r.status, r.read().decode("utf-8", "replace")
-    except urllib.error.HTTPError as e:
-        status, body = e.code, e.read().decode("utf-8", "replace")
-    except OSError as e:
-        return None, str(e)
-    try:
-        return status, json.loads(body)
-    except ValueError:
-        return status, body
+Cancelled = instances.Cancelled
 
 
 def backends(cfg: dict) -> dict[str, dict] | None:
     """Backend name -> its admin record, or None when the proxy does not answer."""
-    status, body = admin(cfg, "GET", "/admin/backends")
-    if status != 200 or not isinstance(body, list):
-        return None
-    return {b["name"]: b for b in body}
-
-
-def instance_url(inst: dict) -> str:
-    """Where an instance answers: its bind address (loopback unless another host fronts it) and port."""
-    addr = inst.get("address") or "127.0.0.1"
-    return f"http://[{addr}]:{inst['port']}" if ":" in addr else f"http://{addr}:{inst['port']}"
-
-
-def health(url: str, timeout: float = 2.0) -> int | None:
-    """The status of GET /health on an instance (its instance_url), None when nothing answers in time."""
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=timeout) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-    except (OSError, ValueError):
-        return None
+    return proxyadmin.backends(cfg["admin_port"])
 
 
 def instance_pid(cfg: dict, i: int) -> int | None:
     """The pid instance i's pid file records, while that very process (start time, tag) runs."""
-    p = host.ours(cfg, f"instance_{i}.pid", str(i))
-    return p.pid if p else None
-
-
-def instance_session(cfg: dict, i: int) -> int | None:
-    """The session instance i's pid file records (its engine children stay in it, renamed or orphaned)."""
-    rec, _ = processes.read_record_file(host.run_path(cfg, f"instance_{i}.pid"))
-    return rec.get("sid") if rec else None
-
-
-def members(tag: str, sid: int | None) -> list[int]:
-    """This user's live processes carrying FLEET_TAG=tag, or in the recorded session sid."""
-    me = os.getuid()
-    return sorted(p.pid for p in processes.snapshot().values()
-                  if p.alive and p.uid == me and (p.tag == tag or (sid and p.sid == sid)))
-
-
-def card_holders(files: list[str]) -> list[int]:
-    """The live processes (those this user may look into) holding one of files open."""
-    wanted = {os.path.realpath(f) for f in files if os.path.exists(f)}
-    if not wanted:
-        return []
-    found = []
-    for pid in sorted(processes.snapshot()):
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                if os.readlink(f"/proc/{pid}/fd/{fd}") in wanted:
-                    if host.alive(pid):
-                        found.append(pid)
-                    break
-            except OSError:
-                continue
-    return found
-
-
-def leftovers(cfg: dict, i: int, sid: int | None) -> list[int]:
-    """What still keeps instance i's card: its device files' holders, and its processes (by tag, or in
-    the session sid its pid file recorded before the stop)."""
-    inst = cfg["instances"][i]
-    return sorted(set(card_holders(inst["card_files"])) | set(members(f"{cfg['deployment_id']}/{i}", sid)))
-
-
-def log_tail(cfg: dict, i: int, n: int = 10) -> list[str]:
-    """The last n lines of instance i's engine log."""
-    try:
-        with open(os.path.join(cfg["deploy_dir"], "logs", f"vllm_{i}.log"), errors="replace") as f:
-            return [line.rstrip("\n") for line in f.readlines()[-n:]]
-    except OSError:
-        return []
-
-
-def _sleep(seconds: float, cancelled: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if cancelled():
-            raise Cancelled()
-        time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+    return instances.recorded_pid(cfg["deploy_dir"], cfg["deployment_id"], i)
 
 
 def _script(cfg: dict, name: str, args: list[str], env: dict | None, say: Say) -> subprocess.CompletedProcess:
     """Run bin/NAME with its standard output relayed line by line; its standard error kept for a failure."""
-    path = os.path.join(cfg["deploy_dir"], "bin", name)
-    full_env = {k: v for k, v in os.environ.items() if k != "FLEET_TAG"}   # the keeper's own tag stays its own
+    path = layout.path(cfg["deploy_dir"], name)
+    full_env = {k: v for k, v in os.environ.items() if k != layout.TAG_VAR}   # the keeper's own tag stays its own
     full_env.update(env or {})
     with tempfile.TemporaryFile("w+") as err:
         p = subprocess.Popen([path, *args], cwd=cfg["deploy_dir"], env=full_env, stdin=subprocess.DEVNULL,
@@ -187,8 +86,8 @@ def restart_instance(cfg: dict, i: int, say: Say = print, cancelled: Callable[[]
     if cancelled():
         raise Cancelled()
 
-    sid = instance_session(cfg, i)
-    r = _script(cfg, "stop_cluster.sh", ["--instance", str(i)], None, say)
+    sid = instances.recorded_session(cfg["deploy_dir"], i)
+    r = _script(cfg, layout.STOP_CLUSTER, ["--instance", str(i)], None, say)
     if r.returncode != 0:
         steps.add(f"{what} stop", "failed", f"stop_cluster.sh --instance {i} exited {r.returncode} "
                   f"({r.stderr.strip()[-200:]}); "
@@ -201,7 +100,7 @@ def restart_instance(cfg: dict, i: int, say: Say = print, cancelled: Callable[[]
         return _give_back(cfg, i, name, drained, steps, say)
     if cancelled():
         raise Cancelled()
-    r = _script(cfg, "start_cluster.sh", [], {"ONLY": str(i), "STAGGER_S": "0"}, say)
+    r = _script(cfg, layout.START_CLUSTER, [], {"ONLY": str(i), "STAGGER_S": "0"}, say)
     if r.returncode != 0:
         steps.add(what, "failed", f"start_cluster.sh exited {r.returncode}: {r.stderr.strip()[-300:]}")
         return _give_back(cfg, i, name, drained, steps, say)
@@ -249,7 +148,7 @@ def enable_after_stop(cfg: dict, i: int, say: Say = print) -> dict:
     """Give a stopped instance's backend back to the proxy's health check (see drain_for_stop)."""
     name = cfg["instances"][i]["backend"]
     steps = Steps()
-    status, body = admin(cfg, "POST", f"/admin/backends/{name}/enable")
+    status, body = proxyadmin.enable(cfg["admin_port"], name)
     if status != 200:
         steps.add(f"instance {i} enable", "failed", f"the proxy refused to enable {name} ({status}: "
                   f"{str(body)[:100]}); it stays drained: POST /admin/backends/{name}/enable on the admin "
@@ -261,7 +160,7 @@ def enable_after_stop(cfg: dict, i: int, say: Say = print) -> dict:
 
 
 def _drain(cfg, i, name, steps, say, cancelled) -> bool:
-    status, body = admin(cfg, "POST", f"/admin/backends/{name}/drain")
+    status, body = proxyadmin.drain(cfg["admin_port"], name)
     if status != 200:
         return steps.add(f"instance {i} drain", "failed", f"the proxy refused to drain {name} "
                          f"({status}: {str(body)[:100]})")
@@ -276,14 +175,14 @@ def _drain(cfg, i, name, steps, say, cancelled) -> bool:
                 "stopping anyway")
             return steps.add(f"instance {i} drain", "changed", f"drained {name}; {left} request(s) in flight "
                              "were cut after drain_timeout_s")
-        _sleep(0.1, cancelled)
+        instances.sleep(0.1, cancelled)
 
 
 def _wait_released(cfg, i, sid, steps, say, cancelled) -> bool:
     t0 = time.monotonic()
     said = False
     while True:
-        left = leftovers(cfg, i, sid)
+        left = instances.leftovers(cfg, i, sid)
         if not left:
             if said:
                 say(f"instance {i}: card released after {time.monotonic() - t0:.1f}s")
@@ -297,38 +196,25 @@ def _wait_released(cfg, i, sid, steps, say, cancelled) -> bool:
             say(f"instance {i}: waiting up to {cfg['release_timeout_s']:g}s for its card "
                 f"(held by pid(s) {', '.join(map(str, left))})")
             said = True
-        _sleep(0.1, cancelled)
+        instances.sleep(0.1, cancelled)
 
 
 def _wait_healthy(cfg, i, steps, say, cancelled) -> bool:
-    port = cfg["instances"][i]["port"]
-    url = instance_url(cfg["instances"][i])
-    t0 = time.monotonic()
-    while True:
-        pid = instance_pid(cfg, i)
-        elapsed = time.monotonic() - t0
-        if pid and health(url) == 200:
-            say(f"instance {i}: healthy on :{port} after {elapsed:.1f}s")
-            return steps.add(f"instance {i}", "changed", f"started, pid {pid}, healthy on :{port}")
-        if not pid or elapsed > cfg["health_timeout_s"]:
-            why = "exited" if not pid else f"not healthy after {cfg['health_timeout_s']:g}s"
-            tail = "\n".join("    " + line for line in log_tail(cfg, i, 15)) or "    (empty)"
-            return steps.add(f"instance {i}", "failed", f"{why} on :{port}; last lines of logs/vllm_{i}.log:\n"
-                             f"{tail}")
-        _sleep(0.2, cancelled)
+    done = instances.wait_healthy(cfg, [i], say, cancelled)[0]
+    return steps.add(done["name"], done["status"], done["message"])
 
 
 def _give_back(cfg, i, name, drained, steps, say) -> Steps:
     """After a failed start: enable the backend again, so that drained means the operator's drain only."""
     if drained:
-        admin(cfg, "POST", f"/admin/backends/{name}/enable")
+        proxyadmin.enable(cfg["admin_port"], name)
         say(f"instance {i}: enabled in the proxy again; its health check keeps it out while it is down")
     return steps
 
 
 def _enable(cfg, i, name, steps, say, cancelled) -> bool:
     """Enable the backend and wait until the proxy's own /health check sees it healthy again."""
-    status, body = admin(cfg, "POST", f"/admin/backends/{name}/enable")
+    status, body = proxyadmin.enable(cfg["admin_port"], name)
     if status != 200:
         return steps.add(f"instance {i} enable", "failed", f"the proxy refused to enable {name} ({status}: "
                          f"{str(body)[:100]}); enable it by hand: POST /admin/backends/{name}/enable on the "
@@ -340,6 +226,6 @@ def _enable(cfg, i, name, steps, say, cancelled) -> bool:
         if b.get("healthy") and not b.get("drained"):
             say(f"instance {i}: back in the proxy after {time.monotonic() - t0:.1f}s")
             return steps.add(f"instance {i} enable", "changed", f"{name} enabled and healthy in the proxy")
-        _sleep(0.1, cancelled)
+        instances.sleep(0.1, cancelled)
     return steps.add(f"instance {i} enable", "failed", f"{name} enabled but the proxy has not seen it healthy "
                      f"after {limit:g}s; see logs/proxy.log")

@@ -13,6 +13,7 @@ import pytest
 
 from conftest import free_port, free_ports, wait_until
 
+from fleet import hostcode
 from hostagent import processes
 from hostagent.processes import RecordError, format_record, parse_record
 
@@ -207,7 +208,7 @@ def test_processes_py_runs_alone_from_standard_input(host, procs):
     """`python3 - stop SPEC` with the file on stdin, as inv stop runs it where nothing is deployed."""
     import json
     inst, kids = start_instance(procs, host, 0)
-    src = open(processes.__file__).read()
+    src = hostcode.script("processes")          # the file, with the layout module it imports in front
     r = subprocess.run([sys.executable, "-", "stop", json.dumps(host), "--instance", "0"], input=src,
                        capture_output=True, text=True, cwd="/", timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -8,7 +8,7 @@ from pathlib import Path
 from conftest import require_tool, wait_until
 
 from fleet import accelerators
-from fleet import holders_probe as hp
+from hostagent.probes import holders as hp
 
 
 def kfd_node(sysfs: Path, n: int, minor: int, simd: int) -> None:

@@ -3,7 +3,7 @@
 # proven the deployment's before it is signalled: by its pid file's record (pid, start time, session,
 # tag), by FLEET_TAG, or by the session an instance leads (where vLLM's EngineCore and Workers stay, even
 # renamed and orphaned). Each process stopped is listed with how it was identified; a stale pid file and
-# a stranger on a port are named, never signalled. The work is hostagent/processes.py's.
+# a stranger on a port are named, never signalled. The work is hostagent/processes.py's (python -m hostagent.processes).
 # Rendered by vllm-fleet from inventory/hosts.yml; the next deploy overwrites edits.
 #   ./stop_cluster.sh                 everything
 #   ./stop_cluster.sh --instance 3    instance 3 only
@@ -26,4 +26,5 @@ else
     source /opt/dtk/env.sh && source ~/miniconda3/bin/activate vllm-serve
     set -u
 fi
-exec "$PYTHON" "$DEPLOY_DIR/hostagent/processes.py" stop "$SPEC" "$@"
+cd "$DEPLOY_DIR"
+exec "$PYTHON" -m hostagent.processes stop "$SPEC" "$@"

@@ -1,6 +1,6 @@
 """Who holds the accelerator's device files, read on the host: run there as `python3 - SPEC_JSON` with this
-file on standard input (bundled with hostagent/processes.py), it prints one JSON object. Standard library
-and `fuser` (psmisc), Python 3.6+.
+file on standard input (bundled with the host agent modules it imports: fleet.hostcode.probe), it prints
+one JSON object. Standard library and `fuser` (psmisc), Python 3.6+.
 
 SPEC: {"globs": [...], "render_cards": [card index, ...], "sysfs": "/sys", "dev_dri": "/dev/dri", "spare_tags": ["<exact
 FLEET_TAG>", ...], "kill": false, "grace_s": 10}. render_cards adds the render node of each of those cards

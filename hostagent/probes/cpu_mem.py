@@ -1,6 +1,7 @@
 """The memory of each `cpu` instance, read from /proc on the host: where there is no smi, this stands in
-for one. Run there as `python3 -c SOURCE SPEC_JSON`; it prints what `rocm-smi --json` prints (one "card"
-per instance, MiB), so fleet.smi reads it with the same parser and `inv stop` shows the same table.
+for one. Run there as `python3 -c SOURCE SPEC_JSON` (bundled with hostagent/layout.py by
+fleet.hostcode.probe); it prints what `rocm-smi --json` prints (one "card" per instance, MiB), so
+fleet.smi reads it with the same parser and `inv stop` shows the same table.
 
 SPEC: {"deploy_dir": ..., "deployment_id": ..., "instances": N}. An instance's processes are this user's
 processes that carry its FLEET_TAG (start_cluster.sh exports SPT_NOENV=1, so vLLM's renamed EngineCore
@@ -10,6 +11,8 @@ and Worker keep it) or belong to its session (the instance leads one; the pid fi
 import json
 import os
 import sys
+
+from hostagent import layout
 
 
 def meminfo_mib(key):
@@ -44,11 +47,11 @@ def process(pid):
             fields = f.read().rsplit(")", 1)[1].split()
         if fields[0] in ("Z", "X"):
             return None
-        tag = None
+        tag, key = None, layout.TAG_VAR.encode() + b"="
         with open(d + "/environ", "rb") as f:
             for kv in f.read().split(b"\0"):
-                if kv.startswith(b"FLEET_TAG="):
-                    tag = kv[len(b"FLEET_TAG="):].decode("utf-8", "replace")
+                if kv.startswith(key):
+                    tag = kv[len(key):].decode("utf-8", "replace")
                     break
         rss = 0.0
         with open(d + "/status") as f:
@@ -65,7 +68,7 @@ def main():
     n, dep = spec["instances"], spec["deployment_id"]
     sessions = {}
     for i in range(n):
-        sid = recorded_session(os.path.join(spec["deploy_dir"], "run", "instance_%d.pid" % i))
+        sid = recorded_session(layout.path(spec["deploy_dir"], layout.instance_pidfile(i)))
         if sid:
             sessions[sid] = i
     used = [0.0] * n
@@ -77,9 +80,9 @@ def main():
         if found is None:
             continue
         tag, sid, rss = found
-        index = sessions.get(sid)
-        if tag and tag.startswith(dep + "/") and tag[len(dep) + 1:].isdigit():
-            index = int(tag[len(dep) + 1:])
+        index = layout.tag_instance(tag, dep)
+        if index is None:
+            index = sessions.get(sid)
         if index is not None and index < n:
             used[index] += rss
     total = meminfo_mib("MemTotal")

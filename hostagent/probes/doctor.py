@@ -1,15 +1,15 @@
 """What `inv doctor` needs to know, read on the host: run there (after env_setup) as `python3 - SPEC_JSON`
-with this file on standard input (bundled with hostagent/processes.py), it prints one JSON object. Standard library only, Python 3.6+, no side
-effects. The control node turns these facts into ok/warn/fail lines (fleet/doctor.py).
+with this file on standard input (bundled with the host agent modules it imports: fleet.hostcode.probe),
+it prints one JSON object. Standard library only, Python 3.6+, no side effects. The control node turns
+these facts into ok/warn/fail lines (fleet/doctor.py).
 """
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
-from hostagent import processes
+from hostagent import instances, processes
 
 
 def which(name):
@@ -56,21 +56,13 @@ def pidfile_pid(path, tag):
     return p.pid if p else None
 
 
-def listening(port, host="127.0.0.1"):
-    try:
-        with socket.create_connection((host, port), timeout=1):
-            return True
-    except OSError:
-        return False
-
-
 def port_facts(spec):
     out = []
     for item in spec["ports"]:
         port = item["port"]
         ours = next((pid for pid in (pidfile_pid(os.path.join(spec["deploy_dir"], f), tag)
                                      for f, tag in item["pidfiles"]) if pid), None)
-        busy = listening(port, item.get("host", "127.0.0.1"))
+        busy = instances.listening(port, item.get("host", "127.0.0.1"))
         holders = processes.port_holders(port) if busy else []
         tagged = any(processes.ours_by_tag(h, spec["deployment_id"]) for h in holders)
         stranger = processes.stranger(port, holders[0] if holders else {}, item["key"]) if busy else None

@@ -1,0 +1,116 @@
+"""Where things live under a host's deploy_dir, and the FLEET_TAG format: the one spelling of both.
+
+Every path here is relative to deploy_dir (`path(deploy_dir, rel)` makes it absolute). Everyone asks
+this module: the host agent, the probes and the control plane (the one host agent module `fleet` may
+import). Standard library only, Python 3.6+, and no import of the rest of the package: it is bundled in
+front of scripts sent on standard input, and runs beside `processes.py` when that runs as a script.
+
+    run/      pid files (instance_<i>.pid, proxy.pid, keeper.pid, nginx.pid, ...), the run lock, mode,
+              the keeper's state
+    logs/     vllm_<i>.log, proxy.log, req_results.log, keeper.log (+ rotated .1 ...)
+    conf/     hostagent.json, proxy.yaml, nginx_front.json, nginx.conf
+    bin/      start_cluster.sh, start_proxy.sh, stop_cluster.sh
+
+A tag is `FLEET_TAG=<deployment-id>/<instance>`, where instance is an index (`3`) or a part's name
+(`proxy`, `keeper`, `nginx`, `nginx-watch`).
+"""
+import os
+
+RUN, LOGS, CONF, BIN = "run", "logs", "conf", "bin"
+HOSTAGENT_CODE, PROXY_CODE = "hostagent", "proxy"       # the shipped code's directories
+
+# run/
+PROXY_PID = RUN + "/proxy.pid"
+PROXY_NEXT_PID = RUN + "/proxy.next.pid"              # a zero-gap restart's new proxy, until it takes over
+PROXY_WAITING = RUN + "/proxy.waiting"                # the new proxy waits for the port (swap-to-proxy)
+KEEPER_PID = RUN + "/keeper.pid"
+NGINX_PID = RUN + "/nginx.pid"                        # the record of nginx's master, written by the host agent
+NGINX_MASTER_PID = RUN + "/nginx.master.pid"          # nginx's own pid file (a bare pid)
+NGINX_WATCH_PID = RUN + "/nginx_watch.pid"
+LOCK = RUN + "/fleet.lock"
+MODE = RUN + "/mode"                                  # "proxy" or "nginx": who fronts the instances
+KEEPER_STATE = RUN + "/keeper.json"
+KEEPER_METRICS = RUN + "/keeper.prom"
+
+# logs/
+PROXY_LOG = LOGS + "/proxy.log"
+RESULTS_LOG = LOGS + "/req_results.log"
+KEEPER_LOG = LOGS + "/keeper.log"
+KEEPER_OUT = LOGS + "/keeper.out"                     # the keeper's standard output and error
+
+# conf/
+HOSTAGENT_CONF = CONF + "/hostagent.json"
+PROXY_CONF = CONF + "/proxy.yaml"
+NGINX_FRONT_CONF = CONF + "/nginx_front.json"
+NGINX_CONF = CONF + "/nginx.conf"
+
+# bin/
+START_CLUSTER = BIN + "/start_cluster.sh"
+START_PROXY = BIN + "/start_proxy.sh"
+STOP_CLUSTER = BIN + "/stop_cluster.sh"
+
+_INSTANCE_PID = ("instance_", ".pid")
+
+
+def instance_pidfile(i):
+    """run/instance_<i>.pid: instance i's identity record."""
+    return "%s/%s%d%s" % (RUN, _INSTANCE_PID[0], i, _INSTANCE_PID[1])
+
+
+def instance_ready(i):
+    """run/instance_<i>.ready: the marker of an instance seen healthy since its start (a later 503 is a
+    death, not loading)."""
+    return "%s/instance_%d.ready" % (RUN, i)
+
+
+def instance_log(i):
+    """logs/vllm_<i>.log: instance i's engine log."""
+    return "%s/vllm_%d.log" % (LOGS, i)
+
+
+def pidfile_instance(name):
+    """The index of an instance pid file's name (`instance_3.pid` -> 3), None for any other name."""
+    head, tail = _INSTANCE_PID
+    middle = name[len(head):-len(tail)]
+    if name.startswith(head) and name.endswith(tail) and middle.isdigit():
+        return int(middle)
+    return None
+
+
+def path(deploy_dir, rel):
+    """rel (one of this module's paths) under deploy_dir."""
+    return os.path.join(deploy_dir, *rel.split("/"))
+
+
+# --- the tag --------------------------------------------------------------------------------------
+
+TAG_VAR = "FLEET_TAG"
+
+
+def tag(deployment_id, instance):
+    """The FLEET_TAG value of one part of a deployment: `<deployment-id>/<instance>` (an index or a name)."""
+    return "%s/%s" % (deployment_id, instance)
+
+
+def tag_prefix(deployment_id):
+    """What every tag of the deployment starts with."""
+    return tag(deployment_id, "")
+
+
+def parse_tag(value):
+    """(deployment_id, instance) of a tag, instance a string ("3", "proxy"); None when it is no tag."""
+    if not value or "/" not in value:
+        return None
+    deployment_id, _, instance = value.rpartition("/")
+    if not deployment_id or not instance:
+        return None
+    return deployment_id, instance
+
+
+def tag_instance(value, deployment_id):
+    """The instance index a tag names within deployment_id, None when it names none (another part, another
+    deployment, no tag)."""
+    parsed = parse_tag(value)
+    if parsed is None or parsed[0] != deployment_id or not parsed[1].isdigit():
+        return None
+    return int(parsed[1])

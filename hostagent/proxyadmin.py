@@ -1,0 +1,51 @@
+"""The proxy's admin API, called on the host: its loopback admin listener (127.0.0.1:admin_port).
+
+`GET /admin/backends`, `POST /admin/backends/{name}/drain` and `/enable`, `GET /admin/requests`,
+`GET /admin/config`, `POST /admin/drain-and-exit`. Standard library only, Python 3.6+: the state probe
+bundles it.
+"""
+import json
+import urllib.error
+import urllib.request
+
+
+def call(admin_port, method, path, body=None, timeout=5.0):
+    """(status, decoded JSON or text) of one admin call; (None, reason) when nothing answers."""
+    data = json.dumps(body).encode() if body is not None else (b"" if method == "POST" else None)
+    req = urllib.request.Request("http://127.0.0.1:%d%s" % (admin_port, path), data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, raw = r.status, r.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    except (OSError, ValueError) as e:
+        return None, str(e)
+    try:
+        return status, json.loads(raw.decode("utf-8", "replace"))
+    except ValueError:
+        return status, raw.decode("utf-8", "replace")
+
+
+def get_json(admin_port, path, timeout=5.0):
+    """The JSON a GET at path answers with 200, None otherwise."""
+    status, body = call(admin_port, "GET", path, timeout=timeout)
+    return body if status == 200 and not isinstance(body, str) else None
+
+
+def backends(admin_port, timeout=5.0):
+    """Backend name -> its admin record, or None when the proxy does not answer."""
+    body = get_json(admin_port, "/admin/backends", timeout)
+    if not isinstance(body, list):
+        return None
+    return {b["name"]: b for b in body}
+
+
+def drain(admin_port, name):
+    """Drain backend name: (status, answer)."""
+    return call(admin_port, "POST", "/admin/backends/%s/drain" % name)
+
+
+def enable(admin_port, name):
+    """Give backend name back to the proxy's picking: (status, answer)."""
+    return call(admin_port, "POST", "/admin/backends/%s/enable" % name)
