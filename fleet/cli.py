@@ -91,6 +91,12 @@ class FleetTask(Task):
             opts["kind"] = int
         return opts
 
+    def __call__(self, *args, **kwargs):
+        try:
+            return super().__call__(*args, **kwargs)
+        except BrokenPipeError:       # `| head`: the reader left before the end; no traceback for that
+            runner.output_closed(sys.stdout)
+
     def get_arguments(self, ignore_unknown_help=None):
         helps = dict(self.help)          # invoke pops them: a second parse (trace's help) would have none
         try:

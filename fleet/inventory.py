@@ -275,7 +275,7 @@ def _sentence(error: dict, path: str, where: str) -> str:
         # anything else is the tag of a union's member (`literal['auto']`, `constrained-int`)
     at = ".".join(([where] if where else []) + keys)
     if error["type"] == "extra_forbidden":
-        return f"{path}: {at}: unknown key; see the inventory reference in README.md."
+        return f"{path}: {at}: unknown key; docs/inventory.md lists every key."
     if model is not None and info is not None and error["type"] in ("model_type", "dict_type"):
         expected = "a mapping"
     else:

@@ -82,7 +82,7 @@ ERRORS = [
     (("    max_num_seqs: 5", "    max_num_seqs: four"),
      "hosts.a.max_num_seqs: expected an integer from 1 to 65536, got 'four'."),
     (("    max_num_seqs: 5", "    max_num_seq: 5"),
-     "hosts.a.max_num_seq: unknown key; see the inventory reference in README.md."),
+     "hosts.a.max_num_seq: unknown key; docs/inventory.md lists every key."),
     (("  max_num_seqs: 2", "  enforce_eager: 'yes'"),
      "defaults.enforce_eager: expected true or false, got 'yes'."),
     (("    max_num_seqs: 3", "    base_port: 70000"),
