@@ -1,8 +1,9 @@
 """The one way to run host code: a script sent on standard input, or the host agent deployed in deploy_dir.
 
-Host code is standard library only (hostagent/), so any Python 3 runs it. One rule picks the interpreter:
-on the local host, the control node's own; on a remote host, `python3` from the login PATH when there is
-one, else the inventory's `python` after `env_setup` (a host whose only Python is the vLLM environment's).
+Host code is standard library only (hostagent/), so any Python 3.7 or newer runs it. One rule picks the
+interpreter: on the local host, the control node's own; on a remote host, `python3` from the login PATH
+when it is 3.7 or newer, else the inventory's `python` after `env_setup` (a host whose system Python is
+older, or whose only Python is the vLLM environment's).
 A script sent on stdin (the state probe, the holders probe, the doctor's probe, the lock holder) works
 where nothing is deployed yet; `host_command` runs the deployed agent (`python -m hostagent COMMAND`).
 """
@@ -24,6 +25,10 @@ AGENT_CONFIG = layout.HOSTAGENT_CONF    # the keeper, restart, drain-instance, w
 FRONT_CONFIG = layout.NGINX_FRONT_CONF  # the front's commands: swaps, restart-proxy, drain
 
 
+# The login PATH's python3 runs host code when it is recent enough (CentOS 7's is 3.6).
+PYTHON3_RECENT = "python3 -c 'import sys; sys.exit(sys.version_info < (3, 7))'"
+
+
 def with_env_setup(hv: HostVars, command: str) -> str:
     """A shell line running command after the host's env_setup, whose output goes to stderr so that
     it cannot mix with what command prints, and which cannot read command's standard input."""
@@ -38,7 +43,7 @@ def python_command(hv: HostVars, args: str, env_setup: bool = False) -> str:
         line = f"exec {shlex.quote(sys.executable)} {args}"
         return with_env_setup(hv, line) if env_setup and hv["env_setup"] else line
     fallback = f"exec {shlex.quote(hv['python'] or 'python3')} {args}"
-    first = f"if command -v python3 >/dev/null 2>&1; then exec python3 {args}; fi\n"
+    first = f"if {PYTHON3_RECENT} >/dev/null 2>&1; then exec python3 {args}; fi\n"
     if env_setup:
         return with_env_setup(hv, first + fallback)
     return first + with_env_setup(hv, fallback)

@@ -104,7 +104,7 @@ def deploy_nginx(conn: Transport, hv: HostVars, found: dict, changed_files: set[
     """deploy in nginx mode: keep nginx the front, start it when it is down, reload it when its
     configuration changed; the proxy is not started."""
     n = found.get("nginx") or {}
-    stale = any(f in NGINX_FILES or f.startswith("hostagent/") for f in changed_files)
+    stale = any(f in NGINX_FILES or f.startswith(layout.HOSTAGENT_CODE + "/") for f in changed_files)
     # keeper.enabled: the keeper does the /health watching (one agent); else the watcher does.
     watching = (found.get("keeper") or {}).get("alive") if hv["keeper"]["enabled"] else n.get("watcher_alive")
     if n.get("alive") and watching and not stale:
@@ -145,7 +145,7 @@ def deploy_front(conn: Transport, hv: HostVars, found: dict, changed_files: set[
     # Only the config changed, and the running proxy answers on the ports it names: SIGHUP re-reads it
     # without dropping a request. New code, or a proxy that does not answer there, needs a restart.
     reloadable = (state in ("healthy", "no-backend") and p["backends"] is not None
-                  and not any(f.startswith("proxy/") for f in changed_files))
+                  and not any(f.startswith(layout.PROXY_CODE + "/") for f in changed_files))
     if reloadable:
         if check:
             report.add("proxy", "changed", f"would reload (SIGHUP) pid {p['pid']} with the new config")

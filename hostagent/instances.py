@@ -3,6 +3,7 @@ card, its log, the wait for /health, and `classify`, the one state machine that 
 
 Standard library only, Python 3.6+ (the state probe bundles it and runs with whatever python3 the host has).
 """
+import http.client
 import os
 import socket
 import time
@@ -66,7 +67,7 @@ def health(base_url, timeout=2.0):
             return r.status
     except urllib.error.HTTPError as e:
         return e.code
-    except (OSError, ValueError):
+    except (OSError, ValueError, http.client.HTTPException):   # a stranger that speaks no HTTP (sshd, redis)
         return None
 
 

@@ -18,8 +18,8 @@ DEPLOY_DIR=/data/aiops/vllm-fleet
 SPEC='{"base_port": 8002, "deploy_dir": "/data/aiops/vllm-fleet", "deployment_id": "k100-01-014e7873", "grace_s": 10.0, "instances": 8, "proxy_port": 8000}'
 PYTHON=python3
 
-# Any Python 3 will do (standard library only): python3 from PATH, else the inventory's after env_setup.
-if command -v python3 >/dev/null 2>&1; then
+# Any Python 3.7+ will do (standard library only): python3 from PATH, else the inventory's after env_setup.
+if python3 -c 'import sys; sys.exit(sys.version_info < (3, 7))' >/dev/null 2>&1; then
     PYTHON=python3
 else
     set +u
