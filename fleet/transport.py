@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import logging
 import os
-import shlex
 import queue
+import shlex
 import subprocess
 import tempfile
 import threading

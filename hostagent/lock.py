@@ -27,7 +27,7 @@ import signal
 import sys
 import time
 
-from hostagent import layout   # in the package, or bundled in front by fleet.hostcode
+from hostagent import layout  # in the package, or bundled in front by fleet.hostcode
 
 
 def lock_path(deploy_dir):

@@ -24,7 +24,7 @@ import signal
 import sys
 import time
 
-from hostagent import layout   # in the package, or bundled in front by fleet.hostcode
+from hostagent import layout  # in the package, or bundled in front by fleet.hostcode
 
 PROTECTED = (0, 1)
 

@@ -117,7 +117,6 @@ def cores():
 
 def main():
     spec = json.loads(sys.argv[1])
-    ss = which("ss")
     engine_code, engine_out = run(spec["engine_cmd"], 180)
     exists, size, files = model_size(spec["model"]) if spec["check_model"] else (None, 0, 0)
     smi_code, smi_out = run(spec["smi_cmd"], 60, shell=True)
