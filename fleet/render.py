@@ -141,9 +141,9 @@ def render_host(hv: HostVars) -> list[RenderedFile]:
         try:
             content = env.get_template(template).render(ctx)
         except jinja2.UndefinedError as e:
-            raise TemplateError(f"templates/{template}: {e.message}; the template uses a variable "
+            raise TemplateError(f"fleet/templates/{template}: {e.message}; the template uses a variable "
                                 "the inventory does not define.") from None
         except jinja2.TemplateError as e:
-            raise TemplateError(f"templates/{template}: {e}.") from None
+            raise TemplateError(f"fleet/templates/{template}: {e}.") from None
         files.append(RenderedFile(path, content, mode))
     return files

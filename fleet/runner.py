@@ -1,4 +1,4 @@
-"""Running one lifecycle action on many hosts: in parallel, bounded, one host's failure isolated."""
+"""Running one action (deploy, stop, status, ...) on many hosts: in parallel, bounded, one host's failure isolated."""
 from __future__ import annotations
 
 import os

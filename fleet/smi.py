@@ -68,7 +68,7 @@ def _fmt(x: float) -> str:
 
 # Tool names as used in messages; `parse` also takes an accelerator kind.
 KIND_TOOL = {"dcu": "hy-smi", "rocm": "rocm-smi", "nvidia": "nvidia-smi", "sim": "python -m fleet.sim smi",
-             "cpu": "/proc (fleet/cpu_mem_probe.py)"}
+             "cpu": "/proc (hostagent/probes/cpu_mem.py)"}
 # accelerator cpu has no smi: this script reads each instance's resident memory from /proc instead.
 
 NVIDIA_FIELDS = ("index", "memory.used", "memory.total", "utilization.gpu")
