@@ -141,6 +141,18 @@ class Processes:
                 pass
 
 
+TIERS = ("unit", "process", "cluster", "ssh", "nginx", "real_engine")   # registered in pyproject.toml
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test says what it needs (a tier marker, docs/testing.md): one without is a collection error,
+    so `pytest -m unit` can never quietly pick up a test that deploys a cluster."""
+    unmarked = [item.nodeid for item in items if not any(item.get_closest_marker(t) for t in TIERS)]
+    if unmarked:
+        raise pytest.UsageError("these tests have no tier marker (" + ", ".join(TIERS) + "):\n  "
+                                + "\n  ".join(unmarked))
+
+
 @pytest.fixture
 def procs():
     ps = Processes()

@@ -13,6 +13,8 @@ from hostagent.processes import parse_record
 
 from fleet_helpers import deployment_id, inv, kill_tagged, status_json, tagged_pids, write_inventory
 
+pytestmark = pytest.mark.cluster
+
 
 @pytest.fixture
 def cluster(tmp_path):

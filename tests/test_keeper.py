@@ -20,6 +20,7 @@ from conftest import wait_until
 from fleet_helpers import deployment_id, inv, kill_tagged, status_json, tagged_pids, write_inventory
 from hostagent import lock
 
+
 KEEPER = """\
 keeper: {{dead_after_s: 3, backoff_base_s: {base}, backoff_max_s: 4, max_restarts: 3, window_s: 120,
          stall_probe: {probe}, probe_interval_s: 0.5, probe_timeout_s: 1, probe_failures: 2}}
@@ -105,6 +106,8 @@ def cluster(tmp_path):
         kill_tagged(deployment_id(inventory) + "/")
 
 
+@pytest.mark.xdist_group("load")
+@pytest.mark.cluster
 def test_sigkill_of_an_api_server_under_load(cluster):
     """1. 4 sim instances behind the proxy, 16 clients sending without pause.
     2. SIGKILL instance 1's API server only: its engine child lives on as an orphan, holding the card.
@@ -170,6 +173,7 @@ def test_sigkill_of_an_api_server_under_load(cluster):
     assert 'instance="1",reason="exited"} 1' in prom
 
 
+@pytest.mark.cluster
 def test_an_engine_that_exits_at_every_start_ends_in_crashloop(cluster, tmp_path):
     """1. Deploy 2 instances; then start_cluster.sh is rendered with an engine that exits at once.
     2. Kill instance 1 (its whole process group): the keeper restarts it 3 times (max_restarts), with
@@ -213,6 +217,7 @@ def test_an_engine_that_exits_at_every_start_ends_in_crashloop(cluster, tmp_path
     assert status_json(inventory)["instances"][1]["state"] == "healthy"
 
 
+@pytest.mark.cluster
 def test_sigstop_and_stall_are_detected_and_restarted(cluster):
     """1. SIGSTOP instance 0's API server: /health answers nothing. After dead_after_s the keeper restarts
        it; once that restart began, SIGCONT the stopped process: it must not come back beside the new one.
@@ -247,6 +252,7 @@ def test_sigstop_and_stall_are_detected_and_restarted(cluster):
     assert post(st["proxy"]["port"])[0] == 200
 
 
+@pytest.mark.cluster
 def test_stop_during_a_restart_leaves_nothing(cluster):
     """1. Instances take 3 s to load. Kill instance 0's process group: the keeper begins its restart.
     2. While the restart waits for /health, `inv stop`: the keeper is stopped first (its restart is
@@ -269,6 +275,7 @@ def test_stop_during_a_restart_leaves_nothing(cluster):
     assert st["keeper"]["state"] == "stopped" and all(i["state"] == "stopped" for i in st["instances"])
 
 
+@pytest.mark.cluster
 def test_the_keeper_leaves_a_drained_instance_alone(cluster):
     """An instance the operator drained and that then dies is not restarted; `inv restart` brings it back
     and the keeper's record of it stays clean."""
@@ -289,6 +296,7 @@ def test_the_keeper_leaves_a_drained_instance_alone(cluster):
     assert admin_backends(admin)[name]["healthy"] and not admin_backends(admin)[name]["drained"]
 
 
+@pytest.mark.cluster
 def test_a_busy_instance_is_not_stalled(cluster):
     """The stall probe queues behind long requests on a saturated instance and times out, but the engine's
     generated-token counter moves meanwhile: "busy", not a stall, and no restart."""
@@ -316,6 +324,7 @@ def test_a_busy_instance_is_not_stalled(cluster):
     assert set(codes) == {200}
 
 
+@pytest.mark.unit
 def test_the_keeper_log_is_rotated(tmp_path):
     """logs/keeper.log rotates at proxy.results_log.max_mb, keeping proxy.results_log.backups files."""
     import logging
@@ -337,6 +346,7 @@ def test_the_keeper_log_is_rotated(tmp_path):
     assert all(p.stat().st_size <= 1100 for p in (tmp_path / "logs").iterdir())
 
 
+@pytest.mark.cluster
 def test_a_stop_refused_by_the_lock_leaves_the_keeper_running(cluster):
     """1. A cluster with its keeper; another run holds the deployment's lock.
     2. `inv stop` stops the keeper first (it must not restart what a stop takes down), then is refused

@@ -24,6 +24,8 @@ from swap_under_load import Load  # noqa: E402
 sys.path.insert(0, str(ROOT))
 from hostagent import upstream  # noqa: E402
 
+pytestmark = [pytest.mark.nginx, pytest.mark.cluster]
+
 MODEL = "Test-Model"
 
 
@@ -130,6 +132,7 @@ def status_port(inventory) -> int:
     return inv_mod.load(inventory).host_vars("t")["proxy"]["port"]
 
 
+@pytest.mark.xdist_group("load")
 def test_swap_under_load_and_in_flight_streams_survive(cluster):
     """1. 32 clients send chat completions back to back through the entry port, never retrying.
     2. Four SSE streams (about 1.5 s each) are open when each swap starts.
@@ -187,6 +190,7 @@ def test_status_deploy_keeps_nginx_mode(nginx_front):
     assert after["front"] == "nginx" and after["nginx"]["pid"] == s["nginx"]["pid"] and not after["proxy"]["pid"]
 
 
+@pytest.mark.xdist_group("load")
 def test_least_connections(nginx_front):
     """1. Three long requests (3 s) keep three backends busy (least_conn puts each on an idle one).
     2. Short requests sent one after another all go to the fourth, idle backend.

@@ -6,8 +6,12 @@ import shutil
 import socket
 import urllib.request
 
+import pytest
+
 from conftest import wait_until
 from proxy_helpers import start_proxy, start_sims
+
+pytestmark = pytest.mark.process
 
 BAD_REQUESTS = (
     b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",

@@ -26,6 +26,8 @@ from fleet.sim.config import settle
 from fleet.sim.scheduler import Scheduler
 from fleet.sim.server import is_loopback
 
+pytestmark = pytest.mark.process
+
 MODEL = "sim-model"
 FIXTURES = ROOT.parent / "shared" / "fixtures" / "smi"
 # A 1x1 PNG: what a client sends as an image part.

