@@ -195,3 +195,16 @@ def test_stopping_a_stopped_instance_says_there_was_nothing_to_stop(make_invento
     again = inv("stop", "--host", "t", "--instance", "1", inventory=path)     # it printed the cards alone
     assert again.returncode == 0, again.stdout + again.stderr
     assert again.stdout.startswith("instance 1: not running: nothing to stop\n"), again.stdout
+
+
+@pytest.mark.process
+def test_inv_in_the_test_process_answers_as_inv_in_a_process_of_its_own(tmp_path):
+    """The suite runs `inv` in the test process (tests/fleet_helpers.py): help, a refusal, an unknown option
+    and a run each give the same exit code, standard output and standard error as `python -m invoke` does
+    in a process of its own, twice in a row (a first run leaves nothing that changes the second)."""
+    path = write_inventory(tmp_path, instances=2)
+    for args in (["--help"], ["deploy", "--help"], ["--list"], ["deploy", "--bogus"],
+                 ["restart", "--host", "t", "-i", str(path)], ["status", "--host", "t", "--json", "-i", str(path)],
+                 ["deploy", "--help"]):
+        here, there = inv(*args), inv(*args, process=True)
+        assert (here.returncode, here.stdout, here.stderr) == (there.returncode, there.stdout, there.stderr), args

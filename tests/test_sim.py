@@ -150,6 +150,7 @@ def api(tmp_path_factory):
         procs.stop_all()
 
 
+@pytest.mark.xdist_group("sim_api")
 def test_openai_chat_non_stream(api):
     r = api.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
     assert r.id.startswith("chatcmpl-")
@@ -159,6 +160,7 @@ def test_openai_chat_non_stream(api):
     assert r.usage.total_tokens == r.usage.prompt_tokens + 20
 
 
+@pytest.mark.xdist_group("sim_api")
 def test_openai_chat_stream_with_usage(api):
     chunks = list(api.client().chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True,
@@ -170,6 +172,7 @@ def test_openai_chat_stream_with_usage(api):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
 
 
+@pytest.mark.xdist_group("sim_api")
 def test_openai_completions_cut_by_max_tokens(api):
     c = api.client()
     r = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5)
@@ -181,6 +184,7 @@ def test_openai_completions_cut_by_max_tokens(api):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+@pytest.mark.xdist_group("sim_api")
 def test_image_part_is_accepted_and_counted(api):
     c = api.client()
     plain = c.chat.completions.create(model=MODEL, max_tokens=2,
@@ -191,6 +195,7 @@ def test_image_part_is_accepted_and_counted(api):
     assert with_image.usage.prompt_tokens == plain.usage.prompt_tokens + protocol.TOKENS_PER_IMAGE
 
 
+@pytest.mark.xdist_group("sim_api")
 def test_thinking_opens_with_think_block_and_runs_longer(api):
     r = api.client().chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hard question"}],
@@ -200,6 +205,7 @@ def test_thinking_opens_with_think_block_and_runs_longer(api):
     assert r.usage.completion_tokens == 60 and r.choices[0].finish_reason == "stop"
 
 
+@pytest.mark.xdist_group("sim_api")
 def test_integer_user_is_refused_like_vllm(api):
     status, body = request(api.url("/v1/chat/completions"), chat(user=12345))
     assert status == 400
@@ -216,11 +222,13 @@ def test_integer_user_is_refused_like_vllm(api):
     (chat(model="other-model"), None, 404, "NotFoundError"),
     (chat(max_tokens=5000), None, 400, "BadRequestError"),  # over --max-model-len 4096
 ])
+@pytest.mark.xdist_group("sim_api")
 def test_bad_requests(api, body, data, status, err_type):
     got, reply = request(api.url("/v1/chat/completions"), body, data=data)
     assert got == status and reply["type"] == err_type and reply["code"] == status
 
 
+@pytest.mark.xdist_group("sim_api")
 def test_queue_holds_max_num_seqs_running(api):
     """Six requests at once against max_num_seqs 2: two run, four wait, all six finish."""
     assert request(api.url("/sim/reset-stats"), {})[0] == 200
@@ -241,6 +249,7 @@ def test_queue_holds_max_num_seqs_running(api):
     assert stats["running"] == 0 and stats["waiting"] == 0 and stats["requests_total"] == 6
 
 
+@pytest.mark.xdist_group("sim_api")
 def test_metrics_has_vllm_gauges(api):
     status, text = request(api.url("/metrics"))
     assert status == 200
@@ -248,6 +257,7 @@ def test_metrics_has_vllm_gauges(api):
         assert re.search(rf'^{name}{{engine="0",model_name="{MODEL}"}} \d', text, re.M), name
 
 
+@pytest.mark.xdist_group("sim_api")
 def test_models_lists_served_name(api):
     status, body = request(api.url("/v1/models"))
     assert status == 200 and body["object"] == "list" and [m["id"] for m in body["data"]] == [MODEL]
