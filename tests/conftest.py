@@ -153,6 +153,21 @@ def pytest_collection_modifyitems(config, items):
                                 + "\n  ".join(unmarked))
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session):
+    """Under `--dist loadgroup` a worker names each grouped test `ID@GROUP` (how xdist keeps a group on one
+    worker): a pytest whose ids xdist cannot rename would spread the real engine's tests over every worker,
+    each deploying its own cluster, so say it rather than run so."""
+    if not getattr(session.config.option, "loadgroup", False):
+        return
+    ignored = [item.nodeid for item in session.items
+               if item.get_closest_marker("xdist_group") and "@" not in item.nodeid.rsplit("]", 1)[-1]]
+    if ignored:
+        raise pytest.UsageError(f"--dist loadgroup: pytest {pytest.__version__} with this pytest-xdist ignores "
+                                f"the xdist_group marks ({ignored[0]}, ...); install the versions pyproject.toml "
+                                "names (./scripts/setup.sh test).")
+
+
 @pytest.fixture
 def procs():
     ps = Processes()
