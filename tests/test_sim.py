@@ -234,8 +234,10 @@ def test_queue_holds_max_num_seqs_running(api):
     assert request(api.url("/sim/reset-stats"), {})[0] == 200
     client = api.client()
     results = []
+    together = threading.Barrier(6)     # all six sent at once, however late each thread got to start
 
     def one():
+        together.wait(timeout=30)
         results.append(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "q"}]))
 
     threads = [threading.Thread(target=one) for _ in range(6)]
