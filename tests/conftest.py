@@ -46,8 +46,16 @@ def free_ports(n: int) -> int:
     """
     lo, _ = _ephemeral_range()
     top = lo if lo > 12000 else 65535
+    bottom = 10000
+    # Under pytest-xdist each worker picks in its own slice: a port one worker found free is not then taken
+    # by a server another worker starts before this one binds it.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    worker = int((os.environ.get("PYTEST_XDIST_WORKER") or "gw0")[2:] or 0)
+    if workers > 1:
+        size = (top - bottom) // workers
+        bottom, top = bottom + worker * size, bottom + (worker + 1) * size
     for _ in range(500):
-        base = _rng.randrange(10000, top - n)
+        base = _rng.randrange(bottom, top - n)
         if all(_bindable(p) for p in range(base, base + n)):
             return base
     raise RuntimeError(f"no run of {n} free ports found")

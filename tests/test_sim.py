@@ -228,9 +228,11 @@ def test_bad_requests(api, body, data, status, err_type):
     assert got == status and reply["type"] == err_type and reply["code"] == status
 
 
-@pytest.mark.xdist_group("sim_api")
-def test_queue_holds_max_num_seqs_running(api):
-    """Six requests at once against max_num_seqs 2: two run, four wait, all six finish."""
+def test_queue_holds_max_num_seqs_running(procs, tmp_path):
+    """Six requests at once against max_num_seqs 2: two run, four wait, all six finish. Its own sim, whose
+    answers take 1 s (the module's take 0.2 s): on a loaded machine the sixth request still arrives while
+    the first two run."""
+    api = start_sim(procs, tmp_path, "--max-num-seqs", "2", "--sim-token-ms", "50", "--sim-output-tokens", "20")
     assert request(api.url("/sim/reset-stats"), {})[0] == 200
     client = api.client()
     results = []
