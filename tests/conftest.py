@@ -46,8 +46,16 @@ def free_ports(n: int) -> int:
     """
     lo, _ = _ephemeral_range()
     top = lo if lo > 12000 else 65535
+    bottom = 10000
+    # Under pytest-xdist each worker picks in its own slice: a port one worker found free is not then taken
+    # by a server another worker starts before this one binds it.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    worker = int((os.environ.get("PYTEST_XDIST_WORKER") or "gw0")[2:] or 0)
+    if workers > 1:
+        size = (top - bottom) // workers
+        bottom, top = bottom + worker * size, bottom + (worker + 1) * size
     for _ in range(500):
-        base = _rng.randrange(10000, top - n)
+        base = _rng.randrange(bottom, top - n)
         if all(_bindable(p) for p in range(base, base + n)):
             return base
     raise RuntimeError(f"no run of {n} free ports found")
@@ -139,6 +147,33 @@ class Processes:
                 p.wait(timeout=2)
             except subprocess.TimeoutExpired:
                 pass
+
+
+TIERS = ("unit", "process", "cluster", "ssh", "nginx", "real_engine")   # registered in pyproject.toml
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test says what it needs (a tier marker, docs/testing.md): one without is a collection error,
+    so `pytest -m unit` can never quietly pick up a test that deploys a cluster."""
+    unmarked = [item.nodeid for item in items if not any(item.get_closest_marker(t) for t in TIERS)]
+    if unmarked:
+        raise pytest.UsageError("these tests have no tier marker (" + ", ".join(TIERS) + "):\n  "
+                                + "\n  ".join(unmarked))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session):
+    """Under `--dist loadgroup` a worker names each grouped test `ID@GROUP` (how xdist keeps a group on one
+    worker): a pytest whose ids xdist cannot rename would spread the real engine's tests over every worker,
+    each deploying its own cluster, so say it rather than run so."""
+    if not getattr(session.config.option, "loadgroup", False):
+        return
+    ignored = [item.nodeid for item in session.items
+               if item.get_closest_marker("xdist_group") and "@" not in item.nodeid.rsplit("]", 1)[-1]]
+    if ignored:
+        raise pytest.UsageError(f"--dist loadgroup: pytest {pytest.__version__} with this pytest-xdist ignores "
+                                f"the xdist_group marks ({ignored[0]}, ...); install the versions pyproject.toml "
+                                "names (./scripts/setup.sh test).")
 
 
 @pytest.fixture

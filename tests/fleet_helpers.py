@@ -1,12 +1,21 @@
 """Helpers for tests that deploy real (simulated) clusters through the real `inv` command line."""
 from __future__ import annotations
 
+import contextlib
+import copy
+import importlib
+import io
 import json
+import logging
 import os
 import signal
 import subprocess
+import sys
 import textwrap
+import threading
 import time
+import traceback
+import warnings
 from pathlib import Path
 
 from conftest import PYTHON, ROOT, free_ports
@@ -42,16 +51,139 @@ def write_inventory(tmp_path: Path, name: str = "t", instances: int = 4, max_num
     return path
 
 
-def inv(*args, inventory: Path | None = None, timeout: float = 180, check: bool = False):
-    """Run `inv ARGS -i INVENTORY` from the project root; returns the CompletedProcess."""
-    argv = [PYTHON, "-m", "invoke", *args]
-    if inventory is not None:
-        argv += ["--inventory", str(inventory)]
-    env = {k: v for k, v in os.environ.items() if k != "FLEET_TAG"}
-    r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
-    if check and r.returncode != 0:
-        raise AssertionError(f"inv {' '.join(args)} exited {r.returncode}\n{r.stdout}\n{r.stderr}")
-    return r
+class InvResult:
+    """What a run of `inv` gave: the shape of subprocess.CompletedProcess (args, returncode, stdout, stderr)."""
+
+    def __init__(self, args, returncode: int, stdout: str, stderr: str):
+        self.args, self.returncode, self.stdout, self.stderr = args, returncode, stdout, stderr
+
+    def __repr__(self):
+        return f"InvResult(args={self.args!r}, returncode={self.returncode})"
+
+
+def inv_argv(args, inventory: Path | None = None) -> list[str]:
+    """The argv of `inv ARGS [--inventory INVENTORY]` as a process of its own."""
+    return [PYTHON, "-m", "invoke", *map(str, args), *(["--inventory", str(inventory)] if inventory else [])]
+
+
+def inv_env(env: dict | None = None) -> dict:
+    """inv's environment: the test's own without FLEET_TAG (a deployed process's tag must not leak into
+    what inv starts), plus env."""
+    return {**{k: v for k, v in os.environ.items() if k != "FLEET_TAG"}, **(env or {})}
+
+
+def inv(*args, inventory: Path | None = None, timeout: float = 180, check: bool = False,
+        env: dict | None = None, process: bool = False):
+    """Run `inv ARGS [--inventory INVENTORY]` from the project root; returns returncode, stdout, stderr.
+
+    In this process by default (invoke's own Program on the project's tasks: the same parsing, output and
+    exit code, without a second of imports per run); process=True runs a real `python -m invoke` (for
+    what only a process of its own shows: its signals, its pid, its output as a pipe). env: variables set
+    for the run. timeout bounds a process; an in-process run is bounded by the test's own timeout."""
+    if process:
+        r = subprocess.run(inv_argv(args, inventory), cwd=ROOT, capture_output=True, text=True,
+                           timeout=timeout, env=inv_env(env))
+        result = InvResult(r.args, r.returncode, r.stdout, r.stderr)
+    else:
+        result = _inv_here([*map(str, args), *(["--inventory", str(inventory)] if inventory else [])], env)
+    if check and result.returncode != 0:
+        raise AssertionError(f"inv {' '.join(map(str, args))} exited {result.returncode}\n{result.stdout}\n"
+                             f"{result.stderr}")
+    return result
+
+
+def start_inv(*args, inventory: Path | None = None, env: dict | None = None, **popen) -> subprocess.Popen:
+    """`inv ARGS` as a process of its own, started and left running (its output piped, text): for a test
+    that signals it, reads its output as it comes or runs several at once. popen: more Popen arguments."""
+    popen = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, **popen}
+    return subprocess.Popen(inv_argv(args, inventory), cwd=ROOT, env=inv_env(env), **popen)
+
+
+class _LastResort(logging.Handler):
+    """Python's last-resort logging in a process of its own: WARNING and above to standard error when no
+    handler of the program's own takes the record (pytest's capturing handlers do not count)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+
+    def emit(self, record):
+        logger = logging.getLogger(record.name)
+        while logger:
+            if any(h is not self and not type(h).__module__.startswith("_pytest") for h in logger.handlers):
+                return
+            logger = logger.parent if logger.propagate else None
+        sys.stderr.write(self.format(record) + "\n")
+
+
+def _inv_here(argv: list[str], env: dict | None) -> InvResult:
+    """Run invoke's Program on the project's tasks in this process, as `python -m invoke ARGV` would run
+    from the project root: its output captured, its exit code returned, what it changes in this process
+    (environment, directory, signal handlers, logging, fleet's Ctrl-C level) put back."""
+    from invoke import Collection, Program, __version__
+
+    class ProjectProgram(Program):
+        def load_collection(self):
+            # What invoke's loader does with the tasks.py it finds from the root, by import: the module is
+            # loaded once for the whole test session, wherever its tasks live.
+            if str(ROOT) not in sys.path:
+                sys.path.insert(0, str(ROOT))
+            self.config.set_project_location(str(ROOT))
+            self.config.load_project()
+            tasks = Collection.from_module(importlib.import_module("tasks"), loaded_from=str(ROOT),
+                                           auto_dash_names=self.config.tasks.auto_dash_names)
+            # A copy: parsing takes each argument's help out of its task (invoke pops it from task.help).
+            self.collection = copy.deepcopy(tasks)
+
+    out, err = io.StringIO(), io.StringIO()
+    saved_env, cwd = dict(os.environ), os.getcwd()
+    saved_signals = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE)}
+    saved_hook = threading.excepthook
+    last_resort = _LastResort()
+    os.environ.pop("FLEET_TAG", None)
+    os.environ.update(env or {})
+    os.chdir(ROOT)
+    threading.excepthook = threading.__excepthook__     # a thread's traceback goes to stderr, as in a process
+    logging.getLogger().addHandler(last_resort)
+    code = 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+            warnings.resetwarnings()                 # a fresh interpreter's filters: only __main__'s show
+            for action, category in (("default", DeprecationWarning), ("ignore", DeprecationWarning),
+                                     ("ignore", PendingDeprecationWarning), ("ignore", ImportWarning),
+                                     ("ignore", ResourceWarning)):
+                warnings.filterwarnings(action, category=category, append=True,
+                                        module="__main__" if action == "default" else "")
+            try:
+                ProjectProgram(name="Invoke", binary="inv[oke]", version=__version__).run(
+                    ["inv", *argv], exit=True)
+            except SystemExit as e:
+                if isinstance(e.code, str):
+                    print(e.code, file=sys.stderr)
+                    code = 1
+                else:
+                    code = e.code or 0
+            except Exception:            # as an uncaught exception ends a process: its traceback, exit 1
+                traceback.print_exc()
+                code = 1
+    finally:
+        logging.getLogger().removeHandler(last_resort)
+        threading.excepthook = saved_hook
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+        for s, handler in saved_signals.items():
+            signal.signal(s, handler)
+        _reset_interrupt()
+    return InvResult(["inv", *argv], code, out.getvalue(), err.getvalue())
+
+
+def _reset_interrupt() -> None:
+    """Put fleet's Ctrl-C state (the INTERRUPT object of the module that holds it) back to level 0, as a
+    new process would start: the next run in this process must not see the last one's interrupt."""
+    for name, module in list(sys.modules.items()):
+        interrupt = getattr(module, "INTERRUPT", None) if name.split(".")[0] == "fleet" else None
+        if interrupt is not None and hasattr(interrupt, "level"):
+            interrupt.level = 0
 
 
 def tagged_pids(prefix: str) -> list[int]:

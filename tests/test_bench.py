@@ -12,6 +12,7 @@ import pytest
 from fleet import bench
 from fleet_helpers import deployment_id, inv, kill_tagged, status_json, write_inventory
 
+
 # One request: 300 ms prefill + 16 tokens x 40 ms, about 1 s, long enough that process start-up
 # jitter on a loaded machine stays well inside the 20% the parallel check allows.
 SLOW_SIM = "{load_s: 0.3, prefill_ms: 300, token_ms: 40, output_tokens: 16}"
@@ -51,6 +52,8 @@ def sweep(tmp_path_factory):
         undeploy(inventory)
 
 
+@pytest.mark.cluster
+@pytest.mark.xdist_group("load")
 def test_throughput_stops_growing_at_capacity_and_the_slots_run_in_parallel(sweep):
     """1. capacity 32: throughput grows from 8 to 16 to 32 concurrent requests, then stops;
     2. the 32 requests of concurrency 32 take about as long, in all, as one request alone;
@@ -91,6 +94,8 @@ def test_throughput_stops_growing_at_capacity_and_the_slots_run_in_parallel(swee
     assert "t : ok=1 changed=0 skipped=0 failed=0 unreachable=0" in out
 
 
+@pytest.mark.cluster
+@pytest.mark.xdist_group("load")
 def test_report_files_exist_and_parse(sweep):
     """JSON with every request's figures, a Markdown table per scenario, a well-formed SVG chart."""
     _, result, out = sweep
@@ -115,6 +120,7 @@ def test_report_files_exist_and_parse(sweep):
     assert len(svg.findall(f".//{ns}circle")) == 10        # a point per level on each line
 
 
+@pytest.mark.cluster
 def test_dead_backend_failures_counted_by_status(tmp_path):
     """1. a 4-instance cluster whose proxy checks /health only once a minute, its API servers staying up
     after their engine dies (vLLM 0.11; 0.32's would exit and the proxy would retry elsewhere);
@@ -155,6 +161,7 @@ def test_dead_backend_failures_counted_by_status(tmp_path):
         undeploy(inventory)
 
 
+@pytest.mark.process
 def test_mistakes_are_one_sentence(tmp_path):
     """Bad options and a host with nothing deployed: exit 2, one sentence, no traceback, no report."""
     inventory = write_inventory(tmp_path, instances=2)
@@ -177,6 +184,7 @@ def test_mistakes_are_one_sentence(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.unit
 def test_parallel_finding_counts_the_waves_of_requests_beyond_the_concurrency():
     """--requests 6 at concurrency 4 is two waves: 2x one request is parallel, not queueing (it said
     "2.02x one request alone: requests queued below capacity")."""
@@ -192,6 +200,7 @@ def test_parallel_finding_counts_the_waves_of_requests_beyond_the_concurrency():
     assert "2.00x one request alone (0.36 s): requests queued below capacity" in " ".join(found["text"])
 
 
+@pytest.mark.unit
 def test_generated_png_is_a_valid_image():
     png = bench.make_png(8, 4)
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and bench.image_mime(png) == "image/png"
@@ -214,11 +223,13 @@ def test_generated_png_is_a_valid_image():
     ([10, 20, 30, 40, 50], None),   # still growing: not saturated
     ([10, 10.4, 30, 40, 50], 8),    # +4% is not growth
 ])
+@pytest.mark.unit
 def test_saturation_is_where_throughput_stops_growing_by_more_than_5_percent(rps, expected):
     levels = [{"concurrency": c, "throughput_rps": x} for c, x in zip((8, 16, 32, 48, 64), rps)]
     assert bench.saturation(levels) == expected
 
 
+@pytest.mark.unit
 def test_percentile_interpolates_between_ranks():
     assert bench.percentile([], 50) is None
     assert bench.percentile([3.0], 99) == 3.0
@@ -226,6 +237,7 @@ def test_percentile_interpolates_between_ranks():
     assert bench.percentile(list(range(101)), 95) == 95
 
 
+@pytest.mark.unit
 def test_util_summary_is_the_median_of_the_cards_mean():
     """Cards as fleet.smi reads them (hy-smi's default table gives VRAM% only: MiB unknown, NaN)."""
     from fleet.smi import Card
@@ -239,6 +251,7 @@ def test_util_summary_is_the_median_of_the_cards_mean():
     assert u == {"util_pct": 70.0, "mem_pct": 74.7, "samples": 3, "cards": 2}
 
 
+@pytest.mark.unit
 def test_image_none_sends_text_only():
     """`--image none`: the chat content is the prompt alone, for a text-only model."""
     image = bench.load_image("none")

@@ -15,6 +15,8 @@ from conftest import free_ports, http_status
 from fleet import inventory, render
 from fleet_helpers import deployment_id, inv, kill_tagged, status_json, write_inventory
 
+pytestmark = pytest.mark.cluster
+
 
 def outside_address() -> str:
     """A non-loopback IPv4 address of this machine, or skip: without one there is nothing to be exposed on."""

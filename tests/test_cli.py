@@ -9,21 +9,18 @@ import time
 
 import pytest
 
-from conftest import PYTHON, ROOT, wait_until
+from conftest import wait_until
 
 from hostagent import processes
 
-from fleet_helpers import deployment_id, inv, kill_tagged, status_json, write_inventory
+from fleet_helpers import deployment_id, inv, kill_tagged, start_inv, status_json, write_inventory
 
 
-def start_inv(*args, inventory=None) -> subprocess.Popen:
+def start_inv_ctrl_c(*args, inventory=None) -> subprocess.Popen:
     """`inv ARGS` in its own process group, with Ctrl-C's default action (a background job may have
     inherited SIGINT ignored), its output read by the test."""
-    argv = [PYTHON, "-m", "invoke", *args] + (["--inventory", str(inventory)] if inventory else [])
-    env = {k: v for k, v in os.environ.items() if k != "FLEET_TAG"}
-    return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    return start_inv(*args, inventory=inventory, start_new_session=True,
+                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def read_until(proc: subprocess.Popen, text: str, timeout: float = 60) -> list[str]:
@@ -66,10 +63,11 @@ def inventory(make_inventory):
     return make_inventory(sim="{load_s: 6, prefill_ms: 20, token_ms: 5}")
 
 
+@pytest.mark.cluster
 def test_ctrl_c_during_deploy_stops_before_the_next_step_and_says_what_to_do(inventory):
     # SIGINT to inv alone, as over SSH (the terminal's Ctrl-C reaches no remote command): before, the
     # deploy went on to its end and then exited 1 with no word; Ctrl-C seemed ignored for minutes.
-    proc = start_inv("deploy", "--host", "t", inventory=inventory)
+    proc = start_inv_ctrl_c("deploy", "--host", "t", inventory=inventory)
     try:
         lines = read_until(proc, "started 2 instance(s)")
         os.kill(proc.pid, signal.SIGINT)
@@ -90,10 +88,11 @@ def test_ctrl_c_during_deploy_stops_before_the_next_step_and_says_what_to_do(inv
     assert "instance 0: already" in again.stdout and "proxy: started" in again.stdout, again.stdout
 
 
+@pytest.mark.cluster
 def test_ctrl_c_ends_logs_follow_at_once_and_cleanly(inventory):
     deployed = inv("deploy", "--host", "t", inventory=inventory)
     assert deployed.returncode == 0, deployed.stdout + deployed.stderr
-    proc = start_inv("logs", "--host", "t", "--follow", "-n", "1", inventory=inventory)
+    proc = start_inv_ctrl_c("logs", "--host", "t", "--follow", "-n", "1", inventory=inventory)
     try:
         read_until(proc, "==> t:")
         assert wait_until(lambda: children_of(proc.pid), timeout=10), "tail -F never started"
@@ -113,13 +112,14 @@ def test_ctrl_c_ends_logs_follow_at_once_and_cleanly(inventory):
     wait_until(tails_gone, timeout=5, what="inv's tail -F to be gone")
 
 
+@pytest.mark.cluster
 def test_closed_output_ends_a_read_only_run_without_a_traceback(inventory):
     deployed = inv("deploy", "--host", "t", inventory=inventory)
     assert deployed.returncode == 0, deployed.stdout + deployed.stderr
     # `inv status | head -0`, `inv logs --follow | grep -m1 x`: the reader is gone before inv writes.
     for args in (["status", "--host", "t"], ["status", "--host", "t", "--json"],
                  ["logs", "--host", "t", "--follow"]):
-        proc = start_inv(*args, inventory=inventory)
+        proc = start_inv_ctrl_c(*args, inventory=inventory)
         proc.stdout.close()
         try:
             err = proc.stderr.read()
@@ -131,6 +131,7 @@ def test_closed_output_ends_a_read_only_run_without_a_traceback(inventory):
         assert "Traceback" not in err and "BrokenPipe" not in err, (args, err)
 
 
+@pytest.mark.process
 def test_minus_i_is_the_inventory_on_every_command(tmp_path):
     # Before, stop, restart, logs and trace answered `-i FILE` with "No idea what '-i' is!".
     path = write_inventory(tmp_path, instances=2)
@@ -147,6 +148,7 @@ def test_minus_i_is_the_inventory_on_every_command(tmp_path):
     assert "-i is --inventory, the inventory file (got '1'); for instance 1, write --instance 1." in r.stderr
 
 
+@pytest.mark.process
 def test_a_deploy_dir_that_cannot_be_written_is_one_sentence_that_says_what_to_do(tmp_path):
     # Before: "taking the lock .../run/fleet.lock failed (exit 2): cannot lock ... (Not a directory)".
     path = write_inventory(tmp_path, instances=2)
@@ -163,6 +165,7 @@ def test_a_deploy_dir_that_cannot_be_written_is_one_sentence_that_says_what_to_d
             "directory\n      fix: set deploy_dir to a directory you can write") in r.stdout, r.stdout
 
 
+@pytest.mark.cluster
 def test_status_says_where_to_look_and_what_brings_a_dead_part_back(make_inventory):
     # Before: "FAILED: instance 1: dead", "FAILED: proxy: dead", and nothing more.
     path = make_inventory(extra="keeper: {enabled: false}\n")
@@ -181,6 +184,7 @@ def test_status_says_where_to_look_and_what_brings_a_dead_part_back(make_invento
         in r.stderr, r.stderr
 
 
+@pytest.mark.cluster
 def test_stopping_a_stopped_instance_says_there_was_nothing_to_stop(make_inventory):
     path = make_inventory()
     r = inv("deploy", "--host", "t", inventory=path)
@@ -191,3 +195,18 @@ def test_stopping_a_stopped_instance_says_there_was_nothing_to_stop(make_invento
     again = inv("stop", "--host", "t", "--instance", "1", inventory=path)     # it printed the cards alone
     assert again.returncode == 0, again.stdout + again.stderr
     assert again.stdout.startswith("instance 1: not running: nothing to stop\n"), again.stdout
+
+
+@pytest.mark.process
+def test_inv_in_the_test_process_answers_as_inv_in_a_process_of_its_own(tmp_path):
+    """The suite runs `inv` in the test process (tests/fleet_helpers.py): a task's help, the task list, an
+    unknown option, a refusal and a run each give the same exit code, standard output and standard error as
+    `python -m invoke` does in a process of its own, and so does a second run in this process (the first
+    leaves nothing behind: invoke takes each argument's help out of its task as it parses)."""
+    path = write_inventory(tmp_path, instances=2)
+    for args in (["deploy", "--help"], ["--list"], ["deploy", "--bogus"], ["restart", "--host", "t", "-i", str(path)],
+                 ["status", "--host", "t", "--json", "-i", str(path)]):
+        there = inv(*args, process=True)
+        for _ in range(2):
+            here = inv(*args)
+            assert (here.returncode, here.stdout, here.stderr) == (there.returncode, there.stdout, there.stderr), args

@@ -24,6 +24,8 @@ from conftest import PYTHON, ROOT, free_port
 import fleet.cli
 from fleet import inventory as inv_mod
 
+pytestmark = pytest.mark.process
+
 SHORT = {"-H": "host", "-i": "inventory", "-e": "set", "-f": "forks", "-n": "lines"}
 
 

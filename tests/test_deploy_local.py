@@ -13,10 +13,11 @@ from hostagent.processes import parse_record
 
 from fleet_helpers import deployment_id, inv, kill_tagged, status_json, tagged_pids, write_inventory
 
+pytestmark = pytest.mark.cluster
 
-@pytest.fixture
-def cluster(tmp_path):
-    """A deployed 4-instance sim cluster; stopped (and swept by tag) whatever the test does."""
+
+def deployed(tmp_path):
+    """Deploy a 4-instance sim cluster in tmp_path; stop it (and sweep by tag) whatever the tests do."""
     inventory = write_inventory(tmp_path)
     dep = deployment_id(inventory)
     first = inv("deploy", "--host", "t", inventory=inventory)
@@ -26,6 +27,18 @@ def cluster(tmp_path):
     finally:
         inv("stop", "--host", "t", inventory=inventory)
         kill_tagged(dep + "/")
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """A cluster of the test's own, for a test that changes it."""
+    yield from deployed(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def shared_cluster(tmp_path_factory):
+    """One cluster for the module's tests that only read it (their xdist group keeps them on one worker)."""
+    yield from deployed(tmp_path_factory.mktemp("shared"))
 
 
 def recap(output: str) -> dict:
@@ -54,8 +67,9 @@ def test_deploy_then_redeploy_changes_nothing(cluster):
     assert st["proxy"]["pid"] == proxy_pid and len(st["proxy"]["backends"]) == 3
 
 
-def test_status_json_contract(cluster):
-    inventory, dep, _, tmp = cluster
+@pytest.mark.xdist_group("deploy_local_shared")
+def test_status_json_contract(shared_cluster):
+    inventory, dep, _, tmp = shared_cluster
     st = status_json(inventory)
     assert st["host"] == "t" and st["front"] == "proxy"
     assert st["proxy"]["state"] == "healthy" and st["proxy"]["pid"]
@@ -67,8 +81,9 @@ def test_status_json_contract(cluster):
     assert table.count("healthy") >= 5
 
 
-def test_openai_client_through_proxy_stream_and_not(cluster):
-    inventory, dep, _, tmp = cluster
+@pytest.mark.xdist_group("deploy_local_shared")
+def test_openai_client_through_proxy_stream_and_not(shared_cluster):
+    inventory, dep, _, tmp = shared_cluster
     st = status_json(inventory)
     backends = {f"127.0.0.1:{i['port']}" for i in st["instances"]}
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{st['proxy']['port']}/v1", api_key="none")

@@ -6,11 +6,14 @@ import re
 import socket
 import textwrap
 
+import pytest
+
 from conftest import PYTHON, free_ports
 
 from fleet_helpers import inv
 
 
+@pytest.mark.process
 def test_doctor_names_a_missing_model_path_and_a_taken_port(tmp_path):
     """1. a vllm host whose model path does not exist and whose instance 1 port is taken by a process
     that is not the deployment's; 2. doctor fails naming both, each with its fix; 3. deploy runs the doctor
@@ -64,6 +67,7 @@ def test_doctor_names_a_missing_model_path_and_a_taken_port(tmp_path):
     assert r.returncode == 0 and "would start" in r.stdout and "model:" not in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.unit
 def test_cpu_instances_beyond_the_cores_say_so_plainly(tmp_path):
     """cpus_per_instance 0 splits the host's cores: 4 instances on 2 cores get none each (it said
     "4 instance(s) x 0 core(s) do not fit the 2 core(s)")."""

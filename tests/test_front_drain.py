@@ -19,6 +19,7 @@ from fleet_helpers import deployment_id, inv, kill_tagged, status_json, write_in
 sys.path.insert(0, str(ROOT / "scripts"))
 from swap_under_load import Load  # noqa: E402
 
+
 MODEL = "Test-Model"
 
 
@@ -44,6 +45,8 @@ def cluster(tmp_path):
         kill_tagged(dep + "/")
 
 
+@pytest.mark.xdist_group("load")
+@pytest.mark.cluster
 def test_proxy_restart_under_load_refuses_nothing(cluster):
     """1. 12 clients open a new connection per request and 12 keep theirs alive, closed loop, never
     retrying. 2. `inv deploy --set proxy.max_body_mb=32` (a restart-only setting): the new proxy starts
@@ -90,6 +93,8 @@ def results_log(deploy) -> dict[str, dict]:
     return {x["trace_id"]: x for x in lines if x.get("final")}
 
 
+@pytest.mark.xdist_group("load")
+@pytest.mark.cluster
 def test_stop_under_load_fails_no_accepted_request(cluster):
     """1. 8 clients with a new connection per request and 8 with kept-alive ones send ~0.5 s requests
     (4 instances x 8 seqs: every request runs at once), each with its own trace id. 2. `inv stop` while
@@ -126,6 +131,8 @@ def test_stop_under_load_fails_no_accepted_request(cluster):
     assert status_json(inventory)["front"] is None
 
 
+@pytest.mark.xdist_group("load")
+@pytest.mark.cluster
 def test_stop_one_instance_under_load_drains_it_first(cluster):
     """1. `--check` says instance 0 would be drained. 2. 8 clients with new connections and 8 with
     kept-alive ones send ~0.5 s requests. 3. `inv stop --instance 0` while they run: the proxy stops
@@ -156,6 +163,8 @@ def test_stop_one_instance_under_load_drains_it_first(cluster):
                             if b["name"] == backend)["healthy"], what="instance 0 back in the proxy")
 
 
+@pytest.mark.xdist_group("load")
+@pytest.mark.cluster
 def test_stop_past_the_drain_bound_names_the_cut_requests(cluster):
     """1. `--check` says the front would be drained. 2. Four ~20 s streams run, each with a known request
     id. 3. `inv stop --set drain_timeout_s=2`: the proxy stops accepting, prints its progress, and after
@@ -190,6 +199,7 @@ def test_stop_past_the_drain_bound_names_the_cut_requests(cluster):
     assert status_json(inventory)["front"] is None
 
 
+@pytest.mark.cluster
 def test_stop_in_nginx_mode_lets_streams_finish(cluster):
     """1. nginx is the front; four ~10 s streams run. 2. `inv stop`: the watcher stops, nginx quits
     gracefully, the stop waits for it; only then are the instances stopped. 3. Every stream ends with
@@ -217,6 +227,7 @@ def _running(port: int) -> int:
         return json.loads(r.read())["running"]
 
 
+@pytest.mark.process
 def test_drain_and_exit_admin_call(tmp_path, procs):
     """The proxy's drain call on its own: 1. a request with a known id is listed by GET /admin/requests;
     2. drain-and-exit naming another pid is refused (409) and changes nothing; 3. with the proxy's own
@@ -260,6 +271,7 @@ def test_drain_and_exit_admin_call(tmp_path, procs):
     stream.close()
 
 
+@pytest.mark.process
 def test_steering_sends_new_connections_to_the_listener_taking_over():
     """proxy.listener on two sockets sharing a port: 1. the kernel spreads connections over both;
     2. once the first (index 0) steers away, every new connection goes to the second, so the first can
@@ -306,6 +318,7 @@ def test_steering_sends_new_connections_to_the_listener_taking_over():
         second.close()
 
 
+@pytest.mark.cluster
 def test_a_new_proxy_that_does_not_come_up_leaves_the_old_one_serving(cluster, tmp_path):
     """1. A restart-only setting changes together with an API key file that does not exist: the running
     proxy refuses the reload, so deploy restarts it; the new proxy exits at once. 2. The deploy fails
@@ -324,6 +337,7 @@ def test_a_new_proxy_that_does_not_come_up_leaves_the_old_one_serving(cluster, t
     assert not (deploy / "run" / "proxy.next.pid").exists()
 
 
+@pytest.mark.cluster
 def test_a_proxy_restart_keeps_the_operators_drains(cluster):
     """1. The operator drains instance 2 in the proxy (to keep it out of service). 2. A deploy restarts
     the proxy (a restart-only setting). 3. The new proxy has instance 2 drained too, and says so."""

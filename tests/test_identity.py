@@ -27,6 +27,7 @@ from hostagent.processes import RecordError, format_record, parse_record
     ("4242 4242\n", {"pid": 4242, "pgid": 4242, "sid": None, "start": None, "tag": None}),
     ("4242", {"pid": 4242, "pgid": None, "sid": None, "start": None, "tag": None}),
 ])
+@pytest.mark.unit
 def test_records_are_parsed_in_both_forms(text, want):
     assert parse_record(text) == want
     assert parse_record(text.encode()) == want
@@ -38,6 +39,7 @@ def test_records_are_parsed_in_both_forms(text, want):
     (b"pid=12 start=", "does not hold a pid record"), (b"pgid=3 sid=3", "does not hold a pid record"),
     (b"pid=1", None),
 ])
+@pytest.mark.unit
 def test_unreadable_records_say_why(data, why):
     if why is None:
         assert parse_record(data)["pid"] == 1       # readable; check_record refuses it later
@@ -46,6 +48,7 @@ def test_unreadable_records_say_why(data, why):
         parse_record(data)
 
 
+@pytest.mark.process
 def test_a_live_processes_record_holds_its_start_time_group_session_and_tag(procs):
     p = procs.start(["sleep", "60"], env={**os.environ, "FLEET_TAG": "dep/3"})
     wait_until(lambda: processes.read_tag(p.pid) == "dep/3", what="the child exec'd")
@@ -95,6 +98,7 @@ def gone(pid: int) -> bool:
     return not processes.alive(pid)
 
 
+@pytest.mark.process
 def test_pid_file_naming_an_unrelated_group_leader_is_stale_and_it_survives(host, procs):
     """1. instance 0 runs (tagged leader, two children); 2. its pid file is replaced by one naming an
     unrelated `setsid sleep` of the same user, in both the old and the new form; 3. the stop says the file
@@ -124,6 +128,7 @@ def test_pid_file_naming_an_unrelated_group_leader_is_stale_and_it_survives(host
         assert f"stopping pid {k} (sleep 600): " in said
 
 
+@pytest.mark.process
 def test_orphans_whose_tag_was_erased_are_found_by_session(host, procs):
     """1. instance 1's children carry no FLEET_TAG; 2. its leader is SIGKILLed, so nothing tagged and no
     live pid file leads to them; 3. the stop finds them by the session its pid file recorded."""
@@ -138,6 +143,7 @@ def test_orphans_whose_tag_was_erased_are_found_by_session(host, procs):
         assert f"instance 1: stopping pid {k} (sleep 600): session {inst.pid} of instance 1" in lines, lines
 
 
+@pytest.mark.process
 def test_pgid_and_pid_0_and_1_and_this_stops_own_group_are_never_signalled(host, procs):
     """Pid files naming pgid 0, pid 1, pgid 1, the stopping process itself and a process of its own group
     (with a matching record): a stop whose kill is a recorder signals exactly the real instance."""
@@ -177,6 +183,7 @@ def test_pgid_and_pid_0_and_1_and_this_stops_own_group_are_never_signalled(host,
 
 
 @pytest.mark.parametrize("content", [b"\xff\xfe\x00garbage", b"", b"pid=", b"12 13 14 15"])
+@pytest.mark.process
 def test_unreadable_pid_file_is_one_sentence_and_the_stop_goes_on(host, procs, content):
     inst, kids = start_instance(procs, host, 2, record=False)
     pidfile = os.path.join(host["deploy_dir"], "run", "instance_2.pid")
@@ -191,6 +198,7 @@ def test_unreadable_pid_file_is_one_sentence_and_the_stop_goes_on(host, procs, c
     assert not os.path.exists(pidfile)
 
 
+@pytest.mark.process
 def test_a_strangers_listener_on_an_instance_port_is_named_and_left_alone(host, procs):
     port = host["base_port"] + 1
     server = procs.start([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)],
@@ -204,6 +212,7 @@ def test_a_strangers_listener_on_an_instance_port_is_named_and_left_alone(host, 
             f"{port}), which is not this deployment's; stop it yourself or change base_port") in lines, lines
 
 
+@pytest.mark.process
 def test_processes_py_runs_alone_from_standard_input(host, procs):
     """`python3 - stop SPEC` with the file on stdin, as inv stop runs it where nothing is deployed."""
     import json

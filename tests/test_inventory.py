@@ -1,8 +1,6 @@
 """Inventory: resolution order, and every kind of mistake is one line naming the file and the key."""
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -12,7 +10,9 @@ from fleet import inventory
 from fleet.errors import InventoryError
 
 from conftest import ROOT, free_ports
-from fleet_helpers import tagged_pids
+from fleet_helpers import inv, tagged_pids
+
+pytestmark = pytest.mark.unit
 
 BASE = """
 defaults:
@@ -173,8 +173,7 @@ def test_cpu_kvcache_gib_is_whole_gib_above_zero(value, message):
 
 def test_cli_error_is_one_line_without_traceback(tmp_path):
     path = write(tmp_path, BASE.replace("    max_num_seqs: 5", "    max_num_seqs: four"))
-    r = subprocess.run([sys.executable, "-m", "invoke", "status", "--host", "a", "-i", path],
-                       cwd=ROOT, capture_output=True, text=True)
+    r = inv("status", "--host", "a", "-i", path)
     assert r.returncode == 2
     assert r.stderr.strip() == f"error: {path}: hosts.a.max_num_seqs: expected an integer from 1 to 65536, got 'four'."
     assert "Traceback" not in r.stdout + r.stderr
@@ -261,8 +260,7 @@ def test_bad_inventory_is_one_sentence_and_starts_nothing(tmp_path, extra, sets,
     deploy_dir, no process carrying the deployment's tag."""
     path, ports = bad_inventory(tmp_path, extra)
     args = [a for s in sets for a in ("--set", s)]
-    r = subprocess.run([sys.executable, "-m", "invoke", "deploy", "--host", "a", "-i", str(path), *args],
-                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    r = inv("deploy", "--host", "a", "-i", str(path), *args)
     source = "" if message.startswith("--set") else f"{path}: "
     assert r.returncode == 2, r.stdout + r.stderr
     assert r.stderr.strip() == f"error: {source}{message.format(**ports)}", r.stderr

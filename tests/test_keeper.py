@@ -108,6 +108,8 @@ def cluster(tmp_path):
         kill_tagged(deployment_id(inventory) + "/")
 
 
+@pytest.mark.xdist_group("load")
+@pytest.mark.cluster
 def test_sigkill_of_an_api_server_under_load(cluster):
     """1. 4 sim instances behind the proxy, 16 clients sending without pause.
     2. SIGKILL instance 1's API server only: its engine child lives on as an orphan, holding the card.
@@ -194,6 +196,7 @@ def test_sigkill_of_an_api_server_under_load(cluster):
     assert post(port)[0] == 200
 
 
+@pytest.mark.cluster
 def test_an_engine_that_exits_at_every_start_ends_in_crashloop(cluster, tmp_path):
     """1. Deploy 2 instances; then start_cluster.sh is rendered with an engine that exits at once.
     2. Kill instance 1 (its whole process group): the keeper restarts it 3 times (max_restarts), with
@@ -258,6 +261,7 @@ def test_an_engine_that_exits_at_every_start_ends_in_crashloop(cluster, tmp_path
     assert [i["state"] for i in again["instances"]] == ["healthy", "healthy"]
 
 
+@pytest.mark.cluster
 def test_stop_during_a_restart_leaves_nothing(cluster):
     """1. Instances take 3 s to load. Kill instance 0's process group: the keeper begins its restart.
     2. While the restart waits for /health, `inv stop`: the keeper is stopped first (its restart is
@@ -280,6 +284,7 @@ def test_stop_during_a_restart_leaves_nothing(cluster):
     assert st["keeper"]["state"] == "stopped" and all(i["state"] == "stopped" for i in st["instances"])
 
 
+@pytest.mark.unit
 def test_the_keeper_log_is_rotated(tmp_path):
     """logs/keeper.log rotates at proxy.results_log.max_mb, keeping proxy.results_log.backups files."""
     (tmp_path / "logs").mkdir()

@@ -13,6 +13,8 @@ from hostagent import instances, keeper
 from hostagent.keeper_decisions import (Crashloop, Log, MarkReady, Observed, Probe, Restart, Watch, begin_restart,
                                         decide, end_restart, lock_refused, probe_result)
 
+pytestmark = pytest.mark.unit
+
 K = {"dead_after_s": 3, "backoff_base_s": 1, "backoff_max_s": 4, "max_restarts": 3, "window_s": 120,
      "stall_probe": False, "probe_interval_s": 0.5, "probe_timeout_s": 1, "probe_failures": 2}
 HEALTH_TIMEOUT_S = 60

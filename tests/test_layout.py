@@ -11,6 +11,8 @@ import pytest
 from fleet import hostcode
 from hostagent import layout
 
+pytestmark = pytest.mark.unit
+
 
 def test_paths_under_deploy_dir():
     assert layout.instance_pidfile(3) == "run/instance_3.pid"

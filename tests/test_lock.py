@@ -30,6 +30,7 @@ def hv(tmp_path):
     return HV(deploy_dir=str(tmp_path / "deploy"), connection="local", python=sys.executable, env_setup="")
 
 
+@pytest.mark.unit
 def test_try_hold_is_refused_while_held_and_names_the_holder(tmp_path):
     d = str(tmp_path)
     held = lock.try_hold(d, "inv deploy")
@@ -44,6 +45,7 @@ def test_try_hold_is_refused_while_held_and_names_the_holder(tmp_path):
     assert lock.holder(d) is None
 
 
+@pytest.mark.process
 def test_a_second_run_fails_at_once_naming_the_holder(hv):
     with runlock.held(LocalTransport("t"), hv, "deploy"):
         info = lock.holder(hv["deploy_dir"])
@@ -66,6 +68,7 @@ def test_a_second_run_fails_at_once_naming_the_holder(hv):
     assert lock.holder(hv["deploy_dir"]) is None
 
 
+@pytest.mark.process
 def test_wait_takes_the_lock_when_the_holder_ends(hv):
     said = []
     order = []
@@ -88,6 +91,7 @@ def test_wait_takes_the_lock_when_the_holder_ends(hv):
     assert order == ["first", "second"]
 
 
+@pytest.mark.process
 def test_a_lock_left_by_a_dead_run_is_taken_over(hv, tmp_path):
     """1. a run (another process) takes the lock; 2. it is SIGKILLed: no cleanup of its own runs;
     3. the lock is free at once, and the file's stale holder line is not obeyed."""
@@ -114,6 +118,7 @@ def test_a_lock_left_by_a_dead_run_is_taken_over(hv, tmp_path):
             run.wait()
 
 
+@pytest.mark.ssh
 def test_over_ssh_the_lock_is_on_the_host_and_a_dropped_connection_frees_it(sshd, tmp_path):  # noqa: F811
     """1. a run over SSH holds the lock (the holder runs on the host, behind the real sshd); 2. a second
     SSH connection is refused, naming it; 3. the first connection drops without a word (as when the

@@ -16,6 +16,8 @@ from fleet.report import Report
 
 from fleet_helpers import inv, write_inventory
 
+pytestmark = pytest.mark.process
+
 
 def write(tmp_path: Path, hosts: dict, groups: dict | None = None) -> Path:
     path = tmp_path / "hosts.yml"

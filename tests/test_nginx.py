@@ -24,6 +24,8 @@ from swap_under_load import Load  # noqa: E402
 sys.path.insert(0, str(ROOT))
 from hostagent import upstream  # noqa: E402
 
+pytestmark = pytest.mark.nginx
+
 MODEL = "Test-Model"
 
 
@@ -130,6 +132,8 @@ def status_port(inventory) -> int:
     return inv_mod.load(inventory).host_vars("t")["proxy"]["port"]
 
 
+@pytest.mark.xdist_group("load")
+@pytest.mark.cluster
 def test_swap_under_load_and_in_flight_streams_survive(cluster):
     """1. 32 clients send chat completions back to back through the entry port, never retrying.
     2. Four SSE streams (about 1.5 s each) are open when each swap starts.
@@ -176,6 +180,8 @@ def test_swap_under_load_and_in_flight_streams_survive(cluster):
     assert status_json(inventory)["front"] == "proxy"
 
 
+@pytest.mark.xdist_group("nginx")
+@pytest.mark.cluster
 def test_status_deploy_keeps_nginx_mode(nginx_front):
     inventory, deploy, st = nginx_front
     s = status_json(inventory)
@@ -187,6 +193,8 @@ def test_status_deploy_keeps_nginx_mode(nginx_front):
     assert after["front"] == "nginx" and after["nginx"]["pid"] == s["nginx"]["pid"] and not after["proxy"]["pid"]
 
 
+@pytest.mark.xdist_group("load")
+@pytest.mark.cluster
 def test_least_connections(nginx_front):
     """1. Three long requests (3 s) keep three backends busy (least_conn puts each on an idle one).
     2. Short requests sent one after another all go to the fourth, idle backend.
@@ -228,6 +236,8 @@ def test_least_connections(nginx_front):
     assert max(peaks) <= 5 and min(peaks) >= 3, peaks
 
 
+@pytest.mark.xdist_group("nginx")
+@pytest.mark.cluster
 def test_sse_first_chunk_before_the_last_token(nginx_front):
     """A 300-token stream (about 1.5 s of generation): the first chunk reaches the client through
     nginx long before the stream ends, so nginx does not buffer it."""
@@ -253,6 +263,8 @@ def test_sse_first_chunk_before_the_last_token(nginx_front):
     assert first < total / 3, (first, total)
 
 
+@pytest.mark.xdist_group("nginx")
+@pytest.mark.cluster
 def test_body_over_64_mib_gets_413(nginx_front):
     inventory, deploy, st = nginx_front
     conn = http.client.HTTPConnection("127.0.0.1", st["proxy"]["port"], timeout=60)
@@ -264,6 +276,8 @@ def test_body_over_64_mib_gets_413(nginx_front):
     assert body["error"]["code"] == 413
 
 
+@pytest.mark.xdist_group("nginx")
+@pytest.mark.cluster
 def test_request_id_forwarded_and_access_log(nginx_front):
     inventory, deploy, st = nginx_front
     conn = http.client.HTTPConnection("127.0.0.1", st["proxy"]["port"], timeout=30)
@@ -282,6 +296,8 @@ def test_request_id_forwarded_and_access_log(nginx_front):
     assert entry["uri"] == "/v1/chat/completions" and float(entry["upstream_time"]) >= 0
 
 
+@pytest.mark.xdist_group("nginx")
+@pytest.mark.cluster
 def test_watcher_takes_an_unhealthy_backend_out_and_puts_it_back(nginx_front):
     """1. Backend 0's /health turns 503 (sim fault "unhealthy"; its requests would still work).
     2. The watcher marks it down in run/nginx_upstream.conf and reloads nginx: no request goes there.
@@ -330,6 +346,8 @@ def serving_workers(master: int) -> set[int]:
     return found
 
 
+@pytest.mark.xdist_group("nginx")
+@pytest.mark.cluster
 def test_stop_stops_nginx_and_watcher_then_deploy_starts_nginx(nginx_front):
     inventory, deploy, st = nginx_front
     s = status_json(inventory)
@@ -345,6 +363,8 @@ def test_stop_stops_nginx_and_watcher_then_deploy_starts_nginx(nginx_front):
     assert after["front"] == "nginx" and not after["proxy"]["pid"]
 
 
+@pytest.mark.xdist_group("nginx")
+@pytest.mark.cluster
 def test_trace_and_logs_use_the_access_log_in_nginx_mode(nginx_front):
     """nginx writes no results log: `inv trace` finds a request by its X-Request-Id in nginx's JSON
     access log, and `inv logs` shows that log and says why."""

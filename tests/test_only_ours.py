@@ -9,12 +9,16 @@ import subprocess
 import sys
 import time
 
-from conftest import PYTHON, ROOT, wait_until
+import pytest
+
+from conftest import PYTHON, wait_until
 
 from hostagent import processes
 from hostagent.processes import parse_record
 
-from fleet_helpers import deployment_id, inv, kill_tagged, status_json, tagged_pids, write_inventory
+from fleet_helpers import deployment_id, inv, kill_tagged, start_inv, status_json, tagged_pids, write_inventory
+
+pytestmark = pytest.mark.cluster
 
 
 def leaders(dep: str, i: int) -> list[int]:
@@ -142,12 +146,9 @@ def test_two_deploys_started_together(tmp_path):
     healthy with one process per instance."""
     inventory = write_inventory(tmp_path, instances=2)
     dep = deployment_id(inventory)
-    env = {k: v for k, v in os.environ.items() if k != "FLEET_TAG"}
 
     def together(*extra):
-        argv = [PYTHON, "-m", "invoke", "deploy", "--host", "t", *extra, "--inventory", str(inventory)]
-        runs = [subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                for _ in range(2)]
+        runs = [start_inv("deploy", "--host", "t", *extra, inventory=inventory) for _ in range(2)]
         t0 = time.monotonic()
         ended = {}
         while len(ended) < 2 and time.monotonic() - t0 < 240:

@@ -12,6 +12,8 @@ import yaml
 from conftest import PYTHON, ROOT, free_ports, http_status, wait_until
 from proxy_helpers import start_proxy, start_sims
 
+pytestmark = pytest.mark.process
+
 
 async def slow_body_request(session, url, body: bytes, pieces=5, pause=0.15):
     """A POST whose body arrives in pieces over about pieces x pause seconds."""
@@ -25,6 +27,7 @@ async def slow_body_request(session, url, body: bytes, pieces=5, pause=0.15):
         return r.status
 
 
+@pytest.mark.xdist_group("load")
 def test_pile_up_64_slow_bodies_over_8_backends(procs, tmp_path):
     """1. 8 sim backends, max_num_seqs 4; 2. 64 concurrent requests whose bodies arrive slowly;
     3. the peak concurrency any backend saw is at most 9 (the seed saw 22 with the late count)."""

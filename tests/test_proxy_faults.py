@@ -21,6 +21,8 @@ import yaml
 from conftest import wait_until
 from proxy_helpers import start_proxy, start_sims
 
+pytestmark = pytest.mark.process
+
 
 def chat(max_tokens=20, stream=False, **extra) -> dict:
     return {"model": "m", "max_tokens": max_tokens, "stream": stream,
@@ -84,6 +86,7 @@ def results_log(tmp_path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
+@pytest.mark.xdist_group("load")
 def test_sigkill_of_a_backend_under_load_fails_only_its_streams(procs, tmp_path):
     """1. 32 clients stream through 4 backends.  2. One backend's API server gets SIGKILL mid-load.
     3. Only the streams already running on it may fail; every request started after the kill
@@ -109,6 +112,7 @@ def test_sigkill_of_a_backend_under_load_fails_only_its_streams(procs, tmp_path)
     assert not state["healthy"] and state["in_flight"] == 0
 
 
+@pytest.mark.xdist_group("load")
 def test_engine_death_under_load_is_taken_out(procs, tmp_path):
     """1. 16 clients over 2 backends.  2. Backend 0's engine dies: its /health turns 503 while
     /v1/models stays 200, and it answers 500.  3. max_fails 500s or the next health check take it
@@ -369,6 +373,7 @@ def test_connect_timeout_is_504_and_refused_is_502(procs, tmp_path, fakes):
     assert status == 502 and body["error"]["type"] == "upstream_error" and "cannot connect" in body["error"]["message"]
 
 
+@pytest.mark.xdist_group("load")
 def test_drain_under_load_fails_nothing(procs, tmp_path):
     """1. 16 clients over 2 backends.  2. Drain backend 0: its in-flight requests finish, no new one
     goes there.  3. Enable it: it takes requests again.  Zero failed requests throughout."""
@@ -394,6 +399,7 @@ def test_drain_under_load_fails_nothing(procs, tmp_path):
     assert any(r.backend == name(ports[0]) for r in results if r.start > marks["enabled"] + 0.05)
 
 
+@pytest.mark.xdist_group("load")
 def test_sighup_adds_and_removes_backends_under_load(procs, tmp_path):
     """1. The proxy fronts backends 0 and 1 under 16 clients.  2. Its config is rewritten to 1 and 2
     and it gets SIGHUP: nothing fails, 2 takes requests, 0 gets none after.  3. A broken config and

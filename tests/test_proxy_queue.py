@@ -29,6 +29,7 @@ def in_flight(b: Balancer) -> list[int]:
     return [x.in_flight for x in b.backends.values()]
 
 
+@pytest.mark.unit
 def test_slots_then_fifo_each_waiter_gets_the_first_slot_freed_anywhere():
     """1. two backends of one slot each take the first two requests; 2. three more wait;
     3. a slot freed on b1, then on b0, then on b1 goes to the waiters in arrival order,
@@ -57,6 +58,7 @@ def test_slots_then_fifo_each_waiter_gets_the_first_slot_freed_anywhere():
     asyncio.run(run())
 
 
+@pytest.mark.unit
 def test_queue_full_and_no_queue_answer_at_once():
     """queue_max waiters wait; the next is refused at once; with queue_max 0 nobody waits."""
     async def run():
@@ -77,6 +79,7 @@ def test_queue_full_and_no_queue_answer_at_once():
     asyncio.run(run())
 
 
+@pytest.mark.unit
 def test_timeout_leaves_the_queue_and_the_next_in_line_moves_up():
     async def run():
         b = balancer(n=1)
@@ -92,6 +95,7 @@ def test_timeout_leaves_the_queue_and_the_next_in_line_moves_up():
     asyncio.run(run())
 
 
+@pytest.mark.unit
 def test_cancelled_waiters_leave_the_queue_and_no_count_leaks():
     """1. 20 waiters on one busy slot; 2. every other one is cancelled (its client left), one of them
     in the very instant a slot was handed to it; 3. the slot goes on to the next in line; 4. when
@@ -117,6 +121,7 @@ def test_cancelled_waiters_leave_the_queue_and_no_count_leaks():
     asyncio.run(run())
 
 
+@pytest.mark.unit
 def test_a_backend_coming_back_or_more_slots_serve_the_queue():
     async def run():
         b = balancer(n=2)
@@ -135,6 +140,7 @@ def test_a_backend_coming_back_or_more_slots_serve_the_queue():
     asyncio.run(run())
 
 
+@pytest.mark.unit
 def test_no_available_backend_is_none_not_a_wait():
     async def run():
         b = Balancer(["b0:1"], slots=1, queue_max=8)
@@ -195,6 +201,7 @@ def results(tmp_path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
+@pytest.mark.process
 def test_slots_cap_each_backend_the_rest_queue_then_429(procs, tmp_path):
     """1. 2 sims of max_num_seqs 2, the proxy with slots 2 and queue max 3; 2. 7 requests of about
     1 s: 4 run, 3 wait; 3. an 8th finds the queue full: 429 with Retry-After, counted and logged with
@@ -231,6 +238,7 @@ def test_slots_cap_each_backend_the_rest_queue_then_429(procs, tmp_path):
     assert all(b["in_flight"] == 0 for b in get_json(f"http://127.0.0.1:{admin}/admin/backends"))
 
 
+@pytest.mark.process
 def test_waiting_too_long_is_503_with_retry_after(procs, tmp_path):
     """One slot, busy for about 2 s; a second request waits queue.timeout_s (0.5 s) and gets 503 with
     Retry-After, counted and logged; the first still succeeds and nothing stays counted."""
@@ -249,6 +257,7 @@ def test_waiting_too_long_is_503_with_retry_after(procs, tmp_path):
     assert [b["in_flight"] for b in get_json(f"http://127.0.0.1:{admin}/admin/backends")] == [0]
 
 
+@pytest.mark.process
 def test_abandoned_requests_leave_the_queue_and_no_count_behind(procs, tmp_path):
     """1. 2 sims, slots 1 each, queue max 64; 2. 40 clients send a request and 30 of them hang up
     after 0.3 to 1.2 s, some while running, most while queued; 3. the other 10 all get 200;
@@ -285,6 +294,7 @@ def test_abandoned_requests_leave_the_queue_and_no_count_behind(procs, tmp_path)
     assert status == 200 and took < 2
 
 
+@pytest.mark.process
 def test_no_queue_at_all_answers_429_at_once(procs, tmp_path):
     """queue.max 0: a request that finds every slot taken is refused at once, not held until the
     3 s request on the one slot ends."""
@@ -295,6 +305,7 @@ def test_no_queue_at_all_answers_429_at_once(procs, tmp_path):
     assert long[0] == 200 and refused[0] == 429 and took < 1.5
 
 
+@pytest.mark.process
 def test_the_proxy_runs_on_uvloop_and_without_it(procs, tmp_path):
     """With uvloop installed the proxy says it runs on it; where `import uvloop` fails it runs on
     asyncio's loop and serves all the same."""
@@ -322,6 +333,7 @@ def test_the_proxy_runs_on_uvloop_and_without_it(procs, tmp_path):
     ({"timeout_s": 0}, "queue.timeout_s must be a finite number greater than 0, not 0."),
     ({"size": 3}, "unknown config key 'queue.size' (known: max, timeout_s)."),
 ])
+@pytest.mark.unit
 def test_queue_config_errors_are_one_sentence(queue, message):
     from proxy.config import ConfigError, parse_config
     with pytest.raises(ConfigError) as e:

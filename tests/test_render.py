@@ -16,6 +16,7 @@ from fleet import inventory, render
 
 from conftest import PYTHON, ROOT, free_ports, wait_until, require_tool
 
+
 GOLDEN = Path(__file__).parent / "golden" / "k100-01"
 
 
@@ -32,6 +33,7 @@ def rendered(hv) -> dict[str, render.RenderedFile]:
 
 @pytest.mark.parametrize("path", ["bin/start_cluster.sh", "bin/stop_cluster.sh", "conf/proxy.yaml",
                                   "conf/nginx.conf"])
+@pytest.mark.unit
 def test_k100_renders_its_golden_file(path):
     """Compare with tests/golden; after an intended change: UPDATE_GOLDEN=1 pytest tests/test_render.py."""
     content = rendered(k100())[path].content
@@ -42,6 +44,7 @@ def test_k100_renders_its_golden_file(path):
     assert content == golden.read_text()
 
 
+@pytest.mark.unit
 def test_proxy_slots_are_max_num_seqs_plus_headroom_and_the_proxy_reads_them(tmp_path):
     """The rendered conf/proxy.yaml gives each backend max_num_seqs + proxy.queue.headroom slots and
     the queue's bounds, and the proxy's own loader takes the file as it is."""
@@ -56,6 +59,7 @@ def test_proxy_slots_are_max_num_seqs_plus_headroom_and_the_proxy_reads_them(tmp
     assert (changed.slots, changed.queue.max, changed.queue.timeout_s) == (8, 0, 2.5)
 
 
+@pytest.mark.unit
 def test_render_is_pure_and_modes_are_set():
     a, b = render.render_host(k100()), render.render_host(k100())
     assert a == b
@@ -63,6 +67,7 @@ def test_render_is_pure_and_modes_are_set():
     assert modes["bin/start_cluster.sh"] == 0o755 and modes["conf/proxy.yaml"] == 0o644
 
 
+@pytest.mark.unit
 def test_scripts_are_valid_bash():
     for f in render.render_host(k100()):
         if f.path.endswith(".sh"):
@@ -70,6 +75,7 @@ def test_scripts_are_valid_bash():
             assert r.returncode == 0, (f.path, r.stderr)
 
 
+@pytest.mark.unit
 def test_k100_engine_command_and_device_visibility():
     script = rendered(k100())["bin/start_cluster.sh"].content
     assert "ENGINE=(vllm serve /data/models/MiniCPM-V-4_5)" in script
@@ -151,6 +157,7 @@ def recorder_host(tmp_path):
     stop_recorded(tmp_path / "deploy")
 
 
+@pytest.mark.process
 def test_nasty_values_reach_the_engine_as_one_literal_argument(recorder_host):
     hv, tmp, env = recorder_host
     script = tmp / "deploy" / "bin" / "start_cluster.sh"
@@ -173,6 +180,7 @@ def test_nasty_values_reach_the_engine_as_one_literal_argument(recorder_host):
                         "tag": f"{hv.deployment_id}/0"}
 
 
+@pytest.mark.process
 def test_start_twice_skips_every_instance_and_honours_env_overrides(recorder_host):
     hv, tmp, env = recorder_host
     script = str(tmp / "deploy" / "bin" / "start_cluster.sh")
@@ -193,6 +201,7 @@ def test_start_twice_skips_every_instance_and_honours_env_overrides(recorder_hos
     assert (tmp / "deploy" / "logs" / "vllm_0.log").exists()
 
 
+@pytest.mark.process
 def test_n_override_starts_fewer(recorder_host):
     hv, tmp, env = recorder_host
     r = subprocess.run([str(tmp / "deploy" / "bin" / "start_cluster.sh")], env={**env, "N": "1"},
@@ -200,6 +209,7 @@ def test_n_override_starts_fewer(recorder_host):
     assert "started 1 instance(s)" in r.stdout and "instance 1" not in r.stdout
 
 
+@pytest.mark.unit
 def test_inv_render_applies_every_set_override(tmp_path):
     """`--set` is repeatable: each override lands in the rendered files, later ones on top."""
     from fleet_helpers import inv
@@ -212,6 +222,7 @@ def test_inv_render_applies_every_set_override(tmp_path):
     assert 'MAX_SEQS="${MAX_SEQS:-6}"' in (out / "bin" / "start_cluster.sh").read_text()
 
 
+@pytest.mark.process
 def test_extra_args_are_never_read_as_served_names(recorder_host):
     """--served-model-name takes one or more values in vLLM: an extra argument that does not start with
     `-` right after it became another served name. The rendered argv, parsed with the same argparse
@@ -229,6 +240,7 @@ def test_extra_args_are_never_read_as_served_names(recorder_host):
     assert "positional-looking" in ignored
 
 
+@pytest.mark.process
 def test_cpu_instances_get_disjoint_cores_and_their_kv_cache(tmp_path):
     """accelerator cpu: 1. instance i gets cores [i*C, (i+1)*C) of the host's (here C = the cores split
     evenly), no --gpu-memory-utilization, VLLM_CPU_KVCACHE_SPACE from cpu_kvcache_gib. 2. More cores than

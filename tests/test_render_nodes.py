@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from conftest import require_tool, wait_until
 
 from fleet import accelerators
@@ -28,6 +30,7 @@ def drm_node(sysfs: Path, minor: int, vendor: str, pci: str) -> None:
     (node / "device").symlink_to(dev)
 
 
+@pytest.mark.unit
 def test_dcu_and_rocm_sweep_mkfd_with_kfd():
     for kind in ("dcu", "rocm"):
         globs = accelerators.device_globs(kind, "/d")
@@ -35,6 +38,7 @@ def test_dcu_and_rocm_sweep_mkfd_with_kfd():
         assert accelerators.kind(kind).render_from_sysfs
 
 
+@pytest.mark.unit
 def test_kfd_topology_order_skips_the_cpu_node_and_a_bmc_render_node(tmp_path):
     """A BMC's graphics device took renderD128: the cards are renderD129 and renderD130, in the KFD
     topology's order (HIP's numbering), here listed out of minor order on purpose."""
@@ -47,6 +51,7 @@ def test_kfd_topology_order_skips_the_cpu_node_and_a_bmc_render_node(tmp_path):
     assert hp.card_render_files([7], str(tmp_path)) == []
 
 
+@pytest.mark.unit
 def test_without_kfd_topology_the_kernels_order_of_amd_and_hygon_render_nodes(tmp_path):
     drm_node(tmp_path, 128, "0x1a03", "0000:02:00.0")          # BMC
     drm_node(tmp_path, 131, "0x1d94", "0000:c1:00.0")          # Hygon DCU
@@ -57,11 +62,13 @@ def test_without_kfd_topology_the_kernels_order_of_amd_and_hygon_render_nodes(tm
     assert hp.card_render_files([0, 2], str(tmp_path)) == ["/dev/dri/renderD129", "/dev/dri/renderD131"]
 
 
+@pytest.mark.unit
 def test_no_sysfs_falls_back_to_128_plus_i(tmp_path):
     assert hp.render_nodes(str(tmp_path)) == []
     assert hp.card_render_files([0, 3], str(tmp_path)) == ["/dev/dri/renderD128", "/dev/dri/renderD131"]
 
 
+@pytest.mark.process
 def test_the_holder_of_card_1s_render_node_is_found_from_sysfs(tmp_path, procs):
     """With a BMC on renderD128, card 1 is renderD130: its holder is found, renderD129's is not."""
     fuser = require_tool("fuser")

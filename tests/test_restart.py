@@ -7,6 +7,8 @@ import time
 import urllib.error
 import urllib.request
 
+import pytest
+
 from fleet_helpers import deployment_id, inv, kill_tagged, status_json, write_inventory
 
 
@@ -30,6 +32,8 @@ def admin_backends(port: int) -> list[dict]:
         return json.loads(r.read())
 
 
+@pytest.mark.xdist_group("load")
+@pytest.mark.cluster
 def test_rolling_restart_under_load_fails_no_request(tmp_path):
     """1. deploy 4 sim instances behind the proxy; 2. 4 clients send requests without pause and a monitor
     reads the proxy's backends; 3. `inv restart --rolling`; 4. every instance has a new pid, no request
@@ -89,6 +93,7 @@ def test_rolling_restart_under_load_fails_no_request(tmp_path):
         kill_tagged(dep + "/")
 
 
+@pytest.mark.unit
 def test_restart_needs_instance_or_rolling(tmp_path):
     inventory = write_inventory(tmp_path)
     r = inv("restart", "--host", "t", inventory=inventory)

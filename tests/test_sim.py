@@ -26,6 +26,8 @@ from fleet.sim.config import settle
 from fleet.sim.scheduler import Scheduler
 from fleet.sim.server import is_loopback
 
+pytestmark = pytest.mark.process
+
 MODEL = "sim-model"
 FIXTURES = ROOT.parent / "shared" / "fixtures" / "smi"
 # A 1x1 PNG: what a client sends as an image part.
@@ -148,6 +150,7 @@ def api(tmp_path_factory):
         procs.stop_all()
 
 
+@pytest.mark.xdist_group("sim_api")
 def test_openai_chat_non_stream(api):
     r = api.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
     assert r.id.startswith("chatcmpl-")
@@ -157,6 +160,7 @@ def test_openai_chat_non_stream(api):
     assert r.usage.total_tokens == r.usage.prompt_tokens + 20
 
 
+@pytest.mark.xdist_group("sim_api")
 def test_openai_chat_stream_with_usage(api):
     chunks = list(api.client().chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True,
@@ -168,6 +172,7 @@ def test_openai_chat_stream_with_usage(api):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
 
 
+@pytest.mark.xdist_group("sim_api")
 def test_openai_completions_cut_by_max_tokens(api):
     c = api.client()
     r = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5)
@@ -179,6 +184,7 @@ def test_openai_completions_cut_by_max_tokens(api):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+@pytest.mark.xdist_group("sim_api")
 def test_image_part_is_accepted_and_counted(api):
     c = api.client()
     plain = c.chat.completions.create(model=MODEL, max_tokens=2,
@@ -189,6 +195,7 @@ def test_image_part_is_accepted_and_counted(api):
     assert with_image.usage.prompt_tokens == plain.usage.prompt_tokens + protocol.TOKENS_PER_IMAGE
 
 
+@pytest.mark.xdist_group("sim_api")
 def test_thinking_opens_with_think_block_and_runs_longer(api):
     r = api.client().chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hard question"}],
@@ -198,6 +205,7 @@ def test_thinking_opens_with_think_block_and_runs_longer(api):
     assert r.usage.completion_tokens == 60 and r.choices[0].finish_reason == "stop"
 
 
+@pytest.mark.xdist_group("sim_api")
 def test_integer_user_is_refused_like_vllm(api):
     status, body = request(api.url("/v1/chat/completions"), chat(user=12345))
     assert status == 400
@@ -214,18 +222,24 @@ def test_integer_user_is_refused_like_vllm(api):
     (chat(model="other-model"), None, 404, "NotFoundError"),
     (chat(max_tokens=5000), None, 400, "BadRequestError"),  # over --max-model-len 4096
 ])
+@pytest.mark.xdist_group("sim_api")
 def test_bad_requests(api, body, data, status, err_type):
     got, reply = request(api.url("/v1/chat/completions"), body, data=data)
     assert got == status and reply["type"] == err_type and reply["code"] == status
 
 
-def test_queue_holds_max_num_seqs_running(api):
-    """Six requests at once against max_num_seqs 2: two run, four wait, all six finish."""
+def test_queue_holds_max_num_seqs_running(procs, tmp_path):
+    """Six requests at once against max_num_seqs 2: two run, four wait, all six finish. Its own sim, whose
+    answers take 1 s (the module's take 0.2 s): on a loaded machine the sixth request still arrives while
+    the first two run."""
+    api = start_sim(procs, tmp_path, "--max-num-seqs", "2", "--sim-token-ms", "50", "--sim-output-tokens", "20")
     assert request(api.url("/sim/reset-stats"), {})[0] == 200
     client = api.client()
     results = []
+    together = threading.Barrier(6)     # all six sent at once, however late each thread got to start
 
     def one():
+        together.wait(timeout=30)
         results.append(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "q"}]))
 
     threads = [threading.Thread(target=one) for _ in range(6)]
@@ -239,6 +253,7 @@ def test_queue_holds_max_num_seqs_running(api):
     assert stats["running"] == 0 and stats["waiting"] == 0 and stats["requests_total"] == 6
 
 
+@pytest.mark.xdist_group("sim_api")
 def test_metrics_has_vllm_gauges(api):
     status, text = request(api.url("/metrics"))
     assert status == 200
@@ -246,6 +261,7 @@ def test_metrics_has_vllm_gauges(api):
         assert re.search(rf'^{name}{{engine="0",model_name="{MODEL}"}} \d', text, re.M), name
 
 
+@pytest.mark.xdist_group("sim_api")
 def test_models_lists_served_name(api):
     status, body = request(api.url("/v1/models"))
     assert status == 200 and body["object"] == "list" and [m["id"] for m in body["data"]] == [MODEL]

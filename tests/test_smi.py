@@ -16,6 +16,7 @@ from fleet.inventory import HostVars, BUILTIN_DEFAULTS
 from fleet.smi import Card, SmiError
 from fleet.transport import LocalTransport
 
+
 DATA = Path(__file__).resolve().parent / "data" / "smi"
 N = math.nan
 
@@ -47,12 +48,14 @@ def same(got, want) -> bool:
     return len(got) == len(want) and all(eq(x, y) for g, w in zip(got, want) for x, y in zip(g, w))
 
 
+@pytest.mark.unit
 def test_every_fixture_has_a_case():
     files = {p.name for p in DATA.iterdir() if p.name != "SOURCES.md"}
     assert files == set(FIXTURES) | set(NOT_SMI)
 
 
 @pytest.mark.parametrize("name", sorted(FIXTURES))
+@pytest.mark.unit
 def test_fixture(name):
     tool, want = FIXTURES[name]
     got = as_tuples(smi.parse(tool, (DATA / name).read_text()))
@@ -60,6 +63,7 @@ def test_fixture(name):
 
 
 @pytest.mark.parametrize("name", sorted(FIXTURES))
+@pytest.mark.unit
 def test_fixture_with_tabs_and_other_prefixes(name):
     """The same output with tabs for spaces and DCU/GPU for HCU reads the same."""
     tool, want = FIXTURES[name]
@@ -71,6 +75,7 @@ def test_fixture_with_tabs_and_other_prefixes(name):
 
 
 @pytest.mark.parametrize("name", sorted(NOT_SMI))
+@pytest.mark.unit
 def test_not_an_smi_output(name):
     with pytest.raises(SmiError, match=r"`hy-smi`"):
         smi.parse(NOT_SMI[name], (DATA / name).read_text())
@@ -87,6 +92,7 @@ def test_not_an_smi_output(name):
     ("hy-smi", "HCU     Temp     VRAM%      HCU%\n0       51.0C    0%\n", "fewer columns"),
     ("dcu", "hy-smi: command failed to initialise the driver\n", "cannot read"),
 ])
+@pytest.mark.unit
 def test_unreadable_output_is_an_error_naming_the_command(tool, text, needle):
     with pytest.raises(SmiError) as e:
         smi.parse(tool, text)
@@ -94,6 +100,7 @@ def test_unreadable_output_is_an_error_naming_the_command(tool, text, needle):
     assert f"`{smi.KIND_TOOL.get(tool, tool)}`" in str(e.value)
 
 
+@pytest.mark.unit
 def test_showmeminfo_and_showuse_together_and_rocm_text_in_bytes():
     text = ("============================ System Management Interface ============================\n"
             "HCU[0]\t\t: vram Total Memory (MiB): 65520\n"
@@ -111,6 +118,7 @@ def test_showmeminfo_and_showuse_together_and_rocm_text_in_bytes():
     assert same(as_tuples(smi.parse("rocm-smi", amd)), [(0, 1.0, 16368.0, None, None)])
 
 
+@pytest.mark.unit
 def test_nvidia_csv_noheader_nounits_in_query_order():
     text = "0, 40123, 81920, 97\n1, 3, 81920, 0\n2, [N/A], 81920, [N/A]\n"
     assert same(as_tuples(smi.parse("nvidia", text)),
@@ -119,6 +127,7 @@ def test_nvidia_csv_noheader_nounits_in_query_order():
     assert same(as_tuples(smi.parse("nvidia-smi", with_units)), [(0, 10, 81920, 5, None)])
 
 
+@pytest.mark.process
 def test_sim_smi_output_parses_with_a_holder(tmp_path, procs):
     """The sim's smi, run for real, reads through the hy-smi parser: a held card is used, the other idle."""
     from fleet.sim import devices
@@ -145,6 +154,7 @@ def _hv(tmp_path, accelerator="dcu", **more) -> HostVars:
     return HostVars.build("h", v, "test")
 
 
+@pytest.mark.process
 def test_read_cards_runs_the_named_smi_with_its_arguments(tmp_path):
     """The inventory's smi names the binary; its arguments follow from its name (hy-smi: vram and use)."""
     fake = tmp_path / "bin" / "hy-smi"
@@ -162,6 +172,7 @@ def test_read_cards_runs_the_named_smi_with_its_arguments(tmp_path):
         smi.read_cards(LocalTransport("h"), _hv(tmp_path, accelerator="nvidia", smi=str(broken)))
 
 
+@pytest.mark.unit
 def test_read_cards_not_found_names_where_it_looked(tmp_path):
     with pytest.raises(smi.SmiNotFound, match=r"/opt/hyhal/bin/hy-smi, /opt/dtk/bin/rocm-smi"):
         env_path = os.environ.get("PATH", "")
@@ -171,6 +182,7 @@ def test_read_cards_not_found_names_where_it_looked(tmp_path):
         smi.read_cards(LocalTransport("h"), _hv(tmp_path))
 
 
+@pytest.mark.process
 def test_read_cards_sim(tmp_path, procs):
     from fleet.sim import devices
     devices.ensure_devices(tmp_path / "sim-dev", 3)

@@ -7,18 +7,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
-import subprocess
 import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import PYTHON, ROOT, free_port, free_ports
-from fleet_helpers import kill_tagged, tagged_pids
+from conftest import PYTHON, free_port, free_ports
+from fleet_helpers import inv, kill_tagged, tagged_pids
 from sshd import keygen, sshd  # noqa: F401  (the module-scoped fixture)
+
+pytestmark = pytest.mark.ssh
 
 SIM = {"load_s": 0.3, "prefill_ms": 5, "token_ms": 1, "output_tokens": 8}
 
@@ -43,13 +43,6 @@ def write(tmp_path: Path, hosts: dict, groups: dict | None = None) -> Path:
     path = tmp_path / "hosts.yml"
     path.write_text(yaml.safe_dump({"hosts": hosts, **({"groups": groups} if groups else {})}))
     return path
-
-
-def inv(*args, inventory: Path, env: dict | None = None, timeout: float = 180):
-    argv = [PYTHON, "-m", "invoke", *args, "--inventory", str(inventory)]
-    run_env = {k: v for k, v in os.environ.items() if k != "FLEET_TAG"}
-    run_env.update(env or {})
-    return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=run_env)
 
 
 def recap(output: str, host: str) -> dict:
@@ -107,6 +100,7 @@ def cleanup():
             kill_tagged(dep_id(inventory, host) + "/")
 
 
+@pytest.mark.cluster
 def test_deploy_status_stop_over_ssh(sshd, tmp_path, cleanup):
     """1. deploy a 2-instance sim cluster through SSH: files land in deploy_dir with their modes, the
     instances and the proxy (run by the host's python) come up; 2. a second deploy changes nothing;
@@ -148,6 +142,7 @@ def test_deploy_status_stop_over_ssh(sshd, tmp_path, cleanup):
     assert {i["state"] for i in status(inventory, "r1")["instances"]} == {"stopped"}
 
 
+@pytest.mark.cluster
 def test_check_and_diff_change_nothing(sshd, tmp_path, cleanup):
     """1. deploy, then stop instance 1 and edit conf/proxy.yaml on the host; 2. deploy --check --diff
     with a changed setting: it lists the files it would put (with their diffs) and the instance it would
@@ -191,6 +186,7 @@ def test_check_and_diff_change_nothing(sshd, tmp_path, cleanup):
     assert [i["state"] for i in status(inventory, "c1")["instances"]] == ["healthy", "healthy"]
 
 
+@pytest.mark.cluster
 def test_one_host_unreachable_the_other_deploys(sshd, tmp_path, cleanup):
     """1. two hosts, the second's SSH port closed; 2. the first deploys, the second is reported
     unreachable in one sentence and its recap says so; 3. exit code 4."""
@@ -276,6 +272,7 @@ def test_missing_tools_fail_the_host_in_one_sentence(sshd, tmp_path):
     assert not (tmp_path / "bare").exists()
 
 
+@pytest.mark.cluster
 def test_entry_host_fronts_two_hosts(sshd, tmp_path, cleanup):
     """1. hosts a and b over SSH; a's proxy fronts both (fronts: [a, b]); 2. deploy --host all brings
     b's instances up, then a's with its proxy; 3. requests through a's entry port reach instances of

