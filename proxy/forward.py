@@ -291,8 +291,10 @@ async def _attempt(ex: Exchange, proxy, backend: Backend) -> Outcome:
                     raise ClientGone() from e
             try:
                 await resp.write_eof()
-            except ConnectionResetError as e:
-                raise ClientGone() from e
+            except ConnectionResetError:
+                # Every byte of the answer was written: a client that closes at once after the last one
+                # (the openai client does after `data: [DONE]`) got its answer; it did not go away first.
+                pass
     except aiohttp.ConnectionTimeoutError:
         _upstream_error(proxy, backend, out, "connect_timeout",
                         f"no connection to {backend.name} within {config.connect_timeout_s:g}s", eject=True)
