@@ -261,6 +261,52 @@ def test_an_engine_that_exits_at_every_start_ends_in_crashloop(cluster, tmp_path
     assert [i["state"] for i in again["instances"]] == ["healthy", "healthy"]
 
 
+@pytest.mark.xdist_group("load")
+@pytest.mark.cluster
+def test_a_stall_is_restarted_and_a_busy_instance_is_not(cluster):
+    """The stall probe end to end, on one cluster of two instances with stall_probe on:
+    1. Instance 0 is saturated by 8 clients whose requests take 2 s, above the probe's 1 s timeout: its
+       probes queue and time out, but the engine's generated-token counter moves: "busy", never a restart,
+       and every client request is answered 200.
+    2. Instance 1 stalls (the sim's stall fault: /health 200, no token): the probe fails twice and the
+       keeper restarts it for "stalled"; it serves again, its card held by its new instance only."""
+    inventory, deploy, st = cluster(probe=True)
+    dep = st["deployment_id"]
+    busy_port, old1 = st["instances"][0]["port"], st["instances"][1]
+    stop = threading.Event()
+    codes = []
+
+    def client():
+        while not stop.is_set():
+            codes.append(post(busy_port, max_tokens=400)[0])     # 400 tokens x 5 ms: 2 s
+
+    threads = [threading.Thread(target=client) for _ in range(8)]   # 4 running, 4 waiting
+    for t in threads:
+        t.start()
+    try:
+        req = urllib.request.Request(f"http://127.0.0.1:{old1['port']}/sim/fault",
+                                     json.dumps({"fault": "stall"}).encode(), {"Content-Type": "application/json"})
+        urllib.request.urlopen(req, timeout=5).read()
+        wait_until(lambda: (watch_of(deploy, 0).get("probes") or {}).get("busy", 0) >= 3, 30,
+                   what="three stall probes on instance 0 to time out behind the load")
+        wait_until(lambda: watch_of(deploy, 1).get("last_result") == "ok", 60, what="instance 1's restart to end")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=30)
+    w = watch_of(deploy, 0)
+    assert w["restarts"] == 0 and w["probes"].get("timeout", 0) == 0, w
+    assert codes and set(codes) == {200}, codes
+    inst = status_json(inventory)["instances"][1]
+    assert inst["state"] == "healthy" and inst["pid"] != old1["pid"], inst
+    assert inst["last_restart_reason"] == "stalled", inst
+    assert not os.path.exists(f"/proc/{old1['pid']}") or old1["pid"] not in tagged_pids(dep + "/")
+    holders = card_holders(deploy, 1)
+    assert holders and holders <= set(tagged_pids(f"{dep}/1")), holders
+    assert "stall probe timed out (2/2)" in (deploy / "logs" / "keeper.log").read_text()
+    assert post(st["proxy"]["port"])[0] == 200
+
+
 @pytest.mark.cluster
 def test_stop_during_a_restart_leaves_nothing(cluster):
     """1. Instances take 3 s to load. Kill instance 0's process group: the keeper begins its restart.
