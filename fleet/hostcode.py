@@ -16,11 +16,16 @@ import importlib.util
 from functools import lru_cache
 from pathlib import Path
 
-_SPEC = importlib.util.find_spec("hostagent")
-if _SPEC is None or not _SPEC.submodule_search_locations:
-    raise ImportError("the hostagent package is not installed beside fleet; install vllm-fleet with its "
-                      "hostagent package (pyproject's packages must include hostagent*).")
-HOSTAGENT = Path(_SPEC.submodule_search_locations[0])
+def package_dir(name: str) -> Path:
+    """Where an installed (or checked-out) top-level package's files are, found without importing it."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"the {name} package is not installed beside fleet; install vllm-fleet with it "
+                          "(pyproject's packages must include hostagent* and proxy*).")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+HOSTAGENT = package_dir("hostagent")
 
 
 def path(name: str) -> Path:
@@ -83,6 +88,7 @@ def bundle(script: str, *modules: str) -> str:
     return "\n".join(lines) + "\n" + script
 
 
+@lru_cache(maxsize=None)      # the text is the same for the whole run: read and bundled once
 def script(name: str) -> str:
     """hostagent/NAME.py as a script to send (stdin or `-c`), with the modules it needs bundled."""
     return bundle(source(name), *needs(name))

@@ -5,25 +5,17 @@ from __future__ import annotations
 
 import difflib
 import hashlib
-from importlib.util import find_spec
 from pathlib import Path
 
+from . import hostcode
 from .inventory import HostVars
 from .render import RenderedFile, render_host
 from .report import Emit, Report
 from .transport import Transport
 
 
-def package_dir(name: str) -> Path:
-    """Where an installed (or checked-out) top-level package's files are, found without importing it."""
-    spec = find_spec(name)
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(f"the package {name} is not installed beside fleet; reinstall vllm-fleet")
-    return Path(list(spec.submodule_search_locations)[0])
-
-
 def _package_files(name: str, under: str) -> list[RenderedFile]:
-    root = package_dir(name)
+    root = hostcode.package_dir(name)
     return [RenderedFile(f"{under}/{p.relative_to(root)}", p.read_text(), 0o644)
             for p in sorted(root.rglob("*.py")) if "__pycache__" not in p.parts]
 

@@ -17,9 +17,9 @@ import threading
 from pathlib import Path
 
 import pytest
-from invoke import Collection, Program
+from invoke import Collection
 
-from conftest import PYTHON, ROOT, free_port
+from conftest import PYTHON, ROOT, free_port, free_ports
 
 import fleet.cli
 from fleet import inventory as inv_mod
@@ -59,11 +59,12 @@ def console_script() -> list[str]:
 def inventory_file(tmp_path):
     """A local sim host `t` in two groups (file order a, b), with a key from every layer."""
     path = tmp_path / "hosts.yml"
+    base = free_ports(4)      # one run: separate picks could land on the same port
     path.write_text(textwrap.dedent(f"""\
         defaults:
           max_model_len: 4096
           stagger_s: 1
-          proxy: {{port: {free_port()}, admin_port: {free_port()}}}
+          proxy: {{port: {base + 2}, admin_port: {base + 3}}}
         groups:
           a: {{hosts: [t], max_num_seqs: 3, stop_grace_s: 4}}
           b: {{hosts: [t], max_num_seqs: 5}}
@@ -74,7 +75,7 @@ def inventory_file(tmp_path):
             accelerator: sim
             accelerators: 2
             instances: 2
-            base_port: {free_port()}
+            base_port: {base}
             model: /models/Some-Model
             deploy_dir: {tmp_path / 'deploy'}
             sim: {{load_s: 0.5}}
@@ -286,7 +287,7 @@ class FakeSshd:
     and is closed, so the SSH banner read fails."""
 
     def __init__(self, reply: bytes):
-        self.sock = socket.create_server(("127.0.0.1", free_port()))
+        self.sock = socket.create_server(("127.0.0.1", 0))     # bound at once: no port to race for
         self.port = self.sock.getsockname()[1]
         self.sock.settimeout(0.05)     # closing a socket does not wake accept(): the loop looks at `done`
         self.reply = reply

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from conftest import wait_until
 from hostagent import instances, keeper
 from hostagent.keeper_decisions import (Crashloop, Log, MarkReady, Observed, Probe, Restart, Watch, begin_restart,
                                         decide, end_restart, lock_refused, probe_result)
@@ -347,9 +348,7 @@ def test_the_loop_sends_stall_probes_and_restarts_a_stalled_instance(tmp_path):
     kp.probe = lambda i: ("timeout", 3.0, 3.0)
     while not kp.restarted and kp.t < 10:
         kp.tick()
-        deadline = time.monotonic() + 5
-        while kp.probing and time.monotonic() < deadline:
-            time.sleep(0.001)
+        wait_until(lambda: not kp.probing, 5, interval=0.001, what="the background stall probe to end")
     assert kp.restarted == [0] and kp.watches[0].by_reason == {"stalled": 1}, kp.watches[0]
     assert kp.watches[0].probes == {"timeout": 2}
 

@@ -13,7 +13,7 @@ import urllib.request
 import aiohttp
 import pytest
 
-from conftest import PYTHON, ROOT, wait_until
+from conftest import wait_until
 from proxy.balancer import Balancer, QueueFull, QueueTimeout
 from proxy_helpers import start_proxy, start_sims
 
