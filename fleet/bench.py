@@ -488,8 +488,7 @@ def check_entry(hv: HostVars, url: str) -> None:
                          f"`inv deploy --host {hv.name}` first.") from None
 
 
-async def _sweep(hv, url, scenarios, levels, requests, image, timeout_s, sampler, progress):
-    model = hv["served_model_name"]
+async def _sweep(hv, url, model, scenarios, levels, requests, image, timeout_s, sampler, progress):
     out = []
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -537,33 +536,36 @@ async def _until_interrupted(host: str, coro):
 
 
 def run(hv: HostVars, scenarios: list[Scenario], levels: list[int], requests: int = 0,
-        image_path: str | None = None, timeout_s: float | None = None, progress: Progress | None = None) -> dict:
-    """Benchmark one host through its entry port; every raw figure and the findings, as plain data.
+        image_path: str | None = None, timeout_s: float | None = None, progress: Progress | None = None,
+        model: str = "") -> dict:
+    """Benchmark one model of a host through its entry port (model: a served name; the first when
+    empty); every raw figure and the findings, as plain data.
 
     requests: requests per level (default and minimum: one per concurrent client, one wave as the
     seed's test sent); hv: prepared (absolute deploy_dir) host variables.
     """
+    served = hv.served_model(model)
     image = load_image(image_path)
     url = entry_url(hv)
     check_entry(hv, url)
     timeout_s = timeout_s or float(hv["proxy"]["timeout_s"])
-    capacity = hv["instances"] * hv["max_num_seqs"]
-    capacity_text = (f"{hv['instances']} instance{'s' if hv['instances'] != 1 else ''} x max_num_seqs "
-                     f"{hv['max_num_seqs']}")
+    capacity = served["instances"] * served["max_num_seqs"]
+    capacity_text = (f"{served['instances']} instance{'s' if served['instances'] != 1 else ''} x max_num_seqs "
+                     f"{served['max_num_seqs']}")
     read, reason, close = smi_reader(hv)
     sampler = UtilSampler(read, reason=reason)
     started = time.time()
     try:
         results = asyncio.run(_until_interrupted(hv.name, _sweep(
-            hv, url + "/v1/chat/completions", scenarios, levels, requests, image, timeout_s, sampler,
+            hv, url + "/v1/chat/completions", served["name"], scenarios, levels, requests, image, timeout_s, sampler,
             progress or Progress())))
     finally:
         close()
     for r in results:
         r["findings"] = analyse(r, capacity, capacity_text)
     return {
-        "host": hv.name, "url": url, "model": hv["served_model_name"], "started": started,
-        "finished": time.time(), "instances": hv["instances"], "max_num_seqs": hv["max_num_seqs"],
+        "host": hv.name, "url": url, "model": served["name"], "started": started,
+        "finished": time.time(), "instances": served["instances"], "max_num_seqs": served["max_num_seqs"],
         "capacity": capacity, "concurrency": levels, "requests_per_level": requests or None,
         "image": {k: image[k] for k in ("source", "mime", "bytes")},
         # Why there are no utilisation figures, when there are none.
@@ -612,7 +614,7 @@ COLUMNS = [("concurrency", "conc"), ("success", "success"), ("total", "total"), 
 
 def terminal_report(result: dict) -> str:
     """The tables and findings for the terminal."""
-    lines = [f"bench {result['host']} via {result['url']}: capacity {result['capacity']} "
+    lines = [f"bench {result['host']} ({result['model']}) via {result['url']}: capacity {result['capacity']} "
              f"({result['instances']} x max_num_seqs {result['max_num_seqs']}), image "
              + (f"{result['image']['source']} ({result['image']['bytes']:,} bytes)" if result['image']['mime']
                 else "none (text only)")]
@@ -744,25 +746,32 @@ def default_out(host: str) -> Path:
 
 def run_host(conn, hv: HostVars, emit: Callable[[str], None], scenarios: list[Scenario], levels: list[int],
              requests: int = 0, image_path: str | None = None, out_dir: str | os.PathLike | None = None,
-             progress: Progress | None = None):
+             progress: Progress | None = None, model: str = ""):
     """The `inv bench` action on one host: run, write the reports, print the tables; a Report back.
+    Every model the host serves in turn, one table each (model: only that one); with several, each
+    model's reports go to OUT/MODEL.
 
     A scenario in which no request succeeded is a failed step; the reports are written all the same.
     """
     report = Report(hv.name)
+    models = [hv.served_model(model)["name"]] if model else [m["name"] for m in hv.served_models()]
     out_dir = Path(out_dir or default_out(hv.name))
     check_writable(out_dir)   # before any load is sent: a sweep's results are not to be lost at the end
-    result = run(prepare(conn, hv), scenarios, levels, requests, image_path, progress=progress)
-    written = write_reports(result, out_dir)
-    emit(terminal_report(result))
-    emit("")
-    emit("wrote " + ", ".join(str(p) for p in written.values()))
-    for sc in result["scenarios"]:
-        ok = sum(lv["ok"] for lv in sc["levels"])
-        sent = sum(lv["requests"] for lv in sc["levels"])
-        status = "ok" if ok else "failed"
-        report.add(f"bench {sc['scenario']}", status, f"{ok}/{sent} requests succeeded"
-                   + ("" if ok else "; see the error bodies above and the host's logs/req_results.log"))
-    report.data["bench"] = result
-    report.data["files"] = {k: str(v) for k, v in written.items()}
+    hv = prepare(conn, hv)
+    for name in models:
+        result = run(hv, scenarios, levels, requests, image_path, progress=progress, model=name)
+        written = write_reports(result, out_dir / name if len(models) > 1 else out_dir)
+        emit(terminal_report(result))
+        emit("")
+        emit("wrote " + ", ".join(str(p) for p in written.values()))
+        label = f" {name}" if len(models) > 1 else ""
+        for sc in result["scenarios"]:
+            ok = sum(lv["ok"] for lv in sc["levels"])
+            sent = sum(lv["requests"] for lv in sc["levels"])
+            status = "ok" if ok else "failed"
+            report.add(f"bench{label} {sc['scenario']}", status, f"{ok}/{sent} requests succeeded"
+                       + ("" if ok else "; see the error bodies above and the host's logs/req_results.log"))
+        report.data.setdefault("benches", []).append(result)
+        report.data["bench"] = result
+        report.data["files"] = {k: str(v) for k, v in written.items()}
     return report

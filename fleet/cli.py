@@ -312,15 +312,16 @@ def render_(c, host="", out="", set_=None, inventory_=""):
 
 
 @command(help=_help("inventory", "set", host="the host whose entry port to send to", prompt="the user message",
-                    max_tokens="max_tokens of the request"))
+                    max_tokens="max_tokens of the request",
+                    model="the model to ask (a served name, alias or adapter; default: the host's first)"))
 def chat(c, host="local", prompt="Describe a sunrise over the sea in one sentence.", max_tokens=64, set_=None,
-         inventory_=""):
+         inventory_="", model=""):
     """Send one chat completion through the host's entry port and print the answer and its backend."""
     tokens = _number(max_tokens, "--max-tokens", minimum=1)
     try:
         inv = _inventory(inventory_)
         hv = inv.host_vars(inv.select(host)[0], set_)
-        r = chat_request(hv, prompt, max_tokens=tokens)
+        r = chat_request(hv, prompt, max_tokens=tokens, model=model)
     except FleetError as e:
         raise _error(str(e))
     print(f"answer ({r['completion_tokens']} tokens, finish_reason={r['finish_reason']}, "
@@ -393,9 +394,11 @@ def doctor(c, host="", set_=None, inventory_="", forks=5):
                     image="an image file to send (default: a generated PNG); none: text only, for a "
                           "text-only model",
                     out="directory for bench.json, report.md and chart.svg "
-                        "(default bench-results/HOST-YYYYmmdd-HHMMSS)"))
+                        "(default bench-results/HOST-YYYYmmdd-HHMMSS; with several models, one "
+                        "directory per model under it)",
+                    model="the model to load (default: every model the host serves, in turn, one table each)"))
 def bench(c, host="", inventory_="", set_=None, scenario="short,detailed,thinking",
-          concurrency="8,16,32,48,64", requests=0, image="", out=""):
+          concurrency="8,16,32,48,64", requests=0, image="", out="", model=""):
     """Load-test a host through its entry port: a concurrency sweep per scenario, tables, JSON, Markdown, SVG."""
     try:
         scenarios = bench_mod.parse_scenarios(scenario)
@@ -407,7 +410,7 @@ def bench(c, host="", inventory_="", set_=None, scenario="short,detailed,thinkin
 
     def action(conn, hv, emit):
         target = (Path(out) / hv.name if many else Path(out)) if out else None
-        return bench_mod.run_host(conn, hv, emit, scenarios, levels, n, image or None, target)
+        return bench_mod.run_host(conn, hv, emit, scenarios, levels, n, image or None, target, model=model)
     _finish(_run(host, inventory_, set_, action, forks=1, readonly=True)[1])
 
 

@@ -17,9 +17,10 @@ def entry_url(hv: HostVars) -> str:
 
 
 def chat(hv: HostVars, prompt: str, max_tokens: int = 64, user: str = "fleet-demo",
-         timeout: float = 120) -> dict:
-    """Send one chat completion; return answer, backend, request id, finish_reason and latency."""
-    body = json.dumps({"model": hv["served_model_name"], "max_tokens": max_tokens, "user": user,
+         timeout: float = 120, model: str = "") -> dict:
+    """Send one chat completion (to `model`, else the host's first); return answer, backend, request id,
+    finish_reason and latency."""
+    body = json.dumps({"model": hv.served_model(model)["name"], "max_tokens": max_tokens, "user": user,
                        "messages": [{"role": "user", "content": prompt}]}).encode()
     url = entry_url(hv) + "/v1/chat/completions"
     req = urllib.request.Request(url, body, {"Content-Type": "application/json"})

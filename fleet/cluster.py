@@ -30,15 +30,17 @@ def address(hv: "HostVars") -> str:
     return "127.0.0.1"
 
 
-def front_backends(inv: "Inventory", entry: "HostVars", overrides=()) -> list[str]:
-    """The backends of an entry host's proxy: the instances of every host it fronts, in its order."""
+def front_backends(inv: "Inventory", entry: "HostVars", overrides=()) -> list[tuple[str, "HostVars", int]]:
+    """The backends of an entry host's proxy: the instances of every host it fronts, in its order, each
+    as (name, the host that runs it, its index there)."""
     where = f"{inv.path}: hosts.{entry.name}.fronts"
-    backends: list[str] = []
+    backends: list[tuple[str, "HostVars", int]] = []
     owner: dict[str, str] = {}
     for member in entry["fronts"]:
         if member not in inv.hosts:
             raise InventoryError(f"{where}: {member!r} is not defined under hosts; add it or drop it here.")
         if member == entry.name:
+            mv = entry
             names = [backend_name(entry.instance_host, p) for p in entry.ports]
         else:
             # Read the member's fronts from its layers before building it: building an entry host builds
@@ -53,13 +55,40 @@ def front_backends(inv: "Inventory", entry: "HostVars", overrides=()) -> list[st
                                      "an entry host fronts instances, not other entry hosts.")
             mv = inv.host_vars(member, overrides)
             names = [backend_name(address(mv), p) for p in mv.ports]
-        for name in names:
+        for i, name in enumerate(names):
             if name in owner:
                 raise InventoryError(f"{where}: {owner[name]} and {member} both put an instance at {name}; "
                                      "give them different base_port or address.")
             owner[name] = member
-            backends.append(name)
+            backends.append((name, mv, i))
     return backends
+
+
+def pools(hv: "HostVars", backends: list[tuple[str, "HostVars", int]], where: str) -> list[dict] | None:
+    """The proxy's pools by model (conf/proxy.yaml's `models:`), one per served name over every backend,
+    each backend's slots its own group's max_num_seqs + this proxy's headroom; None when the proxy need
+    not route by model (every backend serves one plain group of one name)."""
+    served = [(backend, member, member.group_of(i)) for backend, member, i in backends]
+    if len({g.name for _, _, g in served}) <= 1 and all(member.plain for _, member, _ in served):
+        return None
+    headroom = hv["proxy"]["queue"]["headroom"]
+    out: dict[str, dict] = {}
+    route: dict[str, str] = {}
+    for backend, member, group in served:
+        pool = out.setdefault(group.name, {"name": group.name, "aliases": [], "adapters": [],
+                                           "slots": group.max_num_seqs + headroom, "backends": []})
+        if pool["slots"] != group.max_num_seqs + headroom:
+            raise InventoryError(f"{where}: {member.name} serves {group.name} with max_num_seqs "
+                                 f"{group.max_num_seqs}, another fronted host with {pool['slots'] - headroom}; "
+                                 "give the model one max_num_seqs on every host.")
+        pool["backends"].append(backend)
+        for key, names_ in (("aliases", group.aliases), ("adapters", list(group.lora_modules))):
+            pool[key] += [n for n in names_ if n not in pool[key]]
+        for n in group.names:
+            if route.setdefault(n, group.name) != group.name:
+                raise InventoryError(f"{where}: the name {n!r} reaches both {route[n]} and {group.name} "
+                                     f"(on {member.name}); each name must route to one model: rename one.")
+    return list(out.values())
 
 
 def _path_back(inv: "Inventory", start: str, goal: str, overrides) -> list[str]:

@@ -21,14 +21,22 @@ def status_table(st: dict) -> str:
     if k:
         lines.append(f"  keeper  pid {k.get('pid') or '-'}  {k.get('state')}"
                      + ("  (NOT RUNNING: dead instances are not restarted)" if k.get("state") == "dead" else ""))
-    lines.append(f"  {'instance':<9}{'port':<7}{'accel':<7}{'pid':<9}{'pgid':<9}{'state':<12}restarts")
+    groups = st.get("models")
+    for g in groups or []:
+        names = ", ".join([f"alias {a}" for a in g["aliases"]] + [f"adapter {a}" for a in g["adapters"]])
+        lines.append(f"  model {g['name']}: instance(s) {', '.join(map(str, g['instances']))}"
+                     + (f" ({names})" if names else ""))
+    model_col = max([len(i["model"]) for i in st["instances"]] + [5]) + 2 if groups else 0
+    lines.append(f"  {'instance':<9}{'port':<7}" + (f"{'model':<{model_col}}" if groups else "")
+                 + f"{'cards' if groups else 'accel':<7}{'pid':<9}{'pgid':<9}{'state':<12}restarts")
     for i in st["instances"]:
         last = ""
         if i.get("last_restart_reason"):
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(i["last_restart_at"]))
             last = f" (last: {i['last_restart_reason']} at {when}: {i.get('last_restart_result') or '...'})"
         state = i["state"].upper() if i["state"] == "crashloop" else i["state"]
-        lines.append(f"  {i['index']:<9}{i['port']:<7}{i['accelerator']:<7}{i['pid'] or '-':<9}"
+        where = f"{i['model']:<{model_col}}{','.join(map(str, i['cards'])):<7}" if groups else f"{i['accelerator']:<7}"
+        lines.append(f"  {i['index']:<9}{i['port']:<7}{where}{i['pid'] or '-':<9}"
                      f"{i['pgid'] or '-':<9}{state:<12}{i.get('restarts', 0)}{last}")
     owned = {i["pid"] for i in st["instances"]} | {p["pid"]} | {(st.get("nginx") or {}).get("watcher_pid")} \
         | {k.get("pid")}

@@ -181,13 +181,14 @@ def _card_checks(conn, hv: HostVars, f: dict) -> list[Check]:
     except smi.SmiError as e:
         return [Check("smi", "fail", str(e), "name the right smi with the inventory key smi")]
     out = [Check("smi", "ok", f"{tool}: {len(cards)} card(s)")]
-    gmu = hv["gpu_memory_utilization"]
     running = {i for i, p in enumerate(f["ports"][:hv["instances"]]) if p["ours"]}
-    for i in range(hv["instances"]):
-        c = cards.get(i)
-        label = f"card {i}"
+    # Every card of every instance (tensor_parallel_size cards each): instance i may hold several.
+    for i, k in ((i, k) for i in range(hv["instances"]) for k in hv.cards[i]):
+        c = cards.get(k)
+        label = f"card {k}"
+        gmu = hv.group_of(i).gpu_memory_utilization
         if c is None:
-            out.append(Check(label, "fail", f"the smi reports no card {i} ({len(cards)} card(s) seen)",
+            out.append(Check(label, "fail", f"the smi reports no card {k} ({len(cards)} card(s) seen)",
                              "lower instances and accelerators to the cards the host has"))
         elif i in running:
             out.append(Check(label, "ok", f"{c.show()}, used by instance {i} of this deployment"))
@@ -198,7 +199,7 @@ def _card_checks(conn, hv: HostVars, f: dict) -> list[Check]:
             out.append(Check(label, "ok", f"{c.total_mib - c.used_mib:.0f} MiB free of {c.total_mib:.0f} "
                              f"(needs {gmu:g} x total = {gmu * c.total_mib:.0f})"))
         else:
-            found = release.holders(conn, hv, [i])
+            found = release.holders(conn, hv, [k])
             hs = [h for h in found.get("holders", []) if h["class"] != "self"]
             who = ("held by " + "; ".join(release.show_holder(h) for h in hs)) if hs else \
                 (found.get("error") or "no holder visible to you")

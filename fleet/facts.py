@@ -64,8 +64,9 @@ def proxy_state(f: dict) -> str:
 def status_of(hv: HostVars, facts: dict) -> dict:
     """The `inv status --json` object of one host."""
     keeper = fleet_keeper.status(hv, facts)
-    instances = [{"index": f["index"], "port": f["port"], "accelerator": f["index"], "pid": f["pid"],
-                  "pgid": f["pgid"], "state": f["state"],
+    instances = [{"index": f["index"], "port": f["port"], "accelerator": hv.cards[f["index"]][0],
+                  "cards": list(hv.cards[f["index"]]), "model": hv.group_of(f["index"]).name,
+                  "pid": f["pid"], "pgid": f["pgid"], "state": f["state"],
                   **fleet_keeper.instance_fields(keeper, f["index"])}
                  for f in facts["instances"]]
     for inst in instances:
@@ -85,7 +86,11 @@ def status_of(hv: HostVars, facts: dict) -> dict:
     elif mode == "nginx" and n.get("alive"):
         front = "nginx"
     return {"host": hv.name, "deployment_id": hv.deployment_id, "deploy_dir": hv["deploy_dir"],
-            "front": front, "mode": mode, "proxy": proxy, "nginx": nginx, "keeper": keeper, "instances": instances,
+            "front": front, "mode": mode, "proxy": proxy,
+            # the models form's groups (None on a plain host: one model, one card per instance)
+            "models": None if hv.plain else [{"name": g.name, "aliases": list(g.aliases),
+                                              "adapters": sorted(g.lora_modules), "instances": list(g.indexes)}
+                                             for g in hv.groups], "nginx": nginx, "keeper": keeper, "instances": instances,
             "tagged": facts["tagged"]}
 
 

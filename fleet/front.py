@@ -35,8 +35,22 @@ def _prepare(conn: Transport, hv: HostVars, report: Report, emit: Emit) -> tuple
     return hv, found
 
 
+def nginx_refusal(hv: HostVars) -> str | None:
+    """Why nginx cannot be this host's front, or None: nginx does not read the body, so it cannot route
+    by the request's `model`, which a host serving several models, aliases or adapters needs."""
+    if hv.pools is None:
+        return None
+    names = ", ".join(p["name"] for p in hv.pools)
+    return (f"{hv.name}: nginx cannot be the front here: it does not read the request body, so it cannot "
+            f"route by `model` to the pools of {names} (aliases and adapters included); keep the proxy "
+            "as the front, or serve one model per host to use nginx.")
+
+
 def swap_to_nginx(conn: Transport, hv: HostVars, emit: Emit = lambda line: None, wait: bool = False) -> Report:
     """Preflight nginx, hand the entry port over from the proxy, start the /health watcher."""
+    refusal = nginx_refusal(hv)
+    if refusal:
+        raise FleetError(refusal)
     hv = facts.prepare(conn, hv)
     with runlock.held(conn, hv, "swap-to-nginx", emit, wait):
         return _swap_to_nginx(conn, hv, emit)
@@ -103,6 +117,10 @@ def deploy_nginx(conn: Transport, hv: HostVars, found: dict, changed_files: set[
                  emit: Emit, check: bool) -> None:
     """deploy in nginx mode: keep nginx the front, start it when it is down, reload it when its
     configuration changed; the proxy is not started."""
+    refusal = nginx_refusal(hv)
+    if refusal:
+        report.add("front", "failed", f"{refusal} `inv swap-to-proxy --host {hv.name}` makes the proxy the front.")
+        return
     n = found.get("nginx") or {}
     stale = any(f in NGINX_FILES or f.startswith(layout.HOSTAGENT_CODE + "/") for f in changed_files)
     # keeper.enabled: the keeper does the /health watching (one agent); else the watcher does.

@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from . import cluster, schema
+from . import cluster, schema, serving
 from .cluster import backend_name
 from .errors import InventoryError
 
@@ -92,7 +92,13 @@ class Inventory:
             hv.vars["bind"] = cluster.address(hv)
         if hv["fronts"]:
             # an entry host's backends are its members' instances
-            hv.front_backends = cluster.front_backends(self, hv, overrides)
+            served = cluster.front_backends(self, hv, overrides)
+            hv.front_backends = [backend for backend, _, _ in served]
+        else:
+            served = [(backend, hv, i) for i, backend in enumerate(hv.backends)]
+        hv.pools = cluster.pools(hv, served, f"{self.path}: hosts.{name}")
+        if not hv["served_model_name"] and served:    # an entry host without a model: its members' first
+            hv.vars["served_model_name"] = served[0][1].group_of(served[0][2]).name
         return hv
 
     def explain(self, name: str, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, tuple[Any, str]]:
@@ -250,14 +256,6 @@ def check_layer(layer: dict, path: str, where: str) -> schema.HostSettings:
         raise InventoryError(_sentence(e.errors()[0], path, where)) from None
 
 
-def _section(annotation) -> type[BaseModel] | None:
-    """The Section model a field holds (`SSHSettings | None` -> SSHSettings), if it holds one."""
-    for t in (annotation, *getattr(annotation, "__args__", ())):
-        if isinstance(t, type) and issubclass(t, BaseModel):
-            return t
-    return None
-
-
 def _sentence(error: dict, path: str, where: str) -> str:
     """One pydantic error as the inventory's sentence: `path: where.key.path: expected ..., got ...`."""
     model: type[BaseModel] | None = schema.HostSettings
@@ -269,7 +267,7 @@ def _sentence(error: dict, path: str, where: str) -> str:
         if model is not None and seg in model.model_fields:
             info = model.model_fields[seg]
             keys.append(seg)
-            model = _section(info.annotation)
+            model = schema.section_of(info.annotation)
         elif error["type"] == "extra_forbidden" and i == len(error["loc"]) - 1:
             keys.append(str(seg))
         # anything else is the tag of a union's member (`literal['auto']`, `constrained-int`)
@@ -316,6 +314,11 @@ class HostVars:
     deployment_id: str = ""
     ports: list[int] = field(default_factory=list)
     front_backends: list[str] | None = None    # set on an entry host (`fronts`): its members' instances
+    groups: list[serving.Group] = field(default_factory=list)   # what it serves (fleet.serving)
+    cards: list[tuple[int, ...]] = field(default_factory=list)  # instance i's cards
+    plain: bool = True                         # one group on one card per instance: no model routing
+    # The proxy's pools by model, on an entry host across its members (fleet.cluster.pools); None: plain.
+    pools: list[dict] | None = None
 
     def __getitem__(self, key):
         return self.vars[key]
@@ -329,24 +332,28 @@ class HostVars:
             v["connection"] = "ssh" if v["ssh"] else "local"
         if v["connection"] == "ssh" and not (v.get("ssh") or {}).get("host"):
             raise InventoryError(f"{where}.ssh.host: connection is ssh but no ssh.host is given; add it.")
-        if v["fronts"] and name not in v["fronts"]:
+        entry_only = bool(v["fronts"]) and name not in v["fronts"]
+        if entry_only:
             v["instances"] = 0                    # an entry host that fronts others only runs the proxy
-        elif v["instances"] < 1:
+        elif v["instances"] < 1 and v["models"] is None:
             raise InventoryError(f"{where}.instances: expected at least 1 instance, got {v['instances']}.")
-        if v["accelerator"] != "cpu" and v["instances"] > v["accelerators"]:
-            raise InventoryError(
-                f"{where}.instances: {v['instances']} instances but the host has {v['accelerators']} "
-                "accelerators (one instance per card); lower instances or raise accelerators.")
         if v["cpu_kvcache_gib"] != int(v["cpu_kvcache_gib"]):
             raise InventoryError(f"{where}.cpu_kvcache_gib: expected a whole number of GiB above 0 (vLLM reads "
                                  f"VLLM_CPU_KVCACHE_SPACE as an integer), got {v['cpu_kvcache_gib']}.")
-        if v["engine"] == "vllm" and not v["model"]:
-            raise InventoryError(f"{where}.model: the vllm engine needs a model path; set model.")
-        if v["engine"] == "sim" and not v["model"]:
-            v["model"] = "sim-model"
         if v["accelerator"] == "sim" and v["engine"] != "sim":
             raise InventoryError(f"{where}.accelerator: the sim accelerator only runs the sim engine; "
                                  "set engine: sim.")
+        groups = [] if entry_only else serving.groups_of(v, where)
+        if groups:
+            v["instances"] = sum(g.instances for g in groups)
+        if len(groups) == 1:                      # the host-level keys say what its one group serves
+            g = groups[0]
+            v.update(model=g.model, served_model_name=g.name, max_num_seqs=g.max_num_seqs,
+                     max_model_len=g.max_model_len, gpu_memory_utilization=g.gpu_memory_utilization,
+                     enforce_eager=g.enforce_eager, extra_args=list(g.extra_args))
+        elif not v["model"] and v["engine"] == "sim":
+            v["model"] = "sim-model"
+        cards = serving.assign_cards(groups, v["accelerators"], v["accelerator"], where)
         last = v["base_port"] + v["instances"] - 1        # instances is bounded: this list stays small
         if last > 65535:
             raise InventoryError(f"{where}.base_port: instances would need ports up to {last}, "
@@ -364,13 +371,41 @@ class HostVars:
         if v["keeper"]["backoff_base_s"] > v["keeper"]["backoff_max_s"]:
             raise InventoryError(f"{where}.keeper.backoff_base_s: {v['keeper']['backoff_base_s']:g} is above "
                                  f"keeper.backoff_max_s ({v['keeper']['backoff_max_s']:g}); lower one or raise the other.")
-        if not v["served_model_name"]:
-            v["served_model_name"] = os.path.basename(v["model"].rstrip("/")) or v["model"]
+        if not v["served_model_name"]:           # several groups and no host-level model: the first's
+            v["served_model_name"] = (os.path.basename(v["model"].rstrip("/")) or v["model"]
+                                      or (groups[0].name if groups else ""))
+        # A plain host (one group, one card per instance, no alias, no adapter) renders as before groups.
+        plain = not groups or serving.is_plain(groups)
         if v["bind"] is None:                     # an instance serves its own host's proxy alone
             v["bind"] = "127.0.0.1"               # (Inventory.host_vars widens it when another host fronts it)
-        hv = cls(name=name, vars=v, inventory_path=path, ports=ports)
+        hv = cls(name=name, vars=v, inventory_path=path, ports=ports, groups=groups, cards=cards, plain=plain)
         hv.deployment_id = deployment_id(name, v["deploy_dir"])
         return hv
+
+    def served_models(self) -> list[dict]:
+        """What clients can ask for through this host's entry port, one entry per model: its name, its
+        instances (on an entry host, across the fronted hosts) and their max_num_seqs."""
+        if self.pools is None:
+            return [{"name": self.vars["served_model_name"], "instances": len(self.backends),
+                     "max_num_seqs": self.vars["max_num_seqs"]}]
+        headroom = self.vars["proxy"]["queue"]["headroom"]
+        return [{"name": p["name"], "instances": len(p["backends"]), "max_num_seqs": p["slots"] - headroom}
+                for p in self.pools]
+
+    def served_model(self, name: str = "") -> dict:
+        """One of served_models() by name (a served name, alias or adapter); the first when name is empty."""
+        models = self.served_models()
+        if not name:
+            return models[0]
+        for m, p in zip(models, self.pools or [{"aliases": [], "adapters": []}]):
+            if name in (m["name"], *p["aliases"], *p["adapters"]):
+                return {**m, "name": name}
+        raise InventoryError(f"{self.name} serves no model {name!r}; it serves "
+                             f"{', '.join(m['name'] for m in models)}.")
+
+    def group_of(self, index: int) -> serving.Group:
+        """The group instance `index` serves."""
+        return next(g for g in self.groups if index in g.indexes)
 
     @property
     def backends(self) -> list[str]:

@@ -47,7 +47,7 @@ def holders(conn, hv, indexes: list[int] | None, instance: int | None = None, ki
     if instance is not None:
         spare = [layout.tag(hv.deployment_id, i) for i in range(hv["instances"]) if i != instance]
         spare += [layout.tag(hv.deployment_id, "proxy")]
-    cards = [instance] if instance is not None else indexes
+    cards = list(hv.cards[instance]) if instance is not None else indexes
     spec = {"globs": device_globs(hv, cards), "spare_tags": spare, "kill": kill, "grace_s": hv["stop_grace_s"]}
     if cards is not None and accelerators.kind(hv["accelerator"]).render_from_sysfs:
         spec["render_cards"] = cards

@@ -85,18 +85,20 @@ FILES = {
 }
 
 
-def engine_argv(hv: HostVars) -> list[str]:
-    """The engine command before its per-instance flags: `vllm serve MODEL` or the sim's equivalent."""
+def engine_argv(hv: HostVars, model: str | None = None) -> list[str]:
+    """The engine command before its per-instance flags: `vllm serve MODEL` or the sim's equivalent
+    (model: a group's, else the host's)."""
     v = hv.vars
+    model = model or v["model"]
     if v["engine"] == "sim":
         sim = v["sim"]
-        argv = [v["python"], "-m", "fleet.sim", "serve", v["model"],
+        argv = [v["python"], "-m", "fleet.sim", "serve", model,
                 "--sim-load-s", _num(sim["load_s"]), "--sim-prefill-ms", _num(sim["prefill_ms"]),
                 "--sim-token-ms", _num(sim["token_ms"]), "--sim-output-tokens", str(sim["output_tokens"])]
         if sim["instant"]:
             argv.append("--sim-instant")
         return argv
-    return [v["vllm_bin"] or "vllm", "serve", v["model"]]
+    return [v["vllm_bin"] or "vllm", "serve", model]
 
 
 def _num(x) -> str:
@@ -128,7 +130,15 @@ def context(hv: HostVars) -> dict:
         "stop_spec": stop_spec(hv),
         "visibility_var": accelerators.kind(v["accelerator"]).visibility_var,
         "num": _num,
-        "card_files": [accelerators.card_files(v["accelerator"], v["deploy_dir"], i) for i in range(v["instances"])],
+        "card_files": [[f for card in hv.cards[i] for f in accelerators.card_files(v["accelerator"], v["deploy_dir"], card)]
+                       for i in range(v["instances"])],
+        # What the host serves (fleet.serving): plain, or the models form with its groups and pools.
+        "plain": hv.plain,
+        "groups": hv.groups,
+        "group_of": [hv.group_of(i) for i in range(v["instances"])],
+        "group_argv": [engine_argv(hv, g.model) for g in hv.groups],
+        "cards": hv.cards,
+        "pools": hv.pools,
     }
 
 

@@ -27,6 +27,9 @@ HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 DNS_NAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,62}))*\.?$")
 USER_GROUP = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*( [A-Za-z_][A-Za-z0-9_.-]*)?$")
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# A served name, alias or adapter name: what a request's `model` says; no blank and no '=' (the
+# `--lora-modules name=path` form splits there).
+SERVED_NAME = re.compile(r"^[^\s=]{1,200}$")
 
 
 def _fails(check):
@@ -88,6 +91,12 @@ Strings = Annotated[list[Annotated[str, BeforeValidator(_as_text)]], Field(max_l
                                                                             description="a list of strings")]
 HostNames = Annotated[list[Annotated[str, _fails(HOST_NAME.match)]], Field(max_length=MAX_INSTANCES,
                                                                             description="a list of host names")]
+ServedName = Annotated[str, _fails(SERVED_NAME.match),
+                      Field(description="a name without blanks or '=' (at most 200 characters)")]
+ServedNames = Annotated[list[ServedName], Field(max_length=1024, description="a list of names")]
+Adapters = Annotated[dict[ServedName, Path], Field(max_length=1024,
+                                                   description="a mapping of adapter names to paths")]
+CardsPerInstance = Annotated[int, Field(ge=1, le=64, description="an integer from 1 to 64")]
 WorkerProcesses = Annotated[Literal["auto"] | Annotated[int, Field(ge=1, le=1024)],
                             Field(description="auto or a number of worker processes from 1 to 1024")]
 NginxUser = Annotated[str, _fails(lambda v: v == "" or USER_GROUP.match(v)),
@@ -268,6 +277,41 @@ class KeeperSettings(Section):
         "count as dead (`stalled`).")
 
 
+class ModelGroup(Section):
+    """One entry of `models:`: a served model and the instances that serve it. A key left unset takes the
+    host's value (the key of the same name at the host's level)."""
+
+    name: ServedName | None = doc(None,
+        "The served name clients put in `model` (`--served-model-name`). Unset: the model path's last "
+        "part.")
+    model: Text | None = doc(None,
+        "The model path. Unset: the host's `model`.")
+    instances: _int(1, MAX_INSTANCES) = doc(1,
+        "Instances of this model; they take the next `instances x tensor_parallel_size` cards.")
+    tensor_parallel_size: CardsPerInstance | None = doc(None,
+        "Cards per instance (`--tensor-parallel-size`). Unset: the host's.")
+    max_num_seqs: _int(1, 65536) | None = doc(None,
+        "`--max-num-seqs` of this model's instances; also its slots in the proxy. Unset: the host's.")
+    max_model_len: _int(1, 100_000_000) | None = doc(None,
+        "`--max-model-len`. Unset: the host's.")
+    gpu_memory_utilization: _number(0, 1, "a fraction in (0, 1]", low_open=True) | None = doc(None,
+        "`--gpu-memory-utilization`. Unset: the host's.")
+    enforce_eager: Flag | None = doc(None,
+        "Add `--enforce-eager`. Unset: the host's.")
+    extra_args: Strings | None = doc(None,
+        "More `vllm serve` arguments of this model's instances. Unset: the host's.")
+    aliases: ServedNames | None = doc(None,
+        "Other names that route to this model. Unset: the host's.")
+    lora_modules: Adapters | None = doc(None,
+        "Static LoRA adapters, name: path on the host. Unset: the host's.")
+    max_loras: _int(1, 1024) | None = doc(None,
+        "`--max-loras`. Unset: the host's.")
+    max_lora_rank: _int(1, 4096) | None = doc(None,
+        "`--max-lora-rank`. Unset: the host's.")
+    runtime_lora: Flag | None = doc(None,
+        "Allow `inv lora add` on this model. Unset: the host's.")
+
+
 class HostSettings(Section):
     """Every key of a host (and of `defaults:` and a group, which set the same keys for many hosts)."""
 
@@ -285,7 +329,11 @@ class HostSettings(Section):
     accelerators: _int(0, MAX_INSTANCES) = doc(8,
         "Cards on the host; `instances` may not exceed it (not used by `cpu`).")
     instances: _int(0, MAX_INSTANCES) = doc(8,
-        "Instances to run, one per card: instance i on card i.")
+        "Instances to run, one per card: instance i on card i (with `models`, each group says its own "
+        "and this is their sum).")
+    tensor_parallel_size: CardsPerInstance = doc(1,
+        "Cards per instance (`--tensor-parallel-size`): instance i then holds cards [i x T, (i+1) x T), "
+        "all of them in its `HIP_VISIBLE_DEVICES`/`CUDA_VISIBLE_DEVICES`. Not for `cpu`.")
     base_port: Port = doc(8002,
         "Instance i listens on `base_port + i`.")
     bind: Address | None = doc(None,
@@ -300,6 +348,22 @@ class HostSettings(Section):
         "`--max-num-seqs` of each instance: the sequences it runs at once.")
     max_model_len: _int(1, 100_000_000) = doc(8192,
         "`--max-model-len`.")
+    aliases: ServedNames = doc([],
+        "Other names that route to the model (the proxy maps them to the served name).")
+    lora_modules: Adapters = doc({},
+        "Static LoRA adapters, `name: path` on the host: `--enable-lora --lora-modules name=path ...`; a "
+        "request naming an adapter is routed to the model's instances.")
+    max_loras: _int(1, 1024) | None = doc(None,
+        "`--max-loras`: adapters in one batch. Unset: vLLM's default.")
+    max_lora_rank: _int(1, 4096) | None = doc(None,
+        "`--max-lora-rank`. Unset: vLLM's default.")
+    runtime_lora: Flag = doc(False,
+        "Allow adapters loaded at runtime (`inv lora add`): the engines start with `--enable-lora` and "
+        "`VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`.")
+    models: Annotated[list[ModelGroup], Field(min_length=1, max_length=MAX_INSTANCES,
+                                              description="a list of model groups")] | None = doc(None,
+        "Several models on one host: a list of groups (keys below), each served under its own name on its"
+        " own instances and cards, in order. Unset: one model from the keys of this level.")
     enforce_eager: Flag = doc(False,
         "Add `--enforce-eager`.")
     gpu_memory_utilization: _number(0, 1, "a fraction in (0, 1]", low_open=True) = doc(0.9,
@@ -363,6 +427,18 @@ class HostSettings(Section):
         "nginx mode (`inv swap-to-nginx`).")
     keeper: KeeperSettings = doc(KeeperSettings(),
         "The keeper, which restarts dead or stalled instances.")
+
+
+def section_of(annotation) -> type[BaseModel] | None:
+    """The Section model a field holds, if it holds one: `SSHSettings | None` -> SSHSettings, and a list
+    of them (`models`) -> ModelGroup."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        found = section_of(arg)
+        if found is not None:
+            return found
+    return None
 
 
 def defaults() -> dict[str, Any]:

@@ -163,14 +163,6 @@ SECTION_TITLES = {
 }
 
 
-def _section(annotation) -> type[BaseModel] | None:
-    """The model a field holds (`SSHSettings | None` -> SSHSettings), if it holds one."""
-    for t in (annotation, *typing.get_args(annotation)):
-        if isinstance(t, type) and issubclass(t, BaseModel):
-            return t
-    return None
-
-
 def type_phrase(annotation, info: FieldInfo | None = None) -> str:
     """The type of a field in words: its schema phrase ("a port number (1-65535)"), or one built from
     the annotation where the phrase sits inside a union (`Port | None`)."""
@@ -214,7 +206,7 @@ def keys(model: type[BaseModel] = schema.HostSettings, prefix: str = "") -> list
     plain, nested = [], []
     for name, info in model.model_fields.items():
         key = prefix + name
-        sub = _section(info.annotation)
+        sub = schema.section_of(info.annotation)
         if sub is None:
             plain.append((prefix.rstrip("."), key, info))
         else:
@@ -229,7 +221,7 @@ def _section_docs(model: type[BaseModel] = schema.HostSettings, prefix: str = ""
     """A nested section's own doc() text, by its dotted name."""
     found = {}
     for name, info in model.model_fields.items():
-        sub = _section(info.annotation)
+        sub = schema.section_of(info.annotation)
         if sub is not None:
             found[prefix + name] = (info.json_schema_extra or {}).get("doc", "")
             found.update(_section_docs(sub, prefix + name + "."))

@@ -169,7 +169,7 @@ def _stop(conn: Transport, hv: HostVars, emit: Emit, instance: int | None, check
     else:
         report.add("tag sweep", "ok", "no process with the deployment's tag is left" if not check else
                    f"{len(before['tagged'])} tagged process(es) found")
-    cards = [instance] if instance is not None else list(range(hv["instances"]))
+    cards = sorted({c for i in ([instance] if instance is not None else range(hv["instances"])) for c in hv.cards[i]})
     release.settle(conn, hv, report, emit, cards, cards_before, cards_why, instance, check, force)
     report.status = facts.status_of(hv, after)
     return report
