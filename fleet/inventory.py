@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from . import cluster, schema, serving
+from . import cluster, schema, schema_doc, serving
 from .cluster import backend_name
 from .errors import InventoryError
 
@@ -277,7 +277,7 @@ def _sentence(error: dict, path: str, where: str) -> str:
     if model is not None and info is not None and error["type"] in ("model_type", "dict_type"):
         expected = "a mapping"
     else:
-        expected = (info.description if info is not None else None) or "another value"
+        expected = schema_doc.type_phrase(info.annotation, info) if info is not None else "another value"
     return f"{path}: {at}: expected {expected}, got {_show(error['input'])}."
 
 

@@ -135,15 +135,15 @@ def _check_extra_args(extra_args, at: str) -> None:
 
 def _check_names(groups: list[Group], where: str) -> None:
     """No name (served name, alias or adapter) may reach two groups, or one group twice."""
-    owner: dict[str, str] = {}
-    for g in groups:
+    owner: dict[str, int] = {}
+    for n, g in enumerate(groups):
         for name in g.names:
             if name in owner:
-                whose = "twice in group " + g.name if owner[name] == g.name else \
-                    f"by groups {owner[name]} and {g.name}"
+                whose = f"twice in group {n} ({g.name})" if owner[name] == n else \
+                    f"by groups {owner[name]} ({groups[owner[name]].name}) and {n} ({g.name})"
                 raise InventoryError(f"{where}.models: the name {name!r} is used {whose} (served names, aliases "
                                      "and adapters route requests, so each names one group); rename one.")
-            owner[name] = g.name
+            owner[name] = n
 
 
 def is_plain(groups: list[Group]) -> bool:
