@@ -2,7 +2,9 @@
 tokenizer trained on a few lines, and a chat template (about 2 MB). Run with the engine's Python (it needs
 torch, transformers and tokenizers, which vLLM brings):
 
-    ~/.cache/vllm-fleet/vllm-cpu/bin/python tests/data/make_tiny_model.py OUT_DIR
+    ~/.cache/vllm-fleet/vllm-cpu/bin/python tests/data/make_tiny_model.py OUT_DIR [LAYERS]
+
+LAYERS (default 2) makes models of different sizes, for a host that serves two of them.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def main(out: str) -> None:
+def main(out: str, layers: int = 2) -> None:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -44,7 +46,7 @@ def main(out: str) -> None:
 
     torch.manual_seed(0)
     # head_dim 128 / 2 = 64: vLLM's CPU attention refuses small ones (16 fails: "Unsupported CPU attention").
-    config = LlamaConfig(vocab_size=len(fast), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=len(fast), hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
                          bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
                          pad_token_id=fast.pad_token_id, tie_word_embeddings=False, torch_dtype="float32")
@@ -56,6 +58,6 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: make_tiny_model.py OUT_DIR")
-    main(sys.argv[1])
+    if len(sys.argv) not in (2, 3):
+        sys.exit("usage: make_tiny_model.py OUT_DIR [LAYERS]")
+    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) == 3 else 2)
