@@ -77,10 +77,11 @@ def generated_tokens(url: str) -> float | None:
     return total if seen else None
 
 
-def probe(cfg: dict, url: str) -> tuple[str, float | None, float | None]:
-    """One stall probe: (answer, generated tokens before, after); answer "ok", "error" (an HTTP error: an
-    answer all the same) or "timeout". keeper_decisions.probe_result tells a stall from a busy engine."""
-    body = json.dumps({"model": cfg["served_model_name"], "prompt": "ping", "max_tokens": 1,
+def probe(cfg: dict, url: str, model: str | None = None) -> tuple[str, float | None, float | None]:
+    """One stall probe of the instance at url serving model (default: the host's served_model_name):
+    (answer, generated tokens before, after); answer "ok", "error" (an HTTP error: an answer all the same)
+    or "timeout". keeper_decisions.probe_result tells a stall from a busy engine."""
+    body = json.dumps({"model": model or cfg["served_model_name"], "prompt": "ping", "max_tokens": 1,
                        "user": PROBE_USER, "stream": False}).encode()
     req = urllib.request.Request(f"{url}/v1/completions", body,
                                  {"Content-Type": "application/json", PROBE_HEADER: "keeper"})
@@ -150,7 +151,8 @@ class Keeper:
         return restart.restart_instance(self.cfg, i, lambda line: log.info("  %s", line), cancelled=self.stop.is_set)
 
     def probe(self, i: int) -> tuple:
-        return probe(self.cfg, instances.url(self.cfg["instances"][i]))
+        inst = self.cfg["instances"][i]
+        return probe(self.cfg, instances.url(inst), inst.get("model"))
 
     # files
     def _load_state(self) -> dict:
