@@ -29,6 +29,7 @@ class Backend:
     ejections: int = 0      # times the proxy took it out on its own (connect error, too many 5xx)
     removed: bool = False   # gone from the config: its in-flight requests finish, new ones go elsewhere
     slots: int = 0          # requests it runs at once (max_num_seqs + headroom); 0: no limit, no queue
+    served: list = field(default_factory=list)  # its /v1/models entries (read in the models form only)
     url: str = field(init=False)
 
     def __post_init__(self) -> None:

@@ -71,6 +71,26 @@ class LogConfig:
 
 
 @dataclass(frozen=True)
+class ModelPool:
+    """One served model (an inventory group): the backends that serve it and the names that reach it.
+
+    name: the served name; aliases and adapters (static LoRA adapters) route here too, and so do the
+    names the backends list in their /v1/models (adapters loaded at runtime). slots: per backend.
+    """
+
+    name: str
+    backends: tuple[str, ...]
+    aliases: tuple[str, ...] = ()
+    adapters: tuple[str, ...] = ()
+    slots: int = 0
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every name configured to reach this pool."""
+        return (self.name, *self.aliases, *self.adapters)
+
+
+@dataclass(frozen=True)
 class ProxyConfig:
     """Everything the proxy needs to run."""
 
@@ -90,6 +110,7 @@ class ProxyConfig:
     api_keys_file: str | None = None
     slots: int = 0                # per backend: max_num_seqs + proxy.queue.headroom; 0: no limit, no queue
     queue: QueueConfig = QueueConfig()
+    models: tuple[ModelPool, ...] = ()  # empty: one pool of every backend, the body's model is not read
 
     @property
     def max_body_bytes(self) -> int:
@@ -99,7 +120,8 @@ class ProxyConfig:
 
 TOP_KEYS = ("listen", "admin", "backends", "health", "timeout_s", "connect_timeout_s",
             "max_body_mb", "results_log", "log", "retries", "max_fails", "shutdown_timeout_s",
-            "fix_numeric_user", "api_keys_file", "slots", "queue")
+            "fix_numeric_user", "api_keys_file", "slots", "queue", "models")
+POOL_KEYS = ("name", "aliases", "adapters", "slots", "backends")
 
 
 def load_config(path: str | Path) -> ProxyConfig:
@@ -153,8 +175,9 @@ def parse_config(data: Any, source: str = "config") -> ProxyConfig:
     listen = _address(top.get("listen", {}), "listen", defaults.listen)
     if listen.port == admin.port:
         raise ConfigError(f"listen and admin cannot share port {admin.port}.")
+    backends = _backends(top["backends"])
     return ProxyConfig(
-        backends=_backends(top["backends"]),
+        backends=backends,
         listen=listen,
         admin=admin,
         health=HealthConfig(
@@ -183,6 +206,7 @@ def parse_config(data: Any, source: str = "config") -> ProxyConfig:
         slots=_count(top, "slots", defaults.slots, minimum=0),
         queue=QueueConfig(max=_count(queue, "max", defaults.queue.max, minimum=0, prefix="queue."),
                           timeout_s=_positive(queue, "timeout_s", defaults.queue.timeout_s, "queue.")),
+        models=_models(top.get("models"), backends),
     )
 
 
@@ -223,6 +247,52 @@ def _backends(value: Any) -> tuple[str, ...]:
             raise ConfigError(f"backend {item} is listed twice.")
         names.append(item)
     return tuple(names)
+
+
+def _models(value: Any, backends: tuple[str, ...]) -> tuple[ModelPool, ...]:
+    """The pools of the models form: every backend in exactly one, every name reaching one pool."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not value:
+        raise ConfigError("models must be a non-empty list of {name, backends, aliases, adapters, slots}.")
+    pools: list[ModelPool] = []
+    owner: dict[str, str] = {}     # backend -> its pool
+    named: dict[str, str] = {}     # name, alias or adapter -> its pool
+    for n, item in enumerate(value):
+        m = _mapping(item, f"models[{n}]", POOL_KEYS)
+        name = _text(m.get("name"), f"models[{n}].name")
+        where = f"model {name!r}"
+        members = m.get("backends")
+        if not isinstance(members, list) or not members:
+            raise ConfigError(f"{where}: backends must be a non-empty list of the backends that serve it.")
+        for b in members:
+            if b not in backends:
+                raise ConfigError(f"{where}: backend {b!r} is not in 'backends'; list it there too.")
+            if b in owner:
+                raise ConfigError(f"backend {b} is in two models, {owner[b]!r} and {name!r}; an instance "
+                                  "serves one model.")
+            owner[b] = name
+        pool = ModelPool(name=name, backends=tuple(members), aliases=_names(m, "aliases", where),
+                         adapters=_names(m, "adapters", where),
+                         slots=_count(m, "slots", 0, minimum=0, prefix=f"{where}: "))
+        for label in pool.names:
+            if named.get(label, name) != name:
+                raise ConfigError(f"the name {label!r} reaches two models, {named[label]!r} and {name!r}; "
+                                  "give each name to one model.")
+            named[label] = name
+        pools.append(pool)
+    orphans = [b for b in backends if b not in owner]
+    if orphans:
+        raise ConfigError(f"backend(s) {', '.join(orphans)} serve no model; put each in one of models[].backends.")
+    return tuple(pools)
+
+
+def _names(m: dict, key: str, where: str) -> tuple[str, ...]:
+    """A list of non-empty strings (absent: empty)."""
+    value = m.get(key) or []
+    if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
+        raise ConfigError(f"{where}: {key} must be a list of names, not {value!r}.")
+    return tuple(value)
 
 
 def _port(value: Any, where: str, from_text: bool = False) -> int:
