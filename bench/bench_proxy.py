@@ -75,12 +75,13 @@ def wrk(wrk_bin: str, url: str, body: dict, connections: int, seconds: float, wo
                          env={**os.environ, "BENCH_BODY": json.dumps(body),
                               "BENCH_BODY2": json.dumps(body2 or body)}).stdout
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    total = int(re.search(r"(\d+) requests in", out).group(1))
     lat = {m.group(1): _ms(m.group(2), m.group(3)) for m in re.finditer(r"^\s+(50|99)%\s+([\d.]+)(us|ms|s|m)\s*$", out, re.M)}
     if len(lat) < 2:
         print(f"bench_proxy: no latency distribution in wrk's output:\n{out}", file=sys.stderr)
     bad = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
     errs = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
-    return {"rps": rps, "p50_ms": lat.get("50", float("nan")), "p99_ms": lat.get("99", float("nan")),
+    return {"rps": rps, "requests": total, "p50_ms": lat.get("50", float("nan")), "p99_ms": lat.get("99", float("nan")),
             "non_2xx": int(bad.group(1)) if bad else 0, "socket_errors": sum(map(int, errs.groups())) if errs else 0}
 
 
@@ -158,11 +159,15 @@ def main(argv=None) -> int:
                   f"{os.cpu_count()} CPUs" + ("; every front: model m and m2 in turn" if mix else ""), flush=True)
             for r in range(args.rounds):
                 for name in fronts[r % len(fronts):] + fronts[:r % len(fronts)]:
+                    cpu = stack.cpu_s(name) if name in stack.pids else None
                     run = drive(wrk_bin, stack, name, CHAT, args.connections, args.seconds, Path(tmp),
                                 body2=CHAT2 if mix else None)
+                    if cpu is not None and run.get("requests"):   # the front's CPU time per request answered
+                        run["cpu_us_per_request"] = (stack.cpu_s(name) - cpu) / run["requests"] * 1e6
                     figures["runs"].setdefault(name, []).append(run)
+                    cpu = f"  cpu {run['cpu_us_per_request']:.0f} us/req" if "cpu_us_per_request" in run else ""
                     print(f"  round {r + 1} {name:<14} {run['rps']:>8.0f} r/s  p50 {run['p50_ms']:.1f} ms  "
-                          f"p99 {run['p99_ms']:.1f} ms  errors {run['non_2xx'] + run['socket_errors']}", flush=True)
+                          f"p99 {run['p99_ms']:.1f} ms  errors {run['non_2xx'] + run['socket_errors']}{cpu}", flush=True)
             if not args.chat_only:
                 sse = {}
                 for r in range(args.rounds):
@@ -213,13 +218,17 @@ def report(f: dict) -> None:
         if other not in runs or "proxy" not in runs:
             continue
         pairs = list(zip(f["runs"][other], f["runs"]["proxy"]))
-        by = {k: [o[k] / p[k] for o, p in pairs] for k in ("rps", "p50_ms", "p99_ms")}
+        by = {k: [o[k] / p[k] for o, p in pairs] for k in ("rps", "p50_ms", "p99_ms", "cpu_us_per_request")}
         f["ratios"][other] = {**{f"{k}_by_round": v for k, v in by.items()},
                               **{f"{k}_median": statistics.median(v) for k, v in by.items()}}
         print(f"  {other} / proxy: requests/s {statistics.median(by['rps']):.3f}x (rounds "
               f"{', '.join(f'{r:.3f}' for r in by['rps'])}), p50 {statistics.median(by['p50_ms']):.3f}x, "
-              f"p99 {statistics.median(by['p99_ms']):.3f}x")
+              f"p99 {statistics.median(by['p99_ms']):.3f}x; CPU per request {statistics.median(by['cpu_us_per_request']):.3f}x "
+              f"(rounds {', '.join(f'{r:.3f}' for r in by['cpu_us_per_request'])})")
     if any(o in runs for o in MODELS_FRONTS):
+        cpu = {n: statistics.median(r["cpu_us_per_request"] for r in f["runs"][n]) for n in ("proxy", *MODELS_FRONTS)
+               if n in runs}
+        print("  proxy CPU per request answered, median: " + ", ".join(f"{n} {v:.0f} us" for n, v in cpu.items()))
         print("  target: routing by model costs at most 5% (requests/s at least 0.95x proxy's)")
     else:
         print("  targets: requests/s at least vllm-router's (1.00x), p99 at most 1.5x nginx's")

@@ -103,6 +103,7 @@ class Stack:
         self.admin_ports = {f: next(spare) for f in self.PROXIES}
         self.metrics_ports = {f: next(spare) for f in ("vllm-router", "smg")}
         self.procs: list[subprocess.Popen] = []
+        self.pids: dict[str, int] = {}
         self.nginx_pid_file: Path | None = None
         self.skipped: dict[str, str] = {}
         inv_path = work / "hosts.yml"
@@ -188,9 +189,14 @@ class Stack:
     def _start_direct(self):
         return None   # the sims themselves
 
+    def cpu_s(self, front: str) -> float:
+        """CPU seconds (user + system) a proxy front's process has used so far (Linux /proc)."""
+        fields = Path(f"/proc/{self.pids[front]}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def _proxy(self, front: str, *extra: str):
-        self._start([sys.executable, "-m", "proxy", "--config", str(self.deploy / "conf" / f"{front}.yaml"), *extra],
-                    f"{front}.log", cwd=ROOT)
+        self.pids[front] = self._start([sys.executable, "-m", "proxy", "--config", str(self.deploy / "conf" / f"{front}.yaml"), *extra],
+                    f"{front}.log", cwd=ROOT).pid
         wait_http(self.url(front) + "/health")
 
     def _start_proxy(self):
