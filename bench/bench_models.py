@@ -56,18 +56,21 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
-async def open_loop(url: str, model: str, rate: float, count: int) -> dict:
-    """count requests for model sent at a fixed rate: latencies (ms) of the 200s and answers by status."""
+async def open_loop(url: str, model: str, rate: float, count: int, timeout_s: float = 60) -> dict:
+    """count requests for model sent at a fixed rate (url: comma separated, taken in turn): latencies (ms)
+    of the 200s and answers by status; a request not answered within timeout_s is given up."""
     import aiohttp
     latencies: list[float] = []
     status: Counter = Counter()
     body = {"model": model, "max_tokens": TOKENS, "messages": [{"role": "user", "content": "hi"}]}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                     timeout=aiohttp.ClientTimeout(total=60)) as s:
-        async def one():
+                                     timeout=aiohttp.ClientTimeout(total=timeout_s)) as s:
+        urls = url.split(",")
+
+        async def one(i: int):
             t = time.perf_counter()
             try:
-                async with s.post(url + "/v1/chat/completions", json=body) as r:
+                async with s.post(urls[i % len(urls)] + "/v1/chat/completions", json=body) as r:
                     await r.read()
                     status[str(r.status)] += 1
                     if r.status == 200:
@@ -79,7 +82,7 @@ async def open_loop(url: str, model: str, rate: float, count: int) -> dict:
             delay = start + i / rate - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one()))
+            tasks.append(asyncio.create_task(one(i)))
         await asyncio.gather(*tasks)
     return {"n": len(latencies), "p50_ms": pct(latencies, 0.5), "p99_ms": pct(latencies, 0.99),
             "status": dict(status)}
@@ -103,14 +106,19 @@ def b_peak(stack: Stack) -> int:
     return max(s["peak_in_flight"] for s in stack.sim_stats()[2:])
 
 
-def run_b(stack: Stack, args, rate_b: float, rate_a: float | None) -> dict:
-    """B's open loop, alone (rate_a None) or beside A's driver process."""
+def run_b(stack: Stack, args, rate_b: float, rate_a: float | None, a_direct: bool = False) -> dict:
+    """B's open loop, alone (rate_a None) or beside A's driver process; a_direct: A's requests go to A's
+    sims themselves, not through the proxy (the control: the same machine load, the proxy not shared),
+    each given up after the proxy's queue timeout plus one request's time, as the proxy's 503 would."""
     stack.reset_sim_stats()
     url = stack.url(FRONT)
     driver = None
     if rate_a:
         seconds = WARMUP_S + args.requests / rate_b + 1
-        driver = subprocess.Popen([sys.executable, __file__, "--drive", url, "a", str(rate_a), str(int(rate_a * seconds))],
+        a_url = ",".join(f"http://127.0.0.1:{p}" for p in stack.backend_ports[:2]) if a_direct else url
+        timeout = QUEUE_TIMEOUT_S + (PREFILL_MS + TOKENS * TOKEN_MS) / 1000 if a_direct else 60
+        driver = subprocess.Popen([sys.executable, __file__, "--drive", a_url, "a", str(rate_a),
+                                   str(int(rate_a * seconds)), str(timeout)],
                                   stdout=subprocess.PIPE, text=True, start_new_session=True)
         time.sleep(WARMUP_S)
     try:
@@ -135,11 +143,13 @@ def main(argv=None) -> int:
     ap.add_argument("--b-load", type=float, default=0.5, help="B's rate, a fraction of its pool's capacity")
     ap.add_argument("--a-load", type=float, default=2.0, help="A's rate beside B, a multiple of its capacity")
     ap.add_argument("--out", help="also write every figure to this JSON file")
-    ap.add_argument("--drive", nargs=4, metavar=("URL", "MODEL", "RATE", "COUNT"), help=argparse.SUPPRESS)
+    ap.add_argument("--control", action="store_true",
+                    help="a third run each round: A sent to its sims directly, not through the proxy")
+    ap.add_argument("--drive", nargs=5, metavar=("URL", "MODEL", "RATE", "COUNT", "TIMEOUT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.drive:   # A's driver, a process of its own: its figures on stdout
-        url, model, rate, count = args.drive
-        print(json.dumps(asyncio.run(open_loop(url, model, float(rate), int(count)))))
+        url, model, rate, count, timeout = args.drive
+        print(json.dumps(asyncio.run(open_loop(url, model, float(rate), int(count), float(timeout)))))
         return 0
     cap = capacity_rps()
     rate_b, rate_a = args.b_load * cap, args.a_load * cap
@@ -148,7 +158,8 @@ def main(argv=None) -> int:
           f"{rate_a:g} r/s beside it; queue max {QUEUE_MAX}, timeout {QUEUE_TIMEOUT_S} s; {os.cpu_count()} CPUs; "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
     figures: dict = {"rounds": args.rounds, "requests": args.requests, "rate_b": rate_b, "rate_a": rate_a,
-                     "capacity_rps": cap, "load_before": os.getloadavg(), "runs": {"alone": [], "beside": []}}
+                     "capacity_rps": cap, "load_before": os.getloadavg(), "runs": {"alone": [], "beside": []},
+                     "control": args.control}
     with tempfile.TemporaryDirectory(prefix="bench-models-") as tmp:
         stack = Stack(Path(tmp), BACKENDS, MAX_NUM_SEQS,
                       ["--sim-prefill-ms", str(PREFILL_MS), "--sim-token-ms", str(TOKEN_MS),
@@ -157,11 +168,11 @@ def main(argv=None) -> int:
         try:
             stack.start([FRONT])
             for r in range(args.rounds):
-                for kind in ("alone", "beside"):
-                    run = run_b(stack, args, rate_b, rate_a if kind == "beside" else None)
-                    figures["runs"][kind].append(run)
+                for kind in ("alone", "beside", "beside-direct")[:3 if args.control else 2]:
+                    run = run_b(stack, args, rate_b, None if kind == "alone" else rate_a, kind == "beside-direct")
+                    figures["runs"].setdefault(kind, []).append(run)
                     a = f"  A: {run['a']['status']}" if run["a"] else ""
-                    print(f"  round {r + 1} {kind:<7} B p50 {run['b']['p50_ms']:6.1f} ms  p99 {run['b']['p99_ms']:6.1f} ms"
+                    print(f"  round {r + 1} {kind:<13} B p50 {run['b']['p50_ms']:6.1f} ms  p99 {run['b']['p99_ms']:6.1f} ms"
                           f"  B answers {run['b']['status']}  B peak at one sim {run['b_peak_at_one_sim']}{a}",
                           flush=True)
         finally:
@@ -194,6 +205,14 @@ def report(f: dict) -> None:
     print(f"  B's requests not answered 200: {b_bad}; B's peak at one sim (max): "
           f"{max(r['b_peak_at_one_sim'] for r in alone + beside)}")
     print(f"  A's answers over {len(beside)} runs: {dict(sorted(a_status.items()))}")
+    if "beside-direct" in f["runs"]:
+        control = f["runs"]["beside-direct"]
+        c = {k: statistics.median(r["b"][k] for r in control) for k in ("p50_ms", "p99_ms")}
+        f["medians"]["beside-direct"] = c
+        f["ratios"]["control_p50"] = c["p50_ms"] / m["alone"]["p50_ms"]
+        f["ratios"]["control_p99"] = c["p99_ms"] / m["alone"]["p99_ms"]
+        print(f"  control, A sent to its sims directly (the proxy not shared): B p50 {c['p50_ms']:.1f} ms, p99 "
+              f"{c['p99_ms']:.1f} ms; / alone: p50 {f['ratios']['control_p50']:.3f}x, p99 {f['ratios']['control_p99']:.3f}x")
     print(f"  load average before {f['load_before'][0]:.2f}, after {f['load_after'][0]:.2f}")
 
 
