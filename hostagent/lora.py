@@ -48,9 +48,10 @@ def read_record(deploy_dir):
     except FileNotFoundError:
         return []
     except OSError as e:
-        raise LoraError("cannot read %s (%s); fix its permissions." % (path, e.strerror))
+        raise LoraError("cannot read %s (%s); fix its permissions." % (path, e.strerror)) from None
     except ValueError:
-        raise LoraError("%s is not valid JSON; fix it or remove it, then `lora add` the adapters again." % path)
+        raise LoraError("%s is not valid JSON; fix it or remove it, then `lora add` the adapters again."
+                        % path) from None
     adapters = data.get("adapters") if isinstance(data, dict) else None
     if not isinstance(adapters, list) or not all(
             isinstance(a, dict) and all(isinstance(a.get(k), str) for k in ("model", "name", "path"))
