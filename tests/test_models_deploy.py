@@ -65,7 +65,7 @@ def test_requests_land_on_their_models_instances(host):
     for model in ["vision", "text", "see"] * 3:
         raw = client.chat.completions.with_raw_response.create(
             model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
-        assert raw.parse().model == model
+        assert raw.parse().model == {"see": "vision"}.get(model, model)  # vLLM: the first served name
         seen.setdefault(model, set()).add(raw.headers["X-Backend"])
     vision = {f"127.0.0.1:{base}", f"127.0.0.1:{base + 1}"}
     assert seen["vision"] <= vision and seen["see"] <= vision

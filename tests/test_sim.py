@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from conftest import PYTHON, ROOT, Processes, free_port, http_status, wait_until
-from fleet.sim import devices, protocol
+from fleet.sim import devices, lora, protocol
 from fleet.sim.cli import parse
 from fleet.sim.config import settle
 from fleet.sim.scheduler import Scheduler
@@ -59,7 +59,8 @@ def start_sim(procs: Processes, workdir: Path, *flags: str, env: dict | None = N
     """Start a sim server on a free loopback port, its devices under workdir/sim-dev."""
     port = free_port()
     dev_dir = workdir / "sim-dev"
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("FLEET_SIM_", "SIM_VISIBLE"))}
+    base = {k: v for k, v in os.environ.items() if not k.startswith(
+        ("FLEET_SIM_", "SIM_VISIBLE", "HIP_VISIBLE", "CUDA_VISIBLE", "VLLM_ALLOW_RUNTIME_LORA"))}
     full_env = {**base, "PYTHONPATH": str(ROOT), "FLEET_SIM_DEV_DIR": str(dev_dir), **(env or {})}
     log = open(workdir / f"sim-{port}.log", "wb")
     argv = [PYTHON, "-m", "fleet.sim", "serve", MODEL, "--host", "127.0.0.1", "--port", str(port),
@@ -209,9 +210,9 @@ def test_thinking_opens_with_think_block_and_runs_longer(api):
 def test_integer_user_is_refused_like_vllm(api):
     status, body = request(api.url("/v1/chat/completions"), chat(user=12345))
     assert status == 400
-    assert body["object"] == "error" and body["type"] == "BadRequestError"
-    assert body["param"] is None and body["code"] == 400
-    assert "user" in body["message"] and "Input should be a valid string" in body["message"]
+    err = body["error"]  # vLLM 0.32's ErrorResponse: {"error": {message, type, param, code}}
+    assert err["type"] == "BadRequestError" and err["param"] is None and err["code"] == 400
+    assert "user" in err["message"] and "Input should be a valid string" in err["message"]
     with pytest.raises(openai.BadRequestError):
         api.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
                                              user=12345)
@@ -225,7 +226,7 @@ def test_integer_user_is_refused_like_vllm(api):
 @pytest.mark.xdist_group("sim_api")
 def test_bad_requests(api, body, data, status, err_type):
     got, reply = request(api.url("/v1/chat/completions"), body, data=data)
-    assert got == status and reply["type"] == err_type and reply["code"] == status
+    assert got == status and reply["error"]["type"] == err_type and reply["error"]["code"] == status
 
 
 def test_queue_holds_max_num_seqs_running(procs, tmp_path):
@@ -313,7 +314,7 @@ def test_engine_death_fault(procs, tmp_path):
     wait_until(lambda: http_status(sim.url("/health")) == 503, timeout=5, what="/health 503")
     assert http_status(sim.url("/v1/models")) == 200
     status, body = request(sim.url("/v1/chat/completions"), chat())
-    assert status == 500 and body["type"] == "InternalServerError" and "EngineCore" in body["message"]
+    assert status == 500 and body["error"]["type"] == "InternalServerError" and "EngineCore" in body["error"]["message"]
     assert sim.stats()["engine_alive"] is False
     wait_until(lambda: used_mib(sim.dev_dir, 0) == 2, timeout=5, what="smi to show the card idle")
     assert request(sim.url("/sim/fault"), {"fault": "melt"})[0] == 400
@@ -433,6 +434,173 @@ def test_sigterm_stops_server_and_child(procs, tmp_path):
         kill_quietly(child)
 
 
+# --- served names, LoRA adapters, tensor parallel: vLLM 0.32's shapes (issue 18) ------------------
+
+def answer(sim: Sim, model: str | None) -> tuple[int, dict]:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    return request(sim.url("/v1/chat/completions"), body if model is None else {**body, "model": model})
+
+
+def test_every_served_name_answers_and_an_unknown_model_gets_vllms_404(procs, tmp_path):
+    """1. --served-model-name A B: A, B and no model at all answer 200; like vLLM 0.32 every answer carries
+       the first served name (OpenAIServingModels.model_name).
+    2. An unknown model: 404 with vLLM 0.32's body, the served names appended (serve/engine/serving.py).
+    """
+    sim = start_sim(procs, tmp_path, "--served-model-name", "A", "B")
+    for asked in ("A", "B", None):
+        status, body = answer(sim, asked)
+        assert status == 200 and body["model"] == "A", (asked, body)
+    assert sim.client().chat.completions.create(model="B", messages=[{"role": "user", "content": "x"}],
+                                                max_tokens=1).model == "A"
+    assert answer(sim, "nope") == (404, {"error": {
+        "message": "The model `nope` does not exist. Valid aliases: A, B.",
+        "type": "NotFoundError", "param": "model", "code": 404}})
+    assert [m["id"] for m in request(sim.url("/v1/models"))[1]["data"]] == ["A", "B"]
+
+
+def test_static_adapters_are_served_and_listed_like_vllm(procs, tmp_path):
+    """1. --enable-lora --lora-modules in both of vLLM's forms: each adapter answers under its own name.
+    2. /v1/models lists the served names, then the adapters: root = the adapter's path, parent = its
+       base_model_name or the first served name, no max_model_len.
+    3. Without VLLM_ALLOW_RUNTIME_LORA_UPDATING the load and unload routes do not exist (404).
+    """
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    two.mkdir()
+    sim = start_sim(procs, tmp_path, "--served-model-name", "A", "B", "--enable-lora", "--max-loras", "2",
+                    "--lora-modules", f"one={one}", json.dumps({"name": "two", "path": str(two),
+                                                                "base_model_name": "B"}))
+    for name in ("one", "two"):
+        status, body = answer(sim, name)
+        assert status == 200 and body["model"] == name
+    models = request(sim.url("/v1/models"))[1]["data"]
+    assert [m["id"] for m in models] == ["A", "B", "one", "two"]
+    base, adapter = models[0], models[2]
+    assert (base["root"], base["parent"], base["max_model_len"]) == (MODEL, None, 32768)
+    assert (adapter["root"], adapter["parent"], adapter["max_model_len"]) == (str(one), "A", None)
+    assert models[3]["parent"] == "B" and models[3]["root"] == str(two)
+    assert adapter["owned_by"] == "vllm" and adapter["permission"][0]["object"] == "model_permission"
+    for route in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+        assert request(sim.url(route), {"lora_name": "x", "lora_path": str(one)}) == (404, {"detail": "Not Found"})
+
+
+def test_runtime_adapters_load_and_unload_like_vllm(procs, tmp_path):
+    """With VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora --max-loras 1:
+    1. A path that does not exist: 404, vLLM's LoRAAdapterNotFoundError with the path sanitized.
+    2. Load: 200 and vLLM's success text; the adapter answers under its name and is listed; a second
+       adapter loads too (vLLM evicts from its LRU cache past --max-loras, it does not refuse).
+    3. Loading it again, or under a served name: 400; a rank over --max-lora-rank: 500.
+    4. Unload: 200, then 404 "cannot be found"; the name is unknown again.
+    5. A new process knows nothing of the runtime adapters.
+    """
+    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    flags = ("--enable-lora", "--max-loras", "1", "--max-lora-rank", "16")
+    sim = start_sim(procs, tmp_path, *flags, env=env)
+    load, unload = sim.url("/v1/load_lora_adapter"), sim.url("/v1/unload_lora_adapter")
+    adapter, other, wide = tmp_path / "adapter", tmp_path / "other", tmp_path / "wide"
+    for d in (adapter, other, wide):
+        d.mkdir()
+    (wide / "adapter_config.json").write_text(json.dumps({"r": 64}))
+
+    assert request(load, {"lora_name": "rt", "lora_path": str(tmp_path / "missing")}) == (404, {"error": {
+        "message": "Loading lora rt failed: No adapter found for <path>", "type": "NotFoundError",
+        "param": None, "code": 404}})
+    assert request(load, {"lora_name": "rt", "lora_path": str(adapter)}) == (
+        200, "Success: LoRA adapter 'rt' added successfully.")
+    status, body = answer(sim, "rt")
+    assert status == 200 and body["model"] == "rt"
+    assert request(load, {"lora_name": "rt2", "lora_path": str(other)})[0] == 200
+    listed = {m["id"]: m for m in request(sim.url("/v1/models"))[1]["data"]}
+    assert listed["rt"]["root"] == str(adapter) and listed["rt"]["parent"] == MODEL and "rt2" in listed
+
+    status, body = request(load, {"lora_name": "rt", "lora_path": str(adapter)})
+    assert status == 400 and body["error"] == {
+        "message": "The lora adapter 'rt' has already been loaded. If you want to load the adapter in place, "
+                   "set 'load_inplace' to True.", "type": "InvalidUserInput", "param": None, "code": 400}
+    status, body = request(load, {"lora_name": MODEL, "lora_path": str(adapter)})
+    assert status == 400 and body["error"]["message"] == f"The lora adapter '{MODEL}' conflicts with a served base model."
+    status, body = request(load, {"lora_name": "wide", "lora_path": str(wide)})
+    assert status == 500 and body["error"]["type"] == "InternalServerError"
+    assert body["error"]["message"] == "Call to add_lora method failed: LoRA rank 64 is greater than max_lora_rank 16."
+
+    assert request(unload, {"lora_name": "rt"}) == (200, "Success: LoRA adapter 'rt' removed successfully.")
+    assert request(unload, {"lora_name": "rt"}) == (404, {"error": {
+        "message": "The lora adapter 'rt' cannot be found.", "type": "NotFoundError", "param": None, "code": 404}})
+    assert answer(sim, "rt")[0] == 404
+
+    procs.stop(sim.proc)
+    again = start_sim(procs, tmp_path, *flags, env=env)
+    assert [m["id"] for m in request(again.url("/v1/models"))[1]["data"]] == [MODEL]
+    assert answer(again, "rt2")[0] == 404
+
+
+def test_runtime_load_without_enable_lora_is_vllms_500(procs, tmp_path):
+    sim = start_sim(procs, tmp_path, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"})
+    status, body = request(sim.url("/v1/load_lora_adapter"), {"lora_name": "a", "lora_path": str(tmp_path)})
+    assert status == 500 and body["error"] == {
+        "message": "Call to add_lora method failed: LoRA is not enabled. Use --enable-lora to enable LoRA.",
+        "type": "InternalServerError", "param": None, "code": 500}
+
+
+@pytest.mark.parametrize("flags, env, line", [
+    (["--lora-modules", "a={tmp}"], {},
+     "ValueError: Call to add_lora method failed: LoRA is not enabled. Use --enable-lora to enable LoRA."),
+    (["--enable-lora", "--lora-modules", "a={tmp}/missing"], {},
+     "ValueError: Loading lora a failed: No adapter found for <path>"),
+    (["--tensor-parallel-size", "2"], {"SIM_VISIBLE_DEVICES": "1"},
+     "ValueError: World size (2) is larger than the number of available GPUs (1) in this node."),
+])
+def test_what_vllm_refuses_at_startup_ends_the_process(tmp_path, flags, env, line):
+    """Static adapters vLLM cannot load and tensor parallel over too few cards end the server before it
+    listens, with vLLM's last line and exit code 1."""
+    argv = [PYTHON, "-m", "fleet.sim", "serve", MODEL, "--port", str(free_port()),
+            *(f.format(tmp=tmp_path) for f in flags)]
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("FLEET_SIM_", "SIM_VISIBLE", "HIP_VISIBLE",
+                                                                      "CUDA_VISIBLE"))}
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=tmp_path, check=False,
+                       env={**base, "PYTHONPATH": str(ROOT), "FLEET_SIM_DEV_DIR": str(tmp_path / "dev"), **env})
+    assert r.returncode == 1 and r.stderr.rstrip().splitlines()[-1].endswith(line), r.stderr
+    assert not (tmp_path / "dev").exists()  # no engine was started
+
+
+@pytest.mark.parametrize("var", ["SIM_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"])
+def test_tensor_parallel_holds_every_visible_card_and_releases_them_on_exit(procs, tmp_path, var):
+    """1. --tensor-parallel-size 2 with cards 1,2 visible: the engine child holds both; smi shows the
+       engine's memory on each.
+    2. SIGTERM: the server exits 0 and smi shows both cards idle.
+    """
+    sim = start_sim(procs, tmp_path, "--tensor-parallel-size", "2", env={var: "1,2"})
+    child = sim.stats()["engine_pid"]
+    try:
+        assert devices.holders(sim.dev_dir) == {1: [child], 2: [child]}
+        assert used_mib(sim.dev_dir, 1) > 50000 and used_mib(sim.dev_dir, 2) > 50000
+        os.kill(sim.proc.pid, signal.SIGTERM)
+        assert sim.proc.wait(10) == 0
+        wait_until(lambda: not devices.pid_alive(child), timeout=5, what="the engine child to exit")
+        assert (used_mib(sim.dev_dir, 1), used_mib(sim.dev_dir, 2)) == (2, 2)
+    finally:
+        kill_quietly(child)
+
+
+@pytest.mark.parametrize("values, expected", [
+    (["a=/p/a"], [("a", "/p/a", None)]),
+    (['{"name": "b", "path": "/p/b", "base_model_name": "m"}'], [("b", "/p/b", "m")]),
+    (["", "c=/p/c=x"], [("c", "/p/c=x", None)]),
+])
+def test_lora_modules_parse_like_vllm(values, expected):
+    assert [(m.name, m.path, m.base_model_name) for m in lora.parse_lora_modules(values)] == expected
+
+
+@pytest.mark.parametrize("value, message", [
+    ("{bad", "Invalid JSON format for --lora-modules: {bad"),
+    ('{"name": "a", "pth": "/p"}', "Invalid fields for --lora-modules: "),
+])
+def test_lora_modules_refused_like_vllm(value, message):
+    with pytest.raises(ValueError) as e:
+        lora.parse_lora_modules([value])
+    assert str(e.value).startswith(message)
+
+
 # --- in-process: devices, smi, CLI, scheduler ---------------------------------------------------
 
 def test_smi_matches_hy_smi_text(tmp_path):
@@ -488,6 +656,12 @@ def test_cli_ignores_unknown_vllm_flags():
     ([], {"FLEET_SIM_INSTANT": "1"}, {"load_s": 0.0, "token_ms": 0.0}),
     (["--served-model-name", "a", "b"], {"FLEET_SIM_DEV_DIR": "/d"},
      {"served_model_names": ["a", "b"], "dev_dir": Path("/d")}),
+    (["-tp", "2"], {"HIP_VISIBLE_DEVICES": "4,5"}, {"tensor_parallel_size": 2, "cards": [4, 5], "card": 4}),
+    (["--tensor-parallel-size", "2"], {"SIM_VISIBLE_DEVICES": "6,7", "CUDA_VISIBLE_DEVICES": "0,1"},
+     {"cards": [6, 7]}),
+    (["--enable-lora", "--max-loras", "3"], {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
+     {"enable_lora": True, "max_loras": 3, "max_lora_rank": 16, "runtime_lora": True}),
+    ([], {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "yes"}, {"runtime_lora": False}),  # vLLM takes 1 or true only
 ])
 def test_settings_flags_over_environment(argv, environ, expected):
     config = settle(vars(parse(["serve", "m", *argv])[0]), environ)

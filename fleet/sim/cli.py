@@ -26,7 +26,16 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--max-num-seqs", type=int, default=256)
     serve.add_argument("--max-model-len", type=int, default=32768)
-    serve.add_argument("--served-model-name", nargs="+", help="names served (default: MODEL)")
+    serve.add_argument("--served-model-name", nargs="+",
+                       help="names served (default: MODEL); answers carry the first")
+    serve.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                       help="cards the engine holds: the first N visible ones")
+    serve.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
+    serve.add_argument("--lora-modules", nargs="+",
+                       help='static adapters: name=path or {"name": ..., "path": ..., "base_model_name": ...}')
+    serve.add_argument("--max-loras", type=int, default=1, help="adapters in one batch (accepted; vLLM evicts)")
+    serve.add_argument("--max-lora-rank", type=int, default=16,
+                       help="highest adapter rank (checked against an adapter_config.json's r)")
     serve.add_argument("--enforce-eager", action="store_true", help="accepted; no effect")
     serve.add_argument("--sim-load-s", dest="load_s", type=float,
                        help="'loading weights' delay, /health 503 meanwhile (FLEET_SIM_LOAD_S, 3.0)")
@@ -79,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         config = settle(vars(args))
     except ValueError as e:
         parser().error(str(e))
+    failure = config.startup_error()
+    if failure:  # vLLM ends with a traceback whose last line is this, exit code 1
+        logging.getLogger("fleet.sim").error("%s", failure)
+        return 1
     return asyncio.run(_serve(config))
 
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fleet.sim import devices
+from fleet.sim.lora import Adapters, LoRAModulePath, parse_lora_modules
+from fleet.sim.protocol import ApiError
 
 # name: (environment variable, default, type)
 TIMING = {
@@ -37,16 +39,55 @@ class SimConfig:
     after_engine_death: str = "exit"
     exit_delay_s: float = 4.0
     dev_dir: Path = field(default_factory=devices.default_dev_dir)
-    card: int = 0
+    visible_cards: list[int] = field(default_factory=lambda: [0])
+    tensor_parallel_size: int = 1
+    enable_lora: bool = False
+    lora_modules: list[LoRAModulePath] = field(default_factory=list)
+    max_loras: int = 1          # vLLM's default (vllm/config/lora.py)
+    max_lora_rank: int = 16     # vLLM's default (vllm/config/lora.py)
+    runtime_lora: bool = False  # VLLM_ALLOW_RUNTIME_LORA_UPDATING: the load/unload routes exist
 
     @property
     def served_name(self) -> str:
-        """The first served name: the one metrics are labelled with."""
+        """The first served name: the one metrics are labelled with and base-model answers carry."""
         return self.served_model_names[0]
+
+    @property
+    def cards(self) -> list[int]:
+        """The cards the engine holds: the first tensor_parallel_size visible ones (vLLM's ranks)."""
+        return self.visible_cards[:self.tensor_parallel_size]
+
+    @property
+    def card(self) -> int:
+        """The first card the engine holds."""
+        return self.cards[0]
+
+    def startup_error(self) -> str | None:
+        """Why vLLM 0.32 would fail to start with these settings, in its words; None when it starts.
+
+        Tensor parallel over too few cards fails in vllm/config/parallel.py (its first sentence here);
+        a static adapter vLLM cannot load fails init_static_loras (entrypoints/openai/models/serving.py)
+        with the load's error message.
+        """
+        if self.tensor_parallel_size > len(self.visible_cards):
+            return (f"ValueError: World size ({self.tensor_parallel_size}) is larger than the number of "
+                    f"available GPUs ({len(self.visible_cards)}) in this node.")
+        adapters = Adapters(self.served_model_names, self.enable_lora, self.max_lora_rank)
+        for m in self.lora_modules:
+            try:
+                adapters.load(m.name, m.path, base_model_name=m.base_model_name)
+            except ApiError as e:
+                return f"ValueError: {e.body()['error']['message']}"
+        return None
 
 
 def _truthy(value: str | None) -> bool:
     return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def runtime_lora_allowed(env) -> bool:
+    """VLLM_ALLOW_RUNTIME_LORA_UPDATING read as vLLM 0.32 reads it (vllm/envs.py): "1" or "true"."""
+    return env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true")
 
 
 def settle(flags: dict, environ=None) -> SimConfig:
@@ -62,6 +103,7 @@ def settle(flags: dict, environ=None) -> SimConfig:
     if after not in AFTER_ENGINE_DEATH:
         raise ValueError(f"after_engine_death must be one of {', '.join(AFTER_ENGINE_DEATH)}, not {after!r}")
     model = flags["model"]
+    dev_dir = devices.default_dev_dir(env)
     return SimConfig(
         model=model,
         served_model_names=flags.get("served_model_name") or [model],
@@ -69,8 +111,14 @@ def settle(flags: dict, environ=None) -> SimConfig:
         port=flags.get("port") or 8000,
         max_num_seqs=flags.get("max_num_seqs") or 256,
         max_model_len=flags.get("max_model_len") or 32768,
-        dev_dir=devices.default_dev_dir(env),
-        card=devices.visible_card(env),
+        dev_dir=dev_dir,
+        visible_cards=devices.visible_cards(env, dev_dir),
+        tensor_parallel_size=flags.get("tensor_parallel_size") or 1,
+        enable_lora=bool(flags.get("enable_lora")),
+        lora_modules=parse_lora_modules(flags.get("lora_modules") or []),
+        max_loras=flags.get("max_loras") or 1,
+        max_lora_rank=flags.get("max_lora_rank") or 16,
+        runtime_lora=runtime_lora_allowed(env),
         after_engine_death=after,
         **timing,
     )

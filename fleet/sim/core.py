@@ -57,12 +57,13 @@ def start_worker() -> subprocess.Popen:
 _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
 
-def engine_core_main(dev_dir: str, card: int, ready) -> None:
-    """Child entry point: open kfd and the card's renderD file, report ready, hold them until SIGTERM/SIGINT."""
+def engine_core_main(dev_dir: str, cards: list[int], ready) -> None:
+    """Child entry point: open kfd and its cards' renderD files (one per tensor parallel rank), report
+    ready, hold them until SIGTERM/SIGINT."""
     set_title(ENGINE_TITLE)
     worker = start_worker()   # before the mask: a child inherits blocked signals across exec
     signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
-    held = [open(p, "rb") for p in devices.ensure_card(dev_dir, card)]
+    held = [open(p, "rb") for p in devices.ensure_card(dev_dir, cards)]
     ready.send(os.getpid())
     ready.close()
     signal.sigwait(_STOP_SIGNALS)
@@ -78,10 +79,10 @@ def engine_core_main(dev_dir: str, card: int, ready) -> None:
 class EngineCore:
     """The server's handle on its engine child: start it, learn when it died, stop it."""
 
-    def __init__(self, dev_dir, card: int, on_death=None):
+    def __init__(self, dev_dir, cards: list[int], on_death=None):
         self.dev_dir = str(dev_dir)
         self.on_death = on_death          # called once when the child dies other than by shutdown()
-        self.card = card
+        self.cards = list(cards)
         self.process = None
         self.dead = False
         self._stopping = False
@@ -100,12 +101,12 @@ class EngineCore:
         ctx = multiprocessing.get_context("spawn")
         self._ready, child_end = ctx.Pipe(duplex=False)
         # daemon: an orderly exit of the server always takes the child along; only a SIGKILL orphans it.
-        self.process = ctx.Process(target=engine_core_main, args=(self.dev_dir, self.card, child_end),
+        self.process = ctx.Process(target=engine_core_main, args=(self.dev_dir, self.cards, child_end),
                                    name="EngineCore_0", daemon=True)
         self.process.start()
         child_end.close()
         asyncio.get_running_loop().add_reader(self.process.sentinel, self._exited)
-        log.info("engine core started, pid %d, card %d", self.process.pid, self.card)
+        log.info("engine core started, pid %d, cards %s", self.process.pid, ",".join(map(str, self.cards)))
 
     async def wait_ready(self) -> bool:
         """Wait until the child holds its device files; False when it died first."""

@@ -24,11 +24,20 @@ def default_dev_dir(environ=None) -> Path:
     return Path(env.get("FLEET_SIM_DEV_DIR") or "sim-dev")
 
 
-def visible_card(environ=None) -> int:
-    """The card this engine uses: the first of SIM_VISIBLE_DEVICES, default 0."""
+# The variables that list an engine's cards, first set wins: the sim accelerator's own (what the fleet
+# sets for accelerator sim), then ROCm's and CUDA's, so the sim also runs under a real host's settings.
+VISIBLE_VARS = ("SIM_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
+
+
+def visible_cards(environ=None, dev_dir=None) -> list[int]:
+    """The cards this engine may use: the first visible-devices variable set ("2,3"), else every card
+    under dev_dir (as vLLM sees every GPU when none is set), else card 0."""
     env = os.environ if environ is None else environ
-    first = (env.get("SIM_VISIBLE_DEVICES") or "0").split(",")[0].strip()
-    return int(first) if first.isdigit() else 0
+    for var in VISIBLE_VARS:
+        value = env.get(var)
+        if value is not None and value.strip():
+            return [int(c) for c in (x.strip() for x in value.split(",")) if c.isdigit()]
+    return cards(dev_dir if dev_dir is not None else default_dev_dir(env)) or [0]
 
 
 def render_path(dev_dir, card: int) -> Path:
@@ -41,11 +50,12 @@ def use_path(dev_dir, card: int) -> Path:
     return Path(dev_dir) / f"use{card}"
 
 
-def ensure_card(dev_dir, card: int) -> list[Path]:
-    """Create DEV_DIR, kfd and one card's renderD file if missing; their paths."""
+def ensure_card(dev_dir, card: int | list[int]) -> list[Path]:
+    """Create DEV_DIR, kfd and the renderD file of a card (or of each of a list of cards) if missing;
+    their paths."""
     d = Path(dev_dir)
     d.mkdir(parents=True, exist_ok=True)
-    paths = [d / "kfd", render_path(d, card)]
+    paths = [d / "kfd", *(render_path(d, c) for c in ([card] if isinstance(card, int) else card))]
     for p in paths:
         p.touch(exist_ok=True)
     return paths

@@ -21,6 +21,16 @@ _FILLER = ("the quick model answers every question with calm and plausible words
            "for a reply about weather tea trains clouds maps rivers and small brown foxes").split()
 
 
+def sanitize_message(message: str) -> str:
+    """What vLLM 0.32 leaves of an error message: no memory addresses, tracebacks or file paths
+    (vllm/entrypoints/serve/exception_handling/utils.py, sanitize_message)."""
+    message = re.sub(r" at 0x[0-9a-fA-F]+>", ">", message)
+    message = re.sub(r'\n?\s*File "[^"]+", line \d+, in \S+(\n\s+.*)?', "", message)
+    message = re.sub(r"/(?:home|usr|opt|var|tmp|root|lib|mnt|srv)(?:/[\w.\-]+)+", "<path>", message)
+    message = re.sub(r"(?:/[\w\-]+)+/[\w\-]+\.\w+", "<path>", message)
+    return message.strip()
+
+
 class ApiError(Exception):
     """A request refused with a vLLM-style error body."""
 
@@ -29,8 +39,17 @@ class ApiError(Exception):
         self.status, self.message, self.err_type, self.param = status, message, err_type, param
 
     def body(self) -> dict:
-        return {"object": "error", "message": self.message, "type": self.err_type,
-                "param": self.param, "code": self.status}
+        # vLLM 0.32's ErrorResponse (vllm/entrypoints/serve/engine/protocol.py, ErrorInfo) as
+        # create_error_response builds it (serve/exception_handling/error_response.py): message sanitized.
+        return {"error": {"message": sanitize_message(self.message), "type": self.err_type,
+                          "param": self.param, "code": self.status}}
+
+
+def unknown_model(model, served_names: list[str]) -> ApiError:
+    """The 404 for a `model` neither served nor an adapter (vllm/entrypoints/serve/engine/serving.py,
+    _check_model: only the base names are listed as aliases)."""
+    return ApiError(404, f"The model `{model}` does not exist. Valid aliases: {', '.join(served_names)}.",
+                    "NotFoundError", "model")
 
 
 def engine_dead_error() -> ApiError:
@@ -119,18 +138,24 @@ def _completion_prompt(prompt) -> tuple[int, str]:
                         "(the sim serves one prompt per request).", param="prompt")
 
 
-def parse(kind: str, body, served_names: list[str], max_model_len: int) -> Job:
-    """Check a request body as vLLM would and reduce it to a Job; raises ApiError."""
+def parse(kind: str, body, served_names: list[str], max_model_len: int, adapters=()) -> Job:
+    """Check a request body as vLLM would and reduce it to a Job; raises ApiError.
+
+    adapters: the LoRA adapters' names. The job's model is the name answers carry: the adapter's for an
+    adapter, else the first served name whichever served name was asked for, as vLLM 0.32 answers
+    (OpenAIServingModels.model_name in vllm/entrypoints/openai/models/serving.py).
+    """
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object.")
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise _validation_error(kind, "user", "Input should be a valid string", user)
-    model = body.get("model")
-    if model is None:
-        model = served_names[0]
-    if model not in served_names:
-        raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+    asked = body.get("model")
+    if asked is not None and not isinstance(asked, str):
+        raise _validation_error(kind, "model", "Input should be a valid string", asked)
+    if asked and asked not in served_names and asked not in adapters:
+        raise unknown_model(asked, served_names)
+    model = asked if asked in adapters else served_names[0]
     if kind == "chat":
         prompt_tokens, images, text = _chat_prompt(body.get("messages"))
         max_tokens = _int_field(kind, body, "max_completion_tokens") or _int_field(kind, body, "max_tokens")

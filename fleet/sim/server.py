@@ -14,6 +14,7 @@ from aiohttp import web
 from fleet.sim import devices, protocol
 from fleet.sim.config import SimConfig
 from fleet.sim.core import EngineCore
+from fleet.sim.lora import Adapters, permission
 from fleet.sim.protocol import ApiError, Job
 from fleet.sim.scheduler import Scheduler
 
@@ -31,7 +32,10 @@ class Engine:
 
     def __init__(self, config: SimConfig):
         self.config = config
-        self.core = EngineCore(config.dev_dir, config.card, on_death=self._engine_died)
+        self.core = EngineCore(config.dev_dir, config.cards, on_death=self._engine_died)
+        self.adapters = Adapters(config.served_model_names, config.enable_lora, config.max_lora_rank)
+        for m in config.lora_modules:  # checked at startup (SimConfig.startup_error): they load
+            self.adapters.load(m.name, m.path, base_model_name=m.base_model_name)
         self.exit_now = asyncio.Event()   # set when the API server must end by itself (engine dead, 0.32)
         self.scheduler = Scheduler(config.max_num_seqs, self._load_changed)
         self.ready = False
@@ -93,17 +97,19 @@ class Engine:
         held, _ = await asyncio.gather(self.core.wait_ready(), asyncio.sleep(self.config.load_s))
         self.ready = held and self.alive
         if self.ready:
-            log.info("Application startup complete: %s ready (card %d)", self.config.served_name,
-                     self.config.card)
+            log.info("Application startup complete: %s ready (cards %s)", self.config.served_name,
+                     ",".join(map(str, self.config.cards)))
 
     async def write_use(self) -> None:
-        """Keep DEV_DIR/use<card> current for `smi --showuse`: on load changes, and as a heartbeat."""
+        """Keep DEV_DIR/use<card> of each card current for `smi --showuse`: on load changes, and as a
+        heartbeat (tensor parallel ranks are busy together)."""
         while True:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._use_changed.wait(), USE_HEARTBEAT_S)
             self._use_changed.clear()
             try:
-                devices.write_use(self.config.dev_dir, self.config.card, self.use_percent())
+                for card in self.config.cards:
+                    devices.write_use(self.config.dev_dir, card, self.use_percent())
             except OSError as e:  # a full or vanished DEV_DIR must not take the server down
                 log.warning("cannot write utilisation file: %s", e)
             await asyncio.sleep(USE_MIN_INTERVAL_S)
@@ -152,6 +158,8 @@ async def api_errors(request: web.Request, handler):
         return await handler(request)
     except ApiError as e:
         return error_response(e)
+    except web.HTTPNotFound:  # a route that does not exist, in FastAPI's words (vLLM's router)
+        return web.json_response({"detail": "Not Found"}, status=404)
 
 
 @web.middleware
@@ -169,12 +177,40 @@ async def health(request: web.Request) -> web.Response:
 
 async def models(request: web.Request) -> web.Response:
     # Answers whatever the engine's state: the vLLM trap, a dead engine still lists its model.
+    # The served names, then the adapters in load order, each card as vLLM 0.32 makes it
+    # (vllm/entrypoints/openai/models/serving.py, show_available_models; `created` is the listing's time).
     engine = request.app[ENGINE]
     cfg = engine.config
-    data = [{"id": name, "object": "model", "created": engine.started, "owned_by": "vllm",
-             "root": cfg.model, "parent": None, "max_model_len": cfg.max_model_len, "permission": []}
+    data = [{"id": name, "object": "model", "created": protocol.now(), "owned_by": "vllm",
+             "root": cfg.model, "parent": None, "max_model_len": cfg.max_model_len, "permission": [permission()]}
             for name in cfg.served_model_names]
-    return web.json_response({"object": "list", "data": data})
+    return web.json_response({"object": "list", "data": data + engine.adapters.model_cards()})
+
+
+async def _lora_request(request: web.Request) -> dict:
+    """The JSON body of a load or unload request, as vLLM's pydantic models read it."""
+    try:
+        body = await request.json()
+    except ValueError as e:
+        raise ApiError(400, f"Invalid JSON in request body: {e}")
+    if not isinstance(body, dict):
+        raise ApiError(400, "The request body must be a JSON object.")
+    return body
+
+
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    """POST /v1/load_lora_adapter (vllm/entrypoints/serve/lora/api_router.py): 200 with the success
+    text, else the error body with its status."""
+    body = await _lora_request(request)
+    text = request.app[ENGINE].adapters.load(body.get("lora_name"), body.get("lora_path"),
+                                             bool(body.get("load_inplace")))
+    return web.Response(status=200, text=text)
+
+
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    """POST /v1/unload_lora_adapter: 200 with the success text, else the error body with its status."""
+    body = await _lora_request(request)
+    return web.Response(status=200, text=request.app[ENGINE].adapters.unload(body.get("lora_name")))
 
 
 async def version(request: web.Request) -> web.Response:
@@ -196,7 +232,7 @@ async def _completions(request: web.Request, kind: str) -> web.StreamResponse:
         body = await request.json()
     except ValueError as e:
         raise ApiError(400, f"Invalid JSON in request body: {e}")
-    job = protocol.parse(kind, body, cfg.served_model_names, cfg.max_model_len)
+    job = protocol.parse(kind, body, cfg.served_model_names, cfg.max_model_len, engine.adapters)
     if not engine.alive:
         raise protocol.engine_dead_error()
     if not engine.ready:
@@ -238,7 +274,7 @@ async def _stream(request, engine: Engine, job: Job, tokens, finish, rid, create
     except ApiError as e:
         # Headers are gone already: vLLM reports a failure inside the stream.
         with contextlib.suppress(ConnectionResetError):
-            await resp.write(protocol.sse({"error": e.body()}) + protocol.DONE)
+            await resp.write(protocol.sse(e.body()) + protocol.DONE)
     except ConnectionResetError:
         return resp  # the client left; generate() counted it
     with contextlib.suppress(ConnectionResetError):
@@ -313,8 +349,9 @@ async def engine_ctx(app: web.Application):
     for t in tasks:
         t.cancel()
     await engine.core.shutdown()
-    with contextlib.suppress(OSError):
-        devices.use_path(engine.config.dev_dir, engine.config.card).unlink()
+    for card in engine.config.cards:
+        with contextlib.suppress(OSError):
+            devices.use_path(engine.config.dev_dir, card).unlink()
 
 
 def make_app(config: SimConfig) -> web.Application:
@@ -328,6 +365,9 @@ def make_app(config: SimConfig) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/metrics", metrics)
+    if config.runtime_lora:  # as vLLM: without VLLM_ALLOW_RUNTIME_LORA_UPDATING the routes do not exist
+        app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
     app.router.add_get("/sim/stats", sim_stats)
     app.router.add_post("/sim/reset-stats", reset_stats)
     app.router.add_post("/sim/fault", fault)
