@@ -165,6 +165,14 @@ def _message(text):
     return text.strip()[:300]
 
 
+def _no_route(text):
+    """Whether a 404 is the web framework's own (the route is not registered), not the engine's answer."""
+    try:
+        return json.loads(text) == {"detail": "Not Found"}
+    except ValueError:
+        return False
+
+
 def load(inst, name, path, timeout=LOAD_TIMEOUT_S):
     """Load adapter name from path on one instance: ("loaded" | "already" | "failed", message)."""
     status, text = _post(inst, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}, timeout)
@@ -175,7 +183,7 @@ def load(inst, name, path, timeout=LOAD_TIMEOUT_S):
         return "already", "%s was already loaded" % name
     if status is None:
         return "failed", "no answer (%s)" % message
-    if status == 404:
+    if status == 404 and _no_route(text):
         return "failed", ("the engine has no runtime adapter endpoint (404: started without "
                           "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True; deploy again with runtime_lora: true)")
     return "failed", "%d: %s" % (status, message)
@@ -187,7 +195,8 @@ def unload(inst, name, timeout=UNLOAD_TIMEOUT_S):
     if status == 200:
         return "unloaded", "unloaded %s" % name
     if status == 404:
-        return "absent", "%s was not loaded" % name
+        return "absent", "%s was not loaded" % name + (" (the engine takes no runtime adapters)"
+                                                       if _no_route(text) else "")
     if status is None:
         return "failed", "no answer (%s)" % text
     return "failed", "%d: %s" % (status, _message(text))
