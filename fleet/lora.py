@@ -8,7 +8,7 @@ from __future__ import annotations
 import shlex
 
 from . import agent, facts, runlock
-from .errors import AgentError, FleetError
+from .errors import AgentError, FleetError, RemoteError
 from .inventory import HostVars
 from .report import Emit, Report
 
@@ -23,8 +23,20 @@ def _refuse_plain(hv: HostVars) -> None:
                          "`runtime_lora: true` on the host (or on a group of its `models:`) and deploy again.")
 
 
+def _agent(conn, hv: HostVars, emit: Emit, command: str, raise_failed: bool = False) -> dict:
+    """The host agent's answer to a lora command; an agent deployed before it had one says what to do."""
+    try:
+        return agent.host_command(conn, hv, command, lambda line: emit(line.split(": ", 1)[-1]),
+                                  raise_failed=raise_failed)
+    except RemoteError as e:
+        if "invalid choice: 'lora'" in str(e):
+            raise RemoteError(f"{hv.name}: the host agent deployed there has no lora command; run "
+                              f"`inv deploy --host {hv.name}` to update it.") from None
+        raise
+
+
 def _run(conn, hv: HostVars, emit: Emit, command: str, what: str) -> Report:
-    result = agent.host_command(conn, hv, command, lambda line: emit(line.split(": ", 1)[-1]), raise_failed=False)
+    result = _agent(conn, hv, emit, command)
     if "instances" not in result:            # refused before anything was sent
         raise AgentError(f"{hv.name}: {result.get('error') or 'the host agent gave no answer'}")
     report = Report(hv.name)
@@ -63,7 +75,7 @@ def listing(conn, hv: HostVars, emit: Emit) -> Report:
         report.add("lora list", "ok", "plain form")
         return report
     hv = facts.prepare(conn, hv)
-    result = agent.host_command(conn, hv, "lora list", emit=lambda line: emit(line.split(": ", 1)[-1]))
+    result = _agent(conn, hv, emit, "lora list", raise_failed=True)
     for g in result["models"]:
         missing = [f"{r['name']} on instance(s) {', '.join(map(str, r['missing_on']))}"
                    for r in g["runtime"] if r["missing_on"]]

@@ -45,7 +45,8 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout-s", type=float, default=60.0, help="drain: how long requests in flight get")
     args = parser.parse_args(argv)
     if (args.command == "lora") != (args.action is not None):
-        parser.error("lora takes add, remove or list; no other command takes a second word")
+        parser.error("lora needs add, remove or list" if args.command == "lora"
+                     else f"{args.command} takes no second word (only lora does)")
 
     def say(line: str) -> None:
         print(line, flush=True)
