@@ -38,8 +38,8 @@ async def serve(config, config_path: str, admin_wait_s: float = 0.0) -> None:
     # A proxy that replaces another (a zero-gap restart) keeps the operator's drains: the host agent hands
     # over the names the old one had drained, so a drained instance stays out of service.
     for name in filter(None, os.environ.get("FLEET_PROXY_DRAINED", "").split(",")):
-        if name in proxy.balancer.backends:
-            proxy.balancer.set_drained(proxy.balancer.backends[name], True)
+        if name in proxy.router.backends:
+            proxy.router.set_drained(proxy.router.backends[name], True)
             log.info("backend %s drained, as the proxy this one replaces had it", name)
     # handler_cancellation: a client that goes away cancels its handler, which aborts the upstream request.
     # shutdown_timeout: what the requests still in flight get once the drain below has run its course.

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 
@@ -11,7 +12,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .balancer import Backend
 from .config import ProxyConfig
-from .forward import json_error, proxy_handler
+from .forward import json_error, list_models, proxy_handler
+from .models import entries_of
 from .state import PROXY, Proxy
 
 log = logging.getLogger("proxy")
@@ -26,10 +28,10 @@ PID = os.getpid()
 
 async def health(request: web.Request) -> web.Response:
     """200 while at least one backend takes requests."""
-    balancer = request.app[PROXY].balancer
-    ok = balancer.available_count()
+    router = request.app[PROXY].router
+    ok = router.available_count()
     return web.json_response({"status": "ok" if ok else "no healthy backend", "healthy": ok,
-                              "total": len(balancer.backends), "pid": PID}, status=200 if ok else 503)
+                              "total": len(router.backends), "pid": PID}, status=200 if ok else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -46,16 +48,32 @@ async def _check(proxy: Proxy, backend: Backend) -> None:
             err = None if ok else f"/health answered {r.status}"
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
         ok, err = False, f"/health: {type(e).__name__}: {e}"
-    if proxy.balancer.mark(backend, ok, err):
+    if ok and proxy.router.by_model:
+        await read_models(proxy, backend)
+    if proxy.router.mark(backend, ok, err):
         log.info("backend %s is now %s%s", backend.name, "healthy" if ok else "unhealthy",
                  "" if ok else f" ({err})")
+
+
+async def read_models(proxy: Proxy, backend: Backend) -> None:
+    """Learn what a backend serves from its /v1/models (its adapters loaded at runtime among them);
+    on a failure what it listed last stays."""
+    try:
+        async with proxy.session.get(backend.url + "/v1/models",
+                                     timeout=aiohttp.ClientTimeout(total=proxy.config.health.timeout_s)) as r:
+            if r.status != 200:
+                return
+            payload = await r.json(content_type=None)
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+        return
+    proxy.router.set_served(backend, entries_of(payload))
 
 
 async def health_loop(proxy: Proxy) -> None:
     """Active checks on /health (never /v1/models: vLLM answers it after its engine died)."""
     while True:
         proxy.check_now.clear()   # before the round: a reload during it asks for another at once
-        await asyncio.gather(*(_check(proxy, b) for b in list(proxy.balancer.backends.values())))
+        await asyncio.gather(*(_check(proxy, b) for b in list(proxy.router.backends.values())))
         proxy.checked.set()
         try:
             await asyncio.wait_for(proxy.check_now.wait(), proxy.config.health.interval_s)
@@ -95,6 +113,7 @@ def make_app(config: ProxyConfig, config_path: str | None = None) -> web.Applica
     app.on_response_prepare.append(_close_when_stopping)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/models", list_models)   # the models form answers it; the plain form forwards it
     app.router.add_route("*", "/v1/{tail:.*}", proxy_handler)
     return app
 
@@ -105,14 +124,16 @@ def make_admin_app(proxy: Proxy) -> web.Application:
     admin[PROXY] = proxy
 
     async def list_backends(request):
-        return web.json_response([b.as_dict() for b in proxy.balancer.backends.values()])
+        router = proxy.router
+        return web.json_response([{**b.as_dict(), "model": router.model_label(b)} if router.by_model
+                                  else b.as_dict() for b in router.backends.values()])
 
     async def set_drain(request):
         name = request.match_info["name"]
-        b = proxy.balancer.backends.get(name)
+        b = proxy.router.backends.get(name)
         if b is None:
             return json_error(404, f"no backend named {name}; GET /admin/backends lists them.", "not_found")
-        proxy.balancer.set_drained(b, request.match_info["action"] == "drain")
+        proxy.router.set_drained(b, request.match_info["action"] == "drain")
         log.info("backend %s %s (%d in flight)", b.name, "drained" if b.drained else "enabled", b.in_flight)
         return web.json_response(b.as_dict())
 
@@ -127,12 +148,25 @@ def make_admin_app(proxy: Proxy) -> web.Application:
                                   "health_interval_s": c.health.interval_s,
                                   "log": [c.log.max_mb, c.log.backups], "slots": c.slots,
                                   "queue": {"max": c.queue.max, "timeout_s": c.queue.timeout_s},
-                                  "queued": proxy.balancer.queued})
+                                  "queued": proxy.router.queued,
+                                  "routing": dataclasses.asdict(c.routing),
+                                  "models": [{"name": p.name, "aliases": list(p.aliases),
+                                              "adapters": list(p.adapters), "slots": p.slots,
+                                              "backends": list(p.backends),
+                                              "queued": proxy.router.pools[p.name].queued}
+                                             for p in c.models]})
 
     async def reload(request):
         ok = proxy.reload()
-        return web.json_response({"reloaded": ok, "backends": list(proxy.balancer.backends)},
+        return web.json_response({"reloaded": ok, "backends": list(proxy.router.backends)},
                                  status=200 if ok else 422)
+
+    async def refresh_models(request):
+        """Read every healthy backend's /v1/models now (after `inv lora add`: the new name routes at once)."""
+        if proxy.router.by_model:
+            await asyncio.gather(*(read_models(proxy, b) for b in list(proxy.router.backends.values())
+                                   if b.healthy))
+        return web.json_response({"models": [e["id"] for e in proxy.router.listing()]})
 
     async def list_requests(request):
         return web.json_response([ex.describe() for ex in list(proxy.requests.values())])
@@ -164,5 +198,6 @@ def make_admin_app(proxy: Proxy) -> web.Application:
     admin.router.add_post("/admin/drain-and-exit", drain_and_exit)
     admin.router.add_post("/admin/backends/{name}/{action:drain|enable}", set_drain)
     admin.router.add_post("/admin/reload", reload)
+    admin.router.add_post("/admin/refresh-models", refresh_models)
     admin.router.add_get("/admin/config", running_config)
     return admin

@@ -57,6 +57,24 @@ class QueueConfig:
 
 
 @dataclass(frozen=True)
+class RoutingConfig:
+    """How a backend is picked: least_conn (the fewest requests in flight), or prefix (where the prompt's
+    prefix was sent before, unless that is too loaded; see proxy/prefix.py and docs/proxy.md)."""
+
+    policy: str = "least_conn"
+    min_match_tokens: int = 256   # prefill a prefix must save over the least loaded backend to win
+    min_match_ratio: float = 0.5  # and the share of the prompt it must cover (a new conversation that
+                                  # shares only a system prompt goes by load)
+    balance_abs: int = 2          # the prefix's backend is passed over when it has more than this many
+    balance_rel: float = 1.5      # requests more than the least loaded, and more than this many times as many
+    max_blocks: int = 262144      # prompt blocks remembered (64 bytes each), least recently used dropped first
+    lookahead: int = 4            # queued requests a freed slot may look past for one whose prefix is there
+
+
+POLICIES = ("least_conn", "prefix")
+
+
+@dataclass(frozen=True)
 class LogConfig:
     """The proxy's own log: written to path (standard error when None), rotated at max_mb while it runs."""
 
@@ -68,6 +86,26 @@ class LogConfig:
     def max_bytes(self) -> int:
         """The rotation size in bytes (max_mb may be fractional)."""
         return max(1, int(self.max_mb * MIB))
+
+
+@dataclass(frozen=True)
+class ModelPool:
+    """One served model (an inventory group): the backends that serve it and the names that reach it.
+
+    name: the served name; aliases and adapters (static LoRA adapters) route here too, and so do the
+    names the backends list in their /v1/models (adapters loaded at runtime). slots: per backend.
+    """
+
+    name: str
+    backends: tuple[str, ...]
+    aliases: tuple[str, ...] = ()
+    adapters: tuple[str, ...] = ()
+    slots: int = 0
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every name configured to reach this pool."""
+        return (self.name, *self.aliases, *self.adapters)
 
 
 @dataclass(frozen=True)
@@ -90,6 +128,8 @@ class ProxyConfig:
     api_keys_file: str | None = None
     slots: int = 0                # per backend: max_num_seqs + proxy.queue.headroom; 0: no limit, no queue
     queue: QueueConfig = QueueConfig()
+    models: tuple[ModelPool, ...] = ()  # empty: one pool of every backend, the body's model is not read
+    routing: RoutingConfig = RoutingConfig()
 
     @property
     def max_body_bytes(self) -> int:
@@ -99,7 +139,9 @@ class ProxyConfig:
 
 TOP_KEYS = ("listen", "admin", "backends", "health", "timeout_s", "connect_timeout_s",
             "max_body_mb", "results_log", "log", "retries", "max_fails", "shutdown_timeout_s",
-            "fix_numeric_user", "api_keys_file", "slots", "queue")
+            "fix_numeric_user", "api_keys_file", "slots", "queue", "models", "routing")
+ROUTING_KEYS = ("policy", "min_match_tokens", "min_match_ratio", "balance_abs", "balance_rel", "max_blocks", "lookahead")
+POOL_KEYS = ("name", "aliases", "adapters", "slots", "backends")
 
 
 def load_config(path: str | Path) -> ProxyConfig:
@@ -153,8 +195,9 @@ def parse_config(data: Any, source: str = "config") -> ProxyConfig:
     listen = _address(top.get("listen", {}), "listen", defaults.listen)
     if listen.port == admin.port:
         raise ConfigError(f"listen and admin cannot share port {admin.port}.")
+    backends = _backends(top["backends"])
     return ProxyConfig(
-        backends=_backends(top["backends"]),
+        backends=backends,
         listen=listen,
         admin=admin,
         health=HealthConfig(
@@ -183,6 +226,8 @@ def parse_config(data: Any, source: str = "config") -> ProxyConfig:
         slots=_count(top, "slots", defaults.slots, minimum=0),
         queue=QueueConfig(max=_count(queue, "max", defaults.queue.max, minimum=0, prefix="queue."),
                           timeout_s=_positive(queue, "timeout_s", defaults.queue.timeout_s, "queue.")),
+        models=_models(top.get("models"), backends),
+        routing=_routing(top.get("routing", {})),
     )
 
 
@@ -223,6 +268,77 @@ def _backends(value: Any) -> tuple[str, ...]:
             raise ConfigError(f"backend {item} is listed twice.")
         names.append(item)
     return tuple(names)
+
+
+def _routing(value: Any) -> RoutingConfig:
+    """The routing section: a known policy and its bounds."""
+    m = _mapping(value, "routing", ROUTING_KEYS)
+    d = RoutingConfig()
+    policy = m.get("policy", d.policy)
+    if policy not in POLICIES:
+        raise ConfigError(f"routing.policy must be one of {', '.join(POLICIES)}, not {policy!r}.")
+    return RoutingConfig(
+        policy=policy,
+        min_match_tokens=_count(m, "min_match_tokens", d.min_match_tokens, minimum=0, prefix="routing."),
+        min_match_ratio=_ratio(m, "min_match_ratio", d.min_match_ratio),
+        balance_abs=_count(m, "balance_abs", d.balance_abs, minimum=0, prefix="routing."),
+        balance_rel=_positive(m, "balance_rel", d.balance_rel, "routing."),
+        max_blocks=_count(m, "max_blocks", d.max_blocks, minimum=1, prefix="routing."),
+        lookahead=_count(m, "lookahead", d.lookahead, minimum=0, prefix="routing."))
+
+
+def _ratio(m: dict, key: str, default: float) -> float:
+    """m[key] (or default) as a number from 0 to 1."""
+    value = m.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ConfigError(f"routing.{key} must be a number from 0 to 1, not {value!r}.")
+    return float(value)
+
+
+def _models(value: Any, backends: tuple[str, ...]) -> tuple[ModelPool, ...]:
+    """The pools of the models form: every backend in exactly one, every name reaching one pool."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not value:
+        raise ConfigError("models must be a non-empty list of {name, backends, aliases, adapters, slots}.")
+    pools: list[ModelPool] = []
+    owner: dict[str, str] = {}     # backend -> its pool
+    named: dict[str, str] = {}     # name, alias or adapter -> its pool
+    for n, item in enumerate(value):
+        m = _mapping(item, f"models[{n}]", POOL_KEYS)
+        name = _text(m.get("name"), f"models[{n}].name")
+        where = f"model {name!r}"
+        members = m.get("backends")
+        if not isinstance(members, list) or not members:
+            raise ConfigError(f"{where}: backends must be a non-empty list of the backends that serve it.")
+        for b in members:
+            if b not in backends:
+                raise ConfigError(f"{where}: backend {b!r} is not in 'backends'; list it there too.")
+            if b in owner:
+                raise ConfigError(f"backend {b} is in two models, {owner[b]!r} and {name!r}; an instance "
+                                  "serves one model.")
+            owner[b] = name
+        pool = ModelPool(name=name, backends=tuple(members), aliases=_names(m, "aliases", where),
+                         adapters=_names(m, "adapters", where),
+                         slots=_count(m, "slots", 0, minimum=0, prefix=f"{where}: "))
+        for label in pool.names:
+            if named.get(label, name) != name:
+                raise ConfigError(f"the name {label!r} reaches two models, {named[label]!r} and {name!r}; "
+                                  "give each name to one model.")
+            named[label] = name
+        pools.append(pool)
+    orphans = [b for b in backends if b not in owner]
+    if orphans:
+        raise ConfigError(f"backend(s) {', '.join(orphans)} serve no model; put each in one of models[].backends.")
+    return tuple(pools)
+
+
+def _names(m: dict, key: str, where: str) -> tuple[str, ...]:
+    """A list of non-empty strings (absent: empty)."""
+    value = m.get(key) or []
+    if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
+        raise ConfigError(f"{where}: {key} must be a list of names, not {value!r}.")
+    return tuple(value)
 
 
 def _port(value: Any, where: str, from_text: bool = False) -> int:

@@ -14,8 +14,10 @@ import aiohttp
 from aiohttp import web
 from yarl import URL  # aiohttp's own URL type; encoded=True passes the client's path through as sent
 
-from .balancer import Backend, QueueFull, QueueTimeout
+from .balancer import Backend, Balancer, QueueFull, QueueTimeout
 from .fixups import fix_numeric_user
+from .models import NO_MODEL, model_of
+from .prefix import Route, prompt_blocks
 from .results_log import LOGGED_PATHS, ResponseObserver, trace_id_of, user_value
 from .state import PROXY
 
@@ -92,6 +94,10 @@ class Exchange:
     backend: str = ""
     cut: bool = False              # still in flight at the drain bound of a stopping proxy: cancelled
     queued_ms: float = 0.0         # time it waited in the queue for a slot
+    read: bool = False             # the body is read (before the pick in the models form)
+    model: str | None = None       # the body's `model` (the models form reads it)
+    pool: str | None = None        # the served model it is routed to (the models form)
+    route: Route | None = None     # its prompt's blocks and where they led (the prefix policy)
 
     def __post_init__(self) -> None:
         self.logged = self.request.method == "POST" and self.request.path in LOGGED_PATHS
@@ -104,31 +110,46 @@ class Exchange:
 
 async def proxy_handler(request: web.Request) -> web.StreamResponse:
     """Pick a backend and count the request on it (waiting for a free slot if need be), then read
-    the body and forward it."""
+    the body and forward it. In the models form the body is read first: its `model` names the pool."""
     proxy = request.app[PROXY]
     request_id = request.headers.get("X-Request-Id") or new_request_id()
     if proxy.api_keys is not None and not _authorized(request, proxy.api_keys):
         proxy.metrics.answered(NO_BACKEND, 401)
         return json_error(401, "missing or wrong API key; send `Authorization: Bearer <key>`.",
                           "unauthorized", {"X-Request-Id": request_id, "WWW-Authenticate": "Bearer"})
-    balancer = proxy.balancer
     ex = Exchange(request, request_id)
     proxy.requests[id(ex)] = ex        # what a drain waits for (a queued request too), and names if it cuts it
-    # Counted here, before the body is read (the seed's pile-up fix); a request that finds every
-    # slot taken waits its turn in the queue, its body unread.
-    backend = None if balancer.queued else balancer.acquire()
+    pool: Balancer | web.Response | None = None
+    try:
+        if proxy.router.by_model or proxy.router.by_prefix:
+            pool = await _pool_of(ex, proxy)
+        else:
+            pool = proxy.router.only()
+    finally:
+        if not isinstance(pool, Balancer):   # answered here (400, 404, 413) or the client left
+            proxy.requests.pop(id(ex), None)
+    if isinstance(pool, web.Response):
+        return pool
+    # Counted here, before the body is read (the seed's pile-up fix), in the plain form; in the models
+    # form and with the prefix policy right after it, pick and count still one step. A request that
+    # finds every slot of its pool taken waits its turn in the pool's queue.
+    if pool.index is not None and ex.logged:
+        ex.route = Route(prompt_blocks(ex.body))
+    backend = None if pool.queued else pool.acquire(route=ex.route)
     if backend is None:
         try:
-            backend = await _wait_for_slot(ex, proxy)
+            backend = await _wait_for_slot(ex, proxy, pool)
         finally:
             if not isinstance(backend, Backend):     # answered here (429, 503) or the client left
                 proxy.requests.pop(id(ex), None)
         if isinstance(backend, web.Response):
             return backend
     ex.backend = backend.name
+    if ex.route is not None:
+        proxy.metrics.routed(ex.route)
     outcome = Outcome()
     try:
-        response = await _read_body(ex, proxy, backend)
+        response = None if ex.read else await _read_body(ex, proxy, backend)
         if response is not None:
             outcome.status = response.status
             return response
@@ -139,13 +160,13 @@ async def proxy_handler(request: web.Request) -> web.StreamResponse:
             if not outcome.retryable or len(tried) > proxy.config.retries:
                 break
             # The request holds a slot already: it may go over another backend's slots, never wait.
-            other = balancer.acquire(exclude=tried, over=True)
+            other = pool.acquire(exclude=tried, over=True, route=ex.route)
             if other is None:
                 break
             failed, backend = backend, other   # swap first: `backend` is what `finally` releases
             ex.backend = backend.name
-            balancer.release(failed)
-            proxy.metrics.answered(failed.name, outcome.status)
+            pool.release(failed)
+            _count(proxy, ex, failed.name, outcome.status)
             proxy.metrics.retries.labels(failed.name).inc()
             _log_attempt(ex, proxy, failed, outcome, final=False)
         return _finish(ex, proxy, backend, outcome)
@@ -157,10 +178,75 @@ async def proxy_handler(request: web.Request) -> web.StreamResponse:
         raise
     finally:
         proxy.requests.pop(id(ex), None)
-        balancer.release(backend)
+        pool.release(backend)
         label = backend.name if ex.attempts else NO_BACKEND   # a 413 never reached a backend
-        proxy.metrics.answered(label, outcome.status)
+        _count(proxy, ex, label, outcome.status)
         proxy.metrics.took(label, time.monotonic() - ex.t0)
+
+
+def _count(proxy, ex: Exchange, backend: str, status: int) -> None:
+    """Count an answer by backend, and by model in the models form."""
+    proxy.metrics.answered(backend, status)
+    if ex.pool is not None:
+        proxy.metrics.answered_model(ex.pool, status)
+
+
+async def _pool_of(ex: Exchange, proxy) -> Balancer | web.Response:
+    """The models form: read the body and find the pool its `model` reaches; or the answer when the
+    request ends here: 413, 400 (no model and several served), 404 (a model nobody serves, in vLLM's
+    own words), never sent to an engine."""
+    router = proxy.router
+    response = await _read_body(ex, proxy, None)
+    if response is not None:
+        proxy.metrics.answered(NO_BACKEND, response.status)
+        if router.by_model:
+            proxy.metrics.answered_model(NO_BACKEND, response.status)
+        return response
+    if not router.by_model:
+        return router.only()     # the body was read for the prefix policy
+    ids = {"X-Request-Id": ex.request_id}
+    name = model_of(ex.body) if ex.body else NO_MODEL
+    ex.model = name or None
+    if not name:
+        only = router.only()
+        if only is not None:
+            ex.pool = router.served_names()[0]
+            return only
+        response = json_error(400, "the request names no `model`; this host serves "
+                              f"{', '.join(router.served_names())}: set `model` to one of them.",
+                              "BadRequestError", ids)
+    else:
+        pool = router.resolve(name)
+        if pool is not None:
+            ex.pool = pool
+            return router.pools[pool]
+        # vLLM's own 404 (serving_models.py, 0.32), without its list of the names it knows.
+        response = web.json_response({"error": {"message": f"The model `{name}` does not exist.",
+                                                "type": "NotFoundError", "param": "model", "code": 404}},
+                                     status=404, headers=ids)
+    proxy.metrics.answered(NO_BACKEND, response.status)
+    proxy.metrics.answered_model(NO_BACKEND, response.status)
+    message = json.loads(response.body)["error"]["message"]
+    _log_attempt(ex, proxy, None, Outcome(status=response.status, error=message), final=True)
+    return response
+
+
+async def list_models(request: web.Request) -> web.StreamResponse:
+    """GET /v1/models: in the models form, the union of the healthy backends' lists, each id once;
+    in the plain form it goes to a backend like any request."""
+    proxy = request.app[PROXY]
+    if not proxy.router.by_model:
+        return await proxy_handler(request)
+    if proxy.api_keys is not None and not _authorized(request, proxy.api_keys):
+        proxy.metrics.answered(NO_BACKEND, 401)
+        return json_error(401, "missing or wrong API key; send `Authorization: Bearer <key>`.",
+                          "unauthorized", {"WWW-Authenticate": "Bearer"})
+    listing = proxy.router.listing()
+    status = 200 if listing else 503
+    proxy.metrics.answered(NO_BACKEND, status)
+    if not listing:
+        return json_error(503, "no healthy backend is available; check `inv status`.", "no_backend")
+    return web.json_response({"object": "list", "data": listing})
 
 
 def _client_gone(ex: Exchange, proxy, backend: Backend) -> Outcome:
@@ -171,13 +257,13 @@ def _client_gone(ex: Exchange, proxy, backend: Backend) -> Outcome:
     return outcome
 
 
-async def _wait_for_slot(ex: Exchange, proxy) -> Backend | web.Response:
+async def _wait_for_slot(ex: Exchange, proxy, pool: Balancer) -> Backend | web.Response:
     """Wait in the queue for a slot; the backend it got, or the answer when the request ends here:
     503 (no backend at all, or queue.timeout_s waited, with Retry-After) or 429 (the queue is full)."""
     config, metrics = proxy.config, proxy.metrics
     ids = {"X-Request-Id": ex.request_id}
     try:
-        backend = await proxy.balancer.wait_for_slot(config.queue.timeout_s)
+        backend = await pool.wait_for_slot(config.queue.timeout_s, ex.route)
     except QueueFull:
         metrics.queue_rejected.labels("full").inc()
         return await _turned_away(ex, proxy, json_error(
@@ -191,14 +277,15 @@ async def _wait_for_slot(ex: Exchange, proxy) -> Backend | web.Response:
             "queue_timeout", {**ids, "Retry-After": str(RETRY_AFTER_TIMEOUT_S)}))
     except asyncio.CancelledError:      # the client left while it waited (or a drain cut it): out of the queue
         metrics.queue_rejected.labels("gone").inc()
-        metrics.answered(NO_BACKEND, CLIENT_CLOSED)
+        _count(proxy, ex, NO_BACKEND, CLIENT_CLOSED)
         why = ("cut while queued: still waiting when the stopping proxy's drain bound passed" if ex.cut
                else "the client went away while queued")
         _log_attempt(ex, proxy, None, Outcome(status=CLIENT_CLOSED, error=why), final=True)
         raise
     if backend is None:
-        metrics.answered(NO_BACKEND, 503)
-        return json_error(503, "no healthy backend is available; check `inv status`.", "no_backend", ids)
+        _count(proxy, ex, NO_BACKEND, 503)
+        where = f" serves {ex.pool}" if ex.pool else " is available"
+        return json_error(503, f"no healthy backend{where}; check `inv status`.", "no_backend", ids)
     ex.queued_ms = round((time.monotonic() - ex.t0) * 1000, 1)
     metrics.queue_wait.observe(ex.queued_ms / 1000)
     return backend
@@ -206,8 +293,8 @@ async def _wait_for_slot(ex: Exchange, proxy) -> Backend | web.Response:
 
 async def _turned_away(ex: Exchange, proxy, response: web.Response) -> web.Response:
     """Count and log a request the queue refused; its body is read only for the log's trace id."""
-    proxy.metrics.answered(NO_BACKEND, response.status)
-    if ex.logged and (ex.request.content_length or 0) <= proxy.config.max_body_bytes:
+    _count(proxy, ex, NO_BACKEND, response.status)
+    if ex.logged and not ex.read and (ex.request.content_length or 0) <= proxy.config.max_body_bytes:
         try:
             ex.trace_id = trace_id_of(user_value(await ex.request.read()))
         except web.HTTPRequestEntityTooLarge:
@@ -223,19 +310,21 @@ def _authorized(request: web.Request, keys: frozenset) -> bool:
     return scheme.lower() == "bearer" and any(hmac.compare_digest(key, k) for k in keys)
 
 
-async def _read_body(ex: Exchange, proxy, backend: Backend) -> web.Response | None:
-    """Read and fix the body; a response when the request ends here (413)."""
+async def _read_body(ex: Exchange, proxy, backend: Backend | None) -> web.Response | None:
+    """Read and fix the body; a response when the request ends here (413). backend: the one picked
+    (None: the models form reads the body before the pick)."""
     request, config = ex.request, proxy.config
 
     def too_large() -> web.Response:
-        return json_error(413, f"request body over {config.max_body_mb:g} MiB", "too_large",
-                          {"X-Backend": backend.name, "X-Request-Id": ex.request_id})
+        ids = {"X-Request-Id": ex.request_id, **({"X-Backend": backend.name} if backend else {})}
+        return json_error(413, f"request body over {config.max_body_mb:g} MiB", "too_large", ids)
     if (request.content_length or 0) > config.max_body_bytes:
         return too_large()
     try:
         ex.body = await request.read()
     except web.HTTPRequestEntityTooLarge:
         return too_large()
+    ex.read = True
     if ex.logged:
         raw_user = user_value(ex.body)   # one scan of a body that may hold MiBs of base64 images
         ex.trace_id = trace_id_of(raw_user)
@@ -343,13 +432,13 @@ def _upstream_error(proxy, backend: Backend, out: Outcome, kind: str, message: s
         out.error = f"stream interrupted: {message}"
         return
     out.status, out.retryable = 502, True   # whatever status line came first, no answer went out
-    if eject and proxy.balancer.eject(backend, message):
+    if eject and proxy.router.eject(backend, message):
         _ejected(proxy, backend, kind)
 
 
 def _answered(proxy, backend: Backend, status: int) -> None:
     """Count an answer (or its failure, as the 5xx it amounts to) toward the backend's max_fails."""
-    if proxy.balancer.answered(backend, status, proxy.config.max_fails):
+    if proxy.router.answered(backend, status, proxy.config.max_fails):
         _ejected(proxy, backend, "5xx")
 
 
@@ -392,6 +481,13 @@ def _log_attempt(ex: Exchange, proxy, backend: Backend | None, out: Outcome, fin
              "attempt": ex.attempts, "attempt_ms": out.attempt_ms, "final": final,
              "retries": max(0, ex.attempts - 1), "queued_ms": ex.queued_ms,
              "stream": bool(out.observer and out.observer.streamed)}
+    if ex.model is not None or ex.pool is not None:
+        entry["model"] = ex.model
+        if ex.pool != ex.model:
+            entry["served_model"] = ex.pool   # an alias or an adapter: the group it belongs to
+    if ex.route is not None:
+        entry["route"] = ex.route.decision
+        entry["match_tokens"] = ex.route.matched_tokens
     if ex.fixups:
         entry["fixups"] = ex.fixups
     summary = out.observer.summary() if out.observer else {"error": out.error}

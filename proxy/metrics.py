@@ -4,20 +4,21 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-from .balancer import Balancer
+from .models import Router
+from .prefix import BLOCK_BYTES, TOKEN_BYTES
 
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120)
 
 
 class BackendState:
-    """Per-backend gauges read from the balancer at scrape time, so a reload needs no bookkeeping."""
+    """Per-backend gauges read from the pools at scrape time, so a reload needs no bookkeeping."""
 
-    def __init__(self, balancer_of):
-        self._balancer_of = balancer_of  # a callable: the balancer changes object never, its list does
+    def __init__(self, router_of):
+        self._router_of = router_of  # a callable: the router changes object never, its pools do
 
     def collect(self):
-        balancer: Balancer = self._balancer_of()
+        router: Router = self._router_of()
         in_flight = GaugeMetricFamily("proxy_backend_in_flight", "Requests in flight per backend",
                                       labels=["backend"])
         peak = GaugeMetricFamily("proxy_backend_peak_in_flight", "Peak in-flight per backend since start",
@@ -29,21 +30,32 @@ class BackendState:
                                     labels=["backend"])
         slots = GaugeMetricFamily("proxy_backend_slots",
                                   "Requests the proxy sends a backend at once (0: no limit)", labels=["backend"])
-        for b in balancer.backends.values():
+        for b in router.backends.values():
             in_flight.add_metric([b.name], b.in_flight)
             peak.add_metric([b.name], b.peak_in_flight)
             healthy.add_metric([b.name], 1 if b.healthy else 0)
             drained.add_metric([b.name], 1 if b.drained else 0)
             slots.add_metric([b.name], b.slots)
         queued = GaugeMetricFamily("proxy_queue_length", "Requests waiting in the proxy for a free slot")
-        queued.add_metric([], balancer.queued)
-        return [in_flight, peak, healthy, drained, slots, queued]
+        queued.add_metric([], router.queued)
+        families = [in_flight, peak, healthy, drained, slots, queued]
+        if router.by_model:
+            model = GaugeMetricFamily("proxy_backend_model", "1 for the served model each backend is in",
+                                      labels=["backend", "model"])
+            for b in router.backends.values():
+                model.add_metric([b.name, router.model_label(b)], 1)
+            pool_queued = GaugeMetricFamily("proxy_model_queue_length",
+                                            "Requests waiting for a free slot, per served model", labels=["model"])
+            for name, pool in router.pools.items():
+                pool_queued.add_metric([name], pool.queued)
+            families += [model, pool_queued]
+        return families
 
 
 class Metrics:
     """Counters the request path bumps, plus the backend gauges."""
 
-    def __init__(self, balancer_of):
+    def __init__(self, router_of):
         self.registry = r = CollectorRegistry()
         self.requests = Counter("proxy_requests", "Proxied requests by backend and status",
                                 ["backend", "status"], registry=r)
@@ -66,9 +78,22 @@ class Metrics:
         self.results_dropped = Counter("proxy_results_log_dropped",
                                        "Results-log lines lost because the file could not be written",
                                        registry=r)
-        r.register(BackendState(balancer_of))
+        self.model_requests = Counter("proxy_model_requests",
+                                      "Requests by the served model they were routed to, and status (the models "
+                                      "form; model \"none\": a name no backend serves, or no model)",
+                                      ["model", "status"], registry=r)
+        self.route_decisions = Counter("proxy_route_decisions",
+                                       "Prefix policy: where each request went: prefix (where its prompt's "
+                                       "prefix was sent), load (no long enough match), override (a match, "
+                                       "but that backend was too loaded)", ["decision"], registry=r)
+        self.route_tokens = Counter("proxy_route_prompt_tokens",
+                                    "Prefix policy: prompt tokens routed (about 4 bytes each, whole 16-token "
+                                    "blocks), and of them matched on the chosen backend by the router's own index",
+                                    ["kind"], registry=r)
+        r.register(BackendState(router_of))
         self._answered: dict = {}   # (backend, status) -> its counter child: labels() costs on every call
         self._timed: dict = {}      # backend -> its duration histogram child
+        self._by_model: dict = {}   # (model, status) -> its counter child
 
     def answered(self, backend: str, status: int) -> None:
         """Count one answer of status for backend (a label, "none" when no backend saw it)."""
@@ -76,6 +101,19 @@ class Metrics:
         if child is None:
             child = self._answered[(backend, status)] = self.requests.labels(backend, str(status))
         child.inc()
+
+    def answered_model(self, model: str, status: int) -> None:
+        """Count one answer of status for a served model (the models form)."""
+        child = self._by_model.get((model, status))
+        if child is None:
+            child = self._by_model[(model, status)] = self.model_requests.labels(model, str(status))
+        child.inc()
+
+    def routed(self, route) -> None:
+        """Count one prefix-policy decision (a proxy.prefix.Route)."""
+        self.route_decisions.labels(route.decision).inc()
+        self.route_tokens.labels("prompt").inc(len(route.blocks) * BLOCK_BYTES // TOKEN_BYTES)
+        self.route_tokens.labels("matched").inc(route.matched_tokens)
 
     def took(self, backend: str, seconds: float) -> None:
         """Observe one request's time to its last byte."""

@@ -9,9 +9,9 @@ import threading
 import aiohttp
 from aiohttp import web
 
-from .balancer import Balancer
 from .config import ConfigError, ProxyConfig, load_api_keys, load_config
 from .metrics import Metrics
+from .models import Router
 from .results_log import ResultsLog
 
 log = logging.getLogger("proxy")
@@ -24,8 +24,8 @@ class Proxy:
         self._use(config)
         self.config_path = config_path
         self.api_keys = load_api_keys(config.api_keys_file)
-        self.balancer = Balancer(config.backends, config.slots, config.queue.max)
-        self.metrics = Metrics(lambda: self.balancer)
+        self.router = Router(config)     # the pools: one of every backend, or one per served model
+        self.metrics = Metrics(lambda: self.router)
         self.results = ResultsLog(config.results_log, self.metrics.results_dropped.inc)
         self.session: aiohttp.ClientSession | None = None
         self.log = log
@@ -57,7 +57,7 @@ class Proxy:
             self.results, old_results = results, self.results
             # Flushing the old file joins its writer thread: not on the event loop.
             threading.Thread(target=old_results.stop, name="results-log-stop", daemon=True).start()
-        added, removed = self.balancer.update(new.backends, new.slots, new.queue.max)
+        added, removed = self.router.update(new)
         self._use(new)
         self.api_keys = keys
         self.check_now.set()

@@ -21,7 +21,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from conftest import ROOT, free_ports
+from conftest import ROOT, free_ports, wait_until
 from fleet_helpers import deployment_id, inv, kill_tagged, session_members, status_json
 from test_vllm_cpu import LOAD_TIMEOUT_S, VENV, engine_venv
 
@@ -93,9 +93,15 @@ class Host:
     def complete(self, model: str) -> tuple[int, dict, dict]:
         return self.post("/v1/completions", {"model": model, "prompt": "hello", "max_tokens": 4})
 
-    def results(self) -> list[dict]:
+    def results(self, at_least: int = 0) -> list[dict]:
+        """The results log's lines, once it holds at_least (the proxy writes it off its event loop)."""
         path = self.tmp / "deploy" / "logs" / "req_results.log"
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+        def lines():
+            return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        if at_least:
+            wait_until(lambda: len(lines()) >= at_least, what=f"{at_least} results-log lines")
+        return lines()
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +158,7 @@ def test_an_unknown_model_gets_vllms_404_without_reaching_an_engine(host):
     assert status == 404 and "X-Backend" not in headers
     assert body["error"]["type"] == "NotFoundError" and body["error"]["code"] == 404
     assert body["error"]["message"] == "The model `no-such-model` does not exist."
-    lines = host.results()[before:]
+    lines = host.results(before + 1)[before:]
     assert len(lines) == 1 and lines[0]["status"] == 404 and not lines[0].get("backend"), lines
 
 
