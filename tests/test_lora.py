@@ -384,23 +384,24 @@ class SimHost:
         return {m["id"] for m in body["data"]} if status == 200 else set()
 
     def complete(self, port: int, model: str):
+        """(status, body, X-Backend) of a completion sent to port (an instance's, or the proxy's)."""
         req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
                                      json.dumps({"model": model, "prompt": "hi", "max_tokens": 2}).encode(),
                                      {"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=30) as r:
-                return r.status, json.loads(r.read())
+                return r.status, json.loads(r.read()), r.headers.get("X-Backend")
         except urllib.error.HTTPError as e:
-            return e.code, None
+            return e.code, None, e.headers.get("X-Backend")
 
-
-def only_the_proxy_lacks_models(r) -> bool:
-    """Until the proxy that routes by model lands on this branch, the deploy's one failure is its proxy
-    refusing conf/proxy.yaml's `models:`; the instances (all these tests need) run. Then the tests check
-    each instance on its own port."""
-    out = r.stdout + r.stderr
-    failed = [line for line in out.splitlines() if ": FAILED: " in line]
-    return len(failed) == 1 and "FAILED: proxy" in failed[0] and "unknown config key 'models'" in out
+    def through_proxy(self, model: str, times: int = 4) -> set:
+        """The backends the proxy sent `times` completions for model to; fails on an answer but 200."""
+        seen = set()
+        for _ in range(times):
+            status, body, backend = self.complete(self.base + 3, model)
+            assert status == 200 and body["model"] == model, (status, body)
+            seen.add(backend)
+        return seen
 
 
 @pytest.fixture(scope="module")
@@ -408,8 +409,7 @@ def sim(tmp_path_factory):
     h = SimHost(tmp_path_factory.mktemp("lora"))
     r = h.inv("deploy")
     try:
-        assert r.returncode == 0 or only_the_proxy_lacks_models(r), r.stdout + r.stderr
-        h.proxy = r.returncode == 0
+        assert r.returncode == 0, r.stdout + r.stderr
         yield h
     finally:
         h.inv("stop")
@@ -424,8 +424,9 @@ def test_add_loads_the_adapter_on_every_instance_of_its_model(sim):
     assert "instance 0: loaded rt-a" in r.stdout and "instance 1: loaded rt-a" in r.stdout, r.stdout
     assert "t : ok=0 changed=2 skipped=0 failed=0" in r.stdout
     assert "rt-a" in sim.models(0) and "rt-a" in sim.models(1) and "rt-a" not in sim.models(2)
-    status, body = sim.complete(sim.ports[0], "rt-a")
-    assert status == 200 and body["model"] == "rt-a", body
+    assert "the proxy re-read the instances' models" in r.stdout, r.stdout
+    # routed at once (refresh-models): only to tiny-a's instances
+    assert sim.through_proxy("rt-a") <= {f"127.0.0.1:{p}" for p in sim.ports[:2]}
     record = json.loads((sim.deploy / layout.LORA_ADAPTERS).read_text())["adapters"]
     assert [(a["model"], a["name"], a["path"]) for a in record] == [("tiny-a", "rt-a", str(sim.adapter))]
 
@@ -453,11 +454,11 @@ def test_a_restarted_instance_has_the_adapter_before_it_is_enabled(sim):
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
     assert "instance 0: restored adapter(s) rt-a" in out, out
-    if sim.proxy:
-        assert out.index("restored adapter(s) rt-a") < out.index("instance 0: back in the proxy"), out
+    assert out.index("restored adapter(s) rt-a") < out.index("instance 0: back in the proxy"), out
     assert "rt-a" in sim.models(0)
-    status, body = sim.complete(sim.ports[0], "rt-a")
+    status, body, _ = sim.complete(sim.ports[0], "rt-a")
     assert status == 200 and body["model"] == "rt-a"
+    assert sim.through_proxy("rt-a")
 
 
 @pytest.mark.cluster
@@ -484,9 +485,10 @@ def test_stop_keeps_the_record_and_deploy_restores_it(sim):
     assert (sim.deploy / layout.LORA_ADAPTERS).exists()
     r = sim.inv("deploy", "--wait")
     out = r.stdout + r.stderr
-    assert r.returncode == 0 or only_the_proxy_lacks_models(r), out
+    assert r.returncode == 0, out
     assert "instance 0: restored adapter(s) rt-a" in out and "instance 1: restored adapter(s) rt-a" in out, out
     assert "rt-a" in sim.models(0) and "rt-a" in sim.models(1)
+    wait_until(lambda: sim.complete(sim.base + 3, "rt-a")[0] == 200, timeout=30, what="rt-a routed after deploy")
 
 
 @pytest.mark.cluster
@@ -496,6 +498,7 @@ def test_refusals_send_nothing(sim):
     out = r.stdout + r.stderr
     assert r.returncode == 2 and f"the adapter path {sim.tmp / 'nowhere'} does not exist on t" in out, out
     assert "Traceback" not in out and "ghost" not in sim.models(0)
+    assert sim.complete(sim.base + 3, "ghost")[0] == 404
     r = sim.inv("lora", "add", "--model", "tiny-b", "--name", "ghost", "--path", str(sim.adapter))
     assert r.returncode == 2 and "set `runtime_lora: true` in its entry" in r.stderr, r.stdout + r.stderr
     r = sim.inv("lora", "add", "--model", "tiny-a", "--name", "static-a", "--path", str(sim.adapter))
@@ -509,5 +512,6 @@ def test_remove_unloads_it_everywhere_and_forgets_it(sim):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "rt-a" not in sim.models(0) | sim.models(1)
     assert json.loads((sim.deploy / layout.LORA_ADAPTERS).read_text()) == {"adapters": []}
-    status, _ = sim.complete(sim.ports[0], "rt-a")
-    assert status == 404
+    assert sim.complete(sim.ports[0], "rt-a")[0] == 404
+    status, _, backend = sim.complete(sim.base + 3, "rt-a")          # the proxy forgot it at once
+    assert status == 404 and backend is None
