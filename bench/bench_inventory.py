@@ -36,7 +36,7 @@ def inventory_text(hosts: int, clash: bool = False, closed_port: int = 9) -> str
     """A valid inventory of `hosts` SSH hosts x 8 instances; `clash`: the last host says h1's address."""
     lines = ["defaults:", "  accelerator: nvidia", "  accelerators: 8", "  instances: 8",
              "  model: /data/models/Qwen2.5-7B-Instruct", "  deploy_dir: /srv/vllm-fleet",
-             "  ssh: {user: ops, key_file: ~/.ssh/id_ed25519, connect_timeout_s: 2}",
+             "  ssh: {user: ops, connect_timeout_s: 5}",
              "groups:", "  fleet:", "    hosts: [" + ", ".join(f"h{i}" for i in range(hosts)) + "]",
              "    max_num_seqs: 8"]
     for rack in range(0, hosts, 50):

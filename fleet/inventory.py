@@ -118,7 +118,7 @@ class Inventory:
 
     def host_vars(self, name: str, overrides: list[str] | tuple[str, ...] = ()) -> "HostVars":
         """The resolved, validated variables of one host, `--set` overrides applied last."""
-        merged = copy.deepcopy(BUILTIN_DEFAULTS)
+        merged = _copy(BUILTIN_DEFAULTS)
         for layer in self.layers(name, overrides):
             _merge(merged, layer)
         if merged["connection"] is None:          # not said anywhere: an ssh block means ssh
@@ -151,7 +151,7 @@ class Inventory:
         resolved = self.host_vars(name, overrides).vars
         groups = self.groups_of(name)
         origins: dict[str, str] = {}
-        merged = copy.deepcopy(BUILTIN_DEFAULTS)
+        merged = _copy(BUILTIN_DEFAULTS)
         for origin, layer in zip(["defaults", *(f"group {g}" for g in groups), "host", "--set"],
                                  self.layers(name, overrides)):
             _merge(merged, layer)
@@ -180,7 +180,20 @@ def _merge(into: dict, layer: dict) -> None:
         if isinstance(value, dict) and isinstance(into.get(key), dict):
             _merge(into[key], value)
         else:
-            into[key] = copy.deepcopy(value)
+            into[key] = _copy(value)
+
+
+_ATOMS = (str, int, float, bool, type(None))
+
+
+def _copy(value):
+    """A deep copy of YAML data: mappings and lists copied, scalars shared (copy.deepcopy's generality,
+    and its cost, is not needed: the loader refused cycles and bounded the aliases)."""
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy(v) for v in value]
+    return value if isinstance(value, _ATOMS) else copy.deepcopy(value)
 
 
 # The most an inventory may hold, checked before anything is built from it, so a hostile or mistaken
