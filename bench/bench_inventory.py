@@ -15,13 +15,18 @@ is cached between them:
 - clash: the same file whose last host also says h1's address (so h1's ports): `inv render --host h0` must
   name the clash (exit 2, one sentence).
 
-A run that takes longer than --limit seconds is stopped (by its pid) and shown as `>LIMIT`. The machine is
-shared: the load average before the run is printed with the table.
+Then once: the issue's alias bomb (nine levels of nine aliases under `extra_args`), `inv render` must
+refuse it in one sentence (exit 2).
+
+Each cell is wall-clock seconds and, in brackets, the CPU seconds the process used (what a busy machine
+changes least). A run that takes longer than --limit seconds is stopped (by its pid) and shown as `>LIMIT`.
+The machine is shared: the load average before the run is printed with the table.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -55,6 +60,14 @@ def inventory_text(hosts: int, clash: bool = False, closed_port: int = 9) -> str
     return "\n".join(lines) + "\n"
 
 
+def bomb_text() -> str:
+    """Nine levels of nine aliases under extra_args: 9^9 strings once expanded, 15 lines written."""
+    items = ["      - &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    items += [f"      - &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 10)]
+    return ("hosts:\n  h0:\n    connection: local\n    engine: sim\n    accelerator: sim\n    extra_args:\n"
+            + "\n".join(items) + "\n")
+
+
 def closed_port() -> int:
     """A loopback port where nothing listens (bound, then released)."""
     import socket
@@ -64,7 +77,9 @@ def closed_port() -> int:
 
 
 def timed(cmd: list[str], limit: float, env: dict) -> tuple[float | None, int, str]:
-    """Run cmd; (seconds or None past the limit, exit code, the last line of its standard error)."""
+    """Run cmd; (seconds or None past the limit, exit code, the last line of its standard error).
+    The seconds are wall-clock; the CPU seconds the process used go to CPU[cmd_key(cmd)]."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True)
@@ -74,8 +89,14 @@ def timed(cmd: list[str], limit: float, env: dict) -> tuple[float | None, int, s
         proc.kill()
         proc.communicate()
         return None, -1, ""
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    CPU.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
     last = [line for line in err.splitlines() if line.strip()]
-    return time.perf_counter() - start, proc.returncode, last[-1] if last else ""
+    return wall, proc.returncode, last[-1] if last else ""
+
+
+CPU: list[float] = []     # the CPU seconds of each timed run, in order
 
 
 def main() -> None:
@@ -106,9 +127,10 @@ def main() -> None:
             }
             row = {"hosts": n, "size": good.stat().st_size}
             for name, (cmd, want) in cases.items():
-                times = []
+                times, cpus = [], []
                 for _ in range(args.rounds):
                     seconds, code, last = timed(cmd, args.limit, env)
+                    cpus.append(CPU[-1])
                     if seconds is not None and code != want:
                         sys.exit(f"{name} on {n} hosts: exit {code}, expected {want}: {last}")
                     times.append(seconds)
@@ -116,22 +138,31 @@ def main() -> None:
                         break
                 done = sorted(t for t in times if t is not None)
                 row[name] = None if len(done) < len(times) else done[len(done) // 2]
+                row[name + " cpu"] = sorted(cpus)[len(cpus) // 2]
                 if name == "clash named":
                     row["sentence"] = last
             rows.append(row)
             print(f"{n} hosts done", file=sys.stderr, flush=True)
+        bomb = Path(tmp, "bomb.yml")
+        bomb.write_text(bomb_text())
+        bomb_s, bomb_code, bomb_last = timed([inv_bin, "render", "--host", "h0", "--out", str(Path(tmp, "b")),
+                                              "-i", str(bomb)], args.limit, env)
     names = ["validate all", "render one", "deploy --check one", "clash named"]
     print(f"load average before the run: {load1:.2f} (1 min), {load5:.2f} (5 min); "
-          f"{os.cpu_count()} cores; median of {args.rounds} run(s), seconds, each in a fresh process")
+          f"{os.cpu_count()} cores; median of {args.rounds} run(s), each in a fresh process: wall-clock "
+          "seconds (CPU seconds of the process)")
     print()
     print("| hosts | file | " + " | ".join(names) + " |")
     print("|---:|---:|" + "---:|" * len(names))
     for row in rows:
-        cells = [f">{args.limit:g}" if row[k] is None else f"{row[k]:.2f}" for k in names]
+        cells = [f">{args.limit:g}" if row[k] is None else f"{row[k]:.2f} ({row[k + ' cpu']:.2f})"
+                 for k in names]
         print(f"| {row['hosts']:,} | {row['size'] / 1024:,.0f} KiB | " + " | ".join(cells) + " |")
     print()
     for row in rows:
         print(f"clash, {row['hosts']:,} hosts: {row.get('sentence', '')}")
+    shown = f">{args.limit:g} s" if bomb_s is None else f"{bomb_s:.2f} s ({CPU[-1]:.2f} s CPU), exit {bomb_code}"
+    print(f"alias bomb (inv render): {shown}: {bomb_last}")
 
 
 if __name__ == "__main__":
