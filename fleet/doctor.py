@@ -165,6 +165,16 @@ def _card_checks(conn, hv: HostVars, f: dict) -> list[Check]:
     s = f["smi"]
     if hv["accelerator"] == "sim" and not f["sim_devices"]:
         return [Check("smi", "ok", "sim devices are created by the first deploy; nothing to read yet")]
+    others = smi.found_other_smis(s["output"]) if s["exit"] == 127 else []
+    if others and smi.MARKER not in s["output"]:
+        # The kind's own smi is missing and another kind's is there: the accelerator is likely wrong,
+        # and with it the visibility variable (every instance on one card, or none).
+        other = others[0]
+        kind = smi.kind_of_smi(other) or "the kind of that tool"
+        return [Check("smi", "fail", f"{other.rsplit('/', 1)[-1]} found ({other}), "
+                      f"{smi.KIND_TOOL[hv['accelerator']]} not: this host's cards do not look like "
+                      f"accelerator {hv['accelerator']}",
+                      f"set accelerator: {kind} (or name the smi with the inventory key smi)")]
     if s["exit"] == 127 and smi.MARKER not in s["output"]:
         return [Check("smi", "warn", f"no smi found (looked for {smi.locate_note(hv)})",
                       "install it or name it with the inventory key smi; without it stop cannot verify "

@@ -323,9 +323,10 @@ class HostSettings(Section):
         "The host's SSH settings (the `ssh.*` keys); with it, the host is reached over SSH.")
     engine: Annotated[Literal["vllm", "sim"], Field(description="vllm or sim")] = doc("vllm",
         "`vllm`, or `sim`: the simulated engine (`python -m fleet.sim`).")
-    accelerator: AcceleratorKind = doc("dcu",
+    accelerator: AcceleratorKind | None = doc(None,
         "`dcu` (Hygon), `rocm`, `nvidia`, `cpu` (vLLM's CPU build: no card, each instance on its own "
-        "cores) or `sim` (the simulated engine's fake cards).")
+        "cores) or `sim` (the simulated engine's fake cards). Required for engine `vllm` (a wrong kind "
+        "puts every instance on one card); unset with engine `sim`: `sim`.")
     accelerators: _int(0, MAX_INSTANCES) = doc(8,
         "Cards on the host; `instances` may not exceed it (not used by `cpu`).")
     instances: _int(0, MAX_INSTANCES) = doc(8,

@@ -81,3 +81,36 @@ def test_cpu_instances_beyond_the_cores_say_so_plainly(tmp_path):
     hv = inventory.load(path).host_vars("c", ["cpus_per_instance=1"])
     assert doctor._cpu_checks(hv, {"cores": 2, "memory": {}})[0].message == \
         "4 instance(s) x 1 core(s) do not fit the 2 core(s) of the host"
+
+
+@pytest.mark.process
+def test_doctor_fails_when_the_smi_found_is_another_kinds(tmp_path):
+    """1. a vllm host that says accelerator dcu, whose PATH (after env_setup) has nvidia-smi and no
+    hy-smi or rocm-smi; 2. doctor fails the smi check naming what it found and the kind to set (it used
+    to warn "no smi found", and the engines would all have landed on one card)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho '0, 10, 81559, 0'\n")
+    fake.chmod(0o755)
+    base = free_ports(3)
+    inventory = tmp_path / "hosts.yml"
+    inventory.write_text(textwrap.dedent(f"""\
+        hosts:
+          t:
+            connection: local
+            engine: vllm
+            vllm_bin: {PYTHON}
+            accelerator: dcu
+            accelerators: 1
+            instances: 1
+            base_port: {base}
+            model: {tmp_path}
+            env_setup: export PATH={bin_dir}:/usr/bin:/bin
+            deploy_dir: {tmp_path / 'deploy'}
+            proxy: {{port: {base + 1}, admin_port: {base + 2}}}
+        """))
+    r = inv("doctor", "--host", "t", inventory=inventory)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert re.search(rf"^fail  smi: nvidia-smi found \({bin_dir}/nvidia-smi\), hy-smi not: this host's cards do "
+                     r"not look like accelerator dcu\n      fix: set accelerator: nvidia", r.stdout, re.M), r.stdout
