@@ -21,11 +21,25 @@ STAGGER_S="${STAGGER_S:-5}"
 BIND="${BIND:-127.0.0.1}"
 ONLY="${ONLY:-}"
 
-# The host's environment (env_setup from the inventory: shell code by design). Activation
-# scripts (conda's among them) often read unset variables, so set -u is off around it.
+# The host's environment (env_setup from the inventory: shell code by design), run in this shell.
+# Activation scripts (conda's among them) often read unset variables, so set -u is off around it. Its
+# output is kept aside; when it fails, this script stops with its exit status and last lines instead of
+# running whatever `vllm` or `python` comes first on the PATH.
+mkdir -p "$DEPLOY_DIR/run" || exit 1
+env_setup_out="$DEPLOY_DIR/run/env_setup.$$.out"
 set +u
+{
 source /opt/dtk/env.sh && source ~/miniconda3/bin/activate vllm-serve
+} >"$env_setup_out" 2>&1 </dev/null
+env_setup_rc=$?
 set -u
+if [ "$env_setup_rc" -ne 0 ]; then
+    echo "env_setup failed (exit $env_setup_rc); its last lines:" >&2
+    tail -n 5 "$env_setup_out" | sed 's/^/    /' >&2
+    rm -f "$env_setup_out"
+    exit "$env_setup_rc"
+fi
+rm -f "$env_setup_out"
 
 ENGINE=(vllm serve /data/models/MiniCPM-V-4_5)
 EXTRA_ARGS=(--trust-remote-code --limit-mm-per-prompt '{"image": 4}' --dtype bfloat16)
