@@ -6,10 +6,36 @@
 #   MAX_SEQS=1 ./start_cluster.sh   one sequence per instance (deterministic, for debugging)
 #   BASE_PORT, MAX_LEN, EAGER=1, ONLY=i (just instance i), STAGGER_S, BIND (the engines' listen address)
 # An instance whose port already listens is skipped, so running it again is harmless.
+# While the deployment's keeper runs, these overrides (but ONLY and STAGGER_S) are refused (exit 5): the
+# proxy's slots and ports and the keeper's restarts follow the inventory, so an override would make
+# the engines disagree with them. Stop the keeper first (./bin/stop_cluster.sh --keeper) to debug.
 set -u
 
 DEPLOY_DIR=/data/aiops/vllm-fleet
 FLEET_ID=k100-01-014e7873
+
+# The keeper its pid file records runs when that pid has the recorded start time (and is not a zombie).
+keeper_running() {
+    local rec pid start stat f=()
+    { read -r rec <"$DEPLOY_DIR/run/keeper.pid"; } 2>/dev/null || return 1
+    case "$rec" in
+        pid=*) pid=${rec#pid=}; pid=${pid%% *}
+               start=$(grep -o 'start=[0-9]*' <<<"$rec" | cut -d= -f2) ;;
+        *) return 1 ;;
+    esac
+    { read -r stat <"/proc/$pid/stat"; } 2>/dev/null || return 1
+    read -r -a f <<<"${stat##*) }"
+    [ "${f[0]}" != Z ] && [ "${f[0]}" != X ] && [ -n "$start" ] && [ "${f[19]}" = "$start" ] && echo "$pid"
+}
+overrides=()
+for name in N BASE_PORT MAX_LEN MAX_SEQS EAGER BIND CPUS_PER_INSTANCE KVCACHE_GIB; do
+    [ -n "${!name:-}" ] && overrides+=("$name=${!name}")
+done
+if [ -n "${overrides[*]-}" ] && keeper=$(keeper_running); then
+    echo "${overrides[*]} refused: this deployment's keeper (pid $keeper) runs, and it and the proxy follow the inventory, not the environment. To debug with it, stop the keeper first (./bin/stop_cluster.sh --keeper); to keep it, change the inventory and run inv deploy." >&2
+    exit 5
+fi
+
 N="${N:-8}"
 BASE_PORT="${BASE_PORT:-8002}"
 MAX_LEN="${MAX_LEN:-8192}"
