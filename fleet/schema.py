@@ -210,8 +210,9 @@ class ProxySettings(Section):
         "Turn a numeric `user` into a string before vLLM sees it (vLLM answers 400 otherwise); "
         "recorded as a fixup in the results log.")
     api_keys_file: Path = doc("",
-        "A file of client API keys, one per line; then `/v1/*` needs `Authorization: Bearer KEY` (401"
-        " otherwise), while `/health` and `/metrics` stay open. Empty: no key needed.")
+        "A file of client API keys on the host, one per line; then `/v1/*` needs `Authorization: Bearer "
+        "KEY` (401 otherwise) at the proxy and in nginx mode alike, while `/health` and `/metrics` stay "
+        "open. Empty: no key needed (`inv doctor` warns when the entry port listens beyond loopback).")
     results_log: ResultsLogSettings = doc(ResultsLogSettings(),
         "Rotation of the results log, `logs/req_results.log`.")
     log: LogSettings = doc(LogSettings(),

@@ -114,3 +114,22 @@ def test_doctor_fails_when_the_smi_found_is_another_kinds(tmp_path):
     assert r.returncode == 2, r.stdout + r.stderr
     assert re.search(rf"^fail  smi: nvidia-smi found \({bin_dir}/nvidia-smi\), hy-smi not: this host's cards do "
                      r"not look like accelerator dcu\n      fix: set accelerator: nvidia", r.stdout, re.M), r.stdout
+
+
+@pytest.mark.process
+def test_doctor_warns_of_an_entry_port_open_beyond_loopback_without_a_key(tmp_path):
+    """1. a sim host with the default proxy.bind (0.0.0.0) and no proxy.api_keys_file: doctor warns, with
+    the fix; 2. with a key file, or bound to 127.0.0.1, the line is ok."""
+    from fleet_helpers import write_inventory
+    inventory = write_inventory(tmp_path, instances=1)
+    r = inv("doctor", "--host", "t", inventory=inventory)
+    assert r.returncode == 0, r.stdout + r.stderr
+    port = re.search(r"port (\d+) \(proxy\)", r.stdout).group(1)
+    assert re.search(rf"^warn  entry port {port}: listens on 0\.0\.0\.0 with no API key: whoever reaches it may use "
+                     r"the engines\n      fix: set proxy\.api_keys_file", r.stdout, re.M), r.stdout
+    keys = tmp_path / "keys"
+    keys.write_text("sk-1\n")
+    r = inv("doctor", "--host", "t", "--set", f"proxy.api_keys_file={keys}", inventory=inventory)
+    assert re.search(rf"^ok    entry port {port}: listens on 0\.0\.0\.0; API keys from {keys}", r.stdout, re.M), r.stdout
+    r = inv("doctor", "--host", "t", "--set", "proxy.bind=127.0.0.1", inventory=inventory)
+    assert re.search(rf"^ok    entry port {port}: listens on 127\.0\.0\.1 only$", r.stdout, re.M), r.stdout
