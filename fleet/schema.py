@@ -165,6 +165,17 @@ class LogSettings(Section):
         "Rotated files of `logs/proxy.log` kept.")
 
 
+class EngineLogSettings(Section):
+    """logs/vllm_<i>.log, rotated by size while the engine runs (hostagent/logwriter.py)."""
+
+    max_mb: MiB = doc(100.0,
+        "Size at which an instance's `logs/vllm_<i>.log` rotates while the engine runs (its standard "
+        "output and error go through a rotating writer); at most `(backups + 1) x max_mb` per instance.")
+    backups: _int(1, 100) = doc(3,
+        "Rotated files of each engine log kept (`vllm_<i>.log.1` ...); a start rotates too, so `.1` holds "
+        "the previous run's last output.")
+
+
 class QueueSettings(Section):
     """The proxy's admission queue (issue 14)."""
 
@@ -415,6 +426,8 @@ class HostSettings(Section):
         "gpu=index,memory.used,memory.total,utilization.gpu --format=csv,noheader,nounits`). Unset: "
         "`/opt/hyhal/bin/hy-smi`, `/opt/dtk/bin/rocm-smi`, `/opt/rocm/bin/rocm-smi`, then the PATH; "
         "nvidia: `nvidia-smi`; sim: `python -m fleet.sim smi`.")
+    engine_log: EngineLogSettings = doc(EngineLogSettings(),
+        "Rotation of the engine logs, `logs/vllm_<i>.log`.")
     sim: SimSettings = doc(SimSettings(),
         "The simulated engine's timing model (engine `sim`).")
     address: Address | None = doc(None,

@@ -13,6 +13,10 @@ set -u
 
 DEPLOY_DIR=/data/aiops/vllm-fleet
 FLEET_ID=k100-01-014e7873
+# The host agent's Python runs each engine log's rotating writer (hostagent/logwriter.py).
+PYTHON=python3
+LOG_MAX_BYTES=104857600
+LOG_BACKUPS=3
 
 # The keeper its pid file records runs when that pid has the recorded start time (and is not a zombie).
 keeper_running() {
@@ -97,6 +101,16 @@ record_identity() {
     mv -f "$file.tmp" "$file"
 }
 
+# Instance $1's output, piped through the rotating writer into $2: the previous run's log becomes .1, and
+# the file rotates at LOG_MAX_BYTES while the engine runs. Its own session (no stop of whoever ran this
+# script takes it) and tag <id>/log-<i> (a stop of the deployment finds it; not the instance's own, whose
+# members hold its card); it ignores SIGTERM and ends when the engine's output closes, after its last
+# line. Its own output goes nowhere: it must not hold this script's (deploy reads that to its end).
+log_writer() {
+    FLEET_TAG="$FLEET_ID/log-$1" PYTHONPATH="$DEPLOY_DIR" exec setsid "$PYTHON" -m hostagent.logwriter "$2" \
+        --max-bytes "$LOG_MAX_BYTES" --backups "$LOG_BACKUPS" --rotate-first >/dev/null 2>&1
+}
+
 port_listening() {
     ss -ltnH 2>/dev/null | awk '{print $4}' | grep -Eq "[:.]$1\$"
 }
@@ -108,7 +122,6 @@ start_instance() {
         echo "instance $i: port $port already listening, skipped"
         return 1
     fi
-    [ -f "$log" ] && mv -f "$log" "$log.1"
     rm -f "$DEPLOY_DIR/run/instance_$i.ready"
     # --served-model-name=NAME, one token: the flag takes one or more values, and in this form it takes
     # exactly one, so no extra argument after it can become another served name.
@@ -121,7 +134,7 @@ start_instance() {
     # SPT_NOENV=1: vLLM renames EngineCore and Worker with setproctitle, which otherwise overwrites
     # the environment /proc/PID/environ shows, FLEET_TAG included.
     FLEET_TAG="$FLEET_ID/$i" SPT_NOENV=1 HIP_VISIBLE_DEVICES="$i" \
-        setsid "${ENGINE[@]}" "${args[@]}" "${EXTRA_ARGS[@]}" >"$log" 2>&1 </dev/null &
+        setsid "${ENGINE[@]}" "${args[@]}" "${EXTRA_ARGS[@]}" > >(log_writer "$i" "$log") 2>&1 </dev/null &
     local pid=$!
     record_identity "$pidfile" "$pid" "$FLEET_ID/$i"
     echo "instance $i: started pid $pid on port $port, accelerator $i, log $log"
