@@ -29,11 +29,29 @@ FRONT_CONFIG = layout.NGINX_FRONT_CONF  # the front's commands: swaps, restart-p
 PYTHON3_RECENT = "python3 -c 'import sys; sys.exit(sys.version_info < (3, 7))'"
 
 
+# The line with_env_setup prints (to stderr) when env_setup fails, before it exits with its status.
+ENV_SETUP_FAILED = "env_setup failed (exit "
+
+
 def with_env_setup(hv: HostVars, command: str) -> str:
     """A shell line running command after the host's env_setup, whose output goes to stderr so that
-    it cannot mix with what command prints, and which cannot read command's standard input."""
+    it cannot mix with what command prints, and which cannot read command's standard input. A failing
+    env_setup stops the line with its exit status: command never runs in a half-made environment."""
     setup = hv["env_setup"] or ":"
-    return f"{{ {setup}\n}} </dev/null >&2\n{command}"
+    return (f"{{ {setup}\n}} </dev/null >&2 || {{ rc=$?; echo \"{ENV_SETUP_FAILED}$rc); fix env_setup in the "
+            f"inventory.\" >&2; exit $rc; }}\n{command}")
+
+
+def env_setup_failure(hv: HostVars, r) -> str | None:
+    """The sentence for a run that env_setup stopped (its status and last lines), or None."""
+    lines = r.stderr.strip().splitlines()
+    at = next((k for k, ln in enumerate(lines) if ln.startswith(ENV_SETUP_FAILED)), None)
+    if at is None:
+        return None
+    rc = lines[at][len(ENV_SETUP_FAILED):].split(")")[0]
+    said = " | ".join(ln.strip() for ln in lines[max(0, at - 3):at] if ln.strip()) or "no output"
+    return (f"{hv.name}: env_setup exited {rc} on the host (its last lines: {said[-300:]}); fix env_setup in "
+            "the inventory.")
 
 
 def python_command(hv: HostVars, args: str, env_setup: bool = False) -> str:
@@ -60,6 +78,9 @@ def run_script(conn: Transport, hv: HostVars, name: str, spec: dict, what: str, 
     r = conn.run(python_command(hv, f"- {shlex.quote(json.dumps(spec))}", env_setup),
                  stdin=hostcode.probe(name), timeout=timeout)
     if not r.ok:
+        failed_setup = env_setup_failure(hv, r)
+        if failed_setup:
+            raise RemoteError(failed_setup)
         if r.exited == 127:
             raise RemoteError(f"{hv.name}: no python3 on the host's PATH, nor {hv['python'] or 'python3'} "
                               "after env_setup; install Python 3 there or set python.")

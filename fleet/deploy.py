@@ -107,7 +107,10 @@ def _start_instances(conn, hv, to_start, report, emit):
             raise RemoteError(f"{hv.name}: card(s) {', '.join(map(str, pending))} still hold memory "
                               f"{hv['release_timeout_s']:g}s after their instance stopped; "
                               f"`inv stop --host {hv.name} --instance I --check` shows the holders.")
-    r = conn.run(f"{bin_dir}/start_cluster.sh", on_line=lambda line: emit(line))
+    # The inventory's values, whatever the environment holds (N, MAX_SEQS...: start_cluster.sh's overrides
+    # by hand, which the proxy and the keeper would not know of).
+    unset = " ".join(f"-u {name}" for name in layout.START_OVERRIDES)
+    r = conn.run(f"env {unset} {bin_dir}/start_cluster.sh", on_line=lambda line: emit(line))
     if r.exited == 3:
         raise RemoteError(f"{hv.name}: {r.stderr.strip()}")
     if not r.ok:

@@ -7,6 +7,7 @@ and there is room for logs.
 """
 from __future__ import annotations
 
+import ipaddress
 import math
 from dataclasses import dataclass
 
@@ -107,6 +108,7 @@ def checks(conn, hv: HostVars, f: dict) -> list[Check]:
             out.append(Check(label, "warn", f"held by this deployment's pid {holder['pid']} "
                              f"({holder['cmdline'][:60]}), which its pid file does not name",
                              "`inv deploy` stops it and starts the instance again"))
+    out.append(_entry_port_check(hv))
     # cards
     out += _card_checks(conn, hv, f)
     # tools
@@ -125,6 +127,26 @@ def checks(conn, hv: HostVars, f: dict) -> list[Check]:
     out.append(Check("logs", status, f"{_gib(d['free'])} free under {d['dir']}",
                      "" if status == "ok" else "free disk space there, or move deploy_dir"))
     return out
+
+
+def _loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return address == "localhost"
+
+
+def _entry_port_check(hv: HostVars) -> Check:
+    """The entry port open beyond loopback with no API key: anyone who reaches it may use the engines."""
+    p = hv["proxy"]
+    label = f"entry port {p['port']}"
+    if _loopback(p["bind"]):
+        return Check(label, "ok", f"listens on {p['bind']} only")
+    if p["api_keys_file"]:
+        return Check(label, "ok", f"listens on {p['bind']}; API keys from {p['api_keys_file']} (proxy and nginx)")
+    return Check(label, "warn", f"listens on {p['bind']} with no API key: whoever reaches it may use the engines",
+                 "set proxy.api_keys_file (one key per line; both fronts check it), or proxy.bind: 127.0.0.1 "
+                 "behind your own gateway")
 
 
 def _cpu_checks(hv: HostVars, f: dict) -> list[Check]:
@@ -165,6 +187,16 @@ def _card_checks(conn, hv: HostVars, f: dict) -> list[Check]:
     s = f["smi"]
     if hv["accelerator"] == "sim" and not f["sim_devices"]:
         return [Check("smi", "ok", "sim devices are created by the first deploy; nothing to read yet")]
+    others = smi.found_other_smis(s["output"]) if s["exit"] == 127 else []
+    if others and smi.MARKER not in s["output"]:
+        # The kind's own smi is missing and another kind's is there: the accelerator is likely wrong,
+        # and with it the visibility variable (every instance on one card, or none).
+        other = others[0]
+        kind = smi.kind_of_smi(other) or "the kind of that tool"
+        return [Check("smi", "fail", f"{other.rsplit('/', 1)[-1]} found ({other}), "
+                      f"{smi.KIND_TOOL[hv['accelerator']]} not: this host's cards do not look like "
+                      f"accelerator {hv['accelerator']}",
+                      f"set accelerator: {kind} (or name the smi with the inventory key smi)")]
     if s["exit"] == 127 and smi.MARKER not in s["output"]:
         return [Check("smi", "warn", f"no smi found (looked for {smi.locate_note(hv)})",
                       "install it or name it with the inventory key smi; without it stop cannot verify "

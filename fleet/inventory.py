@@ -466,6 +466,12 @@ class HostVars:
         if v["cpu_kvcache_gib"] != int(v["cpu_kvcache_gib"]):
             raise InventoryError(f"{where}.cpu_kvcache_gib: expected a whole number of GiB above 0 (vLLM reads "
                                  f"VLLM_CPU_KVCACHE_SPACE as an integer), got {v['cpu_kvcache_gib']}.")
+        if v["accelerator"] is None:
+            if v["engine"] == "vllm" and not entry_only:
+                raise InventoryError(f"{where}.accelerator: engine vllm needs the host's accelerator kind; set "
+                                     "accelerator: dcu (Hygon), rocm, nvidia or cpu.")
+            # sim: its own fake cards; an entry host that only runs the proxy uses no card at all.
+            v["accelerator"] = "sim" if v["engine"] == "sim" else "dcu"
         if v["accelerator"] == "sim" and v["engine"] != "sim":
             raise InventoryError(f"{where}.accelerator: the sim accelerator only runs the sim engine; "
                                  "set engine: sim.")

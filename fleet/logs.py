@@ -53,9 +53,13 @@ def tail(conn: Transport, hv: HostVars, emit: Emit, lines: int = 50, follow: boo
         report.add("logs", "failed", f"{path} does not exist yet; has `inv deploy --host {hv.name}` run?")
         return report
     emit(f"==> {hv.name}:{path} <==")
-    flag = "-F " if follow else ""
+    if instance is not None:
+        # An engine log rotates while the engine runs: the last lines may start in vllm_<i>.log.1.
+        cmd = _tail_across(path, hv["engine_log"]["backups"], int(lines), follow)
+    else:
+        cmd = f"tail -n {int(lines)} {'-F ' if follow else ''}{shlex.quote(path)}"
     try:
-        r = conn.run(f"tail -n {int(lines)} {flag}{shlex.quote(path)}", on_line=emit)
+        r = conn.run(cmd, on_line=emit)
     except InterruptedRun:
         if not follow:
             raise
@@ -66,6 +70,19 @@ def tail(conn: Transport, hv: HostVars, emit: Emit, lines: int = 50, follow: boo
         return report
     report.add("logs", "ok" if r.ok else "failed", path if r.ok else r.stderr.strip())
     return report
+
+
+def _tail_across(path: str, backups: int, lines: int, follow: bool) -> str:
+    """A shell line printing the last lines of path and its rotated files (.K ... .1, then path) as one
+    stream, then with follow what is written to path from the byte it had read on (across rotations:
+    tail -F)."""
+    rotated = " ".join(shlex.quote(f"{path}.{k}") for k in range(backups, 0, -1))
+    cmd = (f"f={shlex.quote(path)}; s=$(stat -c %s -- \"$f\" 2>/dev/null || echo 0); "
+           f"{{ for r in {rotated}; do [ -f \"$r\" ] && cat -- \"$r\"; done; head -c \"$s\" -- \"$f\"; }} "
+           f"| tail -n {lines}")
+    if follow:
+        cmd += '; exec tail -c +$((s + 1)) -F -- "$f"'
+    return cmd
 
 
 def _grep_oldest_first(conn: Transport, base: str, backups: int, ident: str) -> list[dict]:

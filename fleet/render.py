@@ -120,6 +120,7 @@ def context(hv: HostVars) -> dict:
         "host": hv.name,
         "inventory_path": hv.inventory_path,
         "deployment_id": hv.deployment_id,
+        "start_overrides": layout.START_OVERRIDES,
         "ports": hv.ports,
         "backends": hv.backends,
         # This host's own instances as its proxy names them and where they answer (an entry host's

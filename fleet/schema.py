@@ -165,6 +165,17 @@ class LogSettings(Section):
         "Rotated files of `logs/proxy.log` kept.")
 
 
+class EngineLogSettings(Section):
+    """logs/vllm_<i>.log, rotated by size while the engine runs (hostagent/logwriter.py)."""
+
+    max_mb: MiB = doc(100.0,
+        "Size at which an instance's `logs/vllm_<i>.log` rotates while the engine runs (its standard "
+        "output and error go through a rotating writer); at most `(backups + 1) x max_mb` per instance.")
+    backups: _int(1, 100) = doc(3,
+        "Rotated files of each engine log kept (`vllm_<i>.log.1` ...); a start rotates too, so `.1` holds "
+        "the previous run's last output.")
+
+
 class QueueSettings(Section):
     """The proxy's admission queue (issue 14)."""
 
@@ -237,8 +248,9 @@ class ProxySettings(Section):
         "Turn a numeric `user` into a string before vLLM sees it (vLLM answers 400 otherwise); "
         "recorded as a fixup in the results log.")
     api_keys_file: Path = doc("",
-        "A file of client API keys, one per line; then `/v1/*` needs `Authorization: Bearer KEY` (401"
-        " otherwise), while `/health` and `/metrics` stay open. Empty: no key needed.")
+        "A file of client API keys on the host, one per line; then `/v1/*` needs `Authorization: Bearer "
+        "KEY` (401 otherwise) at the proxy and in nginx mode alike, while `/health` and `/metrics` stay "
+        "open. Empty: no key needed (`inv doctor` warns when the entry port listens beyond loopback).")
     results_log: ResultsLogSettings = doc(ResultsLogSettings(),
         "Rotation of the results log, `logs/req_results.log`.")
     log: LogSettings = doc(LogSettings(),
@@ -352,9 +364,10 @@ class HostSettings(Section):
         "The host's SSH settings (the `ssh.*` keys); with it, the host is reached over SSH.")
     engine: Annotated[Literal["vllm", "sim"], Field(description="vllm or sim")] = doc("vllm",
         "`vllm`, or `sim`: the simulated engine (`python -m fleet.sim`).")
-    accelerator: AcceleratorKind = doc("dcu",
+    accelerator: AcceleratorKind | None = doc(None,
         "`dcu` (Hygon), `rocm`, `nvidia`, `cpu` (vLLM's CPU build: no card, each instance on its own "
-        "cores) or `sim` (the simulated engine's fake cards).")
+        "cores) or `sim` (the simulated engine's fake cards). Required for engine `vllm` (a wrong kind "
+        "puts every instance on one card); unset with engine `sim`: `sim`.")
     accelerators: _int(0, MAX_INSTANCES) = doc(8,
         "Cards on the host; `instances` may not exceed it (not used by `cpu`).")
     instances: _int(0, MAX_INSTANCES) = doc(8,
@@ -442,6 +455,8 @@ class HostSettings(Section):
         "gpu=index,memory.used,memory.total,utilization.gpu --format=csv,noheader,nounits`). Unset: "
         "`/opt/hyhal/bin/hy-smi`, `/opt/dtk/bin/rocm-smi`, `/opt/rocm/bin/rocm-smi`, then the PATH; "
         "nvidia: `nvidia-smi`; sim: `python -m fleet.sim smi`.")
+    engine_log: EngineLogSettings = doc(EngineLogSettings(),
+        "Rotation of the engine logs, `logs/vllm_<i>.log`.")
     sim: SimSettings = doc(SimSettings(),
         "The simulated engine's timing model (engine `sim`).")
     address: Address | None = doc(None,

@@ -83,8 +83,10 @@ Refused there rather than later:
 - `nginx.worker_processes` other than `auto` or a number, `nginx.user` other than `USER [GROUP]`, and a
   path with a control character.
 
-Across the keys of one host: more instances than accelerators, an instance port past 65535, and
-`proxy.port` or `proxy.admin_port` on an instance's port. Across hosts: a `fronts` cycle (`a` fronts
+Across the keys of one host: more instances than accelerators, an instance port past 65535,
+`proxy.port` or `proxy.admin_port` on an instance's port, and engine `vllm` with no `accelerator` (no
+kind is guessed: a wrong one puts every instance on one card; an entry host that only runs the proxy
+needs none). Across hosts: a `fronts` cycle (`a` fronts
 `b`, `b` fronts `a`), an entry host fronting another entry host, and two hosts on one machine (both
 `local`, or the same `ssh.host` and `ssh.port`; ssh to a loopback address counts as local) listening on
 one port. What reaches nginx.conf is either checked as above or quoted, and sizes and times render

@@ -240,6 +240,8 @@ def _number_or_none(value: str) -> bool:
 # --- on a host ----------------------------------------------------------------------------------
 
 MARKER = "fleet-smi: "
+OTHER_MARKER = "fleet-smi-other: "
+SMI_KINDS = ("dcu", "rocm", "nvidia")      # the kinds whose cards an smi binary reports
 
 
 def smi_command(hv) -> str:
@@ -257,11 +259,33 @@ def smi_command(hv) -> str:
             hv, f"-c {shlex.quote(hostcode.probe('cpu_mem'))} {shlex.quote(json.dumps(spec))}"))
     candidates = [wanted] if wanted else list(accelerators.kind(hv["accelerator"]).smi_candidates)
     cases = " ".join(f"{name}) set -- {shlex.join(args)} ;;" for name, args in SMI_ARGS.items())
+    # None of the kind's own: name another kind's smi when one is there (a host whose accelerator is
+    # the wrong kind), for the doctor to say which kind to set.
+    others = [] if wanted else other_kinds_smis(hv["accelerator"])
+    look = (f"for c in {shlex.join(others)}; do p=$(command -v \"$c\" 2>/dev/null) && "
+            f'echo "{OTHER_MARKER}$p" >&2; done; ') if others else ""
     return (f"for c in {shlex.join(candidates)}; do "
             f'p=$(command -v "$c" 2>/dev/null) || continue; '
             f'case "${{p##*/}}" in {cases} *) set -- ;; esac; '
-            f'echo "{MARKER}$p"; exec "$p" "$@"; done; '
+            f'echo "{MARKER}$p"; exec "$p" "$@"; done; ' + look +
             f"echo 'no smi found (looked for {' '.join(candidates)})' >&2; exit 127")
+
+
+def other_kinds_smis(kind: str) -> list[str]:
+    """The smi candidates of the card kinds other than kind (dcu, rocm, nvidia), minus kind's own."""
+    own = set(accelerators.kind(kind).smi_candidates) if kind in SMI_KINDS else set()
+    return [c for k in SMI_KINDS if k != kind for c in accelerators.kind(k).smi_candidates if c not in own]
+
+
+def kind_of_smi(path: str) -> str | None:
+    """The accelerator kind an smi binary belongs to, by its name (rocm-smi: rocm, though a DCU has it too)."""
+    return {"hy-smi": "dcu", "rocm-smi": "rocm", "nvidia-smi": "nvidia"}.get(path.rsplit("/", 1)[-1])
+
+
+def found_other_smis(output: str) -> list[str]:
+    """The other kinds' smis smi_command found when the host's kind had none."""
+    return list(dict.fromkeys(ln[len(OTHER_MARKER):].strip() for ln in output.splitlines()
+                              if ln.startswith(OTHER_MARKER)))
 
 
 def locate_note(hv) -> str:

@@ -18,7 +18,7 @@ import signal
 import subprocess
 import time
 
-from . import host, keeper, layout, processes, proxyadmin
+from . import apikeys, host, keeper, layout, processes, proxyadmin
 from .host import FrontError
 
 
@@ -33,6 +33,10 @@ def preflight(cfg: dict, nginx: str | None = None) -> dict:
         os.makedirs(d, exist_ok=True)
     if not os.path.exists(cfg["upstream_file"]):
         host.write_upstream(cfg, host.check_health(cfg))
+    try:
+        host.write_keys(cfg)           # the API keys, before nginx -t reads the map that holds them
+    except apikeys.KeysError as e:
+        raise FrontError(str(e)) from None
     r = subprocess.run(host.nginx_argv(cfg, nginx) + ["-t", "-q"], capture_output=True, text=True,
                        timeout=30)
     if r.returncode != 0:

@@ -15,7 +15,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-from . import instances, layout, processes, upstream
+from . import apikeys, instances, layout, processes, upstream
 
 # Where nginx lives when it is not on PATH (a user's PATH often lacks the sbin directories).
 NGINX_CANDIDATES = ("/usr/sbin/nginx", "/usr/local/sbin/nginx", "/usr/local/nginx/sbin/nginx", "/sbin/nginx")
@@ -130,6 +130,16 @@ def write_upstream(cfg: dict, down: set[str]) -> bool:
     """Rewrite the upstream include file; True when its text changed."""
     text = upstream.render(cfg["backends"], down, cfg["max_fails"], cfg["fail_timeout_s"])
     return upstream.write(cfg["upstream_file"], text)
+
+
+def write_keys(cfg: dict) -> bool:
+    """nginx mode with proxy.api_keys_file: (re)write the keys' map nginx includes; True when it changed.
+    apikeys.KeysError (one sentence, no key in it) when the key file cannot be used."""
+    if not cfg.get("api_keys_file"):
+        return False
+    # A relative path is the proxy's: it runs in deploy_dir.
+    keys_file = os.path.join(cfg["deploy_dir"], os.path.expanduser(cfg["api_keys_file"]))
+    return apikeys.write(cfg["keys_conf"], keys_file)
 
 
 def local_addr(cfg: dict) -> str:

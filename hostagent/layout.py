@@ -49,6 +49,11 @@ NGINX_CONF = CONF + "/nginx.conf"
 START_CLUSTER = BIN + "/start_cluster.sh"
 START_PROXY = BIN + "/start_proxy.sh"
 STOP_CLUSTER = BIN + "/stop_cluster.sh"
+# start_cluster.sh's environment overrides that change what the proxy and the keeper expect (ports, slots,
+# how many instances, the engine's flags). By hand only: the script refuses them while the keeper runs,
+# and the toolkit's own runs of the script (deploy, the keeper, restart) clear them from its environment.
+# ONLY and STAGGER_S change nothing the others rely on.
+START_OVERRIDES = ("N", "BASE_PORT", "MAX_LEN", "MAX_SEQS", "EAGER", "BIND", "CPUS_PER_INSTANCE", "KVCACHE_GIB")
 
 _INSTANCE_PID = ("instance_", ".pid")
 

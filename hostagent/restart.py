@@ -49,7 +49,8 @@ def instance_pid(cfg: dict, i: int) -> int | None:
 def _script(cfg: dict, name: str, args: list[str], env: dict | None, say: Say) -> subprocess.CompletedProcess:
     """Run bin/NAME with its standard output relayed line by line; its standard error kept for a failure."""
     path = layout.path(cfg["deploy_dir"], name)
-    full_env = {k: v for k, v in os.environ.items() if k != layout.TAG_VAR}   # the keeper's own tag stays its own
+    # The keeper's own tag stays its own; start_cluster.sh's overrides are a person's, never a restart's.
+    full_env = {k: v for k, v in os.environ.items() if k != layout.TAG_VAR and k not in layout.START_OVERRIDES}
     full_env.update(env or {})
     with tempfile.TemporaryFile("w+") as err:
         p = subprocess.Popen([path, *args], cwd=cfg["deploy_dir"], env=full_env, stdin=subprocess.DEVNULL,

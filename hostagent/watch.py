@@ -10,7 +10,7 @@ import os
 import signal
 import threading
 
-from . import host, upstream
+from . import apikeys, host, upstream
 
 log = logging.getLogger("hostagent.watch")
 
@@ -20,11 +20,18 @@ def step(cfg: dict) -> tuple[set[str], bool]:
     Returns (the backends down, whether nginx was reloaded)."""
     down = host.check_health(cfg)
     try:
+        keys_changed = host.write_keys(cfg)
+        if keys_changed:
+            log.warning("api_keys_file changed: nginx's keys rewritten")
+    except apikeys.KeysError as e:     # nginx keeps the keys it has: never open the door for a bad file
+        keys_changed = False
+        log.error("%s nginx keeps the keys it had.", e)
+    try:
         with open(cfg["upstream_file"]) as f:
             before = upstream.parse_down(f.read())
     except OSError:
         before = None
-    if not host.write_upstream(cfg, down):
+    if not host.write_upstream(cfg, down) and not keys_changed:
         return down, False
     pid = host.nginx_pid(cfg)
     if before is not None:

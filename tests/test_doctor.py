@@ -81,3 +81,55 @@ def test_cpu_instances_beyond_the_cores_say_so_plainly(tmp_path):
     hv = inventory.load(path).host_vars("c", ["cpus_per_instance=1"])
     assert doctor._cpu_checks(hv, {"cores": 2, "memory": {}})[0].message == \
         "4 instance(s) x 1 core(s) do not fit the 2 core(s) of the host"
+
+
+@pytest.mark.process
+def test_doctor_fails_when_the_smi_found_is_another_kinds(tmp_path):
+    """1. a vllm host that says accelerator dcu, whose PATH (after env_setup) has nvidia-smi and no
+    hy-smi or rocm-smi; 2. doctor fails the smi check naming what it found and the kind to set (it used
+    to warn "no smi found", and the engines would all have landed on one card)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho '0, 10, 81559, 0'\n")
+    fake.chmod(0o755)
+    base = free_ports(3)
+    inventory = tmp_path / "hosts.yml"
+    inventory.write_text(textwrap.dedent(f"""\
+        hosts:
+          t:
+            connection: local
+            engine: vllm
+            vllm_bin: {PYTHON}
+            accelerator: dcu
+            accelerators: 1
+            instances: 1
+            base_port: {base}
+            model: {tmp_path}
+            env_setup: export PATH={bin_dir}:/usr/bin:/bin
+            deploy_dir: {tmp_path / 'deploy'}
+            proxy: {{port: {base + 1}, admin_port: {base + 2}}}
+        """))
+    r = inv("doctor", "--host", "t", inventory=inventory)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert re.search(rf"^fail  smi: nvidia-smi found \({bin_dir}/nvidia-smi\), hy-smi not: this host's cards do "
+                     r"not look like accelerator dcu\n      fix: set accelerator: nvidia", r.stdout, re.M), r.stdout
+
+
+@pytest.mark.process
+def test_doctor_warns_of_an_entry_port_open_beyond_loopback_without_a_key(tmp_path):
+    """1. a sim host with the default proxy.bind (0.0.0.0) and no proxy.api_keys_file: doctor warns, with
+    the fix; 2. with a key file, or bound to 127.0.0.1, the line is ok."""
+    from fleet_helpers import write_inventory
+    inventory = write_inventory(tmp_path, instances=1)
+    r = inv("doctor", "--host", "t", inventory=inventory)
+    assert r.returncode == 0, r.stdout + r.stderr
+    port = re.search(r"port (\d+) \(proxy\)", r.stdout).group(1)
+    assert re.search(rf"^warn  entry port {port}: listens on 0\.0\.0\.0 with no API key: whoever reaches it may use "
+                     r"the engines\n      fix: set proxy\.api_keys_file", r.stdout, re.M), r.stdout
+    keys = tmp_path / "keys"
+    keys.write_text("sk-1\n")
+    r = inv("doctor", "--host", "t", "--set", f"proxy.api_keys_file={keys}", inventory=inventory)
+    assert re.search(rf"^ok    entry port {port}: listens on 0\.0\.0\.0; API keys from {keys}", r.stdout, re.M), r.stdout
+    r = inv("doctor", "--host", "t", "--set", "proxy.bind=127.0.0.1", inventory=inventory)
+    assert re.search(rf"^ok    entry port {port}: listens on 127\.0\.0\.1 only$", r.stdout, re.M), r.stdout

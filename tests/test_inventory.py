@@ -102,6 +102,9 @@ ERRORS = [
      "groups.lab.hosts: 'c' is not defined under hosts."),
     (("    engine: sim\n    accelerator: sim\n    accelerators: 4", "    engine: vllm\n    accelerator: dcu\n    accelerators: 4"),
      "hosts.a.model: the vllm engine needs a model path; set model."),
+    (("    engine: sim\n    accelerator: sim\n    accelerators: 4", "    engine: vllm\n    model: /m\n    accelerators: 4"),
+     "hosts.a.accelerator: engine vllm needs the host's accelerator kind; set accelerator: dcu (Hygon), "
+     "rocm, nvidia or cpu."),
     (("    instances: 2", "    instances: 2\n    extra_args: --trust-remote-code"),
      "hosts.b.extra_args: expected a list of strings, got '--trust-remote-code'."),
     (("    instances: 2", "    instances: 2\n    ssh: {port: 22}"),

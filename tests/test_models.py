@@ -116,6 +116,7 @@ def test_the_schema_refuses_in_one_sentence(tmp_path, keys, message):
             hosts:
               h:
                 ssh: {{host: 10.0.0.5}}
+                accelerator: dcu
                 model: /m
                 served_model_name: m
                 instances: 1
@@ -141,9 +142,9 @@ def test_an_entry_host_pools_every_fronted_host_by_model(tmp_path):
     inv = load("""\
         hosts:
           entry: {connection: local, fronts: [a, b, c]}
-          a: {ssh: {host: 10.0.0.1}, model: /m/vision, instances: 2, aliases: [v]}
-          b: {ssh: {host: 10.0.0.2}, model: /m/vision, instances: 1, aliases: [v]}
-          c: {ssh: {host: 10.0.0.3}, model: /m/text, instances: 1, max_num_seqs: 8}
+          a: {ssh: {host: 10.0.0.1}, accelerator: dcu, model: /m/vision, instances: 2, aliases: [v]}
+          b: {ssh: {host: 10.0.0.2}, accelerator: dcu, model: /m/vision, instances: 1, aliases: [v]}
+          c: {ssh: {host: 10.0.0.3}, accelerator: dcu, model: /m/text, instances: 1, max_num_seqs: 8}
         """, tmp_path)
     hv = inv.host_vars("entry")
     assert hv.pools == [
@@ -163,8 +164,8 @@ def test_two_fronted_hosts_disagreeing_on_a_model_are_refused(tmp_path):
         load("""\
             hosts:
               entry: {connection: local, fronts: [a, b], model: /m/x}
-              a: {ssh: {host: 10.0.0.1}, model: /m/vision, instances: 1, aliases: [v]}
-              b: {ssh: {host: 10.0.0.2}, model: /m/vision, instances: 1, max_num_seqs: 2}
+              a: {ssh: {host: 10.0.0.1}, accelerator: dcu, model: /m/vision, instances: 1, aliases: [v]}
+              b: {ssh: {host: 10.0.0.2}, accelerator: dcu, model: /m/vision, instances: 1, max_num_seqs: 2}
             """, tmp_path)
 
 

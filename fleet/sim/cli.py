@@ -53,6 +53,9 @@ def parser() -> argparse.ArgumentParser:
                             "(FLEET_SIM_EXIT_DELAY_S, 4)")
     serve.add_argument("--sim-instant", dest="instant", action="store_true",
                        help="no load, prefill or token time (FLEET_SIM_INSTANT=1)")
+    serve.add_argument("--sim-log-bytes", dest="log_bytes", type=int,
+                       help="write about this many bytes of numbered log lines to standard output per "
+                            "request, like an engine logging at debug level (FLEET_SIM_LOG_BYTES, 0)")
     serve.add_argument("--sim-fail-start", dest="fail_start", action="store_true",
                        help="exit at once with an engine start-up error (a crash loop on demand)")
 

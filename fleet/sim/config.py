@@ -16,6 +16,7 @@ TIMING = {
     "token_ms": ("FLEET_SIM_TOKEN_MS", 10.0, float),
     "output_tokens": ("FLEET_SIM_OUTPUT_TOKENS", 200, int),
     "exit_delay_s": ("FLEET_SIM_EXIT_DELAY_S", 4.0, float),
+    "log_bytes": ("FLEET_SIM_LOG_BYTES", 0, int),
 }
 # What the API server does once its engine core died: vLLM 0.32 exits by itself a few seconds later
 # (EngineDeadError; /health 503 and /v1/models 200 meanwhile), vLLM 0.11 stays up with /health 503.
@@ -38,6 +39,7 @@ class SimConfig:
     output_tokens: int = 200
     after_engine_death: str = "exit"
     exit_delay_s: float = 4.0
+    log_bytes: int = 0          # chatty: numbered log lines per request on standard output
     dev_dir: Path = field(default_factory=devices.default_dev_dir)
     visible_cards: list[int] = field(default_factory=lambda: [0])
     tensor_parallel_size: int = 1

@@ -47,6 +47,21 @@ class Engine:
         self.generated_tokens = 0
         self._use_changed = asyncio.Event()
         self.started = protocol.now()
+        self.log_lines = 0       # numbered chatter lines written so far (--sim-log-bytes)
+
+    def chatter(self, n_bytes: int) -> None:
+        """About n_bytes of numbered log lines on standard output, written at once (a debug-level
+        engine): `sim-log <seq> xxx...`; a reader can tell whether a line went missing."""
+        lines = []
+        size = 0
+        while size < n_bytes:
+            self.log_lines += 1
+            line = f"sim-log {self.log_lines:010d} " + "x" * 100 + "\n"
+            lines.append(line)
+            size += len(line)
+        data = memoryview("".join(lines).encode())
+        while data:
+            data = data[os.write(1, data):]
 
     @property
     def alive(self) -> bool:
@@ -233,6 +248,8 @@ async def _completions(request: web.Request, kind: str) -> web.StreamResponse:
     except ValueError as e:
         raise ApiError(400, f"Invalid JSON in request body: {e}")
     job = protocol.parse(kind, body, cfg.served_model_names, cfg.max_model_len, engine.adapters)
+    if cfg.log_bytes > 0:
+        engine.chatter(cfg.log_bytes)
     if not engine.alive:
         raise protocol.engine_dead_error()
     if not engine.ready:

@@ -6,10 +6,40 @@
 #   MAX_SEQS=1 ./start_cluster.sh   one sequence per instance (deterministic, for debugging)
 #   BASE_PORT, MAX_LEN, EAGER=1, ONLY=i (just instance i), STAGGER_S, BIND (the engines' listen address)
 # An instance whose port already listens is skipped, so running it again is harmless.
+# While the deployment's keeper runs, these overrides (but ONLY and STAGGER_S) are refused (exit 5): the
+# proxy's slots and ports and the keeper's restarts follow the inventory, so an override would make
+# the engines disagree with them. Stop the keeper first (./bin/stop_cluster.sh --keeper) to debug.
 set -u
 
 DEPLOY_DIR=/data/aiops/vllm-fleet
 FLEET_ID=k100-01-014e7873
+# The host agent's Python runs each engine log's rotating writer (hostagent/logwriter.py).
+PYTHON=python3
+LOG_MAX_BYTES=104857600
+LOG_BACKUPS=3
+
+# The keeper its pid file records runs when that pid has the recorded start time (and is not a zombie).
+keeper_running() {
+    local rec pid start stat f=()
+    { read -r rec <"$DEPLOY_DIR/run/keeper.pid"; } 2>/dev/null || return 1
+    case "$rec" in
+        pid=*) pid=${rec#pid=}; pid=${pid%% *}
+               start=$(grep -o 'start=[0-9]*' <<<"$rec" | cut -d= -f2) ;;
+        *) return 1 ;;
+    esac
+    { read -r stat <"/proc/$pid/stat"; } 2>/dev/null || return 1
+    read -r -a f <<<"${stat##*) }"
+    [ "${f[0]}" != Z ] && [ "${f[0]}" != X ] && [ -n "$start" ] && [ "${f[19]}" = "$start" ] && echo "$pid"
+}
+overrides=()
+for name in N BASE_PORT MAX_LEN MAX_SEQS EAGER BIND CPUS_PER_INSTANCE KVCACHE_GIB; do
+    [ -n "${!name:-}" ] && overrides+=("$name=${!name}")
+done
+if [ -n "${overrides[*]-}" ] && keeper=$(keeper_running); then
+    echo "${overrides[*]} refused: this deployment's keeper (pid $keeper) runs, and it and the proxy follow the inventory, not the environment. To debug with it, stop the keeper first (./bin/stop_cluster.sh --keeper); to keep it, change the inventory and run inv deploy." >&2
+    exit 5
+fi
+
 N="${N:-8}"
 BASE_PORT="${BASE_PORT:-8002}"
 MAX_LEN="${MAX_LEN:-8192}"
@@ -21,11 +51,25 @@ STAGGER_S="${STAGGER_S:-5}"
 BIND="${BIND:-127.0.0.1}"
 ONLY="${ONLY:-}"
 
-# The host's environment (env_setup from the inventory: shell code by design). Activation
-# scripts (conda's among them) often read unset variables, so set -u is off around it.
+# The host's environment (env_setup from the inventory: shell code by design), run in this shell.
+# Activation scripts (conda's among them) often read unset variables, so set -u is off around it. Its
+# output is kept aside; when it fails, this script stops with its exit status and last lines instead of
+# running whatever `vllm` or `python` comes first on the PATH.
+mkdir -p "$DEPLOY_DIR/run" || exit 1
+env_setup_out="$DEPLOY_DIR/run/env_setup.$$.out"
 set +u
+{
 source /opt/dtk/env.sh && source ~/miniconda3/bin/activate vllm-serve
+} >"$env_setup_out" 2>&1 </dev/null
+env_setup_rc=$?
 set -u
+if [ "$env_setup_rc" -ne 0 ]; then
+    echo "env_setup failed (exit $env_setup_rc); its last lines:" >&2
+    tail -n 5 "$env_setup_out" | sed 's/^/    /' >&2
+    rm -f "$env_setup_out"
+    exit "$env_setup_rc"
+fi
+rm -f "$env_setup_out"
 
 ENGINE=(vllm serve /data/models/MiniCPM-V-4_5)
 EXTRA_ARGS=(--trust-remote-code --limit-mm-per-prompt '{"image": 4}' --dtype bfloat16)
@@ -57,6 +101,16 @@ record_identity() {
     mv -f "$file.tmp" "$file"
 }
 
+# Instance $1's output, piped through the rotating writer into $2: the previous run's log becomes .1, and
+# the file rotates at LOG_MAX_BYTES while the engine runs. Its own session (no stop of whoever ran this
+# script takes it) and tag <id>/log-<i> (a stop of the deployment finds it; not the instance's own, whose
+# members hold its card); it ignores SIGTERM and ends when the engine's output closes, after its last
+# line. Its own output goes nowhere: it must not hold this script's (deploy reads that to its end).
+log_writer() {
+    FLEET_TAG="$FLEET_ID/log-$1" PYTHONPATH="$DEPLOY_DIR" exec setsid "$PYTHON" -m hostagent.logwriter "$2" \
+        --max-bytes "$LOG_MAX_BYTES" --backups "$LOG_BACKUPS" --rotate-first >/dev/null 2>&1
+}
+
 port_listening() {
     ss -ltnH 2>/dev/null | awk '{print $4}' | grep -Eq "[:.]$1\$"
 }
@@ -68,7 +122,6 @@ start_instance() {
         echo "instance $i: port $port already listening, skipped"
         return 1
     fi
-    [ -f "$log" ] && mv -f "$log" "$log.1"
     rm -f "$DEPLOY_DIR/run/instance_$i.ready"
     # --served-model-name=NAME, one token: the flag takes one or more values, and in this form it takes
     # exactly one, so no extra argument after it can become another served name.
@@ -81,7 +134,7 @@ start_instance() {
     # SPT_NOENV=1: vLLM renames EngineCore and Worker with setproctitle, which otherwise overwrites
     # the environment /proc/PID/environ shows, FLEET_TAG included.
     FLEET_TAG="$FLEET_ID/$i" SPT_NOENV=1 HIP_VISIBLE_DEVICES="$i" \
-        setsid "${ENGINE[@]}" "${args[@]}" "${EXTRA_ARGS[@]}" >"$log" 2>&1 </dev/null &
+        setsid "${ENGINE[@]}" "${args[@]}" "${EXTRA_ARGS[@]}" > >(log_writer "$i" "$log") 2>&1 </dev/null &
     local pid=$!
     record_identity "$pidfile" "$pid" "$FLEET_ID/$i"
     echo "instance $i: started pid $pid on port $port, accelerator $i, log $log"

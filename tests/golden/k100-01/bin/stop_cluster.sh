@@ -22,9 +22,25 @@ PYTHON=python3
 if python3 -c 'import sys; sys.exit(sys.version_info < (3, 7))' >/dev/null 2>&1; then
     PYTHON=python3
 else
-    set +u
-    source /opt/dtk/env.sh && source ~/miniconda3/bin/activate vllm-serve
-    set -u
+# The host's environment (env_setup from the inventory: shell code by design), run in this shell.
+# Activation scripts (conda's among them) often read unset variables, so set -u is off around it. Its
+# output is kept aside; when it fails, this script stops with its exit status and last lines instead of
+# running whatever `vllm` or `python` comes first on the PATH.
+mkdir -p "$DEPLOY_DIR/run" || exit 1
+env_setup_out="$DEPLOY_DIR/run/env_setup.$$.out"
+set +u
+{
+source /opt/dtk/env.sh && source ~/miniconda3/bin/activate vllm-serve
+} >"$env_setup_out" 2>&1 </dev/null
+env_setup_rc=$?
+set -u
+if [ "$env_setup_rc" -ne 0 ]; then
+    echo "env_setup failed (exit $env_setup_rc); its last lines:" >&2
+    tail -n 5 "$env_setup_out" | sed 's/^/    /' >&2
+    rm -f "$env_setup_out"
+    exit "$env_setup_rc"
+fi
+rm -f "$env_setup_out"
 fi
 cd "$DEPLOY_DIR"
 exec "$PYTHON" -m hostagent.processes stop "$SPEC" "$@"

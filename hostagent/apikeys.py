@@ -1,0 +1,79 @@
+"""nginx mode's API keys: the proxy's `api_keys_file` turned into an nginx `map` that nginx includes.
+
+The keys never reach nginx.conf (which the control node renders and may show in a diff): this module
+writes them on the host into `run/nginx_keys.conf`, readable by the deployment's user alone (mode 0600;
+nginx's master reads its configuration as root or as that user). The /health watcher (or the keeper)
+rewrites it when the key file changes, then reloads nginx. Nothing here ever logs or prints a key.
+
+The file is one `map` from the `Authorization` header to `$fleet_authorized`: each key a case-sensitive
+regular expression (nginx's plain map strings match ignoring case, which would weaken a key), the scheme
+`Bearer` in any case followed by blanks, as the proxy accepts it. Every character of a key but letters
+and digits is written as `\\xHH`, so nothing in a key is read by nginx's parser or by PCRE as syntax.
+"""
+from __future__ import annotations
+
+import os
+
+VARIABLE = "$fleet_authorized"
+
+
+class KeysError(Exception):
+    """The key file cannot serve as nginx's: one sentence saying what to do."""
+
+
+def read_keys(path: str) -> list[str]:
+    """The keys of path, one per line (# comments and blank lines skipped), as the proxy reads them."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise KeysError("cannot read api_keys_file %s: %s; fix the file or proxy.api_keys_file."
+                        % (path, e.strerror or e)) from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise KeysError("api_keys_file %s is not UTF-8 text." % path) from None
+    keys = [k.strip() for k in text.splitlines()]
+    keys = [k for k in keys if k and not k.startswith("#")]
+    if not keys:
+        raise KeysError("api_keys_file %s holds no key; put one key per line, or drop the setting." % path)
+    for n, k in enumerate(keys, 1):
+        if not all(0x21 <= ord(c) <= 0x7E for c in k):
+            # A Bearer token is printable ASCII without blanks (RFC 6750); nginx compares bytes.
+            raise KeysError("api_keys_file %s: key %d has a character nginx mode cannot check (blanks, "
+                            "control or non-ASCII characters); use printable ASCII keys." % (path, n))
+    return sorted(set(keys))
+
+
+def pattern(key: str) -> str:
+    """The nginx map source (a quoted regular expression) that matches `Bearer KEY` and nothing else."""
+    escaped = "".join(c if c.isascii() and c.isalnum() else "\\x%02x" % ord(c) for c in key)
+    return '"~^(?i:bearer)[ \\t]+%s[ \\t]*\\z"' % escaped
+
+
+def render(keys: list[str]) -> str:
+    """The text of run/nginx_keys.conf: the map nginx.conf includes inside `http {}`."""
+    lines = ["# Written by hostagent from proxy.api_keys_file: readable by the deployment's user only.",
+             "map $http_authorization %s {" % VARIABLE, "    default 0;"]
+    lines += ["    %s 1;" % pattern(k) for k in keys]
+    return "\n".join(lines + ["}"]) + "\n"
+
+
+def write(path: str, keys_file: str) -> bool:
+    """Write path (mode 0600, atomically) from keys_file when its text differs; True when it changed.
+    KeysError when keys_file cannot be used: the file in place is then left as it was."""
+    text = render(read_keys(keys_file))
+    try:
+        with open(path) as f:
+            if f.read() == text:
+                return False
+    except OSError:
+        pass
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = "%s.tmp.%d" % (path, os.getpid())
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+    return True

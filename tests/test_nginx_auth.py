@@ -1,0 +1,129 @@
+"""API keys on both fronts: the proxy and nginx refuse a request without a valid key in the same words,
+serve only the proxy's paths, take a changed key file while running, and keep the keys out of nginx.conf
+and every log. Real nginx, a real sim cluster deployed with `inv`."""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import stat
+
+import pytest
+
+from conftest import require_tool, wait_until
+from fleet_helpers import deployment_id, inv, kill_tagged, status_json, write_inventory
+from hostagent import apikeys
+
+
+KEY = "sk-Alpha-1"
+ODD_KEY = 'k.e+y$/(x)"\\;{}#z'     # every character nginx's parser or PCRE could read as syntax
+NEW_KEY = "sk-new-2"
+
+
+def request(port: int, path: str, key: str | None = None, method: str = "GET", body: dict | None = None):
+    """(status, headers with lower-case names, JSON body or None) of one request to 127.0.0.1:port."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    try:
+        conn.request(method, path, json.dumps(body) if body is not None else None, headers)
+        r = conn.getresponse()
+        data = r.read()
+        try:
+            parsed = json.loads(data)
+        except ValueError:
+            parsed = None
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, parsed
+    finally:
+        conn.close()
+
+
+def chat(port: int, key: str | None) -> int:
+    body = {"model": "Test-Model", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    return request(port, "/v1/chat/completions", key, "POST", body)[0]
+
+
+def check_front(port: int, front: str) -> dict:
+    """What must hold on either front; returns the 401 body."""
+    status, headers, unauthorized = request(port, "/v1/chat/completions", None, "POST", {"model": "Test-Model"})
+    assert status == 401 and headers.get("www-authenticate") == "Bearer", (front, status, headers)
+    assert ("x-front" in headers) == (front == "nginx"), headers
+    assert chat(port, "sk-wrong") == 401
+    assert chat(port, KEY.lower()) == 401, "a key is case-sensitive"
+    assert chat(port, KEY) == 200 and chat(port, ODD_KEY) == 200
+    assert request(port, "/v1/models", KEY)[0] == 200
+    assert request(port, "/health")[0] == 200 and request(port, "/metrics")[0] == 200   # open, as documented
+    for path in ("/", "/sim/stats", "/version", "/tokenize"):
+        assert request(port, path, KEY)[0] == 404, (front, path)
+    return unauthorized
+
+
+@pytest.mark.nginx
+@pytest.mark.cluster
+def test_keys_hold_on_both_fronts_and_a_changed_key_file_is_taken(tmp_path):
+    """1. a sim cluster whose proxy.api_keys_file holds KEY and ODD_KEY, deployed: the proxy answers 401
+    without a valid key, 200 with one, 404 outside /v1/, /health and /metrics;
+    2. swap-to-nginx: nginx does the same, with the very same 401 body; the keys are in
+    run/nginx_keys.conf (mode 0600), not in conf/nginx.conf;
+    3. KEY replaced by NEW_KEY in the file while nginx runs: the watcher rewrites the map and reloads
+    nginx, NEW_KEY gets 200 and KEY 401, with no command;
+    4. swap-to-proxy and the key file changed back, SIGHUP to the proxy: it takes it too;
+    5. no key appears in any file under logs/."""
+    require_tool("nginx")
+    keys = tmp_path / "keys"
+    keys.write_text(f"# clients\n{KEY}\n{ODD_KEY}\n")
+    inventory = write_inventory(tmp_path, instances=2)
+    inventory.write_text(inventory.read_text().replace(
+        "      health_interval_s: 0.5\n", f"      health_interval_s: 0.5\n      api_keys_file: {keys}\n"))
+    deploy = tmp_path / "deploy"
+    try:
+        r = inv("deploy", "--host", "t", inventory=inventory)
+        assert r.returncode == 0, r.stdout + r.stderr
+        port = status_json(inventory)["proxy"]["port"]
+        proxy_401 = check_front(port, "proxy")
+
+        r = inv("swap-to-nginx", "--host", "t", inventory=inventory)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert status_json(inventory)["front"] == "nginx"
+        assert check_front(port, "nginx") == proxy_401
+        conf = (deploy / "conf" / "nginx.conf").read_text()
+        assert KEY not in conf and "nginx_keys.conf" in conf
+        keys_conf = deploy / "run" / "nginx_keys.conf"
+        assert stat.S_IMODE(keys_conf.stat().st_mode) == 0o600
+
+        keys.write_text(f"{NEW_KEY}\n{ODD_KEY}\n")
+        # A reload is done when the old workers have stopped accepting: both keys' answers change then.
+        wait_until(lambda: chat(port, NEW_KEY) == 200 and chat(port, KEY) == 401, timeout=30,
+                   what="nginx takes the new key file")
+        assert chat(port, ODD_KEY) == 200
+
+        r = inv("swap-to-proxy", "--host", "t", inventory=inventory)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert chat(port, NEW_KEY) == 200 and chat(port, KEY) == 401
+        keys.write_text(f"{KEY}\n")
+        os.kill(status_json(inventory)["proxy"]["pid"], signal.SIGHUP)
+        wait_until(lambda: chat(port, KEY) == 200 and chat(port, NEW_KEY) == 401, timeout=30,
+                   what="the proxy takes the changed key file")
+    finally:
+        inv("stop", "--host", "t", inventory=inventory)
+        kill_tagged(deployment_id(inventory) + "/")
+    for path in (deploy / "logs").rglob("*"):
+        if path.is_file():
+            text = path.read_bytes()
+            for key in (KEY, NEW_KEY, ODD_KEY):
+                assert key.encode() not in text, f"a key in {path}"
+
+
+@pytest.mark.unit
+def test_a_key_nginx_cannot_check_is_refused_in_one_sentence_without_the_key(tmp_path):
+    """A key with a blank inside, and an empty file: one sentence each, naming the file, never the key."""
+    path = tmp_path / "keys"
+    path.write_text("sk-good\nsk bad secret\n")
+    with pytest.raises(apikeys.KeysError) as e:
+        apikeys.read_keys(str(path))
+    assert str(e.value) == (f"api_keys_file {path}: key 2 has a character nginx mode cannot check (blanks, "
+                            "control or non-ASCII characters); use printable ASCII keys.")
+    path.write_text("# none yet\n")
+    with pytest.raises(apikeys.KeysError, match="holds no key; put one key per line, or drop the setting"):
+        apikeys.read_keys(str(path))
+    assert apikeys.pattern("a-b") == '"~^(?i:bearer)[ \\t]+a\\x2db[ \\t]*\\z"'
