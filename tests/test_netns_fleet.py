@@ -9,6 +9,7 @@ test's, and the test sees the hosts' processes by pid and tag.
 """
 from __future__ import annotations
 
+import copy
 import json
 import re
 import threading
@@ -41,7 +42,7 @@ def member(fleet: NetnsFleet, i: int, tmp_path: Path, instances: int = 2, **extr
              "python": PYTHON, "deploy_dir": str(tmp_path / f"h{i}"), "stagger_s": 0,
              "health_timeout_s": 60, "stop_grace_s": 3, "sim": dict(SIM),
              "proxy": {"health_interval_s": 0.5, "connect_timeout_s": 2}}
-    for key, value in extra.items():
+    for key, value in copy.deepcopy(extra).items():
         if isinstance(value, dict) and isinstance(vars_.get(key), dict):
             vars_[key] = {**vars_[key], **value}
         else:
@@ -100,6 +101,69 @@ def post(address: str, max_tokens: int = 8, timeout: float = 60, stream: bool = 
         return e.code, e.headers.get("X-Backend"), time.monotonic() - t0
     except (OSError, ValueError):
         return None, None, time.monotonic() - t0
+
+
+def admin_backends(fleet: NetnsFleet, i: int) -> dict:
+    """The proxy's own view of its backends on host i (its admin port is loopback-only, so from inside the
+    host's namespace): name -> its entry of GET /admin/backends."""
+    url = "http://127.0.0.1:8001/admin/backends"
+    code = f"import urllib.request; print(urllib.request.urlopen({url!r}, timeout=5).read().decode())"
+    r = fleet.hosts[i].run(PYTHON, "-c", code, check=False)
+    return {b["name"]: b for b in json.loads(r.stdout)} if r.returncode == 0 else {}
+
+
+class Load:
+    """Client threads sending chat requests to an entry port until stopped or bounded (count and time):
+    each request's start, end, status, backend and whether it streamed, in the order they ended."""
+
+    def __init__(self, address: str, threads: int = 8, max_requests: int = 3000, max_s: float = 240,
+                 max_tokens: int = 30):
+        self.address, self.max_requests, self.max_s, self.max_tokens = address, max_requests, max_s, max_tokens
+        self.done: list[dict] = []
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.sent = 0
+        self.active: dict[int, float] = {}    # thread -> when its request in flight started
+        self.threads = [threading.Thread(target=self._run, args=(k,), daemon=True) for k in range(threads)]
+
+    def __enter__(self) -> "Load":
+        self.t0 = time.monotonic()
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stopping.set()
+        for t in self.threads:
+            t.join(timeout=120)
+
+    def _run(self, k: int) -> None:
+        n = 0
+        while not self.stopping.is_set() and time.monotonic() - self.t0 < self.max_s:
+            with self.lock:
+                if self.sent >= self.max_requests:
+                    return
+                self.sent += 1
+            stream = (k + n) % 2 == 0     # half of them streamed, half whole answers
+            n += 1
+            start = time.monotonic()
+            with self.lock:
+                self.active[k] = start
+            code, backend, took = post(self.address, max_tokens=self.max_tokens, timeout=120, stream=stream,
+                                       user=f"load-{k}-{n}")
+            with self.lock:
+                del self.active[k]
+                self.done.append({"start": start, "end": start + took, "status": code, "backend": backend,
+                                  "stream": stream})
+
+    def started_before(self, t: float) -> int:
+        """How many requests started before t are still in flight."""
+        with self.lock:
+            return sum(1 for start in self.active.values() if start < t)
+
+    def count(self, predicate=lambda d: True) -> int:
+        with self.lock:
+            return sum(1 for d in self.done if predicate(d))
 
 
 @pytest.fixture
@@ -193,3 +257,146 @@ def test_fixture_removes_everything(tmp_path):
     assert made_by(fleet) == []
     assert not [p for p in fleet.pids + killed if Path(f"/proc/{p}").exists()
                 and Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+
+
+def test_member_sshd_stopped_deploy_reports_it_unreachable(netns_fleet, tmp_path, cleanup):
+    """1. the entry and four members; m3's sshd is stopped (its port refuses connections); 2. `inv deploy
+    --host fleet` reports m3 UNREACHABLE in one sentence and its recap says unreachable=1; 3. the other
+    members deploy and serve, and the entry deploys fronting them (m3's backends unhealthy, requests
+    through the entry all answered); 4. exit code 4."""
+    fleet = netns_fleet(5)
+    inventory = fleet_inventory(fleet, tmp_path)
+    cleanup.append(inventory)
+    down = fleet.hosts[3]
+    fleet.stop_sshd(down)
+
+    r = inv("deploy", "--host", "fleet", inventory=inventory)
+    assert r.returncode == 4, r.stdout + r.stderr
+    assert recap(r.stdout, "m3")["unreachable"] == 1, r.stdout
+    assert re.search(rf"^m3: UNREACHABLE: m3: cannot reach {re.escape(down.address)}:22 .*; check the "
+                     r"address and that sshd runs there\.$", r.stderr, re.M), r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
+    for name in ("entry", "m1", "m2", "m4"):
+        assert recap(r.stdout, name)["unreachable"] == 0 and recap(r.stdout, name)["failed"] == 0, r.stdout
+    assert not (tmp_path / "h3").exists()
+
+    st = statuses(inventory, "entry,m1,m2,m4")
+    for name in ("m1", "m2", "m4"):
+        assert [x["state"] for x in st[name]["instances"]] == ["healthy", "healthy"], st[name]
+    healthy = {x["name"] for x in st["entry"]["proxy"]["backends"] if x["healthy"]}
+    assert healthy == {f"{fleet.hosts[i].address}:{BASE + k}" for i in (1, 2, 4) for k in range(2)}
+    answers = [post(fleet.hosts[0].address)[:2] for _ in range(12)]
+    assert all(code == 200 for code, _ in answers), answers
+    assert not any(backend.startswith(down.address + ":") for _, backend in answers)
+
+
+def test_forks_deploys_hosts_in_parallel(netns_fleet, tmp_path, cleanup):
+    """1. four hosts (no entry) whose instances take 8 s to load, as a real engine's take longer;
+    2. `inv deploy --forks 1` (one host after the other), stop, then `inv deploy --forks 4` (all at once);
+    3. both deploy every host; the times are printed, and --forks 4 takes under 0.8 x the time of
+    --forks 1.
+
+    Why the margin holds on a loaded machine: a host's deploy is its instances' load (8 s, pure waiting,
+    which overlaps fully across hosts) plus C seconds of work (SSH, the doctor, the sims' imports) that
+    may not overlap at all on two busy cores. forks 1 takes 4 x (8 + C), forks 4 at worst 8 + 4 x C:
+    under 0.8 x while C < 22 s per host; measured C was 7 s with the load average at 8."""
+    fleet = netns_fleet(4)
+    slow = {"load_s": 8}
+    inventory = fleet_inventory(fleet, tmp_path, members=3, entry=False, sim=slow)
+    hosts = yaml.safe_load(inventory.read_text())
+    hosts["hosts"] = {"m0": member(fleet, 0, tmp_path, sim=slow), **hosts["hosts"]}
+    hosts["groups"]["fleet"]["hosts"] = list(hosts["hosts"])
+    inventory.write_text(yaml.safe_dump(hosts, sort_keys=False))
+    cleanup.append(inventory)
+
+    times = {}
+    for forks in (1, 4):
+        t0 = time.monotonic()
+        r = inv("deploy", "--host", "fleet", "--forks", str(forks), inventory=inventory)
+        times[forks] = time.monotonic() - t0
+        assert r.returncode == 0, r.stdout + r.stderr
+        for name in ("m0", "m1", "m2", "m3"):
+            assert recap(r.stdout, name)["failed"] == 0, r.stdout
+        stop = inv("stop", "--host", "fleet", "--forks", "4", inventory=inventory)
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+    print(f"\ndeploy of 4 hosts x 2 sim instances (load_s 8): --forks 1 {times[1]:.1f}s, "
+          f"--forks 4 {times[4]:.1f}s ({times[4] / times[1]:.2f} x)")
+    assert times[4] < 0.8 * times[1], times
+
+
+def test_member_link_down_under_load(netns_fleet, tmp_path, cleanup):
+    """1. the entry and four members (2 sim instances each, ~2.5 s answers); 8 clients send requests
+    through the entry, half of them streamed; 2. while the entry has requests in flight on m2, m2's link
+    goes down inside its namespace (`ip link set eth0 down`): no RST, no FIN, its packets simply vanish;
+    3. the entry ejects m2's two backends; every request that had not started on m2 before the cut
+    succeeds (new ones sent to m2 before the ejection are retried elsewhere); the attempts in flight on
+    m2 end within seconds while the link is still down, not at the 300 s upstream timeout: a whole
+    answer not begun is retried on another backend, a stream already begun is cut; 4. the link comes
+    back: m2's backends return to service without any command, and requests reach them again. The
+    counts and the latencies are printed."""
+    fleet = netns_fleet(5)
+    inventory = fleet_inventory(fleet, tmp_path, sim={"token_ms": 20})
+    cleanup.append(inventory)
+    r = inv("deploy", "--host", "fleet", inventory=inventory)
+    assert r.returncode == 0, r.stdout + r.stderr
+    victim = fleet.hosts[2]
+    on_victim = {f"{victim.address}:{BASE + k}" for k in range(2)}
+    entry = fleet.hosts[0].address
+
+    def victim_view() -> list[dict]:
+        view = admin_backends(fleet, 0)
+        return [view[name] for name in on_victim if name in view]
+
+    with Load(entry, max_tokens=120) as load:
+        try:
+            wait_until(lambda: load.count(lambda d: d["status"] == 200 and d["backend"] in on_victim) >= 4,
+                       120, 0.2, what="load reaching m2")
+            wait_until(lambda: sum(b["in_flight"] for b in victim_view()) >= 2, 60, 0.05,
+                       what="two requests in flight on m2")
+            t_cut = time.monotonic()
+            victim.link(up=False)
+            wait_until(lambda: {b["healthy"] for b in victim_view()} == {False}, 60, 0.2,
+                       what="the entry ejecting m2's backends")
+            t_ejected = time.monotonic()
+            # The requests in flight at the cut end while the link is still down: none waits for it.
+            wait_until(lambda: load.started_before(t_cut) == 0, 60, 0.2,
+                       what="the requests in flight at the cut to end with m2's link down")
+            t_settled = time.monotonic()
+            # Load goes on around m2 for a while.
+            after = load.count()
+            wait_until(lambda: load.count() >= after + 40, 120, 0.2, what="requests served around m2")
+            t_up = time.monotonic()
+        finally:
+            victim.link(up=True)
+        wait_until(lambda: {b["healthy"] for b in victim_view()} == {True}, 60, 0.2,
+                   what="m2's backends healthy again")
+        t_back = time.monotonic()
+        wait_until(lambda: load.count(lambda d: d["start"] > t_back and d["status"] == 200
+                                      and d["backend"] in on_victim) >= 2, 60, 0.2,
+                   what="requests served by m2 again")
+    done = load.done
+    failed = [d for d in done if d["status"] != 200]
+    ok = [d for d in done if d["status"] == 200]
+    in_flight_at_cut = [d for d in done if d["start"] < t_cut < d["end"]]
+    # The entry's own account of its attempts on m2 that failed (the results log, one line per attempt).
+    attempts = [json.loads(line) for line in (tmp_path / "h0/logs/req_results.log").read_text().splitlines()]
+    lost = [a for a in attempts if a["backend"] in on_victim and a["status"] != 200]
+    latencies = ", ".join(f"{d['end'] - t_cut:.1f}s" for d in failed) or "-"
+    lost_after = ", ".join(f"{a['attempt_ms'] / 1000:.1f}s" for a in lost)
+    lost_why = "; ".join(sorted({str(a.get("error"))[:70] for a in lost}))
+    print(f"\nlink down on m2 under load: {len(done)} requests, {len(ok)} succeeded, {len(failed)} failed "
+          f"({sum(d['stream'] for d in failed)} streamed), ending {latencies} after the cut; "
+          f"{len(in_flight_at_cut)} in flight at the cut; the entry's attempts on m2 that failed: "
+          f"{len(lost)}, after {lost_after} ({lost_why}); ejected {t_ejected - t_cut:.1f}s "
+          f"after the cut; the last request in flight at the cut ended {t_settled - t_cut:.1f}s after it; "
+          f"back in service {t_back - t_up:.1f}s after the link came up")
+    # Requests were in flight on m2 when its link went down, and each such attempt ended fast.
+    assert lost, attempts[-20:]
+    assert all(a["attempt_ms"] < 30_000 for a in lost), lost
+    # What failed was in flight when the link went down (a stream begun on m2), and failed fast.
+    for d in failed:
+        assert d["start"] < t_cut and d["stream"], d
+        assert d["end"] - t_cut < 30, d
+    # While the link was down nothing was answered by m2, and everything else was answered.
+    assert not [d for d in ok if d["backend"] in on_victim and t_cut + 1 < d["start"] and d["end"] < t_up]
+    assert all(d["status"] == 200 for d in done if d["start"] >= t_cut)
