@@ -85,7 +85,11 @@ class NetnsFleet:
     client_key: Path
     known_hosts: Path
     hosts: list[NetnsHost] = field(default_factory=list)
-    pids: list[int] = field(default_factory=list)   # every process the fixture started, by pid
+    procs: list[subprocess.Popen] = field(default_factory=list)   # every process the fixture started
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
 
     @property
     def gateway(self) -> str:
@@ -105,7 +109,7 @@ class NetnsFleet:
         """Start the host's sshd (again), on the same address and port with a new host key."""
         host.sshd = start_sshd(self.directory / f"sshd-{host.index}", address=host.address, port=22,
                                client_key=self.client_key, wrap=host.exec_argv())
-        self.pids.append(host.sshd.proc.pid)
+        self.procs.append(host.sshd.proc)
         self.known_hosts.write_text("".join(
             h.sshd.known_hosts.read_text() for h in self.hosts if h.sshd is not None))
 
@@ -131,9 +135,6 @@ def _kill(pids) -> None:
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and any(_alive(p) for p in pids):
             time.sleep(0.05)
-        for pid in pids:      # reap our own children, so they do not stay zombies of this process
-            with contextlib.suppress(ChildProcessError, OSError):
-                os.waitpid(pid, os.WNOHANG)
 
 
 def _alive(pid: int) -> bool:
@@ -211,6 +212,9 @@ def teardown(fleet: NetnsFleet) -> list[int]:
     """Remove everything the fleet made; return the pids that were still inside its namespaces after the
     fixture's own were stopped (the test's cleanup left them), which it then killed."""
     _kill(fleet.pids)
+    for proc in fleet.procs:      # reap them: no zombie of this process is left
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
     leftovers = namespace_pids(fleet)
     _kill(leftovers)
     for host in fleet.hosts:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
+import signal
 import threading
 import time
 import urllib.error
@@ -254,6 +256,7 @@ def test_fixture_removes_everything(tmp_path):
     finally:
         killed = teardown(fleet)
     assert left.pid in killed
+    assert left.wait(timeout=10) == -signal.SIGTERM
     assert made_by(fleet) == []
     assert not [p for p in fleet.pids + killed if Path(f"/proc/{p}").exists()
                 and Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
@@ -400,3 +403,51 @@ def test_member_link_down_under_load(netns_fleet, tmp_path, cleanup):
     # While the link was down nothing was answered by m2, and everything else was answered.
     assert not [d for d in ok if d["backend"] in on_victim and t_cut + 1 < d["start"] and d["end"] < t_up]
     assert all(d["status"] == 200 for d in done if d["start"] >= t_cut)
+
+
+def test_keeper_on_a_member_restarts_a_killed_instance(netns_fleet, tmp_path, cleanup):
+    """1. the entry and two members, the members' keepers with small timings; 8 clients send requests
+    through the entry; 2. SIGKILL of m1's instance 0 (its API server only: its engine child lives on as
+    an orphan holding the card, as vLLM's EngineCore does); 3. the entry takes that backend out and
+    every request started after the kill is answered 200 by the others; 4. m1's keeper finds the
+    instance dead, stops the orphan, starts it again (a new pid) and the entry routes to it again
+    without any command; `inv status` shows it healthy."""
+    fleet = netns_fleet(3)
+    keeper = {"dead_after_s": 3, "backoff_base_s": 1, "backoff_max_s": 4, "max_restarts": 3, "window_s": 120}
+    inventory = fleet_inventory(fleet, tmp_path, members=2, keeper=keeper, release_timeout_s=20)
+    cleanup.append(inventory)
+    r = inv("deploy", "--host", "fleet", inventory=inventory)
+    assert r.returncode == 0, r.stdout + r.stderr
+    old = statuses(inventory, "m1")["m1"]["instances"][0]
+    name = f"{fleet.hosts[1].address}:{BASE}"
+    entry = fleet.hosts[0].address
+
+    with Load(entry, max_tokens=30) as load:
+        wait_until(lambda: load.count(lambda d: d["status"] == 200 and d["backend"] == name) >= 2, 120, 0.2,
+                   what="load reaching m1's instance 0")
+        t_kill = time.monotonic()
+        os.kill(old["pid"], signal.SIGKILL)
+        wait_until(lambda: admin_backends(fleet, 0).get(name, {}).get("healthy") is False, 60, 0.2,
+                   what="the entry taking the killed backend out")
+        t_out = time.monotonic()
+        wait_until(lambda: (lambda i: i["state"] == "healthy" and i["pid"] != old["pid"])(
+            statuses(inventory, "m1")["m1"]["instances"][0]), 120, 0.5, what="m1's keeper restarting instance 0")
+        t_restarted = time.monotonic()
+        wait_until(lambda: load.count(lambda d: d["start"] > t_restarted and d["status"] == 200
+                                      and d["backend"] == name) >= 2, 60, 0.2,
+                   what="the entry routing to the restarted instance")
+    done = load.done
+    failed = [d for d in done if d["status"] != 200]
+    ends = ", ".join(f"{d['end'] - t_kill:.1f}s" for d in failed) or "-"
+    print(f"\nkeeper on m1: {len(done)} requests, {len(done) - len(failed)} succeeded, {len(failed)} failed "
+          f"(ending {ends} after the kill); "
+          f"out of the entry {t_out - t_kill:.1f}s after the kill, healthy again after "
+          f"{t_restarted - t_kill:.1f}s")
+    # Only requests in flight on the killed instance may fail, and none started after the kill.
+    assert all(d["start"] < t_kill for d in failed), failed
+    assert len(failed) <= 6, failed       # its slots: max_num_seqs 4 + the proxy's headroom
+    assert all(d["status"] == 200 for d in done if d["start"] > t_kill)
+    keeper_log = (tmp_path / "h1/logs/keeper.log").read_text()
+    assert "instance 0" in keeper_log, keeper_log[-2000:]
+    st = statuses(inventory, "m1")["m1"]
+    assert [i["state"] for i in st["instances"]] == ["healthy", "healthy"]
