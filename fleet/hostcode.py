@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import threading
 from functools import lru_cache
 from pathlib import Path
 
@@ -26,6 +27,9 @@ def package_dir(name: str) -> Path:
 
 
 HOSTAGENT = package_dir("hostagent")
+# ast.parse is not thread-safe in some CPython releases (gh-106905; seen on 3.11.7 as "SystemError: AST
+# constructor recursion depth mismatch" when a deploy's hosts, threads under --forks, parsed at once).
+_PARSE = threading.Lock()
 
 
 def path(name: str) -> Path:
@@ -44,7 +48,9 @@ def imports(name: str) -> tuple[str, ...]:
     `from hostagent.x import ...`), in the order they appear."""
     parts = ["hostagent", *name.split(".")[:-1]]          # the package NAME is in
     found: list[str] = []
-    for node in ast.walk(ast.parse(source(name))):
+    with _PARSE:
+        tree = ast.parse(source(name))
+    for node in ast.walk(tree):
         if not isinstance(node, ast.ImportFrom) or node.level > len(parts):
             continue
         base = parts[:len(parts) - node.level + 1] if node.level else []

@@ -149,7 +149,7 @@ class Processes:
                 pass
 
 
-TIERS = ("unit", "process", "cluster", "ssh", "nginx", "real_engine")   # registered in pyproject.toml
+TIERS = ("unit", "process", "cluster", "ssh", "nginx", "real_engine", "netns")   # registered in pyproject.toml
 
 
 def pytest_collection_modifyitems(config, items):

@@ -41,33 +41,39 @@ def keygen(path: Path) -> str:
     return path.with_suffix(".pub").read_text().strip()
 
 
-def _answers_ssh(port: int) -> bool:
+def _answers_ssh(port: int, host: str = "127.0.0.1") -> bool:
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+        with socket.create_connection((host, port), timeout=1) as s:
             s.settimeout(2)
             return s.recv(64).startswith(b"SSH-")
     except OSError:
         return False
 
 
-def start_sshd(directory: Path) -> Sshd:
-    """Start `sshd -D -e -f CONFIG` on a free loopback port with everything under directory."""
+def start_sshd(directory: Path, address: str = "127.0.0.1", port: int | None = None,
+               client_key: Path | None = None, wrap: list[str] | None = None) -> Sshd:
+    """Start `sshd -D -e -f CONFIG` with everything under directory: on a free loopback port by default;
+    address and port: where it listens instead; client_key: an authorized key pair already made (else one
+    is made in directory); wrap: an argv prefix it runs under (`ip netns exec NS`)."""
     sshd = require_tool("sshd")
     require_tool("ssh-keygen")
     directory.mkdir(parents=True, exist_ok=True)
     host_key = directory / "host_ed25519"
     host_pub = keygen(host_key)
-    client_key = directory / "client_ed25519"
-    (directory / "authorized_keys").write_text(keygen(client_key) + "\n")
+    if client_key is None:
+        client_key = directory / "client_ed25519"
+        keygen(client_key)
+    (directory / "authorized_keys").write_text(client_key.with_suffix(".pub").read_text().strip() + "\n")
     if os.geteuid() == 0:
         # sshd started by root insists on its privilege-separation directory.
         os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
     user = os.environ.get("USER") or __import__("pwd").getpwuid(os.getuid()).pw_name
+    fixed = port
     for _ in range(5):           # the port is free when picked; another process may take it first
-        port = free_port()
+        port = fixed or free_port()
         config = directory / "sshd_config"
         config.write_text("\n".join([
-            f"ListenAddress 127.0.0.1:{port}",
+            f"ListenAddress {address}:{port}",
             f"HostKey {host_key}",
             f"PidFile {directory / 'sshd.pid'}",
             f"AuthorizedKeysFile {directory / 'authorized_keys'}",
@@ -85,16 +91,18 @@ def start_sshd(directory: Path) -> Sshd:
         ]) + "\n")
         log = directory / "sshd.log"
         with open(log, "ab") as out:
-            proc = subprocess.Popen([sshd, "-D", "-e", "-f", str(config)], stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen([*(wrap or []), sshd, "-D", "-e", "-f", str(config)], stdin=subprocess.DEVNULL,
                                     stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 10
-        while proc.poll() is None and time.monotonic() < deadline and not _answers_ssh(port):
+        while proc.poll() is None and time.monotonic() < deadline and not _answers_ssh(port, address):
             time.sleep(0.05)
-        if proc.poll() is None and _answers_ssh(port):
+        if proc.poll() is None and _answers_ssh(port, address):
             known = directory / "known_hosts"
-            known.write_text(f"[127.0.0.1]:{port} {host_pub}\n")
-            return Sshd("127.0.0.1", port, user, client_key, known, host_pub, log, proc)
+            known.write_text(f"{address if port == 22 else f'[{address}]:{port}'} {host_pub}\n")
+            return Sshd(address, port, user, client_key, known, host_pub, log, proc)
         stop_sshd(proc)
+        if fixed:
+            break
     pytest.fail(f"sshd did not start; its log:\n{log.read_text()[-2000:]}")
 
 

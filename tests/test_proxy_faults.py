@@ -547,3 +547,26 @@ def test_what_must_not_break_the_proxy(procs, tmp_path, fakes):
     assert proxy.poll() is None
     assert post(b'{"model": "m", "user": "still", "messages": []}', "rid-still") == 200
     wait_until(lambda: "rid-still" in log.read_text(), what="the old results log still written")
+
+
+@pytest.mark.unit
+def test_upstream_sockets_give_a_silent_peer_up():
+    """A backend whose host lost its link answers nothing, not even a RST: every upstream socket has TCP
+    keepalive and a user timeout, so a request in flight to it ends within UPSTREAM_DEAD_PEER_S (the link
+    cut under load in tests/test_netns_fleet.py), not at proxy.timeout_s."""
+    from proxy.app import UPSTREAM_DEAD_PEER_S, upstream_connector, upstream_socket
+    with upstream_socket((socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", 9))) as sock:
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        idle = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE)
+        interval = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL)
+        count = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT)
+        assert idle + interval * count <= UPSTREAM_DEAD_PEER_S <= 10
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == UPSTREAM_DEAD_PEER_S * 1000
+
+    async def factory():
+        connector = upstream_connector()
+        try:
+            return connector._socket_factory
+        finally:
+            await connector.close()
+    assert asyncio.run(factory()) is upstream_socket
