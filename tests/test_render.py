@@ -197,8 +197,9 @@ def test_start_twice_skips_every_instance_and_honours_env_overrides(recorder_hos
     for i, port in enumerate(hv.ports):
         assert f"instance {i}: port {port} already listening, skipped" in second.stdout
     assert "started 0 instance(s)" in second.stdout
-    # The previous log is kept as .1 on a real restart; N=1 starts only instance 0.
-    assert (tmp / "deploy" / "logs" / "vllm_0.log").exists()
+    # The previous log is kept as .1 on a real restart; N=1 starts only instance 0. The rotating writer
+    # (its own process) makes the file as it starts.
+    wait_until(lambda: (tmp / "deploy" / "logs" / "vllm_0.log").exists(), what="logs/vllm_0.log")
 
 
 @pytest.mark.process
