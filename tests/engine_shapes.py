@@ -30,7 +30,7 @@ def prefix_cache_series(text: str) -> dict[str, list[str]]:
 async def first_chunk_waits_while_queued(port: int, model: str, slots: int, max_tokens: int = 400) -> list[dict]:
     """Fill an engine's `slots` with long streams, then send one more: while /metrics says it waits, its
     stream (headers sent) has no data event; once it runs, its first event is the role delta and the next
-    carries content, as on every stream. Returns the extra stream's events.
+    a content delta, as on every stream. Returns the extra stream's events.
 
     The check reads waiting, then the stream's events, then waiting again: when both readings say it
     waits, no chunk can have been due, so the test needs no timing.
@@ -78,5 +78,6 @@ async def first_chunk_waits_while_queued(port: int, model: str, slots: int, max_
     assert checked, "the extra request was never seen waiting"
     for i, got in events.items():
         assert got[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}, got[:2]
-        assert got[1]["choices"][0]["delta"].get("content"), got[:2]
+        # A token can decode to "" (a partial character held back by the detokenizer): a content delta still.
+        assert "content" in got[1]["choices"][0]["delta"] and "role" not in got[1]["choices"][0]["delta"], got[:2]
     return events[slots]
