@@ -1,7 +1,7 @@
 """What the aiohttp proxy costs next to nginx, the Rust routers and no front at all, measured side by side.
 
     .venv/bin/python bench/bench_proxy.py [--seconds 5] [--rounds 5] [--connections 64] [--backends 4]
-                                          [--fronts direct,proxy,...] [--out FILE.json]
+                                          [--fronts direct,proxy,...] [--chat-only] [--out FILE.json]
 
 Starts --backends sim engines in instant mode (no model time: every cost measured is the front's) and,
 before them, the proxy (on uvloop, and again on asyncio's loop as `proxy-asyncio`) and nginx, both from
@@ -15,6 +15,13 @@ each; its p99 is the worst of theirs). Then SSE: 1,000-chunk streams, direct aga
 latency the proxy adds at a fixed rate below capacity (open loop), which is what a client feels on a
 cluster that is not overloaded. Needs wrk (Debian package `wrk`); nginx is optional (`nginx` package).
 Every process it starts is stopped by pid at the end.
+
+Routing by model: `proxy-models` is the proxy in the models form with the sims split into two pools of
+half the backends each, served names `m` and `m2`; `proxy-models-1` one pool of every sim (`m`, alias
+`m2`). When either is among the fronts, every front (plain `proxy` too) is driven with the same mix: a
+wrk Lua script whose `request()` alternates two pre-formatted requests, model `m` then `m2` (one wrk
+process, so every front sees the same connections and the same client cost), every sim answering both
+names; the report adds their requests/s, p50 and p99 as ratios to `proxy`, round by round.
 """
 from __future__ import annotations
 
@@ -37,38 +44,57 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stack import Stack  # noqa: E402
 
 CHAT = {"model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]}
+CHAT2 = {**CHAT, "model": "m2"}
+MODELS_FRONTS = ("proxy-models", "proxy-models-1")
+# Half the requests name `m`, half `m2`: two requests formatted once per wrk thread, taken in turn.
+MIX_LUA = """wrk.method = 'POST'
+wrk.headers['Content-Type'] = 'application/json'
+local reqs, n = {}, 0
+function init(args)
+  reqs[1] = wrk.format(nil, nil, nil, os.getenv('BENCH_BODY'))
+  reqs[2] = wrk.format(nil, nil, nil, os.getenv('BENCH_BODY2'))
+end
+function request()
+  n = n + 1
+  return reqs[n % 2 + 1]
+end
+"""
 SSE = {"model": "m", "max_tokens": 1000, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
 DEFAULT_FRONTS = "direct,proxy,proxy-asyncio,nginx,vllm-router,smg"
 
 
-def wrk(wrk_bin: str, url: str, body: dict, connections: int, seconds: float, work: Path, threads: int = 2) -> dict:
-    """One wrk run: requests/s, p50 and p99 in ms, errors."""
-    script = work / "post.lua"
+def wrk(wrk_bin: str, url: str, body: dict, connections: int, seconds: float, work: Path, threads: int = 2,
+        body2: dict | None = None) -> dict:
+    """One wrk run: requests/s, p50 and p99 in ms, errors. With body2: requests alternate body, body2."""
+    script = work / ("mix.lua" if body2 else "post.lua")
     if not script.exists():
-        script.write_text("wrk.method = 'POST'\nwrk.headers['Content-Type'] = 'application/json'\n"
-                          "wrk.body = os.getenv('BENCH_BODY')\n")
+        script.write_text(MIX_LUA if body2 else "wrk.method = 'POST'\nwrk.headers['Content-Type'] = "
+                          "'application/json'\nwrk.body = os.getenv('BENCH_BODY')\n")
     out = subprocess.run([wrk_bin, f"-t{threads}", f"-c{connections}", f"-d{seconds:g}s", "--latency", "-s", str(script),
                           url], capture_output=True, text=True, timeout=seconds + 30,
-                         env={**os.environ, "BENCH_BODY": json.dumps(body)}).stdout
+                         env={**os.environ, "BENCH_BODY": json.dumps(body),
+                              "BENCH_BODY2": json.dumps(body2 or body)}).stdout
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    total = int(re.search(r"(\d+) requests in", out).group(1))
     lat = {m.group(1): _ms(m.group(2), m.group(3)) for m in re.finditer(r"^\s+(50|99)%\s+([\d.]+)(us|ms|s|m)\s*$", out, re.M)}
     if len(lat) < 2:
         print(f"bench_proxy: no latency distribution in wrk's output:\n{out}", file=sys.stderr)
     bad = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
     errs = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
-    return {"rps": rps, "p50_ms": lat.get("50", float("nan")), "p99_ms": lat.get("99", float("nan")),
+    return {"rps": rps, "requests": total, "p50_ms": lat.get("50", float("nan")), "p99_ms": lat.get("99", float("nan")),
             "non_2xx": int(bad.group(1)) if bad else 0, "socket_errors": sum(map(int, errs.groups())) if errs else 0}
 
 
-def drive(wrk_bin: str, stack: Stack, front: str, body: dict, connections: int, seconds: float, work: Path) -> dict:
+def drive(wrk_bin: str, stack: Stack, front: str, body: dict, connections: int, seconds: float, work: Path,
+          body2: dict | None = None) -> dict:
     """wrk against a front; `direct` is one wrk per sim at the same time, the connections split evenly."""
     path = "/v1/chat/completions"
     if front != "direct":
-        return wrk(wrk_bin, stack.url(front) + path, body, connections, seconds, work)
+        return wrk(wrk_bin, stack.url(front) + path, body, connections, seconds, work, body2=body2)
     urls = [f"http://127.0.0.1:{p}{path}" for p in stack.backend_ports]
     each = max(1, connections // len(urls))
     with ThreadPoolExecutor(len(urls)) as pool:
-        runs = list(pool.map(lambda u: wrk(wrk_bin, u, body, each, seconds, work, threads=1), urls))
+        runs = list(pool.map(lambda u: wrk(wrk_bin, u, body, each, seconds, work, threads=1, body2=body2), urls))
     return {"rps": sum(r["rps"] for r in runs), "p50_ms": statistics.median(r["p50_ms"] for r in runs),
             "p99_ms": max(r["p99_ms"] for r in runs), "non_2xx": sum(r["non_2xx"] for r in runs),
             "socket_errors": sum(r["socket_errors"] for r in runs)}
@@ -112,44 +138,56 @@ def main(argv=None) -> int:
     ap.add_argument("--backends", type=int, default=4, help="sims behind every front")
     ap.add_argument("--fronts", default=DEFAULT_FRONTS, help=f"comma separated (default {DEFAULT_FRONTS})")
     ap.add_argument("--rate", type=float, default=300.0, help="requests/s of the open-loop latency run")
+    ap.add_argument("--chat-only", action="store_true", help="the chat rounds alone: no SSE, no open loop")
     ap.add_argument("--out", help="also write every figure to this JSON file")
     args = ap.parse_args(argv)
+    mix = any(f in MODELS_FRONTS for f in args.fronts.split(","))
     wrk_bin = shutil.which("wrk")
     if not wrk_bin:
         print("bench_proxy: wrk is not installed; `apt-get install wrk` (Debian) and run again.", file=sys.stderr)
         return 2
     figures: dict = {"connections": args.connections, "seconds": args.seconds, "rounds": args.rounds,
-                     "backends": args.backends, "cpus": os.cpu_count(), "runs": {}}
+                     "backends": args.backends, "cpus": os.cpu_count(), "models_mix": mix, "runs": {}}
     with tempfile.TemporaryDirectory(prefix="bench-proxy-") as tmp:
         # max_num_seqs 256 (vLLM's default): slots enough that the proxy's queue never holds a request here.
-        stack = Stack(Path(tmp), args.backends, 256, ["--sim-instant"])
+        stack = Stack(Path(tmp), args.backends, 256, ["--sim-instant"], served=("m", "m2") if mix else ("m",))
         try:
             fronts = stack.start(args.fronts.split(","))
             figures["skipped"] = stack.skipped
             print(f"chat completions, max_tokens 16, {args.connections} connections, {args.seconds:g}s x "
                   f"{args.rounds} interleaved rounds; {args.backends} sim engines in instant mode; "
-                  f"{os.cpu_count()} CPUs", flush=True)
+                  f"{os.cpu_count()} CPUs" + ("; every front: model m and m2 in turn" if mix else ""), flush=True)
             for r in range(args.rounds):
                 for name in fronts[r % len(fronts):] + fronts[:r % len(fronts)]:
-                    run = drive(wrk_bin, stack, name, CHAT, args.connections, args.seconds, Path(tmp))
+                    cpu = stack.cpu_s(name) if name in stack.pids else None
+                    run = drive(wrk_bin, stack, name, CHAT, args.connections, args.seconds, Path(tmp),
+                                body2=CHAT2 if mix else None)
+                    if cpu is not None and run.get("requests"):   # the front's CPU time per request answered
+                        run["cpu_us_per_request"] = (stack.cpu_s(name) - cpu) / run["requests"] * 1e6
                     figures["runs"].setdefault(name, []).append(run)
+                    cpu = f"  cpu {run['cpu_us_per_request']:.0f} us/req" if "cpu_us_per_request" in run else ""
                     print(f"  round {r + 1} {name:<14} {run['rps']:>8.0f} r/s  p50 {run['p50_ms']:.1f} ms  "
-                          f"p99 {run['p99_ms']:.1f} ms  errors {run['non_2xx'] + run['socket_errors']}", flush=True)
-            sse = {}
-            for r in range(args.rounds):
-                for name in ("direct", "proxy"):
-                    sse.setdefault(name, []).append(drive(wrk_bin, stack, name, SSE, 16, args.seconds, Path(tmp)))
-            figures["sse"] = sse
-            lat = {}
-            for name in ("direct", "proxy", "nginx"):
-                if name not in fronts:
-                    continue
-                url = (f"http://127.0.0.1:{stack.backend_ports[0]}" if name == "direct" else stack.url(name))
-                values = asyncio.run(open_loop(url + "/v1/chat/completions", args.rate, args.seconds))
-                lat[name] = {"n": len(values), "p50_ms": pct(values, 0.5), "p99_ms": pct(values, 0.99)}
-            figures["open_loop"] = {"rate": args.rate, **lat}
+                          f"p99 {run['p99_ms']:.1f} ms  errors {run['non_2xx'] + run['socket_errors']}{cpu}", flush=True)
+            if not args.chat_only:
+                sse = {}
+                for r in range(args.rounds):
+                    for name in ("direct", "proxy"):
+                        sse.setdefault(name, []).append(drive(wrk_bin, stack, name, SSE, 16, args.seconds, Path(tmp)))
+                figures["sse"] = sse
+                lat = {}
+                for name in ("direct", "proxy", "nginx"):
+                    if name not in fronts:
+                        continue
+                    url = (f"http://127.0.0.1:{stack.backend_ports[0]}" if name == "direct" else stack.url(name))
+                    values = asyncio.run(open_loop(url + "/v1/chat/completions", args.rate, args.seconds))
+                    lat[name] = {"n": len(values), "p50_ms": pct(values, 0.5), "p99_ms": pct(values, 0.99)}
+                figures["open_loop"] = {"rate": args.rate, **lat}
         finally:
             stack.stop()
+    return _finish(figures, args)
+
+
+def _finish(figures: dict, args) -> int:
     report(figures)   # adds the per-round ratios to figures
     if args.out:
         Path(args.out).write_text(json.dumps(figures, indent=2))
@@ -176,14 +214,33 @@ def report(f: dict) -> None:
                               "p99_by_round": p99, "p99_median": statistics.median(p99)}
         print(f"  proxy / {other}: requests/s {statistics.median(per_round):.2f}x (rounds "
               f"{', '.join(f'{r:.2f}' for r in per_round)}), p99 {statistics.median(p99):.2f}x")
-    print("  targets: requests/s at least vllm-router's (1.00x), p99 at most 1.5x nginx's")
+    for other in MODELS_FRONTS:
+        if other not in runs or "proxy" not in runs:
+            continue
+        pairs = list(zip(f["runs"][other], f["runs"]["proxy"]))
+        by = {k: [o[k] / p[k] for o, p in pairs] for k in ("rps", "p50_ms", "p99_ms", "cpu_us_per_request")}
+        f["ratios"][other] = {**{f"{k}_by_round": v for k, v in by.items()},
+                              **{f"{k}_median": statistics.median(v) for k, v in by.items()}}
+        print(f"  {other} / proxy: requests/s {statistics.median(by['rps']):.3f}x (rounds "
+              f"{', '.join(f'{r:.3f}' for r in by['rps'])}), p50 {statistics.median(by['p50_ms']):.3f}x, "
+              f"p99 {statistics.median(by['p99_ms']):.3f}x; CPU per request {statistics.median(by['cpu_us_per_request']):.3f}x "
+              f"(rounds {', '.join(f'{r:.3f}' for r in by['cpu_us_per_request'])})")
+    if any(o in runs for o in MODELS_FRONTS):
+        cpu = {n: statistics.median(r["cpu_us_per_request"] for r in f["runs"][n]) for n in ("proxy", *MODELS_FRONTS)
+               if n in runs}
+        print("  proxy CPU per request answered, median: " + ", ".join(f"{n} {v:.0f} us" for n, v in cpu.items()))
+        print("  target: routing by model costs at most 5% (requests/s at least 0.95x proxy's)")
+    else:
+        print("  targets: requests/s at least vllm-router's (1.00x), p99 at most 1.5x nginx's")
+    if "sse" not in f:
+        return
     sse = {name: median_run(r) for name, r in f["sse"].items()}
     print(f"SSE, 1,000-chunk streams, 16 connections: direct {sse['direct']['rps'] * 1000:.0f} chunks/s, "
           f"proxy {sse['proxy']['rps'] * 1000:.0f} chunks/s: {sse['proxy']['rps'] / sse['direct']['rps']:.0%} "
           "of direct")
     ol = f["open_loop"]
     for name in ("proxy", "nginx"):
-        if name in ol:
+        if name in ol and "direct" in ol:
             print(f"open loop at {ol['rate']:g} r/s: {name} p50 {ol[name]['p50_ms']:.1f} / p99 {ol[name]['p99_ms']:.1f} ms "
                   f"against direct {ol['direct']['p50_ms']:.1f} / {ol['direct']['p99_ms']:.1f} ms: adds "
                   f"{ol[name]['p50_ms'] - ol['direct']['p50_ms']:.1f} ms at p50, "

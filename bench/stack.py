@@ -5,6 +5,11 @@ makes it: slots from max_num_seqs, the queue on), `proxy-lc` (the same with `slo
 alone, as before the queue), `nginx` (conf/nginx.conf as rendered), `vllm-router` and `smg` (from
 bench/.venv-routers, made by bench/setup_routers.sh, or the PATH). A front whose program is missing is
 left out and said so.
+
+The models form (`models:` in proxy.yaml, a pool per served model): `proxy-models` (the sims split in two
+pools, the first half serving `m`, the rest `m2`) and `proxy-models-1` (one pool `m` of every sim, alias
+`m2`); `pools` replaces those pools (front -> [{name, backends: [sim index, ...], aliases}]). Every sim
+answers the names in `served` (default `m` alone); the models fronts need `m2` there too.
 """
 from __future__ import annotations
 
@@ -82,19 +87,23 @@ class Stack:
     sim_args: the sims' timing flags. max_num_seqs: each sim's, and the inventory's (the proxy's slots).
     """
 
-    FRONTS = ("direct", "proxy", "proxy-lc", "proxy-asyncio", "nginx", "vllm-router", "smg")
+    FRONTS = ("direct", "proxy", "proxy-lc", "proxy-asyncio", "proxy-models", "proxy-models-1", "nginx",
+              "vllm-router", "smg")
+    PROXIES = ("proxy", "proxy-lc", "proxy-asyncio", "proxy-models", "proxy-models-1")
 
     def __init__(self, work: Path, backends: int, max_num_seqs: int, sim_args: list[str],
-                 proxy_set: tuple[str, ...] = ()):
+                 proxy_set: tuple[str, ...] = (), served: tuple[str, ...] = ("m",),
+                 pools: dict[str, list[dict]] | None = None):
         self.work, self.deploy = work, work / "deploy"
-        self.n, self.max_num_seqs, self.sim_args = backends, max_num_seqs, sim_args
+        self.n, self.max_num_seqs, self.sim_args, self.served = backends, max_num_seqs, sim_args, served
         base = free_ports(backends + 16)
         self.backend_ports = [base + i for i in range(backends)]
         spare = iter(range(base + backends, base + backends + 16))
         self.ports = {f: next(spare) for f in self.FRONTS if f != "direct"}
-        self.admin_ports = {f: next(spare) for f in ("proxy", "proxy-lc", "proxy-asyncio")}
+        self.admin_ports = {f: next(spare) for f in self.PROXIES}
         self.metrics_ports = {f: next(spare) for f in ("vllm-router", "smg")}
         self.procs: list[subprocess.Popen] = []
+        self.pids: dict[str, int] = {}
         self.nginx_pid_file: Path | None = None
         self.skipped: dict[str, str] = {}
         inv_path = work / "hosts.yml"
@@ -122,13 +131,22 @@ class Stack:
             (self.deploy / d).mkdir(parents=True, exist_ok=True)
         proxy_conf = yaml.safe_load(files["conf/proxy.yaml"])
         self.slots = proxy_conf["slots"]
-        for front in ("proxy", "proxy-lc", "proxy-asyncio"):
+        half = max(1, backends // 2)
+        self.pools = {"proxy-models": [{"name": "m", "backends": list(range(half))},
+                                       {"name": "m2", "backends": list(range(half, backends))}],
+                      "proxy-models-1": [{"name": "m", "aliases": ["m2"], "backends": list(range(backends))}],
+                      **(pools or {})}
+        for front in self.PROXIES:
             conf = {**proxy_conf, "listen": {**proxy_conf["listen"], "port": self.ports[front]},
                     "admin": {**proxy_conf["admin"], "port": self.admin_ports[front]},
                     "results_log": {**proxy_conf["results_log"],
                                     "path": str(self.deploy / "logs" / f"req_results_{front}.log")}}
             if front == "proxy-lc":
                 conf["slots"] = 0
+            if front in self.pools:
+                conf["models"] = [{**pool, "slots": self.slots,
+                                   "backends": [conf["backends"][i] for i in pool["backends"]]}
+                                  for pool in self.pools[front]]
             (self.deploy / "conf" / f"{front}.yaml").write_text(yaml.safe_dump(conf))
         (self.deploy / "conf" / "nginx.conf").write_text(
             rendered(f"proxy.port={self.ports['nginx']}")["conf/nginx.conf"])
@@ -152,7 +170,8 @@ class Stack:
         env.pop("FLEET_TAG", None)
         for i, port in enumerate(self.backend_ports):
             self._start([sys.executable, "-m", "fleet.sim", "serve", "m", "--host", "127.0.0.1", "--port", str(port),
-                         "--max-num-seqs", str(self.max_num_seqs), "--sim-load-s", "0", *self.sim_args],
+                         "--max-num-seqs", str(self.max_num_seqs), "--sim-load-s", "0",
+                         "--served-model-name", *self.served, *self.sim_args],
                         f"sim_{i}.log", cwd=ROOT, env={**env, "SIM_VISIBLE_DEVICES": str(i)})
         for port in self.backend_ports:
             wait_http(f"http://127.0.0.1:{port}/health")
@@ -170,9 +189,14 @@ class Stack:
     def _start_direct(self):
         return None   # the sims themselves
 
+    def cpu_s(self, front: str) -> float:
+        """CPU seconds (user + system) a proxy front's process has used so far (Linux /proc)."""
+        fields = Path(f"/proc/{self.pids[front]}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def _proxy(self, front: str, *extra: str):
-        self._start([sys.executable, "-m", "proxy", "--config", str(self.deploy / "conf" / f"{front}.yaml"), *extra],
-                    f"{front}.log", cwd=ROOT)
+        self.pids[front] = self._start([sys.executable, "-m", "proxy", "--config", str(self.deploy / "conf" / f"{front}.yaml"), *extra],
+                    f"{front}.log", cwd=ROOT).pid
         wait_http(self.url(front) + "/health")
 
     def _start_proxy(self):
@@ -183,6 +207,15 @@ class Stack:
 
     def _start_proxy_asyncio(self):
         self._proxy("proxy-asyncio", "--loop", "asyncio")
+
+    def _start_proxy_models(self):
+        self._proxy("proxy-models")
+
+    def _start_proxy_models_1(self):
+        self._proxy("proxy-models-1")
+
+    def admin_url(self, front: str) -> str:
+        return f"http://127.0.0.1:{self.admin_ports[front]}"
 
     def _start_nginx(self):
         nginx = find_program("nginx")

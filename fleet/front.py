@@ -23,6 +23,10 @@ NO_RESULTS_LOG = ("nginx has no results log: logs/req_results.log gets no new li
                   "front; logs/nginx_access.log has one JSON line per request (request_id, backend, status, "
                   "request and upstream times), but no trace id, finish_reason, tokens or error bodies.")
 
+NO_PREFIX_ROUTING = ("nginx has no body-aware routing: proxy.routing.policy prefix does not apply while nginx is "
+                     "the front (least_conn instead), so a conversation's rounds no longer go back to the "
+                     "instance that holds its prefix; swap back with `inv swap-to-proxy`.")
+
 
 def _prepare(conn: Transport, hv: HostVars, report: Report, emit: Emit) -> tuple[HostVars, dict]:
     """Put the changed files (the nginx config included) and read the host's state."""
@@ -77,6 +81,8 @@ def _swap_to_nginx(conn: Transport, hv: HostVars, emit: Emit) -> Report:
         report.add("watcher", "changed", f"started, pid {r['watcher_pid']}")
     report.data["swap"] = r
     emit(NO_RESULTS_LOG)
+    if hv["proxy"]["routing"]["policy"] != "least_conn":
+        emit(NO_PREFIX_ROUTING)
     report.status = facts.status_of(hv, facts.probe(conn, hv))
     _confirm(report, "nginx")
     return report

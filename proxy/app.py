@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 
@@ -148,6 +149,7 @@ def make_admin_app(proxy: Proxy) -> web.Application:
                                   "log": [c.log.max_mb, c.log.backups], "slots": c.slots,
                                   "queue": {"max": c.queue.max, "timeout_s": c.queue.timeout_s},
                                   "queued": proxy.router.queued,
+                                  "routing": dataclasses.asdict(c.routing),
                                   "models": [{"name": p.name, "aliases": list(p.aliases),
                                               "adapters": list(p.adapters), "slots": p.slots,
                                               "backends": list(p.backends),

@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Collection, Iterable
+
+from .config import RoutingConfig
+from .prefix import BLOCK_BYTES, TOKEN_BYTES, PrefixIndex, Route
 
 
 class QueueFull(Exception):
@@ -60,21 +64,47 @@ class Backend:
                 "fails": self.fails, "ejections": self.ejections}
 
 
+@dataclass
+class Waiter:
+    """A request in the queue: its future (set to the backend it gets), its route, and how many
+    requests behind it were handed a slot first (the prefix policy's look-ahead; bounded)."""
+
+    future: asyncio.Future
+    route: Route | None = None
+    overtaken: int = 0
+
+
 class Balancer:
     """Least connections over backends with a free slot, ties broken round robin; one FIFO queue
     for the requests that find every slot taken, each handed the first slot freed anywhere.
 
     slots: a backend's slots (0: no limit). queue_max: how many may wait (0: none, refuse at once).
+    routing: with policy `prefix`, a request with a route goes where its prompt's prefix was sent
+    (see _by_prefix), and a freed slot may go to one of the first few waiters whose prefix is there.
     """
 
-    def __init__(self, names: Iterable[str], slots: int = 0, queue_max: int = 0):
+    def __init__(self, names: Iterable[str], slots: int = 0, queue_max: int = 0,
+                 routing: RoutingConfig | None = None):
         self.backends: dict[str, Backend] = {}
         self._order: list[Backend] = []
         self._cursor = 0  # where the next tie-break scan starts
-        self._queue: deque[asyncio.Future] = deque()
+        self._queue: deque[Waiter] = deque()
         self.queue_max = queue_max
         self.slots = slots
+        self.routing = routing or RoutingConfig()
+        self.index = PrefixIndex(self.routing.max_blocks) if self.routing.policy == "prefix" else None
         self.update(names)
+
+    def set_routing(self, routing: RoutingConfig) -> None:
+        """Take a reloaded routing config (a new policy or bound starts the index afresh)."""
+        if routing != self.routing:
+            self.routing = routing
+            self.index = PrefixIndex(routing.max_blocks) if routing.policy == "prefix" else None
+
+    def cold(self, backend: Backend) -> None:
+        """Forget the prefixes sent to backend: it lost its cache (ejected, restarted) or left."""
+        if self.index is not None:
+            self.index.drop(backend.name)
 
     def update(self, names: Iterable[str], slots: int | None = None,
                queue_max: int | None = None) -> tuple[list[str], list[str]]:
@@ -93,6 +123,8 @@ class Balancer:
         removed = [n for n in self.backends if n not in names]
         for n in removed:
             self.backends.pop(n).removed = True
+            if self.index is not None:
+                self.index.drop(n)
         for n in added:
             self.backends[n] = Backend(n)
         self.backends = {n: self.backends[n] for n in names}
@@ -103,10 +135,12 @@ class Balancer:
         self.dispatch()
         return added, removed
 
-    def acquire(self, exclude: Collection[Backend] = (), over: bool = False) -> Backend | None:
+    def acquire(self, exclude: Collection[Backend] = (), over: bool = False,
+                route: Route | None = None) -> Backend | None:
         """Pick a backend with a free slot (not one of exclude) and count the request on it at once,
         or None. over: when no slot is free, the least loaded available backend all the same (a retry,
-        which already held a slot elsewhere).
+        which already held a slot elsewhere). route: the prompt's blocks, for the prefix policy; the
+        decision is written back into it.
 
         Pick and count are one step with no await between them: counting later (the seed counted
         after reading the body) lets many requests see the same backend as idlest.
@@ -122,13 +156,48 @@ class Balancer:
                 best, best_at = b, at
         if best is None:
             return None
+        if route is not None and route.blocks and self.index is not None:
+            best, best_at = self._by_prefix(route, best, best_at, exclude, over)
+            self.index.insert(route.blocks, best.name)
         self._cursor = best_at + 1  # the next tie goes to the backend after this one
         best.in_flight += 1
         if best.in_flight > best.peak_in_flight:
             best.peak_in_flight = best.in_flight
         return best
 
-    async def wait_for_slot(self, timeout_s: float) -> Backend | None:
+    def _by_prefix(self, route: Route, least: Backend, least_at: int, exclude, over) -> tuple[Backend, int]:
+        """The backend holding the longest run of the prompt's leading blocks (ties: the less loaded,
+        then round robin), when that run covers routing.min_match_ratio of the prompt (a new
+        conversation that shares only a system prompt goes by load) and saves at least min_match_tokens
+        of prefill over the least loaded backend (a shared prefix that every backend holds pins
+        nothing); unless that backend has more than balance_abs requests more than the least loaded one
+        and more than balance_rel times as many: then the least loaded one."""
+        matched = self.index.match(route.blocks)
+        top: Backend | None = None
+        top_at = top_run = 0
+        n = len(self._order)
+        for k in range(n):
+            at = (self._cursor + k) % n
+            b = self._order[at]
+            run = matched.get(b.name, 0)
+            if run and (b.free or (over and b.available)) and b not in exclude and (
+                    run > top_run or (run == top_run and b.in_flight < top.in_flight)):
+                top, top_at, top_run = b, at, run
+        per_block = BLOCK_BYTES // TOKEN_BYTES
+        least_tokens = matched.get(least.name, 0) * per_block
+        r = self.routing
+        if (top is None or top is least or top_run < r.min_match_ratio * len(route.blocks)
+                or top_run * per_block - least_tokens < r.min_match_tokens):
+            route.decision = "prefix" if least_tokens >= r.min_match_tokens else "load"
+            route.matched_tokens = least_tokens
+            return least, least_at
+        if top.in_flight - least.in_flight > r.balance_abs and top.in_flight > r.balance_rel * least.in_flight:
+            route.decision, route.matched_tokens = "override", least_tokens
+            return least, least_at
+        route.decision, route.matched_tokens = "prefix", top_run * per_block
+        return top, top_at
+
+    async def wait_for_slot(self, timeout_s: float, route: Route | None = None) -> Backend | None:
         """A backend with the request counted on it, once the requests queued before it have theirs
         (the caller tried `acquire` first when nobody waited). None when no backend is available at all.
 
@@ -137,7 +206,7 @@ class Balancer:
         to it in that instant goes on to the next in line, so no count is ever lost.
         """
         if not self._queue:
-            backend = self.acquire()   # a slot may have come free since the caller looked
+            backend = self.acquire(route=route)   # a slot may have come free since the caller looked
             if backend is not None:
                 return backend
         if not self.available_count():
@@ -146,7 +215,7 @@ class Balancer:
             raise QueueFull()
         loop = asyncio.get_running_loop()
         waiter = loop.create_future()
-        self._queue.append(waiter)
+        self._queue.append(Waiter(waiter, route))
         timer = loop.call_later(timeout_s, self._expire, waiter)
         try:
             return await waiter
@@ -165,21 +234,53 @@ class Balancer:
             waiter.set_exception(QueueTimeout())
 
     def _forget(self, waiter: asyncio.Future) -> None:
-        try:
-            self._queue.remove(waiter)
-        except ValueError:
-            pass
+        for w in self._queue:
+            if w.future is waiter:
+                self._queue.remove(w)
+                return
 
     def dispatch(self) -> None:
-        """Hand free slots to the requests waiting, first come first served."""
+        """Hand free slots to the requests waiting, first come first served; with the prefix policy a
+        slot may go to one of the first routing.lookahead waiters whose prefix lives on a free backend,
+        and no waiter is passed over more than lookahead times."""
         while self._queue:
-            if self._queue[0].done():   # cancelled, its task not run yet (it would forget itself)
+            head = self._queue[0]
+            if head.future.done():   # cancelled, its task not run yet (it would forget itself)
                 self._queue.popleft()
                 continue
-            backend = self.acquire()
+            chosen = head
+            if self.index is not None and self.routing.lookahead:
+                chosen = self._affine_waiter() or head
+            backend = self.acquire(route=chosen.route)
             if backend is None:
                 return
-            self._queue.popleft().set_result(backend)
+            if chosen is head:
+                self._queue.popleft()
+            else:
+                for w in self._queue:
+                    if w is chosen:
+                        break
+                    w.overtaken += 1
+                self._queue.remove(chosen)
+            chosen.future.set_result(backend)
+
+    def _affine_waiter(self) -> Waiter | None:
+        """The first of the first lookahead + 1 waiters whose prompt has at least min_match_tokens on a
+        backend with a free slot; a waiter passed over lookahead times already is taken as it is."""
+        r = self.routing
+        free = [b.name for b in self._order if b.free]
+        for w in itertools.islice(self._queue, r.lookahead + 1):
+            if w.future.done():
+                continue
+            if w.overtaken >= r.lookahead:
+                return w
+            if w.route is not None and w.route.blocks:
+                matched = self.index.match(w.route.blocks)
+                run = max((matched.get(n, 0) for n in free), default=0)
+                if run * BLOCK_BYTES // TOKEN_BYTES >= r.min_match_tokens and run >= r.min_match_ratio * len(
+                        w.route.blocks):
+                    return w
+        return None
 
     @property
     def queued(self) -> int:
@@ -196,6 +297,8 @@ class Balancer:
         """Record a health check's verdict; True when it changed the backend's health."""
         changed = backend.healthy != healthy
         backend.healthy = healthy
+        if changed and not healthy:
+            self.cold(backend)   # down: when it comes back (a restart, say) its cache is empty
         if healthy:
             backend.fails = 0
         if error is not None:
@@ -205,32 +308,48 @@ class Balancer:
         return changed
 
     def set_drained(self, backend: Backend, drained: bool) -> None:
-        """Drain a backend (no new requests) or enable it again."""
+        """Drain a backend (no new requests) or enable it again. A drain is how the host agent takes an
+        instance out for a restart: its prefixes are forgotten, so it comes back cold."""
         backend.drained = drained
+        if drained:
+            self.cold(backend)
         if not drained:
             self.dispatch()
 
-    @staticmethod
-    def eject(backend: Backend, error: str) -> bool:
+    def eject(self, backend: Backend, error: str) -> bool:
         """Take a backend out until its next good /health; True when it was in."""
-        backend.last_error = error
-        if not backend.healthy:
-            return False
-        backend.healthy = False
-        backend.ejections += 1
-        return True
-
-    @classmethod
-    def answered(cls, backend: Backend, status: int, max_fails: int) -> bool:
-        """Count an upstream answer: a 5xx toward max_fails, anything else resets; True when it ejected."""
-        if status < 500:
-            backend.fails = 0  # a 4xx is the client's fault, never the backend's
-            return False
-        backend.fails += 1
-        if backend.fails >= max_fails:
-            return cls.eject(backend, f"{backend.fails} answers of 5xx in a row (last {status})")
+        if take_out(backend, error):
+            self.cold(backend)
+            return True
         return False
+
+    def answered(self, backend: Backend, status: int, max_fails: int) -> bool:
+        """Count an upstream answer: a 5xx toward max_fails, anything else resets; True when it ejected."""
+        error = count_answer(backend, status, max_fails)
+        return error is not None and self.eject(backend, error)
 
     def available_count(self) -> int:
         """How many backends would take a new request (healthy and not drained)."""
         return sum(b.available for b in self._order)
+
+
+def take_out(backend: Backend, error: str) -> bool:
+    """Mark a backend out until its next good /health; True when it was in."""
+    backend.last_error = error
+    if not backend.healthy:
+        return False
+    backend.healthy = False
+    backend.ejections += 1
+    return True
+
+
+def count_answer(backend: Backend, status: int, max_fails: int) -> str | None:
+    """Count an upstream answer: a 5xx toward max_fails, anything else resets; the reason to eject
+    the backend when this answer reached max_fails, else None."""
+    if status < 500:
+        backend.fails = 0  # a 4xx is the client's fault, never the backend's
+        return None
+    backend.fails += 1
+    if backend.fails >= max_fails:
+        return f"{backend.fails} answers of 5xx in a row (last {status})"
+    return None

@@ -57,6 +57,24 @@ class QueueConfig:
 
 
 @dataclass(frozen=True)
+class RoutingConfig:
+    """How a backend is picked: least_conn (the fewest requests in flight), or prefix (where the prompt's
+    prefix was sent before, unless that is too loaded; see proxy/prefix.py and docs/proxy.md)."""
+
+    policy: str = "least_conn"
+    min_match_tokens: int = 256   # prefill a prefix must save over the least loaded backend to win
+    min_match_ratio: float = 0.5  # and the share of the prompt it must cover (a new conversation that
+                                  # shares only a system prompt goes by load)
+    balance_abs: int = 2          # the prefix's backend is passed over when it has more than this many
+    balance_rel: float = 1.5      # requests more than the least loaded, and more than this many times as many
+    max_blocks: int = 262144      # prompt blocks remembered (64 bytes each), least recently used dropped first
+    lookahead: int = 4            # queued requests a freed slot may look past for one whose prefix is there
+
+
+POLICIES = ("least_conn", "prefix")
+
+
+@dataclass(frozen=True)
 class LogConfig:
     """The proxy's own log: written to path (standard error when None), rotated at max_mb while it runs."""
 
@@ -111,6 +129,7 @@ class ProxyConfig:
     slots: int = 0                # per backend: max_num_seqs + proxy.queue.headroom; 0: no limit, no queue
     queue: QueueConfig = QueueConfig()
     models: tuple[ModelPool, ...] = ()  # empty: one pool of every backend, the body's model is not read
+    routing: RoutingConfig = RoutingConfig()
 
     @property
     def max_body_bytes(self) -> int:
@@ -120,7 +139,8 @@ class ProxyConfig:
 
 TOP_KEYS = ("listen", "admin", "backends", "health", "timeout_s", "connect_timeout_s",
             "max_body_mb", "results_log", "log", "retries", "max_fails", "shutdown_timeout_s",
-            "fix_numeric_user", "api_keys_file", "slots", "queue", "models")
+            "fix_numeric_user", "api_keys_file", "slots", "queue", "models", "routing")
+ROUTING_KEYS = ("policy", "min_match_tokens", "min_match_ratio", "balance_abs", "balance_rel", "max_blocks", "lookahead")
 POOL_KEYS = ("name", "aliases", "adapters", "slots", "backends")
 
 
@@ -207,6 +227,7 @@ def parse_config(data: Any, source: str = "config") -> ProxyConfig:
         queue=QueueConfig(max=_count(queue, "max", defaults.queue.max, minimum=0, prefix="queue."),
                           timeout_s=_positive(queue, "timeout_s", defaults.queue.timeout_s, "queue.")),
         models=_models(top.get("models"), backends),
+        routing=_routing(top.get("routing", {})),
     )
 
 
@@ -247,6 +268,31 @@ def _backends(value: Any) -> tuple[str, ...]:
             raise ConfigError(f"backend {item} is listed twice.")
         names.append(item)
     return tuple(names)
+
+
+def _routing(value: Any) -> RoutingConfig:
+    """The routing section: a known policy and its bounds."""
+    m = _mapping(value, "routing", ROUTING_KEYS)
+    d = RoutingConfig()
+    policy = m.get("policy", d.policy)
+    if policy not in POLICIES:
+        raise ConfigError(f"routing.policy must be one of {', '.join(POLICIES)}, not {policy!r}.")
+    return RoutingConfig(
+        policy=policy,
+        min_match_tokens=_count(m, "min_match_tokens", d.min_match_tokens, minimum=0, prefix="routing."),
+        min_match_ratio=_ratio(m, "min_match_ratio", d.min_match_ratio),
+        balance_abs=_count(m, "balance_abs", d.balance_abs, minimum=0, prefix="routing."),
+        balance_rel=_positive(m, "balance_rel", d.balance_rel, "routing."),
+        max_blocks=_count(m, "max_blocks", d.max_blocks, minimum=1, prefix="routing."),
+        lookahead=_count(m, "lookahead", d.lookahead, minimum=0, prefix="routing."))
+
+
+def _ratio(m: dict, key: str, default: float) -> float:
+    """m[key] (or default) as a number from 0 to 1."""
+    value = m.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ConfigError(f"routing.{key} must be a number from 0 to 1, not {value!r}.")
+    return float(value)
 
 
 def _models(value: Any, backends: tuple[str, ...]) -> tuple[ModelPool, ...]:

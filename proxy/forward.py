@@ -17,6 +17,7 @@ from yarl import URL  # aiohttp's own URL type; encoded=True passes the client's
 from .balancer import Backend, Balancer, QueueFull, QueueTimeout
 from .fixups import fix_numeric_user
 from .models import NO_MODEL, model_of
+from .prefix import Route, prompt_blocks
 from .results_log import LOGGED_PATHS, ResponseObserver, trace_id_of, user_value
 from .state import PROXY
 
@@ -96,6 +97,7 @@ class Exchange:
     read: bool = False             # the body is read (before the pick in the models form)
     model: str | None = None       # the body's `model` (the models form reads it)
     pool: str | None = None        # the served model it is routed to (the models form)
+    route: Route | None = None     # its prompt's blocks and where they led (the prefix policy)
 
     def __post_init__(self) -> None:
         self.logged = self.request.method == "POST" and self.request.path in LOGGED_PATHS
@@ -119,16 +121,21 @@ async def proxy_handler(request: web.Request) -> web.StreamResponse:
     proxy.requests[id(ex)] = ex        # what a drain waits for (a queued request too), and names if it cuts it
     pool: Balancer | web.Response | None = None
     try:
-        pool = await _pool_of(ex, proxy) if proxy.router.by_model else proxy.router.only()
+        if proxy.router.by_model or proxy.router.by_prefix:
+            pool = await _pool_of(ex, proxy)
+        else:
+            pool = proxy.router.only()
     finally:
         if not isinstance(pool, Balancer):   # answered here (400, 404, 413) or the client left
             proxy.requests.pop(id(ex), None)
     if isinstance(pool, web.Response):
         return pool
     # Counted here, before the body is read (the seed's pile-up fix), in the plain form; in the models
-    # form right after it, pick and count still one step. A request that finds every slot of its pool
-    # taken waits its turn in the pool's queue.
-    backend = None if pool.queued else pool.acquire()
+    # form and with the prefix policy right after it, pick and count still one step. A request that
+    # finds every slot of its pool taken waits its turn in the pool's queue.
+    if pool.index is not None and ex.logged:
+        ex.route = Route(prompt_blocks(ex.body))
+    backend = None if pool.queued else pool.acquire(route=ex.route)
     if backend is None:
         try:
             backend = await _wait_for_slot(ex, proxy, pool)
@@ -138,6 +145,8 @@ async def proxy_handler(request: web.Request) -> web.StreamResponse:
         if isinstance(backend, web.Response):
             return backend
     ex.backend = backend.name
+    if ex.route is not None:
+        proxy.metrics.routed(ex.route)
     outcome = Outcome()
     try:
         response = None if ex.read else await _read_body(ex, proxy, backend)
@@ -151,7 +160,7 @@ async def proxy_handler(request: web.Request) -> web.StreamResponse:
             if not outcome.retryable or len(tried) > proxy.config.retries:
                 break
             # The request holds a slot already: it may go over another backend's slots, never wait.
-            other = pool.acquire(exclude=tried, over=True)
+            other = pool.acquire(exclude=tried, over=True, route=ex.route)
             if other is None:
                 break
             failed, backend = backend, other   # swap first: `backend` is what `finally` releases
@@ -190,8 +199,11 @@ async def _pool_of(ex: Exchange, proxy) -> Balancer | web.Response:
     response = await _read_body(ex, proxy, None)
     if response is not None:
         proxy.metrics.answered(NO_BACKEND, response.status)
-        proxy.metrics.answered_model(NO_BACKEND, response.status)
+        if router.by_model:
+            proxy.metrics.answered_model(NO_BACKEND, response.status)
         return response
+    if not router.by_model:
+        return router.only()     # the body was read for the prefix policy
     ids = {"X-Request-Id": ex.request_id}
     name = model_of(ex.body) if ex.body else NO_MODEL
     ex.model = name or None
@@ -251,7 +263,7 @@ async def _wait_for_slot(ex: Exchange, proxy, pool: Balancer) -> Backend | web.R
     config, metrics = proxy.config, proxy.metrics
     ids = {"X-Request-Id": ex.request_id}
     try:
-        backend = await pool.wait_for_slot(config.queue.timeout_s)
+        backend = await pool.wait_for_slot(config.queue.timeout_s, ex.route)
     except QueueFull:
         metrics.queue_rejected.labels("full").inc()
         return await _turned_away(ex, proxy, json_error(
@@ -420,13 +432,13 @@ def _upstream_error(proxy, backend: Backend, out: Outcome, kind: str, message: s
         out.error = f"stream interrupted: {message}"
         return
     out.status, out.retryable = 502, True   # whatever status line came first, no answer went out
-    if eject and Balancer.eject(backend, message):
+    if eject and proxy.router.eject(backend, message):
         _ejected(proxy, backend, kind)
 
 
 def _answered(proxy, backend: Backend, status: int) -> None:
     """Count an answer (or its failure, as the 5xx it amounts to) toward the backend's max_fails."""
-    if Balancer.answered(backend, status, proxy.config.max_fails):
+    if proxy.router.answered(backend, status, proxy.config.max_fails):
         _ejected(proxy, backend, "5xx")
 
 
@@ -473,6 +485,9 @@ def _log_attempt(ex: Exchange, proxy, backend: Backend | None, out: Outcome, fin
         entry["model"] = ex.model
         if ex.pool != ex.model:
             entry["served_model"] = ex.pool   # an alias or an adapter: the group it belongs to
+    if ex.route is not None:
+        entry["route"] = ex.route.decision
+        entry["match_tokens"] = ex.route.matched_tokens
     if ex.fixups:
         entry["fixups"] = ex.fixups
     summary = out.observer.summary() if out.observer else {"error": out.error}

@@ -5,6 +5,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from .models import Router
+from .prefix import BLOCK_BYTES, TOKEN_BYTES
 
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120)
@@ -81,6 +82,14 @@ class Metrics:
                                       "Requests by the served model they were routed to, and status (the models "
                                       "form; model \"none\": a name no backend serves, or no model)",
                                       ["model", "status"], registry=r)
+        self.route_decisions = Counter("proxy_route_decisions",
+                                       "Prefix policy: where each request went: prefix (where its prompt's "
+                                       "prefix was sent), load (no long enough match), override (a match, "
+                                       "but that backend was too loaded)", ["decision"], registry=r)
+        self.route_tokens = Counter("proxy_route_prompt_tokens",
+                                    "Prefix policy: prompt tokens routed (about 4 bytes each, whole 16-token "
+                                    "blocks), and of them matched on the chosen backend by the router's own index",
+                                    ["kind"], registry=r)
         r.register(BackendState(router_of))
         self._answered: dict = {}   # (backend, status) -> its counter child: labels() costs on every call
         self._timed: dict = {}      # backend -> its duration histogram child
@@ -99,6 +108,12 @@ class Metrics:
         if child is None:
             child = self._by_model[(model, status)] = self.model_requests.labels(model, str(status))
         child.inc()
+
+    def routed(self, route) -> None:
+        """Count one prefix-policy decision (a proxy.prefix.Route)."""
+        self.route_decisions.labels(route.decision).inc()
+        self.route_tokens.labels("prompt").inc(len(route.blocks) * BLOCK_BYTES // TOKEN_BYTES)
+        self.route_tokens.labels("matched").inc(route.matched_tokens)
 
     def took(self, backend: str, seconds: float) -> None:
         """Observe one request's time to its last byte."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 
-from .balancer import Backend, Balancer
+from .balancer import Backend, Balancer, count_answer, take_out
 from .config import ProxyConfig
 
 _MODEL_KEY = b'"model"'
@@ -57,6 +57,11 @@ class Router:
         """Whether requests are routed by their body's `model` (the config has `models`)."""
         return NO_MODEL not in self.pools
 
+    @property
+    def by_prefix(self) -> bool:
+        """Whether a backend is picked by the prompt's prefix (routing.policy prefix)."""
+        return next(iter(self.pools.values())).index is not None
+
     def update(self, config: ProxyConfig) -> tuple[list[str], list[str]]:
         """Make the pools those of config, keeping the state of backends that stay in their pool;
         returns the backends (added, removed)."""
@@ -67,9 +72,10 @@ class Router:
             self.pools.pop(name).update([])           # its backends leave the pick; in-flight ones finish
         for name, (members, slots) in wanted.items():
             if name in self.pools:
+                self.pools[name].set_routing(config.routing)
                 self.pools[name].update(members, slots, config.queue.max)
             else:
-                self.pools[name] = Balancer(members, slots, config.queue.max)
+                self.pools[name] = Balancer(members, slots, config.queue.max, config.routing)
         self._pool_of = {b: name for name, pool in self.pools.items() for b in pool.backends}
         self.backends = {b.name: b for pool in self.pools.values() for b in pool.backends.values()}
         self._names = {n: p.name for p in config.models for n in p.names}
@@ -128,12 +134,25 @@ class Router:
         """Backends that take new requests, in every pool."""
         return sum(p.available_count() for p in self.pools.values())
 
+    def _owner(self, backend: Backend) -> Balancer | None:
+        """The pool backend is in; None when a reload removed it (its requests may still be running)."""
+        pool = self.pools.get(self._pool_of.get(backend.name, ""))
+        return pool if pool is not None and pool.backends.get(backend.name) is backend else None
+
     def mark(self, backend: Backend, healthy: bool, error: str | None = None) -> bool:
         """A health check's verdict on a backend (see Balancer.mark)."""
-        pool = self.pools.get(self._pool_of.get(backend.name, ""))
-        if pool is None or pool.backends.get(backend.name) is not backend:   # removed by a reload meanwhile
-            return False
-        return pool.mark(backend, healthy, error)
+        pool = self._owner(backend)
+        return pool.mark(backend, healthy, error) if pool is not None else False
+
+    def eject(self, backend: Backend, error: str) -> bool:
+        """Take a backend out until its next good /health (see Balancer.eject); True when it was in."""
+        pool = self._owner(backend)
+        return pool.eject(backend, error) if pool is not None else take_out(backend, error)
+
+    def answered(self, backend: Backend, status: int, max_fails: int) -> bool:
+        """Count an upstream answer toward max_fails; True when it ejected the backend."""
+        error = count_answer(backend, status, max_fails)
+        return error is not None and self.eject(backend, error)
 
     def set_drained(self, backend: Backend, drained: bool) -> None:
         """Drain a backend or enable it again (see Balancer.set_drained)."""

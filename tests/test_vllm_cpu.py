@@ -419,6 +419,65 @@ def test_engine_first_chunk_comes_with_the_first_token(cluster):
     assert len(events) >= 2
 
 
+LINES = ["The quick brown fox jumps over the lazy dog.",
+         "vLLM serves language models behind an OpenAI-compatible API.",
+         "A fleet of instances runs behind one proxy, one instance per accelerator.",
+         "Hello! How can I help you today? Tell me a story about a cat."]   # the tiny tokenizer's own words
+
+
+def cache_counts(c) -> tuple[float, float]:
+    """The engines' own prefix-cache hits and queries (tokens), summed over both instances."""
+    hits = queries = 0.0
+    for port in c.ports[:2]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        hits += sum(float(v) for v in re.findall(r"^vllm:prefix_cache_hits_total\{[^}]*\} (\S+)$", text, re.M))
+        queries += sum(float(v) for v in re.findall(r"^vllm:prefix_cache_queries_total\{[^}]*\} (\S+)$", text, re.M))
+    return hits, queries
+
+
+def conversations(c, tag: str, n: int = 5, rounds: int = 4) -> tuple[float, dict[int, list[str]]]:
+    """n conversations of `rounds` rounds, round after round (as users take turns), each opening with its
+    own long document (about 250 of the tiny model's tokens: two of the CPU build's 128-token blocks)
+    and growing by its answers: the share of prompt tokens the engines served from their cache, and
+    each conversation's backends in order."""
+    client = c.client()
+    history = {k: [{"role": "user", "content": f"{tag} document {k}: " + " ".join(
+        LINES[(k + j) % len(LINES)] for j in range(13))}] for k in range(n)}
+    homes: dict[int, list[str]] = {k: [] for k in range(n)}
+    hits0, queries0 = cache_counts(c)
+    for rnd in range(rounds):
+        for k, messages in history.items():
+            raw = client.chat.completions.with_raw_response.create(model=NAME, messages=messages, max_tokens=4,
+                                                                   temperature=0)
+            homes[k].append(raw.headers["X-Backend"])
+            messages += [{"role": "assistant", "content": raw.parse().choices[0].message.content or "x"},
+                         {"role": "user", "content": f"{LINES[rnd]} {rnd}?"}]
+    hits1, queries1 = cache_counts(c)
+    return (hits1 - hits0) / max(1.0, queries1 - queries0), homes
+
+
+def test_prefix_routing_serves_more_of_each_conversation_from_the_engines_cache(cluster):
+    """The same conversations through the proxy with least_conn, then (new documents) with routing
+    prefix: the engines' own vllm:prefix_cache_hits_total rises more with prefix, and each conversation's
+    rounds stay on one instance. (min_match_tokens is scaled to the tiny model's short prompts: the
+    proxy reckons 4 bytes a token, the tiny tokenizer about 4.5 bytes on its own words.)"""
+    c = cluster
+    least, _ = conversations(c, "least")
+    r = c.inv("deploy", "--set", "proxy.routing.policy=prefix", "--set", "proxy.routing.min_match_tokens=64")
+    try:
+        assert r.returncode == 0, r.stdout + r.stderr
+        with urllib.request.urlopen(f"http://127.0.0.1:{c.admin_port}/admin/config", timeout=5) as resp:
+            assert json.loads(resp.read())["routing"]["policy"] == "prefix"
+        prefix, homes = conversations(c, "prefix")
+    finally:
+        r = c.inv("deploy")          # least_conn again, as the inventory says, for the tests that follow
+        assert r.returncode == 0, r.stdout + r.stderr
+    c.figures["prefix_cache_hit_share"] = {"least_conn": round(least, 3), "prefix": round(prefix, 3)}
+    assert all(len(set(h)) == 1 for h in homes.values()), homes
+    assert prefix > least + 0.1, c.figures["prefix_cache_hit_share"]
+
+
 def test_bench_says_a_text_only_model_takes_no_image_and_runs_with_image_none(cluster):
     """`inv bench` sends an image by default: a text-only model refuses it, and bench says so in one
     sentence (exit 2, no report) instead of a failed run; `--image none` then benches it."""

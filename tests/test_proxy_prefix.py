@@ -1,0 +1,241 @@
+"""Prefix-aware routing (issue 19): the proxy's index of what it sent where, the pick it makes from it,
+the queue's bounded look-ahead, and the proxy as a process sending each conversation back to its backend.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+
+import pytest
+
+from conftest import wait_until
+from proxy.balancer import Balancer
+from proxy.config import ConfigError, RoutingConfig, parse_config
+from proxy.prefix import BLOCK_BYTES, PrefixIndex, Route, prompt_blocks
+from proxy_helpers import start_proxy, start_sims
+
+SYSTEM = "You are a careful assistant. " * 40          # about 1,100 bytes: 17 blocks, about 280 tokens
+
+
+def chat(*contents: str) -> bytes:
+    roles = ["system"] + ["user", "assistant"] * len(contents)
+    return json.dumps({"model": "m", "messages": [
+        {"role": roles[i], "content": c} for i, c in enumerate(contents)]}).encode()
+
+
+def routing(**kw) -> RoutingConfig:
+    return RoutingConfig(policy="prefix", **kw)
+
+
+def pool(n=4, slots=4, **kw) -> Balancer:
+    b = Balancer([f"b{i}:1" for i in range(n)], slots=slots, queue_max=16, routing=routing(**kw))
+    for backend in b.backends.values():
+        b.mark(backend, True)
+    return b
+
+
+# The prompt's blocks.
+
+@pytest.mark.unit
+def test_a_longer_conversation_starts_with_the_shorter_ones_blocks():
+    one = prompt_blocks(chat(SYSTEM, "What is in this picture of a harbour at dawn?"))
+    two = prompt_blocks(chat(SYSTEM, "What is in this picture of a harbour at dawn?", "Boats and gulls. " * 5,
+                             "How many boats?"))
+    assert one and two[:len(one)] == one and len(two) > len(one)
+    assert prompt_blocks(chat("other " * 200))[0] != one[0]
+
+
+@pytest.mark.unit
+def test_only_whole_blocks_count_and_images_count_by_content():
+    assert prompt_blocks(json.dumps({"prompt": "x" * (BLOCK_BYTES - 1)}).encode()) == []
+    assert len(prompt_blocks(json.dumps({"prompt": "x" * (3 * BLOCK_BYTES + 5)}).encode())) == 3
+
+    def with_image(data: str) -> bytes:
+        return json.dumps({"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + data}},
+            {"type": "text", "text": "Describe it. " * 20}]}]}).encode()
+    a, a_again, b = prompt_blocks(with_image("A" * 100000)), prompt_blocks(with_image("A" * 100000)), \
+        prompt_blocks(with_image("B" * 100000))
+    assert a == a_again and a[0] != b[0]
+    assert len(a) < 10     # the 100 kB image is one short digest, not 1,500 blocks
+    assert prompt_blocks(b"not json") == [] and prompt_blocks(b"[1]") == []
+
+
+# The index.
+
+@pytest.mark.unit
+def test_the_index_matches_the_longest_run_per_backend():
+    idx = PrefixIndex(max_blocks=1000)
+    idx.insert([1, 2, 3, 4], "a")
+    idx.insert([1, 2, 9], "b")
+    assert idx.match([1, 2, 3, 4, 5]) == {"a": 4, "b": 2}
+    assert idx.match([1, 2, 9]) == {"a": 2, "b": 3}
+    assert idx.match([7, 1]) == {}
+    assert idx.drop("a") == 4 and idx.match([1, 2, 3]) == {"b": 2} and len(idx) == 3
+
+
+@pytest.mark.unit
+def test_the_index_is_bounded_and_evicts_a_prompts_tail_before_its_head():
+    idx = PrefixIndex(max_blocks=6)
+    idx.insert([1, 2, 3, 4], "a")
+    idx.insert([10, 11, 12, 13], "b")
+    assert len(idx) == 6
+    assert idx.match([1, 2, 3, 4]) == {"a": 2}          # 3 and 4, the oldest tail, went first
+    assert idx.match([10, 11, 12, 13]) == {"b": 4}
+    assert idx.blocks_of("a") == 2
+
+
+# The pick.
+
+@pytest.mark.unit
+def test_a_conversation_goes_back_to_where_its_prefix_is():
+    b = pool()
+    first = prompt_blocks(chat(SYSTEM, "Tell me about the harbour. " * 4))
+    home = b.acquire(route=Route(first))
+    for other in range(3):      # other conversations take the other backends' slots in turn
+        b.acquire(route=Route(prompt_blocks(chat(f"conversation {other} " * 60))))
+    later = Route(prompt_blocks(chat(SYSTEM, "Tell me about the harbour. " * 4, "It is old.", "How old?")))
+    assert b.acquire(route=later) is home and later.decision == "prefix"
+    assert later.matched_tokens >= len(first) * BLOCK_BYTES // 4
+
+
+@pytest.mark.unit
+def test_a_shared_system_prompt_alone_does_not_pin_traffic():
+    """Every request opens with the same system prompt and a unique question: once the prompt is on
+    a backend the others are as good (the match saves less than min_match_tokens over the least
+    loaded), so requests spread as least_conn spreads them."""
+    b = pool(n=4, slots=100, min_match_tokens=256)
+    counts: dict[str, int] = {}
+    held = []
+    for i in range(400):
+        route = Route(prompt_blocks(chat(SYSTEM, f"Question number {i}: what is {i} squared?")))
+        backend = b.acquire(route=route)
+        counts[backend.name] = counts.get(backend.name, 0) + 1
+        held.append(backend)
+        if len(held) > 6:         # a few in flight at a time, as under load
+            b.release(held.pop(0))
+    assert max(counts.values()) / min(counts.values()) <= 1.25, counts
+
+
+@pytest.mark.unit
+def test_a_match_shorter_than_the_minimum_routes_by_load():
+    b = pool(min_match_tokens=10_000)
+    first = prompt_blocks(chat(SYSTEM, "a"))
+    home = b.acquire(route=Route(first))
+    again = Route(first)
+    assert b.acquire(route=again) is not home and again.decision == "load"
+
+
+@pytest.mark.unit
+def test_load_overrides_the_prefix_beyond_both_thresholds():
+    b = pool(n=2, slots=100, balance_abs=2, balance_rel=1.5)
+    conv = prompt_blocks(chat(SYSTEM, "The long story of a conversation. " * 30))
+    home = b.acquire(route=Route(conv))
+    decisions = []
+    for _ in range(4):
+        r = Route(conv)
+        decisions.append((b.acquire(route=r) is home, r.decision))
+    # home has 1, 2, 3 in flight against 0: the third goes over abs 2 and rel 1.5: the other backend.
+    assert decisions[:2] == [(True, "prefix"), (True, "prefix")]
+    assert decisions[2] == (False, "override")
+
+
+@pytest.mark.unit
+def test_a_backend_taken_out_comes_back_cold():
+    for take_out in ("eject", "unhealthy", "drain", "remove"):
+        b = pool(n=2)
+        conv = prompt_blocks(chat(SYSTEM, "A conversation. " * 40))
+        home = b.acquire(route=Route(conv))
+        assert b.index.blocks_of(home.name) == len(conv)
+        if take_out == "eject":
+            b.eject(home, "test")
+        elif take_out == "unhealthy":
+            b.mark(home, False, "test")
+        elif take_out == "drain":
+            b.set_drained(home, True)
+        else:
+            b.update([n for n in b.backends if n != home.name])
+        assert b.index.blocks_of(home.name) == 0, take_out
+
+
+@pytest.mark.unit
+def test_a_freed_slot_may_pass_over_at_most_lookahead_waiters():
+    """One backend of one slot per conversation: waiters whose prefix lives on the freed backend go
+    first, but the head is passed over at most `lookahead` times."""
+    async def run():
+        b = pool(n=2, slots=1, lookahead=2)
+        a_conv = prompt_blocks(chat(SYSTEM, "conversation A " * 40))
+        b_conv = prompt_blocks(chat("another system " * 60, "conversation B " * 40))
+        home_a = b.acquire(route=Route(a_conv))
+        home_b = b.acquire(route=Route(b_conv))
+        got: list[str] = []
+
+        async def wait(tag, blocks):
+            backend = await b.wait_for_slot(5, Route(blocks))
+            got.append(tag)
+            return backend
+        tasks = [asyncio.create_task(wait("b1", b_conv))]
+        tasks += [asyncio.create_task(wait(f"a{i}", a_conv)) for i in range(4)]
+        await asyncio.sleep(0)
+        assert b.queued == 5
+        for _ in range(5):                 # home_a frees its slot each time: A's prefix is there
+            b.release(home_a)
+            await asyncio.sleep(0)
+            home_a = b.backends[home_a.name]
+        await asyncio.gather(*tasks)
+        assert b.queued == 0
+        return got, home_b
+    got, _ = asyncio.run(run())
+    # b1 (head) is passed over twice, then taken as it is.
+    assert got[:3] == ["a0", "a1", "b1"], got
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("routing_value, says", [
+    ({"policy": "cache_aware"}, "routing.policy must be one of least_conn, prefix"),
+    ({"policy": "prefix", "max_blocks": 0}, "routing.max_blocks must be a whole number of at least 1"),
+    ({"policy": "prefix", "balance_rel": -1}, "routing.balance_rel must be a finite number greater than 0"),
+    ({"policy": "prefix", "depth": 3}, "unknown config key 'routing.depth'"),
+])
+def test_a_wrong_routing_section_is_one_sentence(routing_value, says):
+    with pytest.raises(ConfigError) as e:
+        parse_config({"backends": ["a:1"], "routing": routing_value})
+    assert says in str(e.value)
+
+
+# The proxy as a process: conversations before four sims.
+
+@pytest.mark.process
+def test_each_conversations_rounds_land_on_one_backend(procs, tmp_path):
+    ports = start_sims(procs, tmp_path, 4, seqs=4, token_ms=1)
+    port, admin = start_proxy(procs, tmp_path, ports, routing={"policy": "prefix", "min_match_tokens": 64},
+                              slots=6)
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    homes: dict[int, set] = {}
+    histories = {c: [{"role": "system", "content": SYSTEM},
+                     {"role": "user", "content": f"Conversation {c} opens with its own document. " * 30}]
+                 for c in range(8)}
+    for rnd in range(3):
+        for c, messages in histories.items():
+            req = urllib.request.Request(url, json.dumps({"model": "m", "max_tokens": 4, "messages": messages,
+                                                          "user": f"c{c}"}).encode(),
+                                         {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=30) as r:
+                answer = json.loads(r.read())["choices"][0]["message"]["content"]
+                homes.setdefault(c, set()).add(r.headers["X-Backend"])
+            messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": f"Round {rnd}?"}]
+    assert all(len(h) == 1 for h in homes.values()), homes
+    assert len(set.union(*homes.values())) >= 3        # the conversations themselves spread
+
+    def logged():
+        path = tmp_path / "req_results.log"
+        lines = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+        return len(lines) >= 24 and lines
+    lines = wait_until(logged, what="24 results-log lines")
+    later = [e for e in lines if e["trace_id"] and e.get("match_tokens", 0) > 0]
+    assert {e["route"] for e in later} == {"prefix"} and len(later) >= 16
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    assert 'proxy_route_decisions_total{decision="prefix"}' in metrics
+    with urllib.request.urlopen(f"http://127.0.0.1:{admin}/admin/config") as r:
+        assert json.loads(r.read())["routing"]["policy"] == "prefix"
