@@ -11,7 +11,7 @@ import signal
 import aiohttp
 import pytest
 
-from conftest import ROOT, Processes, wait_until
+from conftest import ROOT, wait_until
 from fleet import inventory, render
 from fleet.sim import protocol
 from fleet.sim.cli import parse as parse_cli
@@ -125,10 +125,9 @@ def test_a_partial_tail_block_takes_room_but_is_never_cached():
 
 
 def image_chat(payload: str, mime: str = "png", text: str = "what is in the picture?") -> dict:
+    image = {"type": "image_url", "image_url": {"url": f"data:image/{mime};base64,{payload}"}}
     return {"model": MODEL, "messages": [{"role": "system", "content": "You are a careful describer. " * 8},
-                                         {"role": "user", "content": [
-                                             {"type": "image_url", "image_url": {"url": f"data:image/{mime};base64,{payload}"}},
-                                             {"type": "text", "text": text}]}]}
+                                         {"role": "user", "content": [image, {"type": "text", "text": text}]}]}
 
 
 @pytest.mark.unit
@@ -236,9 +235,11 @@ def test_metrics_carry_vllms_prefix_cache_counters_in_tokens(procs, tmp_path):
     tokens, hits its full blocks but the last token's."""
     sim = start_sim(procs, tmp_path, "--sim-instant")
     _, text = request(sim.url("/metrics"))
-    for name, doc in (("vllm:prefix_cache_queries_total", "Prefix cache queries, in terms of number of queried tokens."),
+    for name, doc in (("vllm:prefix_cache_queries_total",
+                       "Prefix cache queries, in terms of number of queried tokens."),
                       ("vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens.")):
-        assert f"# HELP {name} {doc}\n# TYPE {name} counter\n{name}{{engine=\"0\",model_name=\"{MODEL}\"}} 0.0\n" in text
+        sample = f'{name}{{engine="0",model_name="{MODEL}"}} 0.0'
+        assert f"# HELP {name} {doc}\n# TYPE {name} counter\n{sample}\n" in text
     first = request(sim.url("/v1/chat/completions"), chat(LONG, max_tokens=2))[1]
     request(sim.url("/v1/chat/completions"), chat(LONG, max_tokens=2))
     n = first["usage"]["prompt_tokens"]
