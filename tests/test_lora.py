@@ -472,7 +472,8 @@ def test_the_keepers_restart_restores_the_adapter(sim):
     def back():
         st = status_json(sim.inventory)["instances"][1]
         return st["state"] == "healthy" and st["pid"] not in (None, before) and "rt-a" in sim.models(1)
-    wait_until(back, timeout=60, interval=0.3, what="instance 1 restarted by the keeper with rt-a")
+    # Bounded generously: each poll is an `inv status`, and the keeper waits dead_after_s before it acts.
+    wait_until(back, timeout=180, interval=0.3, what="instance 1 restarted by the keeper with rt-a")
     log = (sim.deploy / "logs" / "keeper.log").read_text()
     assert "instance 1: restored adapter(s) rt-a" in log, log[-2000:]
 
