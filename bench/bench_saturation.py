@@ -148,7 +148,8 @@ def main(argv=None) -> int:
         figures["ideal"][str(c)] = summary(ideal(tokens, c, slots))
     with tempfile.TemporaryDirectory(prefix="bench-saturation-") as tmp:
         stack = Stack(Path(tmp), BACKENDS, MAX_NUM_SEQS,
-                      ["--sim-prefill-ms", str(PREFILL_MS), "--sim-token-ms", str(TOKEN_MS),
+                      # PREFILL_MS for every request, whatever its prompt: the fixed overhead, no prefill.
+                      ["--sim-overhead-ms", str(PREFILL_MS), "--sim-prefill-ms", "0", "--sim-token-ms", str(TOKEN_MS),
                        "--sim-output-tokens", "1000"], proxy_set=(f"proxy.queue.headroom={args.headroom}",))
         try:
             fronts = stack.start(args.fronts.split(","))

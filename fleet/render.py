@@ -95,6 +95,11 @@ def engine_argv(hv: HostVars, model: str | None = None) -> list[str]:
         argv = [v["python"], "-m", "fleet.sim", "serve", model,
                 "--sim-load-s", _num(sim["load_s"]), "--sim-prefill-ms", _num(sim["prefill_ms"]),
                 "--sim-token-ms", _num(sim["token_ms"]), "--sim-output-tokens", str(sim["output_tokens"])]
+        # Rendered only when set, so inventories without them render as before.
+        if sim.get("overhead_ms") is not None:
+            argv += ["--sim-overhead-ms", _num(sim["overhead_ms"])]
+        if sim.get("kv_blocks") is not None:
+            argv += ["--sim-kv-blocks", str(sim["kv_blocks"])]
         if sim["instant"]:
             argv.append("--sim-instant")
         return argv

@@ -137,8 +137,16 @@ class SSHSettings(Section):
 class SimSettings(Section):
     load_s: _seconds(off=True) = doc(3.0,
         "How long the sim engine 'loads weights' (`/health` 503 meanwhile); 0 turns it off.")
+    overhead_ms: _number(0, 3.6e6, "a number of milliseconds from 0 to 3600000") | None = doc(None,
+        "The sim engine's fixed time to first token, before prefill. Unset: the sim's default, 20 "
+        "(vLLM 0.32's CPU build answers a short prompt's first chunk in 17-30 ms).")
     prefill_ms: _number(0, 3.6e6, "a number of milliseconds from 0 to 3600000") = doc(100.0,
-        "The sim engine's time to first token, plus 1 ms per image.")
+        "The sim engine's prefill time per 1,000 prompt tokens not found in its prefix cache (an "
+        "image counts 256 tokens).")
+    kv_blocks: _int(1, 100_000_000) | None = doc(None,
+        "The sim engine's prefix cache, in 16-token blocks (least recently used blocks no running "
+        "request holds are evicted). Unset: the sim's default, 16384 (262,144 tokens, an 8B model's "
+        "KV cache on a 64 GB card).")
     token_ms: _number(0, 3.6e6, "a number of milliseconds from 0 to 3600000") = doc(10.0,
         "The sim engine's time per output token.")
     output_tokens: _int(1, 1_000_000) = doc(200,

@@ -13,9 +13,10 @@ from fleet import bench
 from fleet_helpers import deployment_id, inv, kill_tagged, status_json, write_inventory
 
 
-# One request: 300 ms prefill + 16 tokens x 40 ms, about 1 s, long enough that process start-up
-# jitter on a loaded machine stays well inside the 20% the parallel check allows.
-SLOW_SIM = "{load_s: 0.3, prefill_ms: 300, token_ms: 40, output_tokens: 16}"
+# One request: 300 ms to the first token (whatever the prompt: no prefill time) + 16 tokens x 40 ms,
+# about 1 s, long enough that process start-up jitter on a loaded machine stays well inside the 20% the
+# parallel check allows.
+SLOW_SIM = "{load_s: 0.3, overhead_ms: 300, prefill_ms: 0, token_ms: 40, output_tokens: 16}"
 
 
 def deployed(tmp_path, edit=lambda text: text, **kw):

@@ -39,10 +39,15 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--enforce-eager", action="store_true", help="accepted; no effect")
     serve.add_argument("--sim-load-s", dest="load_s", type=float,
                        help="'loading weights' delay, /health 503 meanwhile (FLEET_SIM_LOAD_S, 3.0)")
+    serve.add_argument("--sim-overhead-ms", dest="overhead_ms", type=float,
+                       help="time to first token of every request, before prefill (FLEET_SIM_OVERHEAD_MS, 20)")
     serve.add_argument("--sim-prefill-ms", dest="prefill_ms", type=float,
-                       help="time to first token, plus 1 ms per image (FLEET_SIM_PREFILL_MS, 100)")
+                       help="prefill time per 1,000 prompt tokens not in the prefix cache "
+                            "(FLEET_SIM_PREFILL_MS, 100)")
     serve.add_argument("--sim-token-ms", dest="token_ms", type=float,
                        help="time per output token (FLEET_SIM_TOKEN_MS, 10)")
+    serve.add_argument("--sim-kv-blocks", dest="kv_blocks", type=int,
+                       help="prefix cache size in 16-token blocks (FLEET_SIM_KV_BLOCKS, 16384)")
     serve.add_argument("--sim-output-tokens", dest="output_tokens", type=int,
                        help="natural answer length in tokens (FLEET_SIM_OUTPUT_TOKENS, 200)")
     serve.add_argument("--sim-after-engine-death", dest="after_engine_death", choices=("exit", "stay"),
@@ -52,7 +57,7 @@ def parser() -> argparse.ArgumentParser:
                        help="how long the API server lives on after its engine died, in exit mode "
                             "(FLEET_SIM_EXIT_DELAY_S, 4)")
     serve.add_argument("--sim-instant", dest="instant", action="store_true",
-                       help="no load, prefill or token time (FLEET_SIM_INSTANT=1)")
+                       help="no load, overhead, prefill or token time (FLEET_SIM_INSTANT=1)")
     serve.add_argument("--sim-fail-start", dest="fail_start", action="store_true",
                        help="exit at once with an engine start-up error (a crash loop on demand)")
 

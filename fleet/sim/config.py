@@ -7,15 +7,24 @@ from pathlib import Path
 
 from fleet.sim import devices
 from fleet.sim.lora import Adapters, LoRAModulePath, parse_lora_modules
+from fleet.sim.prefix_cache import BLOCK_SIZE
 from fleet.sim.protocol import ApiError
 
-# name: (environment variable, default, type)
+# name: (environment variable, default, type). Time to first token = overhead_ms + prefill_ms per 1,000
+# prompt tokens not found in the prefix cache. overhead_ms: vLLM 0.32's CPU build answered a short prompt's
+# first chunk in 17-30 ms here (tiny model, docs/engines.md); prefill_ms: about 10,000 prompt tokens a
+# second, the order of an 8B model's prefill on one data-centre card (an estimate, not measured here).
 TIMING = {
     "load_s": ("FLEET_SIM_LOAD_S", 3.0, float),
+    "overhead_ms": ("FLEET_SIM_OVERHEAD_MS", 20.0, float),
     "prefill_ms": ("FLEET_SIM_PREFILL_MS", 100.0, float),
     "token_ms": ("FLEET_SIM_TOKEN_MS", 10.0, float),
     "output_tokens": ("FLEET_SIM_OUTPUT_TOKENS", 200, int),
     "exit_delay_s": ("FLEET_SIM_EXIT_DELAY_S", 4.0, float),
+    # The prefix cache's size in 16-token blocks: 16,384 blocks = 262,144 tokens, about what one 64 GB
+    # card keeps for an 8B model's KV cache (36 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes = 144 KiB
+    # a token; 0.9 x 64 GB less 17 GB of weights and some activations leaves about 36 GiB).
+    "kv_blocks": ("FLEET_SIM_KV_BLOCKS", 16384, int),
 }
 # What the API server does once its engine core died: vLLM 0.32 exits by itself a few seconds later
 # (EngineDeadError; /health 503 and /v1/models 200 meanwhile), vLLM 0.11 stays up with /health 503.
@@ -33,11 +42,13 @@ class SimConfig:
     max_num_seqs: int = 256
     max_model_len: int = 32768
     load_s: float = 3.0
+    overhead_ms: float = 20.0
     prefill_ms: float = 100.0
     token_ms: float = 10.0
     output_tokens: int = 200
     after_engine_death: str = "exit"
     exit_delay_s: float = 4.0
+    kv_blocks: int = 16384
     dev_dir: Path = field(default_factory=devices.default_dev_dir)
     visible_cards: list[int] = field(default_factory=lambda: [0])
     tensor_parallel_size: int = 1
@@ -69,6 +80,14 @@ class SimConfig:
         a static adapter vLLM cannot load fails init_static_loras (entrypoints/openai/models/serving.py)
         with the load's error message.
         """
+        if self.kv_blocks < 1:
+            return f"ValueError: kv_blocks must be at least 1, not {self.kv_blocks}."
+        needed = -(-self.max_model_len // BLOCK_SIZE)
+        if needed > self.kv_blocks:   # vllm/v1/core/kv_cache_utils.py, check_enough_kv_cache_memory
+            return (f"ValueError: To serve at least one request with the model's max seq len "
+                    f"({self.max_model_len}), ({needed} blocks of KV cache are needed, which is larger than "
+                    f"the available KV cache ({self.kv_blocks} blocks). Try increasing "
+                    f"`--sim-kv-blocks` or decreasing `max_model_len` when initializing the engine.")
         if self.tensor_parallel_size > len(self.visible_cards):
             return (f"ValueError: World size ({self.tensor_parallel_size}) is larger than the number of "
                     f"available GPUs ({len(self.visible_cards)}) in this node.")
@@ -98,7 +117,7 @@ def settle(flags: dict, environ=None) -> SimConfig:
         given = flags.get(name)
         timing[name] = kind(given if given is not None else env.get(var) or default)
     if flags.get("instant") or _truthy(env.get("FLEET_SIM_INSTANT")):
-        timing.update(load_s=0.0, prefill_ms=0.0, token_ms=0.0)
+        timing.update(load_s=0.0, overhead_ms=0.0, prefill_ms=0.0, token_ms=0.0)
     after = flags.get("after_engine_death") or env.get("FLEET_SIM_AFTER_ENGINE_DEATH") or "exit"
     if after not in AFTER_ENGINE_DEATH:
         raise ValueError(f"after_engine_death must be one of {', '.join(AFTER_ENGINE_DEATH)}, not {after!r}")

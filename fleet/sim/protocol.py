@@ -1,17 +1,23 @@
 """The OpenAI-compatible surface as vLLM speaks it: request checks, output text, response bodies."""
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import time
 import uuid
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-# A rough tokenizer: English averages about four characters a token.
+from fleet.sim.prefix_cache import Image, Prompt
+
+# A rough tokenizer: English averages about four characters a token; a token is 4 characters of text.
 CHARS_PER_TOKEN = 4
-# The chat template's tokens around each message (role markers, separators).
+# The chat template (ChatML, as MiniCPM-V's and Qwen's): each message is `<|im_start|>`, its role, a
+# newline, its content, `<|im_end|>`; the generation prompt `<|im_start|>assistant\n` closes the prompt.
 TOKENS_PER_MESSAGE = 4
+GENERATION_PROMPT = ("<|im_start|>", "assistant", "\n")
+IMAGE_TOKEN = "<image>"
 # What one image costs in the prompt (a vision encoder's patch tokens at a modest resolution).
 TOKENS_PER_IMAGE = 256
 
@@ -71,6 +77,7 @@ class Job:
     include_usage: bool
     thinking: bool
     seed: int
+    prompt: Prompt = field(default_factory=lambda: Prompt(()))
 
 
 def _validation_error(kind: str, loc: str, message: str, value) -> ApiError:
@@ -91,15 +98,24 @@ def _int_field(kind: str, body: dict, name: str) -> int | None:
     return value
 
 
-def _text_tokens(text: str) -> int:
-    return -(-len(text) // CHARS_PER_TOKEN)
+def _text_tokens(text: str) -> list[str]:
+    return [text[i:i + CHARS_PER_TOKEN] for i in range(0, len(text), CHARS_PER_TOKEN)]
 
 
-def _chat_prompt(messages) -> tuple[int, int, str]:
-    """Prompt tokens, image count and the text of a chat's messages."""
+def image_identifier(url: str) -> str:
+    """An image's content hash: of a data URL's payload (whatever its declared type), else of its URL."""
+    payload = url.split(",", 1)[1] if url.startswith("data:") else url
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def _chat_prompt(messages) -> tuple[list, list[Image], str]:
+    """The chat template applied to the messages: tokens, images (placeholder tokens, hashed by
+    content) and the messages' text."""
     if not isinstance(messages, list) or not messages:
         raise _validation_error("chat", "messages", "Input should be a non-empty list", messages)
-    tokens, images, texts = 0, 0, []
+    tokens: list = []
+    images: list[Image] = []
+    texts: list[str] = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
             raise _validation_error("chat", f"messages.{i}", "Input should be a message with a role", msg)
@@ -107,7 +123,7 @@ def _chat_prompt(messages) -> tuple[int, int, str]:
         parts = [{"type": "text", "text": content}] if isinstance(content, str) else content or []
         if not isinstance(parts, list):
             raise _validation_error("chat", f"messages.{i}.content", "Input should be a string or a list", content)
-        tokens += TOKENS_PER_MESSAGE
+        tokens += ["<|im_start|>", msg["role"], "\n"]
         for part in parts:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text" and isinstance(part.get("text"), str):
@@ -119,21 +135,23 @@ def _chat_prompt(messages) -> tuple[int, int, str]:
                 if not isinstance(url, str) or (url.startswith("data:") and not _DATA_IMAGE.match(url)):
                     raise ApiError(400, "Invalid image_url: expected an http(s) URL or a "
                                         "data:image/...;base64,... URL.", param="messages")
-                images += 1
-                tokens += TOKENS_PER_IMAGE
+                images.append(Image(image_identifier(url), len(tokens), TOKENS_PER_IMAGE))
+                tokens += [IMAGE_TOKEN] * TOKENS_PER_IMAGE
             else:
                 raise ApiError(400, f"Unsupported content part in messages.{i}: {part!r:.80}", param="messages")
+        tokens.append("<|im_end|>")
+    tokens += GENERATION_PROMPT
     return tokens, images, "\n".join(texts)
 
 
-def _completion_prompt(prompt) -> tuple[int, str]:
-    """Prompt tokens and text of a completion's prompt: a string, [string] or a list of token ids."""
+def _completion_prompt(prompt) -> tuple[list, str]:
+    """Tokens and text of a completion's prompt: a string, [string] or a list of token ids."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return max(1, _text_tokens(prompt)), prompt
+        return _text_tokens(prompt) or [""], prompt
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return len(prompt), " ".join(map(str, prompt))
+        return list(prompt), " ".join(map(str, prompt))
     raise ApiError(400, "prompt must be a string, a list of one string, or a list of token ids "
                         "(the sim serves one prompt per request).", param="prompt")
 
@@ -157,11 +175,12 @@ def parse(kind: str, body, served_names: list[str], max_model_len: int, adapters
         raise unknown_model(asked, served_names)
     model = asked if asked in adapters else served_names[0]
     if kind == "chat":
-        prompt_tokens, images, text = _chat_prompt(body.get("messages"))
+        tokens, images, text = _chat_prompt(body.get("messages"))
         max_tokens = _int_field(kind, body, "max_completion_tokens") or _int_field(kind, body, "max_tokens")
     else:
-        prompt_tokens, text = _completion_prompt(body.get("prompt"))
-        images, max_tokens = 0, _int_field(kind, body, "max_tokens")
+        (tokens, text), images = _completion_prompt(body.get("prompt")), []
+        max_tokens = _int_field(kind, body, "max_tokens")
+    prompt_tokens = len(tokens)
     if prompt_tokens >= max_model_len or (max_tokens and prompt_tokens + max_tokens > max_model_len):
         asked = prompt_tokens + (max_tokens or 0)
         raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
@@ -170,11 +189,12 @@ def parse(kind: str, body, served_names: list[str], max_model_len: int, adapters
     stream = bool(body.get("stream"))
     options = body.get("stream_options") or {}
     kwargs = body.get("chat_template_kwargs") or {}
-    return Job(kind=kind, model=model, prompt_tokens=prompt_tokens, images=images,
+    return Job(kind=kind, model=model, prompt_tokens=prompt_tokens, images=len(images),
                max_tokens=max_tokens or max_model_len - prompt_tokens, stream=stream,
                include_usage=stream and isinstance(options, dict) and bool(options.get("include_usage")),
                thinking=isinstance(kwargs, dict) and bool(kwargs.get("enable_thinking")),
-               seed=zlib.crc32(text.encode()))
+               seed=zlib.crc32(text.encode()),
+               prompt=Prompt(tokens, images, model if model in adapters else None))
 
 
 def output_tokens(job: Job, natural: int) -> tuple[list[str], str]:

@@ -15,6 +15,7 @@ from fleet.sim import devices, protocol
 from fleet.sim.config import SimConfig
 from fleet.sim.core import EngineCore
 from fleet.sim.lora import Adapters, permission
+from fleet.sim.prefix_cache import PrefixCache, block_hashes
 from fleet.sim.protocol import ApiError, Job
 from fleet.sim.scheduler import Scheduler
 
@@ -37,7 +38,9 @@ class Engine:
         for m in config.lora_modules:  # checked at startup (SimConfig.startup_error): they load
             self.adapters.load(m.name, m.path, base_model_name=m.base_model_name)
         self.exit_now = asyncio.Event()   # set when the API server must end by itself (engine dead, 0.32)
-        self.scheduler = Scheduler(config.max_num_seqs, self._load_changed)
+        # The prefix cache lives in this process: a restart empties it, as vLLM's does.
+        self.cache = PrefixCache(config.kv_blocks)
+        self.scheduler = Scheduler(config.max_num_seqs, self._load_changed, self.cache)
         self.ready = False
         self.unhung = asyncio.Event()
         self.unhung.set()
@@ -84,7 +87,8 @@ class Engine:
         return {"running": s.running, "waiting": s.waiting, "peak_running": s.peak_running,
                 "peak_in_flight": s.peak_in_flight, "requests_total": s.requests_total,
                 "aborted_total": s.aborted_total, "engine_alive": self.alive, "ready": self.ready,
-                "hung": not self.unhung.is_set(), "engine_pid": self.core.pid}
+                "hung": not self.unhung.is_set(), "engine_pid": self.core.pid,
+                "prefix_cache": self.cache.stats()}
 
     def use_percent(self) -> float:
         return 100.0 * self.scheduler.running / self.config.max_num_seqs if self.alive else 0.0
@@ -114,8 +118,13 @@ class Engine:
                 log.warning("cannot write utilisation file: %s", e)
             await asyncio.sleep(USE_MIN_INTERVAL_S)
 
+    def ttft_s(self, uncached_tokens: int) -> float:
+        """Time to first token once running: the fixed overhead plus prefill of the uncached tokens."""
+        return (self.config.overhead_ms + self.config.prefill_ms * uncached_tokens / 1000) / 1000
+
     async def generate(self, job: Job, tokens: list[str], emit) -> None:
-        """Run a job through a slot: prefill, then one token per token_ms, each passed to `emit`.
+        """Run a job through a slot: prefill of what the prefix cache does not hold, then one token per
+        token_ms, each passed to `emit`.
 
         Raises ApiError when the engine dies; counts a request that ends by cancellation or a
         vanished client as aborted.
@@ -123,9 +132,9 @@ class Engine:
         cfg = self.config
         self.scheduler.requests_total += 1
         try:
-            async with self.scheduler.slot():
+            async with self.scheduler.slot(block_hashes(job.prompt), job.prompt_tokens) as alloc:
                 self._check_alive()
-                await asyncio.sleep((cfg.prefill_ms + job.images) / 1000)
+                await asyncio.sleep(self.ttft_s(job.prompt_tokens - alloc.hit_tokens))
                 start = time.monotonic()
                 for i, tok in enumerate(tokens):
                     # A fixed schedule rather than sleep-per-token, so timer slack does not accumulate.
@@ -259,14 +268,22 @@ async def _stream(request, engine: Engine, job: Job, tokens, finish, rid, create
 
     async def emit(tok: str) -> None:
         nonlocal sent
+        if sent == 0:
+            await opening()
         await resp.write(protocol.chunk(job, rid, created, tok, finish if sent == last else None))
         sent += 1
 
-    try:
+    async def opening() -> None:
+        # A chat's role chunk goes out with the first token, not before: vLLM 0.32 sends it on the
+        # first output of the engine (vllm/entrypoints/openai/chat_completion/serving.py,
+        # chat_completion_stream_generator, `if first_iteration`), so a queued request shows nothing.
         if job.kind == "chat":
             await resp.write(protocol.chunk(job, rid, created, None, role=True))
+
+    try:
         await engine.generate(job, tokens, emit)
         if not tokens:
+            await opening()
             await resp.write(protocol.chunk(job, rid, created, None, finish))
         if job.include_usage:
             await resp.write(protocol.usage_chunk(job, rid, created, sent))
@@ -321,6 +338,11 @@ def metrics_text(engine: Engine) -> str:
          s.running / s.max_num_seqs),
         ("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.",
          engine.generated_tokens),
+        # Names, labels and help as vLLM 0.32 registers them (vllm/v1/metrics/loggers.py), in tokens.
+        ("vllm:prefix_cache_queries_total", "counter",
+         "Prefix cache queries, in terms of number of queried tokens.", engine.cache.queries_total),
+        ("vllm:prefix_cache_hits_total", "counter",
+         "Prefix cache hits, in terms of number of cached tokens.", engine.cache.hits_total),
         ("fleet_sim:peak_running", "gauge", "Most requests ever running at once.", s.peak_running),
         ("fleet_sim:peak_in_flight", "gauge", "Most requests ever running plus waiting at once.",
          s.peak_in_flight),
