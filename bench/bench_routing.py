@@ -77,12 +77,12 @@ class Workload:
 
 def workloads(quick: bool) -> dict[str, Workload]:
     if quick:
-        return {"chat": Workload("chat", {"R": 4, "S": 1000, "H": 2000, "Q": 32, "A": 32, "D": 4.0}, [6, 16], True),
-                "groups": Workload("groups", {"G": 16, "P": 4, "L": 3000, "Q": 32, "A": 32}, [16]),
-                "hotspot": Workload("hotspot", {"n": 64, "S": 1000, "U": 64, "A": 32}, [16])}
+        return {"chat": Workload("chat", {"R": 4, "S": 1000, "H": 2000, "Q": 32, "A": 32, "D": 3.0}, [8, 16], True),
+                "groups": Workload("groups", {"G": 16, "P": 3, "L": 3000, "Q": 32, "A": 32}, [12]),
+                "hotspot": Workload("hotspot", {"n": 48, "S": 1000, "U": 64, "A": 32}, [16])}
     return {"chat": Workload("chat", {"R": 4, "S": 1000, "H": 2000, "Q": 32, "A": 32, "D": 8.0},
                              [4, 8, 12, 16, 24, 32], True),
-            "groups": Workload("groups", {"G": 16, "P": 8, "L": 3000, "Q": 32, "A": 32}, [12, 24]),
+            "groups": Workload("groups", {"G": 16, "P": 8, "L": 3000, "Q": 32, "A": 32}, [8, 16]),
             "hotspot": Workload("hotspot", {"n": 160, "S": 1000, "U": 64, "A": 32}, [16, 24])}
 
 
@@ -137,8 +137,12 @@ def build(w: Workload, rate: float, nonce: str, seed: int) -> list[Request]:
         system = text(p["S"], rng, f"[{nonce}] You are a careful assistant. ")
         docs = [text(p["H"], rng, f"User {u} document: ") for u in range(users)]
         reqs, last = [], {}
-        for i in range(users * p["R"]):
-            u, r = i % users, i // users
+        turns = []   # round r's users in an order of their own (a fixed rotation would let round robin
+        for r in range(p["R"]):   # send each user to the same backend every round by chance)
+            order = list(range(users))
+            rng.shuffle(order)
+            turns += [(u, r) for u in order]
+        for i, (u, r) in enumerate(turns):
             reqs.append(Request(f"user{u}", len(system), [{"role": "system", "content": system},
                                                           {"role": "user", "content": docs[u]}],
                                 p["A"], after=last.get(u), question=text(p["Q"], rng, f"Round {r + 1}: ")))
