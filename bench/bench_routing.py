@@ -15,23 +15,27 @@ arrival times), each level of rate run on every front in turn (the order turned 
 - chat (production-stack's multi-round QA, scaled down): N users, R rounds each; every prompt opens with
   a shared system prompt of S tokens, then the user's own document of H tokens, then the history (each
   earlier question of Q tokens and the answer the engine gave, A tokens); a user's next round is sent at
-  its arrival time or when its previous answer came back, whichever is later. N = rate x D / R, so each
-  level lasts about D seconds and a user's rounds come about D / R apart at every rate. The rate is swept
-  upward; a front leaves the sweep after the first level where its TTFT p99 passed the bound (saturated).
+  its arrival time or when its previous answer came back, whichever is later; each round's users come
+  in a shuffled order. N = rate x D / R, so each level lasts about D seconds and a user's rounds come
+  about D / R apart at every rate. The rate is swept upward; a front leaves the sweep after the first
+  level it did not hold (below).
 - groups (llm-d's shared_prefix): G groups x P prompts, each a group prefix of L tokens and a question of
   Q tokens of its own, in a shuffled order.
 - hotspot (production-stack #957): one shared system prompt of S tokens and unique user messages of U
   tokens.
 
 Figures per front and level: TTFT (time to the first SSE chunk with content) p50/p99, end-to-end p50/p99,
-throughput (answers / (last answer - first send)), goodput (the throughput at the highest level where the
-TTFT p99 stayed under the bound), the engines' prefix-cache hit rate (`vllm:prefix_cache_hits_total` over
+pace (the arrival schedule's span over the span of the sends: below 1 when chat users had to wait for
+late answers, so the front could not take the offered rate), throughput (answers / (last answer - first
+send)), goodput (the rate of the highest level the front held: TTFT p99 under the bound, pace at least
+0.9, nothing failed), the engines' prefix-cache hit rate (`vllm:prefix_cache_hits_total` over
 `vllm:prefix_cache_queries_total`, deltas of the sims' /metrics), the oracle's hit rate (the share of
 prompt tokens, in whole 16-token blocks, that an earlier request of the same conversation or group had
 already sent, the shared system prompt counting as everyone's group: what a router with unbounded caches
 could reach), the spread of requests over backends (max/min of the sims' request counts) and, where the
 front names its backend (X-Backend), the share of a conversation's later rounds sent where its previous
-round went (stick). Every run's prompts open with a nonce of their own, so no front finds another's
+round went (stick), and for the proxy its routing decisions (`proxy_route_decisions_total`: the share
+overridden by load). Every run's prompts open with a nonce of their own, so no front finds another's
 blocks in the engines' caches or its own index. Every process it starts is stopped by pid.
 """
 from __future__ import annotations
@@ -77,13 +81,15 @@ class Workload:
 
 def workloads(quick: bool) -> dict[str, Workload]:
     if quick:
-        return {"chat": Workload("chat", {"R": 4, "S": 1000, "H": 2000, "Q": 32, "A": 32, "D": 3.0}, [8, 16], True),
+        return {"chat": Workload("chat", {"R": 3, "S": 1000, "H": 2000, "Q": 32, "A": 32, "D": 7.5}, [12], True),
                 "groups": Workload("groups", {"G": 16, "P": 3, "L": 3000, "Q": 32, "A": 32}, [12]),
                 "hotspot": Workload("hotspot", {"n": 48, "S": 1000, "U": 64, "A": 32}, [16])}
-    return {"chat": Workload("chat", {"R": 4, "S": 1000, "H": 2000, "Q": 32, "A": 32, "D": 8.0},
-                             [4, 8, 12, 16, 24, 32], True),
-            "groups": Workload("groups", {"G": 16, "P": 8, "L": 3000, "Q": 32, "A": 32}, [8, 16]),
-            "hotspot": Workload("hotspot", {"n": 160, "S": 1000, "U": 64, "A": 32}, [16, 24])}
+    # chat: D / R = 2.5 s between a user's rounds, more than a cold round takes (2.2 s), so a front that
+    # keeps up keeps the pace.
+    return {"chat": Workload("chat", {"R": 4, "S": 1000, "H": 2000, "Q": 32, "A": 32, "D": 10.0},
+                             [8, 12, 16, 20, 24, 32], True),
+            "groups": Workload("groups", {"G": 16, "P": 6, "L": 3000, "Q": 32, "A": 32}, [8, 16]),
+            "hotspot": Workload("hotspot", {"n": 128, "S": 1000, "U": 64, "A": 32}, [16, 24])}
 
 
 def describe(w: Workload) -> str:
@@ -288,6 +294,20 @@ def scrape(ports: list[int]) -> list[dict]:
     return out
 
 
+def decisions(url: str) -> dict[str, float]:
+    """The proxy's proxy_route_decisions_total by decision ({} for another front)."""
+    import urllib.request
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            body = r.read().decode()
+    except OSError:
+        return {}
+    out: dict[str, float] = {}
+    for kind, value in re.findall(r'^proxy_route_decisions_total{[^}]*decision="(\w+)"[^}]*}\s+([0-9.eE+-]+)$', body, re.M):
+        out[kind] = out.get(kind, 0.0) + float(value)
+    return out
+
+
 def pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -299,13 +319,17 @@ def measure(stack: Stack, front: str, w: Workload, rate: float, level_i: int, se
     nonce = f"{w.name}-{level_i}-{front}-{random.randrange(1 << 30):x}"
     reqs = build(w, rate, nonce, seed + level_i)
     times = arrivals(len(reqs), rate, seed + 1000 + level_i)
-    before = scrape(stack.backend_ports)
+    before, d0 = scrape(stack.backend_ports), decisions(stack.url(front))
     recs = asyncio.run(run_level(stack.url(front), reqs, times, timeout_s=300))
-    after = scrape(stack.backend_ports)
+    after, d1 = scrape(stack.backend_ports), decisions(stack.url(front))
+    routed = {k: d1[k] - d0.get(k, 0) for k in d1}
+    override = routed.get("override", 0) / sum(routed.values()) if sum(routed.values()) else None
     ok = [r for r in recs if r.get("ok")]
     ttft = [r["first"] - r["sent"] for r in ok]
     e2e = [r["done"] - r["sent"] for r in ok]
     span = (max(r["done"] for r in ok) - min(r["sent"] for r in recs)) if ok else float("nan")
+    sends = max(r["sent"] for r in recs) - min(r["sent"] for r in recs)
+    pace = min(1.0, (times[-1] - times[0]) / sends) if sends > 0 else 1.0
     per_sim = [a["requests"] - b["requests"] for a, b in zip(after, before)]
     q_key, h_key = "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"
     if all(a[q_key] is not None for a in after):
@@ -324,7 +348,8 @@ def measure(stack: Stack, front: str, w: Workload, rate: float, level_i: int, se
             "ok": len(ok), "failed": len(recs) - len(ok),
             "errors": sorted({r["error"] for r in recs if "error" in r}),
             "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99), "e2e_p50": pct(e2e, 0.5), "e2e_p99": pct(e2e, 0.99),
-            "throughput": len(ok) / span if span == span and span > 0 else 0.0,
+            "throughput": len(ok) / span if span == span and span > 0 else 0.0, "pace": pace,
+            "override": override,
             "hit_rate": hit_rate, "oracle": o_hit / o_total if o_total else float("nan"),
             "per_sim": per_sim, "spread": max(per_sim) / min(per_sim) if min(per_sim) > 0 else float("inf"),
             "stick": stick}
@@ -388,7 +413,7 @@ def main(argv=None) -> int:
                         runs.setdefault(front, []).append(m)
                         print("  " + row(front, m), flush=True)
                     if w.sweep:
-                        active = [f for f in active if runs[f][-1]["ttft_p99"] <= args.bound_s and not runs[f][-1]["failed"]]
+                        active = [f for f in active if held(runs[f][-1], args.bound_s)]
                 figures["workloads"][w.name] = {"params": w.params, "levels": w.levels, "describe": describe(w),
                                                 "runs": runs}
         finally:
@@ -401,8 +426,8 @@ def main(argv=None) -> int:
     return 0
 
 
-HEAD = (f"{'front':<25}{'rate':>5}{'reqs':>5}{'TTFT p50':>9}{'p99':>7}{'e2e p50':>8}{'p99':>7}{'thr':>6}"
-        f"{'hit':>6}{'oracle':>7}{'max/min':>8}{'stick':>6}{'fail':>5}")
+HEAD = (f"{'front':<25}{'rate':>5}{'reqs':>5}{'TTFT p50':>9}{'p99':>7}{'e2e p50':>8}{'p99':>7}{'pace':>5}{'thr':>6}"
+        f"{'hit':>6}{'oracle':>7}{'max/min':>8}{'stick':>6}{'ovr':>5}{'fail':>5}")
 
 
 def _f(v, fmt: str) -> str:
@@ -411,19 +436,25 @@ def _f(v, fmt: str) -> str:
 
 def row(front: str, m: dict) -> str:
     return (f"{FRONT_NAMES.get(front, front):<25}{m['rate']:>5g}{m['requests']:>5}{m['ttft_p50']:>9.2f}{m['ttft_p99']:>7.2f}"
-            f"{m['e2e_p50']:>8.2f}{m['e2e_p99']:>7.2f}{m['throughput']:>6.1f}{_f(m['hit_rate'], '.2f'):>6}"
-            f"{m['oracle']:>7.2f}{m['spread']:>8.2f}{_f(m['stick'], '.2f'):>6}{m['failed']:>5}")
+            f"{m['e2e_p50']:>8.2f}{m['e2e_p99']:>7.2f}{m['pace']:>5.2f}{m['throughput']:>6.1f}{_f(m['hit_rate'], '.2f'):>6}"
+            f"{m['oracle']:>7.2f}{m['spread']:>8.2f}{_f(m['stick'], '.2f'):>6}{_f(m.get('override'), '.2f'):>5}"
+            f"{m['failed']:>5}")
 
 
-def goodput(runs: list[dict], bound: float) -> tuple[float, float | None]:
-    """(throughput, rate) at the highest level whose TTFT p99 stayed under bound with nothing failed."""
-    good = [m for m in runs if m["ttft_p99"] <= bound and not m["failed"]]
-    return (good[-1]["throughput"], good[-1]["rate"]) if good else (0.0, None)
+def held(m: dict, bound: float) -> bool:
+    """A level the front held: TTFT p99 under the bound, the offered pace kept (90%), nothing failed."""
+    return m["ttft_p99"] <= bound and m["pace"] >= 0.9 and not m["failed"]
+
+
+def goodput(runs: list[dict], bound: float) -> float:
+    """The highest rate (requests/s) the front held; 0 when none."""
+    good = [m["rate"] for m in runs if held(m, bound)]
+    return max(good) if good else 0.0
 
 
 def report(f: dict, bound: float) -> None:
     print(f"\n{f['seconds']:.0f} s; load average {f['load_before']} before, {f['load_after']} after; "
-          f"TTFT p99 bound {bound:g} s (seconds; thr and goodput in answers/s; hit: the engines' prefix-cache "
+          f"TTFT p99 bound {bound:g} s (seconds; thr in answers/s, goodput in requests/s; hit: the engines' prefix-cache "
           "hit rate; oracle: the best with unbounded caches; max/min: requests per backend)")
     if f.get("skipped"):
         print("left out: " + "; ".join(f"{k}: {v}" for k, v in f["skipped"].items()))
@@ -435,24 +466,24 @@ def report(f: dict, bound: float) -> None:
                 print("  " + row(front, m))
         # The reference level: the highest that proxy least_conn held under the bound (else the first).
         lc = wf["runs"].get("proxy", [])
-        ok_lc = [m for m in lc if m["ttft_p99"] <= bound and not m["failed"]]
+        ok_lc = [m for m in lc if held(m, bound)]
         ref = (ok_lc[-1] if ok_lc else lc[0])["rate"] if lc else wf["levels"][0]
         print(f"  at {ref:g} req/s (the highest rate proxy least_conn held under the bound), and goodput:")
         print(f"  {'front':<25}{'TTFT p50':>9}{'p99':>7}{'e2e p50':>8}{'p99':>7}{'hit':>6}{'oracle':>7}"
-              f"{'hit/oracle':>11}{'max/min':>8}{'goodput':>8}{'at':>5}")
+              f"{'hit/oracle':>11}{'max/min':>8}{'goodput':>8}")
         summary = {}
         for front, runs in wf["runs"].items():
             m = next((m for m in runs if m["rate"] == ref), None)
-            g, at = goodput(runs, bound)
+            g = goodput(runs, bound)
             if m is None:
                 continue
             ratio = m["hit_rate"] / m["oracle"] if m["hit_rate"] is not None and m["oracle"] else None
             summary[front] = {**{k: m[k] for k in ("ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99", "hit_rate",
                                                   "oracle", "spread", "stick")},
-                              "hit_over_oracle": ratio, "goodput": g, "goodput_rate": at, "rate": ref}
+                              "hit_over_oracle": ratio, "goodput": g, "rate": ref}
             print(f"  {FRONT_NAMES.get(front, front):<25}{m['ttft_p50']:>9.2f}{m['ttft_p99']:>7.2f}{m['e2e_p50']:>8.2f}"
                   f"{m['e2e_p99']:>7.2f}{_f(m['hit_rate'], '.2f'):>6}{m['oracle']:>7.2f}{_f(ratio, '.2f'):>11}"
-                  f"{m['spread']:>8.2f}{g:>8.1f}{_f(at, 'g'):>5}")
+                  f"{m['spread']:>8.2f}{g:>8g}")
         f["summary"][name] = summary
         targets(name, summary)
 
