@@ -28,7 +28,8 @@ Figures per front and level: TTFT (time to the first SSE chunk with content) p50
 pace (the arrival schedule's span over the span of the sends: below 1 when chat users had to wait for
 late answers, so the front could not take the offered rate), throughput (answers / (last answer - first
 send)), goodput (the rate of the highest level the front held: TTFT p99 under the bound, pace at least
-0.9, nothing failed), the engines' prefix-cache hit rate (`vllm:prefix_cache_hits_total` over
+0.9, nothing failed; the levels are a coarse grid, so also slo: the answers a second whose TTFT was under
+the bound, the best level's), the engines' prefix-cache hit rate (`vllm:prefix_cache_hits_total` over
 `vllm:prefix_cache_queries_total`, deltas of the sims' /metrics), the oracle's hit rate (the share of
 prompt tokens, in whole 16-token blocks, that an earlier request of the same conversation or group had
 already sent, the shared system prompt counting as everyone's group: what a router with unbounded caches
@@ -87,7 +88,7 @@ def workloads(quick: bool) -> dict[str, Workload]:
     # chat: D / R = 2.5 s between a user's rounds, more than a cold round takes (2.2 s), so a front that
     # keeps up keeps the pace.
     return {"chat": Workload("chat", {"R": 4, "S": 1000, "H": 2000, "Q": 32, "A": 32, "D": 10.0},
-                             [8, 12, 16, 20, 24, 32], True),
+                             [8, 12, 16, 20, 24, 28, 32], True),
             "groups": Workload("groups", {"G": 16, "P": 6, "L": 3000, "Q": 32, "A": 32}, [8, 16]),
             "hotspot": Workload("hotspot", {"n": 128, "S": 1000, "U": 64, "A": 32}, [16, 24])}
 
@@ -315,7 +316,7 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def measure(stack: Stack, front: str, w: Workload, rate: float, level_i: int, seed: int) -> dict:
+def measure(stack: Stack, front: str, w: Workload, rate: float, level_i: int, seed: int, bound: float) -> dict:
     nonce = f"{w.name}-{level_i}-{front}-{random.randrange(1 << 30):x}"
     reqs = build(w, rate, nonce, seed + level_i)
     times = arrivals(len(reqs), rate, seed + 1000 + level_i)
@@ -349,6 +350,7 @@ def measure(stack: Stack, front: str, w: Workload, rate: float, level_i: int, se
             "errors": sorted({r["error"] for r in recs if "error" in r}),
             "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99), "e2e_p50": pct(e2e, 0.5), "e2e_p99": pct(e2e, 0.99),
             "throughput": len(ok) / span if span == span and span > 0 else 0.0, "pace": pace,
+            "slo": sum(t <= bound for t in ttft) / span if span == span and span > 0 else 0.0,
             "override": override,
             "hit_rate": hit_rate, "oracle": o_hit / o_total if o_total else float("nan"),
             "per_sim": per_sim, "spread": max(per_sim) / min(per_sim) if min(per_sim) > 0 else float("inf"),
@@ -383,11 +385,17 @@ def main(argv=None) -> int:
     ap.add_argument("--bound-s", type=float, default=2.5, help="the TTFT p99 bound of goodput and of the sweep")
     ap.add_argument("--routing", action="append", default=[], metavar="KEY=VALUE",
                     help="a proxy.routing key for proxy-prefix (min_match_tokens=128, ...); repeatable")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="inventory_set",
+                    help="an inventory key for every proxy front (proxy.queue.headroom=1, ...); repeatable")
+    ap.add_argument("--rates", help="the levels (requests/s, comma separated) instead of each workload's own")
     ap.add_argument("--seed", type=int, default=19)
     ap.add_argument("--out", help="also write every figure to this JSON file")
     args = ap.parse_args(argv)
     ws = workloads(args.quick)
     chosen = [ws[n] for n in args.workloads.split(",")]
+    if args.rates:
+        for w in chosen:
+            w.levels = [float(r) for r in args.rates.split(",")]
     flags = sim_flags()
     started = time.monotonic()
     figures: dict = {"argv": sys.argv[1:], "cpus": os.cpu_count(), "load_before": loadavg(), "sim": SIM,
@@ -395,7 +403,7 @@ def main(argv=None) -> int:
     print(f"{BACKENDS} sims x max_num_seqs {MAX_NUM_SEQS}; sim {' '.join(flags)}; TTFT p99 bound {args.bound_s:g} s; "
           f"{os.cpu_count()} CPUs, load average {figures['load_before']}", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-routing-") as tmp:
-        stack = Stack(Path(tmp), BACKENDS, MAX_NUM_SEQS, flags,
+        stack = Stack(Path(tmp), BACKENDS, MAX_NUM_SEQS, flags, proxy_set=tuple(args.inventory_set),
                       routing_set=tuple(f"proxy.routing.{kv}" for kv in args.routing))
         try:
             fronts = stack.start(args.fronts.split(","))
@@ -409,7 +417,7 @@ def main(argv=None) -> int:
                 for li, rate in enumerate(w.levels):
                     order = active[li % len(active):] + active[:li % len(active)] if active else []
                     for front in order:
-                        m = measure(stack, front, w, rate, li, args.seed)
+                        m = measure(stack, front, w, rate, li, args.seed, args.bound_s)
                         runs.setdefault(front, []).append(m)
                         print("  " + row(front, m), flush=True)
                     if w.sweep:
@@ -470,20 +478,21 @@ def report(f: dict, bound: float) -> None:
         ref = (ok_lc[-1] if ok_lc else lc[0])["rate"] if lc else wf["levels"][0]
         print(f"  at {ref:g} req/s (the highest rate proxy least_conn held under the bound), and goodput:")
         print(f"  {'front':<25}{'TTFT p50':>9}{'p99':>7}{'e2e p50':>8}{'p99':>7}{'hit':>6}{'oracle':>7}"
-              f"{'hit/oracle':>11}{'max/min':>8}{'goodput':>8}")
+              f"{'hit/oracle':>11}{'max/min':>8}{'goodput':>8}{'slo':>6}")
         summary = {}
         for front, runs in wf["runs"].items():
             m = next((m for m in runs if m["rate"] == ref), None)
             g = goodput(runs, bound)
+            slo = max(r["slo"] for r in runs)
             if m is None:
                 continue
             ratio = m["hit_rate"] / m["oracle"] if m["hit_rate"] is not None and m["oracle"] else None
             summary[front] = {**{k: m[k] for k in ("ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99", "hit_rate",
                                                   "oracle", "spread", "stick")},
-                              "hit_over_oracle": ratio, "goodput": g, "rate": ref}
+                              "hit_over_oracle": ratio, "goodput": g, "slo": slo, "rate": ref}
             print(f"  {FRONT_NAMES.get(front, front):<25}{m['ttft_p50']:>9.2f}{m['ttft_p99']:>7.2f}{m['e2e_p50']:>8.2f}"
                   f"{m['e2e_p99']:>7.2f}{_f(m['hit_rate'], '.2f'):>6}{m['oracle']:>7.2f}{_f(ratio, '.2f'):>11}"
-                  f"{m['spread']:>8.2f}{g:>8g}")
+                  f"{m['spread']:>8.2f}{g:>8g}{slo:>6.1f}")
         f["summary"][name] = summary
         targets(name, summary)
 
@@ -504,6 +513,7 @@ def targets(name: str, s: dict) -> None:
     if name == "chat":
         check("TTFT p50 / least_conn's (at most 0.5)", p["ttft_p50"] / lc["ttft_p50"], 0.5)
         check("goodput / least_conn's (at least 1.3)", p["goodput"] / lc["goodput"] if lc["goodput"] else None, 1.3, le=False)
+        check("slo goodput / least_conn's (at least 1.3)", p["slo"] / lc["slo"] if lc["slo"] else None, 1.3, le=False)
         for other in ("vllm-router-cache", "smg-cache"):
             if other in s:
                 check(f"TTFT p50 against {FRONT_NAMES[other]} (at most)", p["ttft_p50"], s[other]["ttft_p50"])
