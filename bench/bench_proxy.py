@@ -163,7 +163,9 @@ def main(argv=None) -> int:
                      "backends": args.backends, "cpus": os.cpu_count(), "models_mix": mix, "runs": {}}
     with tempfile.TemporaryDirectory(prefix="bench-proxy-") as tmp:
         # max_num_seqs 256 (vLLM's default): slots enough that the proxy's queue never holds a request here.
-        stack = Stack(Path(tmp), args.backends, 256, ["--sim-instant"], served=("m", "m2") if mix else ("m",))
+        # `proxy` is least_conn, `proxy-prefix` the prefix policy (the default), to compare the two
+        stack = Stack(Path(tmp), args.backends, 256, ["--sim-instant"], served=("m", "m2") if mix else ("m",),
+                      proxy_set=("proxy.routing.policy=least_conn",))
         try:
             fronts = stack.start(args.fronts.split(","))
             figures["skipped"] = stack.skipped

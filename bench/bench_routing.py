@@ -5,7 +5,7 @@
 
 8 sim engines with max_num_seqs 4 and a prefix cache each (time to first token = overhead + prefill_ms per
 1,000 prompt tokens not in that engine's cache; then token_ms a token), behind every front in one run:
-proxy (least_conn, the rendered default), proxy-prefix (`proxy.routing.policy=prefix`, plus --routing
+proxy (`proxy.routing.policy=least_conn`), proxy-prefix (`proxy.routing.policy=prefix`, plus --routing
 overrides), nginx (rendered, least_conn), vllm-router with --policy cache_aware and power_of_two, smg with
 --policy cache_aware (bench/setup_routers.sh installs both; a front not installed is left out, said so).
 
@@ -403,7 +403,8 @@ def main(argv=None) -> int:
     print(f"{BACKENDS} sims x max_num_seqs {MAX_NUM_SEQS}; sim {' '.join(flags)}; TTFT p99 bound {args.bound_s:g} s; "
           f"{os.cpu_count()} CPUs, load average {figures['load_before']}", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-routing-") as tmp:
-        stack = Stack(Path(tmp), BACKENDS, MAX_NUM_SEQS, flags, proxy_set=tuple(args.inventory_set),
+        stack = Stack(Path(tmp), BACKENDS, MAX_NUM_SEQS, flags,
+                      proxy_set=("proxy.routing.policy=least_conn", *args.inventory_set),
                       routing_set=tuple(f"proxy.routing.{kv}" for kv in args.routing))
         try:
             fronts = stack.start(args.fronts.split(","))

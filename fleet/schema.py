@@ -192,7 +192,7 @@ class RoutingSettings(Section):
     """How the proxy picks a backend (issue 19); docs/proxy.md has the rules, docs/PERFORMANCE.md the figures."""
 
     policy: Annotated[Literal["least_conn", "prefix"], Field(description="least_conn or prefix")] = doc(
-        "least_conn",
+        "prefix",
         "`least_conn`: the backend with the fewest requests in flight. `prefix`: where the request's prompt "
         "prefix was sent before (its KV cache is likely there), unless that is too loaded; the proxy then "
         "reads the body before it picks. nginx mode has no body-aware routing.")

@@ -61,7 +61,7 @@ class RoutingConfig:
     """How a backend is picked: least_conn (the fewest requests in flight), or prefix (where the prompt's
     prefix was sent before, unless that is too loaded; see proxy/prefix.py and docs/proxy.md)."""
 
-    policy: str = "least_conn"
+    policy: str = "prefix"        # measured better or equal on every workload (docs/PERFORMANCE.md)
     min_match_tokens: int = 256   # prefill a prefix must save over the least loaded backend to win
     min_match_ratio: float = 0.5  # and the share of the prompt it must cover (a new conversation that
                                   # shares only a system prompt goes by load)
