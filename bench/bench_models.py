@@ -162,7 +162,8 @@ def main(argv=None) -> int:
                      "control": args.control}
     with tempfile.TemporaryDirectory(prefix="bench-models-") as tmp:
         stack = Stack(Path(tmp), BACKENDS, MAX_NUM_SEQS,
-                      ["--sim-prefill-ms", str(PREFILL_MS), "--sim-token-ms", str(TOKEN_MS),
+                      # PREFILL_MS for every request, whatever its prompt: the fixed overhead, no prefill.
+                      ["--sim-overhead-ms", str(PREFILL_MS), "--sim-prefill-ms", "0", "--sim-token-ms", str(TOKEN_MS),
                        "--sim-output-tokens", "1000"], served=("a", "b"), pools=POOLS,
                       proxy_set=(f"proxy.queue.max={QUEUE_MAX}", f"proxy.queue.timeout_s={QUEUE_TIMEOUT_S}"))
         try:

@@ -27,6 +27,7 @@ from . import deploy as fleet_deploy
 from . import display, facts, front, inventory, runner, sync
 from . import doctor as doctor_mod
 from . import logs as fleet_logs
+from . import lora as lora_mod
 from . import restart as restart_mod
 from . import stop as fleet_stop
 from .client import chat as chat_request
@@ -378,6 +379,39 @@ def restart(c, host="", instance=None, rolling=False, set_=None, inventory_="", 
     _finish(_run(host, inventory_, set_, _then_table(action), forks)[1])
 
 
+LORA_ACTIONS = ("add", "remove", "list")
+
+
+@command(help=_help("host", "inventory", "set", "forks", "wait",
+                    action="add, remove or list",
+                    model="add, remove: the model group (its served name in the host's models:)",
+                    name="add, remove: the adapter's name, which requests then give as their model",
+                    path="add: the adapter's directory on the host (absolute)"))
+def lora(c, action, host="", model="", name="", path="", set_=None, inventory_="", forks=5, wait=False):
+    """Runtime LoRA adapters: add one to a model's running instances (recorded, so a restart loads it again),
+    remove one, or list each model's adapters."""
+    if action in HELP_FLAGS:        # as trace's id: invoke hands the first word to the action
+        Program(namespace=ns, binary="inv[oke]").run(["inv", "--help", "lora"], exit=False)
+        return
+    if action not in LORA_ACTIONS:
+        raise _error(f"lora takes add, remove or list (got {action!r}): lora add --host H --model GROUP "
+                     "--name N --path P.")
+    needed = {"add": ("model", "name", "path"), "remove": ("model", "name"), "list": ()}[action]
+    given = {"model": model, "name": name, "path": path}
+    missing = [f"--{k}" for k in needed if not given[k]]
+    if missing:
+        raise _error(f"lora {action} needs {' '.join(f'--{k} {k.upper()}' for k in needed)} "
+                     f"({', '.join(missing)} missing).")
+
+    def action_(conn, hv, emit):
+        if action == "add":
+            return lora_mod.add(conn, hv, emit, model, name, path, wait)
+        if action == "remove":
+            return lora_mod.remove(conn, hv, emit, model, name, wait)
+        return lora_mod.listing(conn, hv, emit)
+    _finish(_run(host, inventory_, set_, action_, forks, readonly=action == "list")[1])
+
+
 @command(help=_help("host", "inventory", "set", "forks"))
 def doctor(c, host="", set_=None, inventory_="", forks=5):
     """Check the host before a deploy: engine, model path, ports, free memory per card, tools, log room."""
@@ -469,7 +503,7 @@ def version(c):
 
 
 ns = Collection(deploy, status, stop, restart, render_, chat, logs, trace, doctor, bench, swap_to_nginx,
-                swap_to_proxy, vars_, version)
+                swap_to_proxy, vars_, lora, version)
 
 
 class FleetProgram(Program):
@@ -493,6 +527,8 @@ class FleetProgram(Program):
         for context in self.tasks:       # `trace --help`: the parser took --help for the id (see trace)
             if context.name == "trace" and context.args.ident.value in HELP_FLAGS:
                 self.args.help.value = "trace"
+            if context.name == "lora" and context.args.action.value in HELP_FLAGS:
+                self.args.help.value = "lora"
 
     def parse_cleanup(self):
         with _parse_errors():

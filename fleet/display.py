@@ -23,7 +23,8 @@ def status_table(st: dict) -> str:
                      + ("  (NOT RUNNING: dead instances are not restarted)" if k.get("state") == "dead" else ""))
     groups = st.get("models")
     for g in groups or []:
-        names = ", ".join([f"alias {a}" for a in g["aliases"]] + [f"adapter {a}" for a in g["adapters"]])
+        names = ", ".join([f"alias {a}" for a in g["aliases"]] + [f"adapter {a}" for a in g["adapters"]]
+                          + [f"runtime adapter {a['name']}" for a in g.get("runtime_adapters") or []])
         lines.append(f"  model {g['name']}: instance(s) {', '.join(map(str, g['instances']))}"
                      + (f" ({names})" if names else ""))
     model_col = max([len(i["model"]) for i in st["instances"]] + [5]) + 2 if groups else 0

@@ -89,9 +89,17 @@ def status_of(hv: HostVars, facts: dict) -> dict:
             "front": front, "mode": mode, "proxy": proxy,
             # the models form's groups (None on a plain host: one model, one card per instance)
             "models": None if hv.plain else [{"name": g.name, "aliases": list(g.aliases),
-                                              "adapters": sorted(g.lora_modules), "instances": list(g.indexes)}
+                                              "adapters": sorted(g.lora_modules), "instances": list(g.indexes),
+                                              "runtime_lora": g.runtime_lora,
+                                              "runtime_adapters": runtime_adapters(facts, g.name)}
                                              for g in hv.groups], "nginx": nginx, "keeper": keeper, "instances": instances,
             "tagged": facts["tagged"]}
+
+
+def runtime_adapters(facts: dict, model: str) -> list[dict]:
+    """The runtime LoRA adapters recorded on the host for group model (run/lora_adapters.json): name, path."""
+    return [{"name": a["name"], "path": a["path"]} for a in facts.get("lora_adapters") or []
+            if a.get("model") == model]
 
 
 def status(conn: Transport, hv: HostVars, emit: Emit = lambda line: None) -> Report:
@@ -107,6 +115,8 @@ def status(conn: Transport, hv: HostVars, emit: Emit = lambda line: None) -> Rep
                                           "failed", _state_and_remedy(hv, inst["state"], f, inst["index"]))))
     for name, (status, message) in loud.items():
         report.add(name, status, message)
+    if facts.get("lora_record_error"):
+        report.add("runtime adapters", "failed", facts["lora_record_error"])
     # The entry port is what clients use: a front that should run and does not is a failure.
     if st.get("mode", "proxy") != "nginx":
         p = st["proxy"]

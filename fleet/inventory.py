@@ -12,7 +12,6 @@ import copy
 import hashlib
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import yaml
@@ -30,12 +29,23 @@ BUILTIN_DEFAULTS: dict[str, Any] = schema.defaults()
 
 @dataclass
 class Inventory:
-    """A loaded, checked inventory: where it came from, its groups and each host's own layers."""
+    """A loaded, checked inventory: where it came from, its groups and each host's own layers.
+
+    What every host's variables need is indexed once, not asked of every host again: the groups each host
+    is in, the `--set` layer, and which hosts are fronted by another (so building all N hosts stays
+    linear in N; issue 21)."""
 
     path: str
     defaults: dict
     groups: dict[str, dict]          # group -> {"hosts": [...], vars...}
     hosts: dict[str, dict]           # host -> its own keys
+    # Indexes, built on first use: host -> its groups' layers in file order; --set -> its parsed layer;
+    # --set -> the hosts some other host fronts.
+    _group_layers: dict[str, list[tuple[str, dict]]] | None = field(default=None, init=False, repr=False,
+                                                                 compare=False)
+    _overrides: dict[tuple, dict] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _fronted: dict[tuple, dict[str, set[str]]] = field(default_factory=dict, init=False, repr=False,
+                                                       compare=False)
 
     def select(self, pattern: str) -> list[str]:
         """Host names for `--host`: a host, a group, `all`, or a comma list of those."""
@@ -52,17 +62,40 @@ class Inventory:
             else:
                 known = ", ".join(sorted(self.hosts) + sorted(self.groups))
                 raise InventoryError(f"{self.path}: no host or group named {part!r} (known: {known}).")
-            names += [n for n in found if n not in names]
+            seen = set(names)
+            for n in found:
+                if n not in seen:
+                    seen.add(n)
+                    names.append(n)
         if not names:
             raise InventoryError(f"{self.path}: --host {pattern!r} selects no host.")
         return names
 
+    def groups_of(self, name: str) -> list[str]:
+        """The groups a host is in, in file order."""
+        return [g for g, _ in self._groups_index().get(name, [])]
+
+    def _groups_index(self) -> dict[str, list[tuple[str, dict]]]:
+        if self._group_layers is None:
+            index: dict[str, list[tuple[str, dict]]] = {}
+            for gname, group in self.groups.items():
+                layer = {k: v for k, v in group.items() if k != "hosts"}
+                for member in dict.fromkeys(group.get("hosts", [])):    # a host listed twice: once
+                    index.setdefault(member, []).append((gname, layer))
+            self._group_layers = index
+        return self._group_layers
+
+    def _set_layer(self, overrides) -> dict:
+        """The `--set` layer, parsed and checked once per distinct --set."""
+        key = tuple(overrides or ())
+        if key not in self._overrides:
+            self._overrides[key] = parse_overrides(key)
+        return self._overrides[key]
+
     def layers(self, name: str, overrides: list[str] | tuple[str, ...] = ()) -> list[dict]:
         """The layers of one host, lowest first: defaults, its groups in file order, its own keys, --set."""
-        out = [self.defaults]
-        out += [{k: v for k, v in group.items() if k != "hosts"}
-                for group in self.groups.values() if name in group.get("hosts", [])]
-        return out + [self.hosts[name], parse_overrides(overrides)]
+        return ([self.defaults] + [layer for _, layer in self._groups_index().get(name, [])]
+                + [self.hosts[name], self._set_layer(overrides)])
 
     def fronts_of(self, name: str, overrides=()) -> list[str]:
         """The hosts a host fronts, read from its layers alone (no HostVars built: cycles stay cheap)."""
@@ -72,15 +105,26 @@ class Inventory:
                 found = layer["fronts"] or []
         return list(found)
 
+    def fronted_by(self, name: str, overrides=()) -> set[str]:
+        """The other hosts whose `fronts` name this host (every host's fronts read once per --set)."""
+        key = tuple(overrides or ())
+        if key not in self._fronted:
+            index: dict[str, set[str]] = {}
+            for other in self.hosts:
+                for member in self.fronts_of(other, key):
+                    if member != other:
+                        index.setdefault(member, set()).add(other)
+            self._fronted[key] = index
+        return self._fronted[key].get(name, set())
+
     def host_vars(self, name: str, overrides: list[str] | tuple[str, ...] = ()) -> "HostVars":
         """The resolved, validated variables of one host, `--set` overrides applied last."""
-        merged = copy.deepcopy(BUILTIN_DEFAULTS)
+        merged = _copy(BUILTIN_DEFAULTS)
         for layer in self.layers(name, overrides):
             _merge(merged, layer)
         if merged["connection"] is None:          # not said anywhere: an ssh block means ssh
             merged["connection"] = "ssh" if merged.get("ssh") else "local"
-        fronted = merged["bind"] is None and any(
-            name in self.fronts_of(other, overrides) for other in self.hosts if other != name)
+        fronted = merged["bind"] is None and bool(self.fronted_by(name, overrides))
         try:
             hv = HostVars.build(name, merged, self.path)
         except InventoryError as e:
@@ -106,9 +150,9 @@ class Inventory:
         from: `default` (built in), `defaults`, `group NAME`, `host`, `--set`, or `derived` when a rule
         computed it from other keys (served_model_name from model, connection from ssh, ...)."""
         resolved = self.host_vars(name, overrides).vars
-        groups = [g for g, group in self.groups.items() if name in group.get("hosts", [])]
+        groups = self.groups_of(name)
         origins: dict[str, str] = {}
-        merged = copy.deepcopy(BUILTIN_DEFAULTS)
+        merged = _copy(BUILTIN_DEFAULTS)
         for origin, layer in zip(["defaults", *(f"group {g}" for g in groups), "host", "--set"],
                                  self.layers(name, overrides)):
             _merge(merged, layer)
@@ -137,7 +181,28 @@ def _merge(into: dict, layer: dict) -> None:
         if isinstance(value, dict) and isinstance(into.get(key), dict):
             _merge(into[key], value)
         else:
-            into[key] = copy.deepcopy(value)
+            into[key] = _copy(value)
+
+
+_ATOMS = (str, int, float, bool, type(None))
+
+
+def _copy(value):
+    """A deep copy of YAML data: mappings and lists copied, scalars shared (copy.deepcopy's generality,
+    and its cost, is not needed: the loader refused cycles and bounded the aliases)."""
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy(v) for v in value]
+    return value if isinstance(value, _ATOMS) else copy.deepcopy(value)
+
+
+# The most an inventory may hold, checked before anything is built from it, so a hostile or mistaken
+# file is refused in a sentence instead of keeping the control node busy (issue 21): its size in bytes,
+# and its values (YAML nodes) with every alias expanded: nine levels of nine aliases are 9^9 values
+# written in ten lines. A 5,000-host inventory of 8 instances each is about 400 KiB and 50,000 values.
+MAX_BYTES = 16 * 1024 * 1024
+MAX_VALUES = 1_000_000
 
 
 class DuplicateKey(yaml.YAMLError):
@@ -148,15 +213,64 @@ class DuplicateKey(yaml.YAMLError):
         self.where, self.first, self.again = where, first, again
 
 
-class StrictLoader(yaml.SafeLoader):
-    """YAML's safe loader that refuses a key given twice in one mapping (plain YAML keeps the last)."""
+class TooManyValues(yaml.YAMLError):
+    """The document holds more than MAX_VALUES values once its aliases are expanded (or an alias
+    that contains itself, which never ends)."""
+
+
+# libyaml's parser when PyYAML has it (ten times the pure-Python one's speed), else the pure-Python one.
+_SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class StrictLoader(_SafeLoader):
+    """YAML's safe loader that refuses a key given twice in one mapping (plain YAML keeps the last) and a
+    document that expands past MAX_VALUES values."""
 
     def construct_document(self, node):
-        _no_duplicates(node, "")
+        _check_size(node)
+        _no_duplicates(node, "", set())
         return super().construct_document(node)
 
 
-def _no_duplicates(node, where: str) -> None:
+def _check_size(root) -> None:
+    """Count the values of the document as its aliases expand them, each distinct node once (an alias
+    is the node it names: its count is reused, not walked again), so a bomb is refused at the cost of
+    the nodes written, not of their expansion."""
+    counts: dict[int, int] = {}
+    todo: list[tuple[Any, bool]] = [(root, False)]
+    on_path: set[int] = set()
+    while todo:
+        node, children_done = todo.pop()
+        key = id(node)
+        if children_done:
+            on_path.discard(key)
+            kids = _children(node)
+            counts[key] = total = 1 + sum(counts[id(k)] for k in kids)
+            if total > MAX_VALUES:
+                raise TooManyValues()
+            continue
+        if key in counts:
+            continue
+        if key in on_path:                        # an alias inside the node it names: endless
+            raise TooManyValues()
+        on_path.add(key)
+        todo.append((node, True))
+        todo.extend((k, False) for k in _children(node) if id(k) not in counts)
+
+
+def _children(node) -> list:
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    return []
+
+
+def _no_duplicates(node, where: str, checked: set[int]) -> None:
+    # A node an alias names again was checked at its first place (an error there would have stopped us).
+    if id(node) in checked:
+        return
+    checked.add(id(node))
     if isinstance(node, yaml.MappingNode):
         seen: dict = {}
         for key_node, value_node in node.value:
@@ -166,17 +280,22 @@ def _no_duplicates(node, where: str) -> None:
                 if key in seen:
                     raise DuplicateKey(at, seen[key] + 1, key_node.start_mark.line + 1)
                 seen[key] = key_node.start_mark.line
-            _no_duplicates(value_node, at)
+            _no_duplicates(value_node, at, checked)
     elif isinstance(node, yaml.SequenceNode):
         for item in node.value:
-            _no_duplicates(item, where)
+            _no_duplicates(item, where, checked)
 
 
 def load(path: str | os.PathLike | None = None) -> Inventory:
     """Read and check an inventory file (default: $FLEET_INVENTORY, else inventory/hosts.yml)."""
     path = str(path or os.environ.get("FLEET_INVENTORY") or DEFAULT_INVENTORY)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        with open(path, "rb") as f:
+            raw = f.read(MAX_BYTES + 1)
+        if len(raw) > MAX_BYTES:
+            raise InventoryError(f"{path}: the inventory is larger than {MAX_BYTES // 2**20} MiB, more than "
+                                 "this toolkit reads; split it into several inventories.")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise InventoryError(f"{path}: cannot read the inventory (it is not UTF-8 text).") from None
     except FileNotFoundError:
@@ -188,6 +307,13 @@ def load(path: str | os.PathLike | None = None) -> Inventory:
     except DuplicateKey as e:
         raise InventoryError(f"{path}: {e.where}: given twice (lines {e.first} and {e.again}); "
                              "keep one of them.") from None
+    except TooManyValues:
+        raise InventoryError(f"{path}: its aliases expand to more than {MAX_VALUES:,} values (or an alias "
+                             "holds itself), more than this toolkit reads; write the values out "
+                             "instead of nesting aliases.") from None
+    except RecursionError:
+        raise InventoryError(f"{path}: its values are nested deeper than this toolkit reads; "
+                             "flatten them.") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -144,8 +144,8 @@ class SimSettings(Section):
         "The sim engine's prefill time per 1,000 prompt tokens not found in its prefix cache (an "
         "image counts 256 tokens).")
     kv_blocks: _int(1, 100_000_000) | None = doc(None,
-        "The sim engine's prefix cache, in 16-token blocks (least recently used blocks no running "
-        "request holds are evicted). Unset: the sim's default, 16384 (262,144 tokens, an 8B model's "
+        "The sim engine's prefix cache, in blocks of 16 tokens (`--block-size` in `extra_args` changes "
+        "that, as vLLM's); least recently used blocks no running request holds are evicted. Unset: the sim's default, 16384 (262,144 tokens, an 8B model's "
         "KV cache on a 64 GB card).")
     token_ms: _number(0, 3.6e6, "a number of milliseconds from 0 to 3600000") = doc(10.0,
         "The sim engine's time per output token.")

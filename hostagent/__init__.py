@@ -10,6 +10,8 @@
 - `lock`: one run at a time per deployment (a flock under deploy_dir/run).
 - `restart`: the one "restart instance i" (drain, stop by identity, wait for the card, start, /health,
   enable), used by `inv restart` and by the keeper.
+- `lora`: runtime LoRA adapters: load and unload on a group's instances (vLLM's endpoints), the record
+  run/lora_adapters.json, and its restore after a start (restart, wait-healthy).
 - `keeper_decisions`: the keeper's decisions, a pure function of what it observed and the time.
 - `keeper`: the loop that observes, decides (keeper_decisions) and acts: restarts dead or stalled
   instances, with backoff, and stops at a crash loop; in nginx mode it also watches /health (`watch`)

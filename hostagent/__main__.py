@@ -5,6 +5,9 @@ Instances (--config conf/hostagent.json): restart --instance I | --rolling; keep
 keeper-start (in its own session, a running one stopped first), keeper-stop; drain-instance --instance I
 and enable-instance --instance I (before and after `inv stop --instance I`); wait-healthy --instances 0,1
 (after a start: each instance's /health 200, at most health_timeout_s, one step per instance).
+Runtime LoRA adapters (--config conf/hostagent.json): lora add --model GROUP --name N --path P,
+lora remove --model GROUP --name N, lora list (hostagent/lora.py; add and remove take the run lock
+unless --locked).
 Proxy front (--config conf/nginx_front.json): restart-proxy [--healthy] (a zero-gap restart of the
 proxy), drain --timeout-s T (stop's first step: the front stops taking requests, finishes those in flight).
 Each command but watch and keeper prints progress lines, then one line `FLEET_RESULT {json}`; the exit
@@ -17,25 +20,33 @@ import json
 import logging
 import sys
 
-from . import drain, handover, host, instances, keeper, lock, restart, watch
+from . import drain, handover, host, instances, keeper, lock, lora, restart, watch
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hostagent", description=__doc__)
     parser.add_argument("command", choices=["check", "to-nginx", "to-proxy", "reload", "watch", "restart",
                                             "keeper", "keeper-start", "keeper-stop", "restart-proxy", "drain",
-                                            "drain-instance", "enable-instance", "wait-healthy"])
+                                            "drain-instance", "enable-instance", "wait-healthy", "lora"])
+    parser.add_argument("action", nargs="?", choices=["add", "remove", "list"], help="lora: what to do")
     parser.add_argument("--config", required=True)
     parser.add_argument("--nginx", default=None, help="the nginx binary (default: found as check does)")
     parser.add_argument("--instance", type=int, default=None, help="restart, drain-instance, enable-instance: the instance")
     parser.add_argument("--instances", default=None, help="wait-healthy: the instances, a comma list")
     parser.add_argument("--rolling", action="store_true", help="restart: every instance in turn")
     parser.add_argument("--locked", action="store_true",
-                        help="restart: the caller holds the run lock (inv restart); else it is taken here")
+                        help="restart, lora add/remove: the caller holds the run lock (inv restart, inv lora); "
+                             "else it is taken here")
+    parser.add_argument("--model", default=None, help="lora: the group (its served name)")
+    parser.add_argument("--name", default=None, help="lora add/remove: the adapter's name")
+    parser.add_argument("--path", default=None, help="lora add: the adapter's directory on the host")
     parser.add_argument("--healthy", action="store_true",
                         help="restart-proxy: the new proxy must answer 200 on /health before the old one leaves")
     parser.add_argument("--timeout-s", type=float, default=60.0, help="drain: how long requests in flight get")
     args = parser.parse_args(argv)
+    if (args.command == "lora") != (args.action is not None):
+        parser.error("lora needs add, remove or list" if args.command == "lora"
+                     else f"{args.command} takes no second word (only lora does)")
 
     def say(line: str) -> None:
         print(line, flush=True)
@@ -60,6 +71,8 @@ def main(argv=None) -> int:
             return _one_instance(cfg, args, say)
         if args.command == "wait-healthy":
             return _wait_healthy(cfg, args, say)
+        if args.command == "lora":
+            return _lora(cfg, args, say)
         if args.command == "check":
             result = handover.preflight(cfg, args.nginx)
         elif args.command == "to-nginx":
@@ -74,7 +87,7 @@ def main(argv=None) -> int:
             result = handover.reload(cfg, args.config, args.nginx, say)
         print("FLEET_RESULT " + json.dumps({"ok": True, **result}), flush=True)
         return 0
-    except host.FrontError as e:
+    except (host.FrontError, lora.LoraError) as e:
         print("FLEET_RESULT " + json.dumps({"ok": False, "error": str(e)}), flush=True)
         return 1
 
@@ -107,9 +120,45 @@ def _wait_healthy(cfg: dict, args, say) -> int:
     if not indexes or not all(0 <= i < n for i in indexes):
         raise host.FrontError(f"wait-healthy needs --instances I,J,... among 0-{n - 1}.")
     steps = instances.wait_healthy(cfg, indexes, say)
+    for step in list(steps):            # a started instance gets its group's recorded adapters back
+        if step["status"] == "changed":
+            steps += lora.restore(cfg, int(step["name"].split()[-1]), say)
     ok = not any(s["status"] == "failed" for s in steps)
     print("FLEET_RESULT " + json.dumps({"ok": ok, "steps": steps}), flush=True)
     return 0 if ok else 1
+
+
+def _hold(cfg: dict, args, what: str):
+    """The run lock, taken here unless the caller holds it (--locked): one run at a time, as for inv."""
+    if args.locked:
+        return None
+    held = lock.try_hold(cfg["deploy_dir"], what)
+    if held is None:
+        who = lock.holder(cfg["deploy_dir"]) or {}
+        raise host.FrontError(f"{who.get('what') or 'another run'} holds the run lock "
+                              f"(since {who.get('since') or 'an unknown time'}); retry when it is done.")
+    return held
+
+
+def _lora(cfg: dict, args, say) -> int:
+    """lora add | remove | list: per-instance lines, then the FLEET_RESULT line (hostagent/lora.py)."""
+    if args.action == "list":
+        result = lora.listing(cfg, say)
+    else:
+        needed = ["--model", "--name"] + (["--path"] if args.action == "add" else [])
+        missing = [flag for flag in needed if not getattr(args, flag[2:])]
+        if missing:
+            raise host.FrontError(f"lora {args.action} needs {' '.join(f + ' ' + f[2:].upper() for f in needed)} "
+                                  f"({', '.join(missing)} missing).")
+        held = _hold(cfg, args, f"python -m hostagent lora {args.action}")
+        try:
+            result = (lora.add(cfg, args.model, args.name, args.path, say) if args.action == "add"
+                      else lora.remove(cfg, args.model, args.name, say))
+        finally:
+            if held is not None:
+                held.release()
+    print("FLEET_RESULT " + json.dumps(result), flush=True)
+    return 0 if result["ok"] else 1
 
 
 def _restart(cfg: dict, args, say) -> int:
@@ -119,13 +168,7 @@ def _restart(cfg: dict, args, say) -> int:
         raise host.FrontError("restart needs either --instance I or --rolling.")
     if args.instance is not None and not 0 <= args.instance < n:
         raise host.FrontError(f"there is no instance {args.instance}; instances are 0-{n - 1}.")
-    held = None
-    if not args.locked:      # run by hand on the host: one run at a time, as for inv restart
-        held = lock.try_hold(cfg["deploy_dir"], "python -m hostagent restart")
-        if held is None:
-            who = lock.holder(cfg["deploy_dir"]) or {}
-            raise host.FrontError(f"{who.get('what') or 'another run'} holds the run lock "
-                                  f"(since {who.get('since') or 'an unknown time'}); retry when it is done.")
+    held = _hold(cfg, args, "python -m hostagent restart")
     try:
         steps = restart.restart_all(cfg, say) if args.rolling else restart.restart_instance(cfg, args.instance, say)
     finally:

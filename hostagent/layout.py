@@ -6,7 +6,7 @@ import). Standard library only, Python 3.6+, and no import of the rest of the pa
 front of scripts sent on standard input, and runs beside `processes.py` when that runs as a script.
 
     run/      pid files (instance_<i>.pid, proxy.pid, keeper.pid, nginx.pid, ...), the run lock, mode,
-              the keeper's state
+              the keeper's state, the runtime LoRA adapters' record
     logs/     vllm_<i>.log, proxy.log, req_results.log, keeper.log (+ rotated .1 ...)
     conf/     hostagent.json, proxy.yaml, nginx_front.json, nginx.conf
     bin/      start_cluster.sh, start_proxy.sh, stop_cluster.sh
@@ -31,6 +31,7 @@ LOCK = RUN + "/fleet.lock"
 MODE = RUN + "/mode"                                  # "proxy" or "nginx": who fronts the instances
 KEEPER_STATE = RUN + "/keeper.json"
 KEEPER_METRICS = RUN + "/keeper.prom"
+LORA_ADAPTERS = RUN + "/lora_adapters.json"        # the runtime LoRA adapters to load again after a start
 
 # logs/
 PROXY_LOG = LOGS + "/proxy.log"

@@ -1,7 +1,7 @@
 """The proxy's admin API, called on the host: its loopback admin listener (127.0.0.1:admin_port).
 
 `GET /admin/backends`, `POST /admin/backends/{name}/drain` and `/enable`, `GET /admin/requests`,
-`GET /admin/config`, `POST /admin/drain-and-exit`. Standard library only, Python 3.6+: the state probe
+`GET /admin/config`, `POST /admin/drain-and-exit`, `POST /admin/refresh-models`. Standard library only, Python 3.6+: the state probe
 bundles it.
 """
 import json
@@ -49,3 +49,8 @@ def drain(admin_port, name):
 def enable(admin_port, name):
     """Give backend name back to the proxy's picking: (status, answer)."""
     return call(admin_port, "POST", "/admin/backends/%s/enable" % name)
+
+
+def refresh_models(admin_port):
+    """Have the proxy re-read every backend's /v1/models (a runtime adapter added or removed): (status, answer)."""
+    return call(admin_port, "POST", "/admin/refresh-models", timeout=30.0)

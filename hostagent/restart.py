@@ -11,6 +11,9 @@
    rocm find card i's render node from sysfs in the control node's probe only, and cpu has no device
    file: there the instance's processes are the whole check;
 4. start it (ONLY=I STAGGER_S=0 bin/start_cluster.sh) and wait for /health 200, at most health_timeout_s;
+   then load its group's recorded runtime LoRA adapters (run/lora_adapters.json, hostagent/lora.py): a
+   failed restore is a failed step, and the instance is still enabled (it serves its model and static
+   adapters);
 5. enable it in the proxy and wait until the proxy's own health check routes to it again.
 
 A failure after the drain enables the backend again when the stop went through (the proxy's health check
@@ -25,7 +28,7 @@ import tempfile
 import time
 from typing import Callable
 
-from . import instances, layout, proxyadmin
+from . import instances, layout, lora, proxyadmin
 
 Say = Callable[[str], None]
 
@@ -106,6 +109,10 @@ def restart_instance(cfg: dict, i: int, say: Say = print, cancelled: Callable[[]
         return _give_back(cfg, i, name, drained, steps, say)
     if not _wait_healthy(cfg, i, steps, say, cancelled):
         return _give_back(cfg, i, name, drained, steps, say)
+    restored = lora.restore(cfg, i, say)    # before the proxy routes to it: no request for an adapter misses it
+    steps += restored
+    if any(s["status"] == "changed" for s in restored):
+        lora.refresh_proxy(cfg, say)
     if drained:
         _enable(cfg, i, name, steps, say, cancelled)
     return steps

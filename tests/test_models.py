@@ -54,7 +54,7 @@ def test_the_example_host_hands_out_cards_in_order_and_renders_pools():
          "backends": ["127.0.0.1:8008"]}]
     agent = json.loads(out["conf/hostagent.json"])
     assert agent["instances"][6]["cards"] == [6, 7] and agent["instances"][6]["model"] == "Qwen2.5-32B-Instruct"
-    assert agent["models"][1] == {"name": "Qwen2.5-32B-Instruct", "instances": [6], "runtime_lora": True,
+    assert agent["models"][1] == {"name": "Qwen2.5-32B-Instruct", "instances": [6], "aliases": [], "runtime_lora": True,
                                   "lora_modules": {}}
 
 

