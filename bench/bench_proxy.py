@@ -1,7 +1,8 @@
 """What the aiohttp proxy costs next to nginx, the Rust routers and no front at all, measured side by side.
 
     .venv/bin/python bench/bench_proxy.py [--seconds 5] [--rounds 5] [--connections 64] [--backends 4]
-                                          [--fronts direct,proxy,...] [--chat-only] [--out FILE.json]
+                                          [--fronts direct,proxy,...] [--chat-only] [--prompt-chars N]
+                                          [--out FILE.json]
 
 Starts --backends sim engines in instant mode (no model time: every cost measured is the front's) and,
 before them, the proxy (on uvloop, and again on asyncio's loop as `proxy-asyncio`) and nginx, both from
@@ -22,6 +23,11 @@ half the backends each, served names `m` and `m2`; `proxy-models-1` one pool of 
 wrk Lua script whose `request()` alternates two pre-formatted requests, model `m` then `m2` (one wrk
 process, so every front sees the same connections and the same client cost), every sim answering both
 names; the report adds their requests/s, p50 and p99 as ratios to `proxy`, round by round.
+
+Routing by prefix: `proxy-prefix` is the proxy with `proxy.routing.policy=prefix`; with --prompt-chars N
+every request's message is N characters of text (the prefix policy hashes every 64 bytes of it; "hi"
+has no whole block), and the report adds its requests/s, p50, p99 and CPU per request as ratios to
+`proxy` (least_conn), round by round.
 """
 from __future__ import annotations
 
@@ -139,8 +145,15 @@ def main(argv=None) -> int:
     ap.add_argument("--fronts", default=DEFAULT_FRONTS, help=f"comma separated (default {DEFAULT_FRONTS})")
     ap.add_argument("--rate", type=float, default=300.0, help="requests/s of the open-loop latency run")
     ap.add_argument("--chat-only", action="store_true", help="the chat rounds alone: no SSE, no open loop")
+    ap.add_argument("--prompt-chars", type=int, default=0, help="a message of N characters instead of 'hi'")
     ap.add_argument("--out", help="also write every figure to this JSON file")
     args = ap.parse_args(argv)
+    global CHAT, CHAT2
+    if args.prompt_chars:
+        words = "the image shows a small red house near the river under a grey sky "
+        text = (words * (args.prompt_chars // len(words) + 1))[:args.prompt_chars]
+        CHAT = {**CHAT, "messages": [{"role": "user", "content": text}]}
+        CHAT2 = {**CHAT, "model": "m2"}
     mix = any(f in MODELS_FRONTS for f in args.fronts.split(","))
     wrk_bin = shutil.which("wrk")
     if not wrk_bin:
@@ -150,7 +163,9 @@ def main(argv=None) -> int:
                      "backends": args.backends, "cpus": os.cpu_count(), "models_mix": mix, "runs": {}}
     with tempfile.TemporaryDirectory(prefix="bench-proxy-") as tmp:
         # max_num_seqs 256 (vLLM's default): slots enough that the proxy's queue never holds a request here.
-        stack = Stack(Path(tmp), args.backends, 256, ["--sim-instant"], served=("m", "m2") if mix else ("m",))
+        # `proxy` is least_conn, `proxy-prefix` the prefix policy (the default), to compare the two
+        stack = Stack(Path(tmp), args.backends, 256, ["--sim-instant"], served=("m", "m2") if mix else ("m",),
+                      proxy_set=("proxy.routing.policy=least_conn",))
         try:
             fronts = stack.start(args.fronts.split(","))
             figures["skipped"] = stack.skipped
@@ -214,7 +229,7 @@ def report(f: dict) -> None:
                               "p99_by_round": p99, "p99_median": statistics.median(p99)}
         print(f"  proxy / {other}: requests/s {statistics.median(per_round):.2f}x (rounds "
               f"{', '.join(f'{r:.2f}' for r in per_round)}), p99 {statistics.median(p99):.2f}x")
-    for other in MODELS_FRONTS:
+    for other in (*MODELS_FRONTS, "proxy-prefix"):
         if other not in runs or "proxy" not in runs:
             continue
         pairs = list(zip(f["runs"][other], f["runs"]["proxy"]))
@@ -225,12 +240,14 @@ def report(f: dict) -> None:
               f"{', '.join(f'{r:.3f}' for r in by['rps'])}), p50 {statistics.median(by['p50_ms']):.3f}x, "
               f"p99 {statistics.median(by['p99_ms']):.3f}x; CPU per request {statistics.median(by['cpu_us_per_request']):.3f}x "
               f"(rounds {', '.join(f'{r:.3f}' for r in by['cpu_us_per_request'])})")
+    if "proxy-prefix" in runs:
+        print("  target: routing by prefix costs at most 10% (requests/s at least 0.90x proxy's)")
     if any(o in runs for o in MODELS_FRONTS):
         cpu = {n: statistics.median(r["cpu_us_per_request"] for r in f["runs"][n]) for n in ("proxy", *MODELS_FRONTS)
                if n in runs}
         print("  proxy CPU per request answered, median: " + ", ".join(f"{n} {v:.0f} us" for n, v in cpu.items()))
         print("  target: routing by model costs at most 5% (requests/s at least 0.95x proxy's)")
-    else:
+    elif "proxy-prefix" not in runs:
         print("  targets: requests/s at least vllm-router's (1.00x), p99 at most 1.5x nginx's")
     if "sse" not in f:
         return

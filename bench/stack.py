@@ -2,9 +2,11 @@
 
 Fronts: `direct` (the sims themselves; `url` gives the first), `proxy` (conf/proxy.yaml as `inv render`
 makes it: slots from max_num_seqs, the queue on), `proxy-lc` (the same with `slots: 0`: least connections
-alone, as before the queue), `nginx` (conf/nginx.conf as rendered), `vllm-router` and `smg` (from
-bench/.venv-routers, made by bench/setup_routers.sh, or the PATH). A front whose program is missing is
-left out and said so.
+alone, as before the queue), `proxy-prefix` (the rendered config with `proxy.routing.policy=prefix` and
+the `routing_set` overrides: the prefix-aware policy), `nginx` (conf/nginx.conf as rendered),
+`vllm-router` and `smg` with their default policy, `vllm-router-cache` and `smg-cache` with
+`--policy cache_aware`, `vllm-router-p2` with `--policy power_of_two` (from bench/.venv-routers, made by
+bench/setup_routers.sh, or the PATH). A front whose program is missing is left out and said so.
 
 The models form (`models:` in proxy.yaml, a pool per served model): `proxy-models` (the sims split in two
 pools, the first half serving `m`, the rest `m2`) and `proxy-models-1` (one pool `m` of every sim, alias
@@ -87,21 +89,23 @@ class Stack:
     sim_args: the sims' timing flags. max_num_seqs: each sim's, and the inventory's (the proxy's slots).
     """
 
-    FRONTS = ("direct", "proxy", "proxy-lc", "proxy-asyncio", "proxy-models", "proxy-models-1", "nginx",
-              "vllm-router", "smg")
-    PROXIES = ("proxy", "proxy-lc", "proxy-asyncio", "proxy-models", "proxy-models-1")
+    FRONTS = ("direct", "proxy", "proxy-lc", "proxy-prefix", "proxy-asyncio", "proxy-models", "proxy-models-1",
+              "nginx", "vllm-router", "vllm-router-cache", "vllm-router-p2", "smg", "smg-cache")
+    PROXIES = ("proxy", "proxy-lc", "proxy-prefix", "proxy-asyncio", "proxy-models", "proxy-models-1")
+    ROUTERS = {"vllm-router": None, "vllm-router-cache": "cache_aware", "vllm-router-p2": "power_of_two",
+               "smg": None, "smg-cache": "cache_aware"}   # front -> its --policy (None: the default)
 
     def __init__(self, work: Path, backends: int, max_num_seqs: int, sim_args: list[str],
                  proxy_set: tuple[str, ...] = (), served: tuple[str, ...] = ("m",),
-                 pools: dict[str, list[dict]] | None = None):
+                 pools: dict[str, list[dict]] | None = None, routing_set: tuple[str, ...] = ()):
         self.work, self.deploy = work, work / "deploy"
         self.n, self.max_num_seqs, self.sim_args, self.served = backends, max_num_seqs, sim_args, served
-        base = free_ports(backends + 16)
+        base = free_ports(backends + 32)
         self.backend_ports = [base + i for i in range(backends)]
-        spare = iter(range(base + backends, base + backends + 16))
+        spare = iter(range(base + backends, base + backends + 32))
         self.ports = {f: next(spare) for f in self.FRONTS if f != "direct"}
         self.admin_ports = {f: next(spare) for f in self.PROXIES}
-        self.metrics_ports = {f: next(spare) for f in ("vllm-router", "smg")}
+        self.metrics_ports = {f: next(spare) for f in self.ROUTERS}
         self.procs: list[subprocess.Popen] = []
         self.pids: dict[str, int] = {}
         self.nginx_pid_file: Path | None = None
@@ -131,6 +135,9 @@ class Stack:
             (self.deploy / d).mkdir(parents=True, exist_ok=True)
         proxy_conf = yaml.safe_load(files["conf/proxy.yaml"])
         self.slots = proxy_conf["slots"]
+        # proxy.routing as the inventory renders it (only written into proxy.yaml when not least_conn)
+        self.routing = yaml.safe_load(rendered("proxy.routing.policy=prefix", *routing_set)["conf/proxy.yaml"]).get(
+            "routing", {"policy": "prefix"})
         half = max(1, backends // 2)
         self.pools = {"proxy-models": [{"name": "m", "backends": list(range(half))},
                                        {"name": "m2", "backends": list(range(half, backends))}],
@@ -143,6 +150,8 @@ class Stack:
                                     "path": str(self.deploy / "logs" / f"req_results_{front}.log")}}
             if front == "proxy-lc":
                 conf["slots"] = 0
+            if front == "proxy-prefix":
+                conf["routing"] = self.routing
             if front in self.pools:
                 conf["models"] = [{**pool, "slots": self.slots,
                                    "backends": [conf["backends"][i] for i in pool["backends"]]}
@@ -205,6 +214,9 @@ class Stack:
     def _start_proxy_lc(self):
         self._proxy("proxy-lc")
 
+    def _start_proxy_prefix(self):
+        self._proxy("proxy-prefix")
+
     def _start_proxy_asyncio(self):
         self._proxy("proxy-asyncio", "--loop", "asyncio")
 
@@ -233,25 +245,33 @@ class Stack:
     def _workers(self) -> list[str]:
         return [f"http://127.0.0.1:{p}" for p in self.backend_ports]
 
-    def _start_vllm_router(self):
-        prog = find_program("vllm-router")
+    def _router(self, front: str, program: str, *argv: str):
+        prog = find_program(program)
         if not prog:
             return "not installed; run bench/setup_routers.sh"
-        self._start([prog, "--host", "127.0.0.1", "--port", str(self.ports["vllm-router"]),
+        policy = self.ROUTERS[front]
+        self._start([prog, *argv, "--host", "127.0.0.1", "--port", str(self.ports[front]),
                      "--worker-urls", *self._workers(), "--prometheus-host", "127.0.0.1",
-                     "--prometheus-port", str(self.metrics_ports["vllm-router"]), "--log-level", "warning"],
-                    "vllm-router.log")
-        wait_http(self.url("vllm-router") + "/v1/models", timeout=60)
+                     "--prometheus-port", str(self.metrics_ports[front]),
+                     *(["--policy", policy] if policy else []),
+                     "--log-level", "warning" if program == "vllm-router" else "warn"],
+                    f"{front}.log")
+        wait_http(self.url(front) + "/v1/models", timeout=60)
+
+    def _start_vllm_router(self):
+        return self._router("vllm-router", "vllm-router")
+
+    def _start_vllm_router_cache(self):
+        return self._router("vllm-router-cache", "vllm-router")
+
+    def _start_vllm_router_p2(self):
+        return self._router("vllm-router-p2", "vllm-router")
 
     def _start_smg(self):
-        prog = find_program("smg")
-        if not prog:
-            return "not installed; run bench/setup_routers.sh"
-        self._start([prog, "launch", "--host", "127.0.0.1", "--port", str(self.ports["smg"]),
-                     "--worker-urls", *self._workers(), "--prometheus-host", "127.0.0.1",
-                     "--prometheus-port", str(self.metrics_ports["smg"]), "--log-level", "warn"],
-                    "smg.log")
-        wait_http(self.url("smg") + "/v1/models", timeout=60)
+        return self._router("smg", "smg", "launch")
+
+    def _start_smg_cache(self):
+        return self._router("smg-cache", "smg", "launch")
 
     def sim_stats(self) -> list[dict]:
         """Each sim's /sim/stats (peak_in_flight: the most requests it held at once)."""

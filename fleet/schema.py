@@ -203,7 +203,7 @@ class RoutingSettings(Section):
     """How the proxy picks a backend (issue 19); docs/proxy.md has the rules, docs/PERFORMANCE.md the figures."""
 
     policy: Annotated[Literal["least_conn", "prefix"], Field(description="least_conn or prefix")] = doc(
-        "least_conn",
+        "prefix",
         "`least_conn`: the backend with the fewest requests in flight. `prefix`: where the request's prompt "
         "prefix was sent before (its KV cache is likely there), unless that is too loaded; the proxy then "
         "reads the body before it picks. nginx mode has no body-aware routing.")
@@ -213,7 +213,7 @@ class RoutingSettings(Section):
     min_match_ratio: _number(0, 1, "a number from 0 to 1") = doc(0.5,
         "prefix: the share of the prompt a match must cover to win (a new conversation that shares only "
         "a system prompt goes by load).")
-    balance_abs: _int(0, 65536) = doc(2,
+    balance_abs: _int(0, 65536) = doc(1,
         "prefix: the prefix's backend is passed over for the least loaded one when it has more than "
         "this many requests in flight more than it ...")
     balance_rel: _number(1, 1000, "a number from 1 to 1000") = doc(1.5,
@@ -221,7 +221,7 @@ class RoutingSettings(Section):
     max_blocks: _int(1, 100_000_000) = doc(262144,
         "prefix: the prompt blocks (64 bytes each) the proxy remembers per model, least recently used "
         "dropped first; about 100 bytes of memory each.")
-    lookahead: _int(0, 1024) = doc(4,
+    lookahead: _int(0, 1024) = doc(16,
         "prefix: how many queued requests a freed slot may look past for one whose prefix is on that "
         "backend; no request is passed over more than this many times. 0: strict FIFO.")
 

@@ -61,14 +61,16 @@ class RoutingConfig:
     """How a backend is picked: least_conn (the fewest requests in flight), or prefix (where the prompt's
     prefix was sent before, unless that is too loaded; see proxy/prefix.py and docs/proxy.md)."""
 
-    policy: str = "least_conn"
+    policy: str = "prefix"        # measured better or equal on every workload (docs/PERFORMANCE.md)
     min_match_tokens: int = 256   # prefill a prefix must save over the least loaded backend to win
     min_match_ratio: float = 0.5  # and the share of the prompt it must cover (a new conversation that
                                   # shares only a system prompt goes by load)
-    balance_abs: int = 2          # the prefix's backend is passed over when it has more than this many
+    balance_abs: int = 1          # the prefix's backend is passed over when it has more than this many
     balance_rel: float = 1.5      # requests more than the least loaded, and more than this many times as many
     max_blocks: int = 262144      # prompt blocks remembered (64 bytes each), least recently used dropped first
-    lookahead: int = 4            # queued requests a freed slot may look past for one whose prefix is there
+    lookahead: int = 16           # queued requests a freed slot may look past for one whose prefix is there
+    # balance_abs 1 and lookahead 16 measured (bench/bench_routing.py, docs/PERFORMANCE.md): with 2, one
+    # hot system prompt left a backend idle; with 4, a saturated fleet scattered conversations.
 
 
 POLICIES = ("least_conn", "prefix")

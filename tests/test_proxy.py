@@ -77,7 +77,10 @@ def test_backend_with_dead_engine_gets_no_requests(procs, tmp_path):
 def test_limits_errors_and_results_log(procs, tmp_path):
     ports = start_sims(procs, tmp_path, 1)
     # The fixup off: the backend's 400 and its error body reach the client and the log, as in the seed.
-    port, admin = start_proxy(procs, tmp_path, ports, max_body_mb=1, fix_numeric_user=False)
+    # least_conn: the pick comes before the body, so even a 413 names its backend; with prefix (the
+    # default) the body is read before the pick, as in the models form, and a 413 names none.
+    port, admin = start_proxy(procs, tmp_path, ports, max_body_mb=1, fix_numeric_user=False,
+                              routing={"policy": "least_conn"})
     url = f"http://127.0.0.1:{port}"
 
     async def run():
