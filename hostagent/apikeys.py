@@ -12,7 +12,7 @@ and digits is written as `\\xHH`, so nothing in a key is read by nginx's parser 
 """
 from __future__ import annotations
 
-import os
+from . import upstream
 
 VARIABLE = "$fleet_authorized"
 
@@ -62,18 +62,4 @@ def render(keys: list[str]) -> str:
 def write(path: str, keys_file: str) -> bool:
     """Write path (mode 0600, atomically) from keys_file when its text differs; True when it changed.
     KeysError when keys_file cannot be used: the file in place is then left as it was."""
-    text = render(read_keys(keys_file))
-    try:
-        with open(path) as f:
-            if f.read() == text:
-                return False
-    except OSError:
-        pass
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = "%s.tmp.%d" % (path, os.getpid())
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)
-    return True
+    return upstream.write(path, render(read_keys(keys_file)), mode=0o600)

@@ -25,8 +25,8 @@ def parse_down(text: str) -> set[str]:
             if line.startswith("server ") and line.rstrip().endswith(" down;")}
 
 
-def write(path: str, text: str) -> bool:
-    """Replace the file atomically when its text differs; True when it changed."""
+def write(path: str, text: str, mode: int = 0o644) -> bool:
+    """Replace the file atomically when its text differs, with mode; True when it changed."""
     try:
         with open(path) as f:
             if f.read() == text:
@@ -35,7 +35,9 @@ def write(path: str, text: str) -> bool:
         pass
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)   # born with mode: never readable wider
+    with os.fdopen(fd, "w") as f:
         f.write(text)
+    os.chmod(tmp, mode)   # whatever the umask took away
     os.replace(tmp, path)
     return True
