@@ -46,9 +46,14 @@ def status_table(st: dict) -> str:
     # A tagged process outside every running session is a leftover of a killed process.
     sessions = {pid for pid in owned if pid}
     children = [t for t in others if t.get("sid") in sessions]
-    strays = [t for t in others if t.get("sid") not in sessions]
+    # Each running instance's log writer (tag <id>/log-<i>, a session of its own) is expected too.
+    running = {f"log-{i['index']}" for i in st["instances"] if i["pid"]}
+    writers = [t for t in others if t.get("sid") not in sessions and t["tag"].rpartition("/")[2] in running]
+    strays = [t for t in others if t.get("sid") not in sessions and t not in writers]
     if children:
         lines.append(f"  + {len(children)} engine process(es) in the running instances' sessions")
+    if writers:
+        lines.append(f"  + {len(writers)} log writer(s) of the running instances (logs/vllm_<i>.log, rotated)")
     if strays:
         lines.append(f"  {len(strays)} process(es) carry the deployment's tag outside any running instance "
                      "(orphans of a killed process; `inv stop --instance I` or a deploy stops them): "

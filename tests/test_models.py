@@ -262,3 +262,21 @@ def test_each_instance_starts_with_its_group_argv_cards_and_environment(tmp_path
         assert third["env"]["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
     finally:
         stop_recorded(deploy)
+
+
+@pytest.mark.unit
+def test_status_counts_running_instances_log_writers_apart_from_strays():
+    """Each running instance's log writer (tag <id>/log-<i>, its own session) is expected; a tagged
+    process in no running session, and a log writer of a stopped instance, are leftovers."""
+    st = {"host": "h", "front": "proxy", "deploy_dir": "/d",
+          "proxy": {"port": 8000, "pid": 1, "state": "healthy", "backends": []},
+          "instances": [{"index": 0, "port": 8002, "accelerator": 0, "pid": 10, "pgid": 10, "state": "healthy"},
+                        {"index": 1, "port": 8003, "accelerator": 1, "pid": None, "pgid": None,
+                         "state": "stopped"}],
+          "tagged": [{"pid": 12, "tag": "dep/0", "sid": 10}, {"pid": 13, "tag": "dep/log-0", "sid": 13},
+                     {"pid": 14, "tag": "dep/log-1", "sid": 14}, {"pid": 15, "tag": "dep/1", "sid": 15}]}
+    table = display.status_table(st)
+    assert "+ 1 engine process(es) in the running instances' sessions" in table
+    assert "+ 1 log writer(s) of the running instances" in table
+    assert "2 process(es) carry the deployment's tag outside any running instance" in table
+    assert table.rstrip().endswith("14, 15"), table
