@@ -269,6 +269,8 @@ class Balancer:
         backend with a free slot; a waiter passed over lookahead times already is taken as it is."""
         r = self.routing
         free = [b.name for b in self._order if b.free]
+        if not free:
+            return None      # nothing to hand out: the caller's acquire finds no slot either
         for w in itertools.islice(self._queue, r.lookahead + 1):
             if w.future.done():
                 continue

@@ -113,10 +113,9 @@ async def proxy_handler(request: web.Request) -> web.StreamResponse:
     the body and forward it. In the models form the body is read first: its `model` names the pool."""
     proxy = request.app[PROXY]
     request_id = request.headers.get("X-Request-Id") or new_request_id()
-    if proxy.api_keys is not None and not _authorized(request, proxy.api_keys):
-        proxy.metrics.answered(NO_BACKEND, 401)
-        return json_error(401, "missing or wrong API key; send `Authorization: Bearer <key>`.",
-                          "unauthorized", {"X-Request-Id": request_id, "WWW-Authenticate": "Bearer"})
+    refused = _refused(request, proxy, request_id)
+    if refused is not None:
+        return refused
     ex = Exchange(request, request_id)
     proxy.requests[id(ex)] = ex        # what a drain waits for (a queued request too), and names if it cuts it
     pool: Balancer | web.Response | None = None
@@ -192,9 +191,9 @@ def _count(proxy, ex: Exchange, backend: str, status: int) -> None:
 
 
 async def _pool_of(ex: Exchange, proxy) -> Balancer | web.Response:
-    """The models form: read the body and find the pool its `model` reaches; or the answer when the
-    request ends here: 413, 400 (no model and several served), 404 (a model nobody serves, in vLLM's
-    own words), never sent to an engine."""
+    """Read the body (the models form, the prefix policy) and find the pool its `model` reaches (the
+    only pool when not routing by model); or the answer when the request ends here: 413, 400 (no model
+    and several served), 404 (a model nobody serves, in vLLM's own words), never sent to an engine."""
     router = proxy.router
     response = await _read_body(ex, proxy, None)
     if response is not None:
@@ -212,21 +211,20 @@ async def _pool_of(ex: Exchange, proxy) -> Balancer | web.Response:
         if only is not None:
             ex.pool = router.served_names()[0]
             return only
-        response = json_error(400, "the request names no `model`; this host serves "
-                              f"{', '.join(router.served_names())}: set `model` to one of them.",
-                              "BadRequestError", ids)
+        message = (f"the request names no `model`; this host serves {', '.join(router.served_names())}: "
+                   "set `model` to one of them.")
+        response = json_error(400, message, "BadRequestError", ids)
     else:
         pool = router.resolve(name)
         if pool is not None:
             ex.pool = pool
             return router.pools[pool]
         # vLLM's own 404 (serving_models.py, 0.32), without its list of the names it knows.
-        response = web.json_response({"error": {"message": f"The model `{name}` does not exist.",
-                                                "type": "NotFoundError", "param": "model", "code": 404}},
-                                     status=404, headers=ids)
+        message = f"The model `{name}` does not exist."
+        response = web.json_response({"error": {"message": message, "type": "NotFoundError", "param": "model",
+                                                "code": 404}}, status=404, headers=ids)
     proxy.metrics.answered(NO_BACKEND, response.status)
     proxy.metrics.answered_model(NO_BACKEND, response.status)
-    message = json.loads(response.body)["error"]["message"]
     _log_attempt(ex, proxy, None, Outcome(status=response.status, error=message), final=True)
     return response
 
@@ -237,10 +235,9 @@ async def list_models(request: web.Request) -> web.StreamResponse:
     proxy = request.app[PROXY]
     if not proxy.router.by_model:
         return await proxy_handler(request)
-    if proxy.api_keys is not None and not _authorized(request, proxy.api_keys):
-        proxy.metrics.answered(NO_BACKEND, 401)
-        return json_error(401, "missing or wrong API key; send `Authorization: Bearer <key>`.",
-                          "unauthorized", {"WWW-Authenticate": "Bearer"})
+    refused = _refused(request, proxy, request.headers.get("X-Request-Id") or new_request_id())
+    if refused is not None:
+        return refused
     listing = proxy.router.listing()
     status = 200 if listing else 503
     proxy.metrics.answered(NO_BACKEND, status)
@@ -302,6 +299,15 @@ async def _turned_away(ex: Exchange, proxy, response: web.Response) -> web.Respo
     message = json.loads(response.body)["error"]["message"]
     _log_attempt(ex, proxy, None, Outcome(status=response.status, error=message), final=True)
     return response
+
+
+def _refused(request: web.Request, proxy, request_id: str) -> web.Response | None:
+    """The 401 for a request without one of the API keys (when keys are set), else None."""
+    if proxy.api_keys is None or _authorized(request, proxy.api_keys):
+        return None
+    proxy.metrics.answered(NO_BACKEND, 401)
+    return json_error(401, "missing or wrong API key; send `Authorization: Bearer <key>`.",
+                      "unauthorized", {"X-Request-Id": request_id, "WWW-Authenticate": "Bearer"})
 
 
 def _authorized(request: web.Request, keys: frozenset) -> bool:

@@ -94,6 +94,8 @@ class Metrics:
         self._answered: dict = {}   # (backend, status) -> its counter child: labels() costs on every call
         self._timed: dict = {}      # backend -> its duration histogram child
         self._by_model: dict = {}   # (model, status) -> its counter child
+        self._decisions: dict = {}  # decision -> its counter child
+        self._tokens: dict = {}     # kind -> its counter child
 
     def answered(self, backend: str, status: int) -> None:
         """Count one answer of status for backend (a label, "none" when no backend saw it)."""
@@ -111,9 +113,9 @@ class Metrics:
 
     def routed(self, route) -> None:
         """Count one prefix-policy decision (a proxy.prefix.Route)."""
-        self.route_decisions.labels(route.decision).inc()
-        self.route_tokens.labels("prompt").inc(len(route.blocks) * BLOCK_BYTES // TOKEN_BYTES)
-        self.route_tokens.labels("matched").inc(route.matched_tokens)
+        _child(self._decisions, self.route_decisions, route.decision).inc()
+        _child(self._tokens, self.route_tokens, "prompt").inc(len(route.blocks) * BLOCK_BYTES // TOKEN_BYTES)
+        _child(self._tokens, self.route_tokens, "matched").inc(route.matched_tokens)
 
     def took(self, backend: str, seconds: float) -> None:
         """Observe one request's time to its last byte."""
@@ -121,3 +123,11 @@ class Metrics:
         if child is None:
             child = self._timed[backend] = self.duration.labels(backend)
         child.observe(seconds)
+
+
+def _child(cache: dict, metric, label: str):
+    """metric's child for label, made once (labels() costs on every call)."""
+    child = cache.get(label)
+    if child is None:
+        child = cache[label] = metric.labels(label)
+    return child
