@@ -30,6 +30,7 @@ from . import logs as fleet_logs
 from . import lora as lora_mod
 from . import restart as restart_mod
 from . import stop as fleet_stop
+from . import top as top_mod
 from .client import chat as chat_request
 from .errors import FleetError
 
@@ -349,6 +350,27 @@ def logs(c, host="", instance=None, proxy=False, results=False, keeper=False, li
     _finish(_run(host, inventory_, set_, action, forks=1, readonly=True, ctrl_c_ends=follow)[1])
 
 
+@command(help=_help("inventory", "set",
+                    host="the host to watch (an entry host: its whole fleet; a comma list or group: each)",
+                    interval="seconds between frames (default 1)",
+                    once="sample twice, print one frame and exit (for scripts)"))
+def top(c, host="", interval="1", once=False, set_=None, inventory_=""):
+    """A live view of the instances, the proxy, the keeper and the cards; q or Ctrl-C quits."""
+    if not host:
+        raise _error(HOST_REQUIRED)
+    try:
+        every = float(interval)
+    except ValueError:
+        every = float("nan")
+    if not 0.2 <= every <= 3600:
+        raise _error(f"--interval takes seconds from 0.2 to 3600, got {interval!r}.")
+    try:
+        code = top_mod.run(_inventory(inventory_), host, set_ or (), interval=every, once=once)
+    except FleetError as e:
+        raise _error(str(e))
+    _finish(code)
+
+
 @command(help=_help("host", "inventory", "set", ident="a trace id (the request's `user`) or an X-Request-Id"))
 def trace(c, ident, host="", set_=None, inventory_=""):
     """Show every results-log line of one request, across the rotated files, oldest first."""
@@ -502,7 +524,7 @@ def version(c):
     print(f"{NAME} {VERSION}")
 
 
-ns = Collection(deploy, status, stop, restart, render_, chat, logs, trace, doctor, bench, swap_to_nginx,
+ns = Collection(deploy, status, stop, restart, render_, chat, logs, trace, top, doctor, bench, swap_to_nginx,
                 swap_to_proxy, vars_, lora, version)
 
 

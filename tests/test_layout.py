@@ -50,7 +50,8 @@ def test_layout_is_importable_alone():
 
 
 def test_each_probe_is_bundled_with_what_it_imports_in_dependency_order():
-    assert hostcode.needs("probes.state") == ["layout", "processes", "instances", "proxyadmin", "lora"]
+    assert hostcode.needs("probes.state") == ["layout", "processes", "instances", "proxyadmin", "lora", "observe"]
+    assert hostcode.needs("probes.top") == ["layout", "processes", "instances", "proxyadmin", "observe"]
     assert hostcode.needs("probes.holders") == ["layout", "processes"]
     assert hostcode.needs("probes.cpu_mem") == ["layout"]
     assert hostcode.needs("processes") == ["layout"] and hostcode.needs("lock") == ["layout"]
