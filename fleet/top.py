@@ -158,6 +158,7 @@ class Target:
     sampler: Running | None = None
     frames: deque = field(default_factory=deque)
     error: str | None = None            # why no frame comes (unreachable, the sampler ended)
+    entry: str | None = None            # the entry host whose proxy fronts this host's instances
     next_start: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -292,8 +293,8 @@ def host_view(target: Target) -> dict:
         out["front"] = "nginx"
     elif proxy.get("alive"):
         out["front"] = "proxy"
-    elif not hv["fronts"] and not hv.ports:
-        out["front"] = None
+    elif target.entry and target.entry != hv.name:
+        out["front"] = f"via {target.entry}"
     else:
         out["front"] = "none"
     k = raw.get("keeper") or {}
@@ -576,7 +577,8 @@ def run(inv: Inventory, pattern: str, overrides=(), interval: float = 1.0, once:
 
     hosts, rows = plan(inv, pattern, overrides)
     console = console or Console()
-    targets = {hv.name: Target(hv) for hv in hosts}
+    entries = {r.host: r.proxy_host for r in rows if r.proxy_host}
+    targets = {hv.name: Target(hv, entry=entries.get(hv.name)) for hv in hosts}
     count = 2 if once else 0           # two frames: a rate needs an interval
     stop = threading.Event()
     threads = [threading.Thread(target=_pump, args=(t, stop, interval, count), daemon=True)
@@ -587,8 +589,11 @@ def run(inv: Inventory, pattern: str, overrides=(), interval: float = 1.0, once:
     try:
         if once:
             deadline = time.monotonic() + max(30.0, 10 * interval)
-            while time.monotonic() < deadline and any(th.is_alive() for th in threads):
-                time.sleep(0.1)
+            try:
+                while time.monotonic() < deadline and any(th.is_alive() for th in threads):
+                    time.sleep(0.1)
+            except KeyboardInterrupt:
+                return 130
             v = view(targets, rows)
             console.print(render(v, [], console.width, interval, title))
             return 0 if all(h["ok"] for h in v["hosts"]) else 1

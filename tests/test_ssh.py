@@ -294,3 +294,11 @@ def test_entry_host_fronts_two_hosts(sshd, tmp_path, cleanup):
     assert {x["name"] for x in st["proxy"]["backends"] if x["healthy"]} == want_a | want_b
     conf = yaml.safe_load((tmp_path / "a/conf/proxy.yaml").read_text())
     assert set(conf["backends"]) == want_a | want_b
+    # 5. inv top on the entry host shows its whole fleet, each host sampled over SSH.
+    r = inv("top", "--host", "a", "--once", inventory=inventory, process=True, env={"COLUMNS": "160"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = {line.split()[0]: line.split() for line in r.stdout.splitlines() if re.match(r"[ab]/\d ", line)}
+    assert sorted(rows) == ["a/0", "a/1", "b/0", "b/1"], r.stdout
+    assert all(c[1] == "healthy" and re.fullmatch(r"\d+/\d+", c[2]) for c in rows.values()), r.stdout
+    hosts = {line.split()[0]: line.split()[1] for line in r.stdout.splitlines() if re.match(r"[ab] ", line)}
+    assert hosts == {"a": "proxy", "b": "proxy"}, r.stdout    # b runs its own proxy beside a's
