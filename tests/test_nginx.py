@@ -191,6 +191,12 @@ def test_status_deploy_keeps_nginx_mode(nginx_front):
     assert r.returncode == 0 and "changed=0" in r.stdout, r.stdout + r.stderr
     after = status_json(inventory)
     assert after["front"] == "nginx" and after["nginx"]["pid"] == s["nginx"]["pid"] and not after["proxy"]["pid"]
+    # inv top names the front, and with no proxy to ask takes each instance's load from its engine.
+    r = inv("top", "--host", "t", "--once", inventory=inventory, process=True, env={"COLUMNS": "160"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert next(ln for ln in r.stdout.splitlines() if ln.startswith("t ")).split()[1] == "nginx", r.stdout
+    rows = [ln.split() for ln in r.stdout.splitlines() if ln[:1].isdigit()]
+    assert len(rows) == 4 and all(c[1] == "healthy" and c[2] == "0/4" for c in rows), r.stdout
 
 
 @pytest.mark.xdist_group("load")
