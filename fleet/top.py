@@ -299,6 +299,10 @@ def host_view(target: Target) -> dict:
         out["front"] = "none"
     k = raw.get("keeper") or {}
     out["keeper"] = ("running" if k.get("alive") else "stopped") if hv["keeper"]["enabled"] else "disabled"
+    if k.get("alive") and k.get("restarting") is not None:
+        out["keeper"] = f"restarting {k['restarting']}"
+    elif k.get("alive") and k.get("lock_held"):
+        out["keeper"] = "waiting (a run holds the lock)"
     if proxy.get("error"):
         out["errors"].append(f"proxy: {proxy['error']}")
     for i in raw.get("instances", []):
@@ -491,7 +495,7 @@ def _start(target: Target, interval: float, count: int) -> None:
         target.sampler = target.conn.start(agent.python_command(
             target.hv, f"-c {shlex.quote(hostcode.probe('top'))} {shlex.quote(json.dumps(spec))}"))
     except FleetError as e:
-        target.error = str(e)
+        target.error = f"the host: {e}"
         target.sampler, target.next_start = None, time.monotonic() + RESTART_AFTER_S
         if target.conn is not None:
             _close(target)
@@ -531,7 +535,7 @@ def _pump(target: Target, stop: threading.Event, interval: float, count: int) ->
             err = target.sampler.stderr().strip().splitlines() if why is None else [why]
             if count and len(target.frames) >= count:
                 return
-            target.error = (f"the sampler ended ({(err or ['no output'])[-1][:200]})")
+            target.error = f"its sampler: it ended ({(err or ['no output'])[-1][:200]}); starting it again"
             _close(target)
             target.next_start = time.monotonic() + RESTART_AFTER_S
             continue

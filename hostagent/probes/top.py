@@ -104,8 +104,8 @@ def frame(spec, pool, with_smi):
     keeper = keeper_facts(d, dep)
     state = keeper["state"] if isinstance(keeper["state"], dict) else {}
     out = {"t": t0, "mode": read_mode(d), "nginx": nginx_facts(d, dep)["alive"],
-           "keeper": {"alive": keeper["alive"], "state": state.get("state"),
-                      "instances": state.get("instances") or {}},
+           "keeper": {"alive": keeper["alive"], "state": state.get("state"), "restarting": state.get("restarting"),
+                      "lock_held": state.get("lock_held"), "instances": state.get("instances") or {}},
            "instances": [f.result() for f in insts], "proxy": prox.result()}
     if smi is not None:
         out["smi"] = smi.result()
