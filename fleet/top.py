@@ -456,7 +456,7 @@ def render(v: dict, events_shown: list[str], width: int, interval: float, title:
     errors = [f"{h['host']}: {e}" for h in v["hosts"] for e in h["errors"]]
     if errors:
         parts.append(Text(""))
-        parts += [Text(f"unreadable: {e}"[:max(20, width - 1)], style="red") for e in errors[:6]]
+        parts += [Text(f"unreadable: {e}", style="red") for e in errors[:6]]
     if events_shown:
         parts.append(Text(""))
         parts += [Text(e[:max(20, width - 1)]) for e in events_shown[-EVENTS_KEPT:]]
@@ -495,7 +495,9 @@ def _start(target: Target, interval: float, count: int) -> None:
         target.sampler = target.conn.start(agent.python_command(
             target.hv, f"-c {shlex.quote(hostcode.probe('top'))} {shlex.quote(json.dumps(spec))}"))
     except FleetError as e:
-        target.error = f"the host: {e}"
+        message = str(e)
+        target.error = "the host: " + (message[len(target.hv.name) + 2:] if message.startswith(f"{target.hv.name}: ")
+                                       else message)
         target.sampler, target.next_start = None, time.monotonic() + RESTART_AFTER_S
         if target.conn is not None:
             _close(target)
@@ -524,6 +526,8 @@ def _pump(target: Target, stop: threading.Event, interval: float, count: int) ->
                 stop.wait(0.2)
                 continue
             _start(target, interval, count)
+            if count and target.sampler is None:      # --once: a host that cannot be reached is said, not awaited
+                return
             continue
         try:
             line = target.sampler.readline(timeout=max(10.0, 5 * interval))
