@@ -180,6 +180,10 @@ def main(argv=None) -> int:
     try:
         config = load_config(args.config)
         load_api_keys(config.api_keys_file)
+        if config.otlp.endpoint is not None:
+            from .otlp import missing   # the OpenTelemetry SDK is optional: checked only when asked for
+            if missing():
+                raise ConfigError(missing())
     except ConfigError as e:
         print(f"proxy: {e}", file=sys.stderr)
         return 2

@@ -14,7 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .balancer import Backend
 from .config import ProxyConfig
-from .forward import json_error, list_models, proxy_handler
+from .forward import TRACE_ID, json_error, list_models, proxy_handler
 from .models import entries_of
 from .state import PROXY, Proxy
 
@@ -123,6 +123,8 @@ async def _context(app: web.Application):
         auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),  # a proxy keeps no cookies
         connector=upstream_connector())
     proxy.results.start()
+    if proxy.spans is not None:
+        proxy.spans.start()
     task = asyncio.create_task(health_loop(proxy))
     yield
     task.cancel()
@@ -132,10 +134,16 @@ async def _context(app: web.Application):
         pass
     await proxy.session.close()
     proxy.results.stop()
+    if proxy.spans is not None:
+        proxy.spans.stop()   # at most SpanExport.STOP_S
 
 
-async def _close_when_stopping(request: web.Request, response: web.StreamResponse) -> None:
-    """While the proxy shuts down, each answer ends its connection, so clients reconnect elsewhere."""
+async def _on_prepare(request: web.Request, response: web.StreamResponse) -> None:
+    """Every answer to a /v1/ request carries its trace id (X-Trace-Id), the proxy's own errors too; while
+    the proxy shuts down, each answer ends its connection, so clients reconnect elsewhere."""
+    trace = request.get(TRACE_ID)
+    if trace is not None:
+        response.headers["X-Trace-Id"] = trace
     if request.app[PROXY].closing:
         response.force_close()
         response.headers["Connection"] = "close"  # headers are already prepared when this hook runs
@@ -146,7 +154,7 @@ def make_app(config: ProxyConfig, config_path: str | None = None) -> web.Applica
     app = web.Application(client_max_size=config.max_body_bytes)
     app[PROXY] = Proxy(config, config_path)
     app.cleanup_ctx.append(_context)
-    app.on_response_prepare.append(_close_when_stopping)
+    app.on_response_prepare.append(_on_prepare)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", list_models)   # the models form answers it; the plain form forwards it
@@ -186,6 +194,7 @@ def make_admin_app(proxy: Proxy) -> web.Application:
                                   "queue": {"max": c.queue.max, "timeout_s": c.queue.timeout_s},
                                   "queued": proxy.router.queued,
                                   "routing": dataclasses.asdict(c.routing),
+                                  "otlp": dataclasses.asdict(c.otlp),
                                   "models": [{"name": p.name, "aliases": list(p.aliases),
                                               "adapters": list(p.adapters), "slots": p.slots,
                                               "backends": list(p.backends),

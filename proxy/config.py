@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import ipaddress
 import math
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,15 @@ POLICIES = ("least_conn", "prefix")
 
 
 @dataclass(frozen=True)
+class OtlpConfig:
+    """The export of the proxy's spans over OTLP/HTTP (protobuf); endpoint None: no export."""
+
+    endpoint: str | None = None   # the collector's traces URL, e.g. http://127.0.0.1:4318/v1/traces
+    timeout_s: float = 10.0       # one export's bound (its retries included), on the exporter's own thread
+    service_name: str = "vllm-fleet-proxy"
+
+
+@dataclass(frozen=True)
 class LogConfig:
     """The proxy's own log: written to path (standard error when None), rotated at max_mb while it runs."""
 
@@ -132,6 +142,7 @@ class ProxyConfig:
     queue: QueueConfig = QueueConfig()
     models: tuple[ModelPool, ...] = ()  # empty: one pool of every backend, the body's model is not read
     routing: RoutingConfig = RoutingConfig()
+    otlp: OtlpConfig = OtlpConfig()
 
     @property
     def max_body_bytes(self) -> int:
@@ -141,7 +152,7 @@ class ProxyConfig:
 
 TOP_KEYS = ("listen", "admin", "backends", "health", "timeout_s", "connect_timeout_s",
             "max_body_mb", "results_log", "log", "retries", "max_fails", "shutdown_timeout_s",
-            "fix_numeric_user", "api_keys_file", "slots", "queue", "models", "routing")
+            "fix_numeric_user", "api_keys_file", "slots", "queue", "models", "routing", "otlp")
 ROUTING_KEYS = ("policy", "min_match_tokens", "min_match_ratio", "balance_abs", "balance_rel", "max_blocks", "lookahead")
 POOL_KEYS = ("name", "aliases", "adapters", "slots", "backends")
 
@@ -230,6 +241,7 @@ def parse_config(data: Any, source: str = "config") -> ProxyConfig:
                           timeout_s=_positive(queue, "timeout_s", defaults.queue.timeout_s, "queue.")),
         models=_models(top.get("models"), backends),
         routing=_routing(top.get("routing", {})),
+        otlp=_otlp(top.get("otlp", {})),
     )
 
 
@@ -287,6 +299,24 @@ def _routing(value: Any) -> RoutingConfig:
         balance_rel=_positive(m, "balance_rel", d.balance_rel, "routing."),
         max_blocks=_count(m, "max_blocks", d.max_blocks, minimum=1, prefix="routing."),
         lookahead=_count(m, "lookahead", d.lookahead, minimum=0, prefix="routing."))
+
+
+def _otlp(value: Any) -> OtlpConfig:
+    """The otlp section: an http(s) URL or nothing (no export), the export's timeout, the service name."""
+    m = _mapping(value, "otlp", ("endpoint", "timeout_s", "service_name"))
+    d = OtlpConfig()
+    endpoint = _optional_text(m.get("endpoint"), "otlp.endpoint")
+    if endpoint is not None:
+        try:
+            url = urllib.parse.urlsplit(endpoint)
+            url.port   # raises ValueError on a port that is not a number
+        except ValueError:
+            url = None
+        if url is None or url.scheme not in ("http", "https") or not url.hostname:
+            raise ConfigError(f"otlp.endpoint must be an http:// or https:// URL of the collector's traces "
+                              f"endpoint (such as http://127.0.0.1:4318/v1/traces), not {endpoint!r}.")
+    return OtlpConfig(endpoint=endpoint, timeout_s=_positive(m, "timeout_s", d.timeout_s, "otlp."),
+                      service_name=_text(m.get("service_name", d.service_name), "otlp.service_name"))
 
 
 def _ratio(m: dict, key: str, default: float) -> float:

@@ -20,6 +20,7 @@ from .models import NO_MODEL, model_of
 from .prefix import Route, prompt_blocks
 from .results_log import LOGGED_PATHS, ResponseObserver, trace_id_of, user_value
 from .state import PROXY
+from .tracing import SAMPLED, new_span_id, new_trace_id, parse_traceparent, sampled
 
 # Hop-by-hop headers (RFC 9110 7.6.1) never cross the proxy; length and encoding are the proxy's own.
 HOP_BY_HOP = frozenset(h.lower() for h in (
@@ -32,6 +33,9 @@ CLIENT_CLOSED = 499              # nginx's status for "the client went away firs
 RETRY_AFTER_FULL_S = 1           # a full queue empties by a slot at a time: come back soon
 RETRY_AFTER_TIMEOUT_S = 5        # a request waited its whole queue.timeout_s: the fleet is overloaded
 NO_BACKEND = "none"              # the metrics label of answers no backend saw (401, 413, 503)
+# The client's own is replaced by the attempt's (tracestate passes through); host and length are the proxy's.
+NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", "traceparent"}
+TRACE_ID = "otel_trace_id"      # the request's key of its W3C trace id (the X-Trace-Id header, app.py)
 
 
 _ID_PREFIX = secrets.token_hex(8)   # this process's own: ids stay unique across restarts and workers
@@ -45,8 +49,7 @@ def new_request_id() -> str:
 
 def upstream_headers(headers) -> dict:
     """The client's headers as sent to the backend (the client's API key stays with the proxy)."""
-    return {k: v for k, v in headers.items()
-            if k.lower() not in HOP_BY_HOP and k.lower() not in ("host", "content-length")}
+    return {k: v for k, v in headers.items() if k.lower() not in NOT_FORWARDED}
 
 
 def downstream_headers(headers) -> dict:
@@ -77,6 +80,9 @@ class Outcome:
     buffered: tuple | None = None  # (status, headers, body) of a 502/503 held back for a retry
     attempt_ms: float = 0.0
     whole: web.Response | None = None  # a complete answer, read whole, to send in one write
+    span_id: str = ""              # the attempt's span, its backend's traceparent parent id
+    backend: str = ""
+    t_start: float = 0.0
 
 
 @dataclass
@@ -98,13 +104,20 @@ class Exchange:
     model: str | None = None       # the body's `model` (the models form reads it)
     pool: str | None = None        # the served model it is routed to (the models form)
     route: Route | None = None     # its prompt's blocks and where they led (the prefix policy)
+    otel_trace: str = ""           # its W3C trace id: the client's traceparent's, or a new one
+    parent_span: str | None = None  # the client's span (its traceparent's parent id), None: a new trace
+    flags: str = SAMPLED           # the trace flags, passed on to the backends as the client sent them
+    ttfb: float | None = None      # seconds from arrival to the first byte sent to the client
+    tried: list | None = None      # every attempt's Outcome, kept when spans are exported
+    wall_ns: int = 0               # time.time_ns() at arrival, when spans are exported
 
     def __post_init__(self) -> None:
         self.logged = self.request.method == "POST" and self.request.path in LOGGED_PATHS
 
     def describe(self) -> dict:
         """What names this request in a drain report."""
-        return {"request_id": self.request_id, "trace_id": self.trace_id, "backend": self.backend,
+        return {"request_id": self.request_id, "trace_id": self.trace_id, "otel_trace_id": self.otel_trace,
+                "backend": self.backend,
                 "path": self.request.path, "age_s": round(time.monotonic() - self.t0, 1)}
 
 
@@ -113,10 +126,50 @@ async def proxy_handler(request: web.Request) -> web.StreamResponse:
     the body and forward it. In the models form the body is read first: its `model` names the pool."""
     proxy = request.app[PROXY]
     request_id = request.headers.get("X-Request-Id") or new_request_id()
+    context = _trace_context(request)
     refused = _refused(request, proxy, request_id)
     if refused is not None:
         return refused
     ex = Exchange(request, request_id)
+    ex.otel_trace = context[0]
+    if context[1] is not None:
+        ex.parent_span, ex.flags = context[1], context[2]
+    spans = proxy.spans
+    if spans is None or not sampled(ex.flags):
+        return await _handle(ex, proxy)
+    ex.tried, ex.wall_ns = [], time.time_ns()
+    status = CLIENT_CLOSED
+    try:
+        response = await _handle(ex, proxy)
+        status = response.status
+        return response
+    finally:   # the spans are built off the event loop (proxy/otlp.py): here a tuple is queued
+        spans.record(_span_record(ex, status))
+
+
+def _trace_context(request: web.Request) -> tuple[str, str | None, str]:
+    """(trace id, parent span id or None, flags) from the client's traceparent, or a new trace when it
+    sent none or an invalid one; the trace id goes out as X-Trace-Id on whatever answers the request."""
+    context = parse_traceparent(request.headers.get("traceparent"))
+    if context is None:
+        context = (new_trace_id(), None, SAMPLED)
+    request[TRACE_ID] = context[0]
+    return context
+
+
+def _span_record(ex: Exchange, status: int) -> tuple:
+    """What proxy/otlp.py builds the request's spans from (plain values: the request itself is let go)."""
+    final = ex.tried[-1].observer if ex.tried else None
+    attempts = [(o.span_id, o.backend, o.t_start, o.attempt_ms, o.status or CLIENT_CLOSED,
+                 o.error or (None if o.status else "the client went away")) for o in ex.tried]
+    return (ex.request.method, ex.request.path, ex.t0, time.monotonic(), ex.wall_ns, status, ex.otel_trace,
+            ex.parent_span, ex.flags, ex.backend, ex.pool or ex.model, ex.queued_ms, ex.ttfb, ex.request_id,
+            final.prompt_tokens if final else None, final.reported_tokens if final else None, attempts)
+
+
+async def _handle(ex: Exchange, proxy) -> web.StreamResponse:
+    """proxy_handler's work once the request is an Exchange."""
+    request = ex.request
     proxy.requests[id(ex)] = ex        # what a drain waits for (a queued request too), and names if it cuts it
     pool: Balancer | web.Response | None = None
     try:
@@ -180,7 +233,12 @@ async def proxy_handler(request: web.Request) -> web.StreamResponse:
         pool.release(backend)
         label = backend.name if ex.attempts else NO_BACKEND   # a 413 never reached a backend
         _count(proxy, ex, label, outcome.status)
-        proxy.metrics.took(label, time.monotonic() - ex.t0)
+        elapsed = time.monotonic() - ex.t0
+        proxy.metrics.took(label, elapsed)
+        if ex.ttfb is None and (outcome.status != CLIENT_CLOSED or outcome.sent):
+            ex.ttfb = elapsed     # a whole answer: its first byte goes out as the handler returns it
+        if ex.ttfb is not None:
+            proxy.metrics.first_byte_after(label, ex.pool or "", ex.ttfb)
 
 
 def _count(proxy, ex: Exchange, backend: str, status: int) -> None:
@@ -235,6 +293,7 @@ async def list_models(request: web.Request) -> web.StreamResponse:
     proxy = request.app[PROXY]
     if not proxy.router.by_model:
         return await proxy_handler(request)
+    _trace_context(request)
     refused = _refused(request, proxy, request.headers.get("X-Request-Id") or new_request_id())
     if refused is not None:
         return refused
@@ -343,13 +402,16 @@ async def _attempt(ex: Exchange, proxy, backend: Backend) -> Outcome:
     """Send the request to backend; stream a good answer to the client, hold back a 502/503."""
     request, config = ex.request, proxy.config
     ex.attempts += 1
+    out = Outcome(span_id=new_span_id(), backend=backend.name)
     headers = upstream_headers(request.headers)
     headers["X-Request-Id"] = ex.request_id
+    headers["traceparent"] = f"00-{ex.otel_trace}-{out.span_id}-{ex.flags}"
     if proxy.api_keys is not None:
         headers.pop("Authorization", None)
     timeout = proxy.upstream_timeout
-    out = Outcome()
-    t_attempt = time.monotonic()
+    if ex.tried is not None:
+        ex.tried.append(out)
+    t_attempt = out.t_start = time.monotonic()
     try:
         async with proxy.session.request(request.method, URL(backend.url + request.raw_path, encoded=True),
                                          headers=headers,
@@ -380,6 +442,8 @@ async def _attempt(ex: Exchange, proxy, backend: Backend) -> Outcome:
             async for chunk in up.content.iter_any():
                 if out.observer is not None:
                     out.observer.feed(chunk)
+                if ex.ttfb is None:
+                    ex.ttfb = time.monotonic() - ex.t0
                 try:
                     await resp.write(chunk)
                 except ConnectionResetError as e:
@@ -460,6 +524,8 @@ def _ids(ex: Exchange, backend: Backend) -> dict:
 def _finish(ex: Exchange, proxy, backend: Backend, out: Outcome) -> web.StreamResponse:
     """Log the last attempt and give the client what it gets."""
     _log_attempt(ex, proxy, backend, out, final=True)
+    if out.observer is not None and out.observer.reported_tokens is not None:
+        proxy.metrics.produced(backend.name, ex.pool or "", out.observer.reported_tokens)
     if out.sent:
         if out.error and ex.request.transport is not None:
             # The upstream broke off mid-answer: cut the client's connection too, so it sees a broken
@@ -480,7 +546,7 @@ def _log_attempt(ex: Exchange, proxy, backend: Backend | None, out: Outcome, fin
     if not ex.logged:
         return
     entry = {"ts": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
-             "trace_id": ex.trace_id, "request_id": ex.request_id,
+             "trace_id": ex.trace_id, "otel_trace_id": ex.otel_trace, "request_id": ex.request_id,
              "backend": backend.name if backend is not None else None,
              "path": ex.request.path, "status": out.status,
              "latency_ms": round((time.monotonic() - ex.t0) * 1000, 1),

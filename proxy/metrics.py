@@ -9,6 +9,9 @@ from .prefix import BLOCK_BYTES, TOKEN_BYTES
 
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120)
+# Time to first byte: the duration buckets, finer below a second (a first token comes in tens of ms).
+TTFB_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60, 120, 300)
+TOKEN_BUCKETS = tuple(2 ** k for k in range(16))   # 1 .. 32768 output tokens
 
 
 class BackendState:
@@ -90,12 +93,25 @@ class Metrics:
                                     "Prefix policy: prompt tokens routed (about 4 bytes each, whole 16-token "
                                     "blocks), and of them matched on the chosen backend by the router's own index",
                                     ["kind"], registry=r)
+        # model: the served model (its pool) in the models form; "" in the plain form (no label then).
+        self.first_byte = Histogram("proxy_time_to_first_byte_seconds",
+                                    "From the request's arrival to the first byte of its answer sent to the "
+                                    "client (a stream's first chunk; a whole answer when it is sent)",
+                                    ["backend", "model"], buckets=TTFB_BUCKETS, registry=r)
+        self.output_tokens = Histogram("proxy_output_tokens",
+                                       "Output tokens per request, where the answer says (usage.completion_tokens)",
+                                       ["backend", "model"], buckets=TOKEN_BUCKETS, registry=r)
+        self.spans_dropped = Counter("proxy_trace_spans_dropped",
+                                     "Spans not exported (proxy.otlp): the export queue full, or the collector "
+                                     "unreachable or refusing them", registry=r)
         r.register(BackendState(router_of))
         self._answered: dict = {}   # (backend, status) -> its counter child: labels() costs on every call
         self._timed: dict = {}      # backend -> its duration histogram child
         self._by_model: dict = {}   # (model, status) -> its counter child
         self._decisions: dict = {}  # decision -> its counter child
         self._tokens: dict = {}     # kind -> its counter child
+        self._first: dict = {}      # (backend, model) -> its time-to-first-byte child
+        self._output: dict = {}     # (backend, model) -> its output-tokens child
 
     def answered(self, backend: str, status: int) -> None:
         """Count one answer of status for backend (a label, "none" when no backend saw it)."""
@@ -123,6 +139,20 @@ class Metrics:
         if child is None:
             child = self._timed[backend] = self.duration.labels(backend)
         child.observe(seconds)
+
+    def first_byte_after(self, backend: str, model: str, seconds: float) -> None:
+        """Observe one answer's time to its first byte."""
+        child = self._first.get((backend, model))
+        if child is None:
+            child = self._first[(backend, model)] = self.first_byte.labels(backend, model)
+        child.observe(seconds)
+
+    def produced(self, backend: str, model: str, tokens: int) -> None:
+        """Observe one answer's output tokens (its usage.completion_tokens)."""
+        child = self._output.get((backend, model))
+        if child is None:
+            child = self._output[(backend, model)] = self.output_tokens.labels(backend, model)
+        child.observe(tokens)
 
 
 def _child(cache: dict, metric, label: str):

@@ -61,6 +61,7 @@ class ResponseObserver:
         self.finish_reason: str | None = None
         self.completion_tokens: int | None = None
         self.prompt_tokens: int | None = None
+        self.reported_tokens: int | None = None   # usage.completion_tokens as the answer said (no estimate)
         self.error: str | None = None
         self._content_chunks = 0
         self._reasoning = False
@@ -132,6 +133,9 @@ class ResponseObserver:
         usage = event.get("usage")
         if isinstance(usage, dict):
             self.completion_tokens = usage.get("completion_tokens", self.completion_tokens)
+            tokens = usage.get("completion_tokens")
+            if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0:
+                self.reported_tokens = tokens
             self.prompt_tokens = usage.get("prompt_tokens", self.prompt_tokens)
         choices = event.get("choices")
         if not isinstance(choices, list):

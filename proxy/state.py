@@ -5,6 +5,7 @@ import asyncio
 import dataclasses
 import logging
 import threading
+from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
@@ -13,6 +14,9 @@ from .config import ConfigError, ProxyConfig, load_api_keys, load_config
 from .metrics import Metrics
 from .models import Router
 from .results_log import ResultsLog
+
+if TYPE_CHECKING:
+    from .otlp import SpanExport
 
 log = logging.getLogger("proxy")
 
@@ -27,6 +31,7 @@ class Proxy:
         self.router = Router(config)     # the pools: one of every backend, or one per served model
         self.metrics = Metrics(lambda: self.router)
         self.results = ResultsLog(config.results_log, self.metrics.results_dropped.inc)
+        self.spans = self._span_export(config)   # None: no export (otlp.endpoint unset)
         self.session: aiohttp.ClientSession | None = None
         self.log = log
         self.check_now = asyncio.Event()  # wakes the health loop early (after a reload)
@@ -43,7 +48,9 @@ class Proxy:
             new = load_config(self.config_path)
             keys = load_api_keys(new.api_keys_file)
             new = self._keep_restart_only(new)
-            results = None
+            results, spans = None, self.spans
+            if new.otlp != self.config.otlp:
+                spans = self._span_export(new)   # refused when the SDK is missing
             if new.results_log != self.config.results_log:
                 results = ResultsLog(new.results_log, self.metrics.results_dropped.inc)
                 results.start()   # may fail (an unwritable path): then nothing has changed yet
@@ -57,6 +64,12 @@ class Proxy:
             self.results, old_results = results, self.results
             # Flushing the old file joins its writer thread: not on the event loop.
             threading.Thread(target=old_results.stop, name="results-log-stop", daemon=True).start()
+        if spans is not self.spans:
+            old_spans, self.spans = self.spans, spans
+            if spans is not None:
+                spans.start()
+            if old_spans is not None:
+                threading.Thread(target=old_spans.stop, name="otlp-stop", daemon=True).start()
         added, removed = self.router.update(new)
         self._use(new)
         self.api_keys = keys
@@ -65,6 +78,13 @@ class Proxy:
                  ", ".join(added) or "none", ", ".join(removed) or "none",
                  ", API keys on" if keys is not None else "")
         return True
+
+    def _span_export(self, config: ProxyConfig) -> SpanExport | None:
+        """The span export config.otlp asks for (not started), or None; ConfigError without the SDK."""
+        if config.otlp.endpoint is None:
+            return None
+        from .otlp import SpanExport   # the OpenTelemetry SDK: an optional dependency, imported only here
+        return SpanExport(config.otlp, self.metrics.spans_dropped.inc)
 
     def _use(self, config: ProxyConfig) -> None:
         """Make config the running one, with what follows from it (built once, not per request)."""

@@ -1,0 +1,404 @@
+"""What the proxy tells about each request beyond the answer: its time to first byte and output tokens
+(histograms by backend), its W3C trace (traceparent in, to the backends, X-Trace-Id out, the results
+log) and, with otlp.endpoint, its spans received by a real OTLP/HTTP decoder."""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import statistics
+import threading
+import time
+import urllib.request
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from conftest import wait_until
+from proxy_helpers import start_proxy, start_sims
+from proxy import tracing
+from proxy.config import ConfigError, parse_config
+
+CHAT = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+COMPLETION = {"id": "c", "object": "chat.completion", "model": "m",
+              "choices": [{"index": 0, "message": {"role": "assistant", "content": "hello"},
+                           "finish_reason": "stop"}],
+              "usage": {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}}
+CLIENT_TRACE, CLIENT_SPAN = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+class Servers:
+    """aiohttp applications on free loopback ports, served by a thread of their own (the test's code
+    blocks in wait_until and urllib while the proxy calls them)."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.runners: list[web.AppRunner] = []
+
+    def serve(self, app: web.Application) -> int:
+        """Serve app on 127.0.0.1, a free port; its port."""
+        async def start():
+            runner = web.AppRunner(app, access_log=None)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            self.runners.append(runner)
+            return runner.addresses[0][1]
+        return asyncio.run_coroutine_threadsafe(start(), self.loop).result(10)
+
+    def close(self) -> None:
+        for runner in self.runners:
+            asyncio.run_coroutine_threadsafe(runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture
+def servers():
+    s = Servers()
+    yield s
+    s.close()
+
+
+class FakeEngines:
+    """Backends that answer a chat completion (with usage) and record the headers of each request; with
+    fail_first, the first attempt of every trace answers 503 whichever backend gets it (a retry)."""
+
+    def __init__(self, servers: Servers, n: int, fail_first: bool = False):
+        self.seen: list[tuple[int, dict]] = []    # (port, headers) per /v1 request
+        self.fail_first = fail_first
+        self.attempts: dict[str, int] = {}       # trace id -> attempts seen
+        self.ports = [servers.serve(self._app(i)) for i in range(n)]
+
+    def _app(self, i: int) -> web.Application:
+        app = web.Application()
+
+        async def health(request):
+            return web.json_response({})
+
+        async def chat(request):
+            await request.read()
+            port = request.transport.get_extra_info("sockname")[1]
+            self.seen.append((port, dict(request.headers)))
+            trace = request.headers.get("traceparent", "").split("-")[1:2]
+            n = self.attempts[trace[0] if trace else ""] = self.attempts.get(trace[0] if trace else "", 0) + 1
+            if self.fail_first and n == 1:
+                return web.json_response({"error": "busy"}, status=503)
+            return web.json_response(COMPLETION)
+        app.router.add_get("/health", health)
+        app.router.add_post("/v1/chat/completions", chat)
+        return app
+
+
+class Collector:
+    """An OTLP/HTTP receiver (POST /v1/traces, protobuf), decoded with opentelemetry-proto's classes."""
+
+    def __init__(self, servers: Servers):
+        pb = pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2")
+        self._pb = pb
+        self.spans: list = []    # (resource attributes, span) pairs
+        self.port = servers.serve(self._app())
+        self.url = f"http://127.0.0.1:{self.port}/v1/traces"
+
+    def _app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+
+        async def traces(request):
+            message = self._pb.ExportTraceServiceRequest()
+            message.ParseFromString(await request.read())
+            for rs in message.resource_spans:
+                resource = {a.key: a.value.string_value for a in rs.resource.attributes}
+                for ss in rs.scope_spans:
+                    self.spans.extend((resource, s) for s in ss.spans)
+            return web.Response(body=self._pb.ExportTraceServiceResponse().SerializeToString(),
+                                content_type="application/x-protobuf")
+        app.router.add_post("/v1/traces", traces)
+        return app
+
+    def of_trace(self, trace_id: str) -> list:
+        return [s for _, s in self.spans if s.trace_id.hex() == trace_id]
+
+
+def attrs(span) -> dict:
+    out = {}
+    for a in span.attributes:
+        v = a.value
+        out[a.key] = getattr(v, v.WhichOneof("value"))
+    return out
+
+
+def post(url: str, body: dict, headers: dict | None = None) -> tuple[int, dict, bytes]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def results(path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def metric(text: str, name: str, **labels) -> float:
+    """The sum of the samples of name whose labels include labels."""
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(r"([a-zA-Z_:]+)(\{[^}]*\})? (\S+)", line)
+        if not m or m.group(1) != name:
+            continue
+        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+        if all(have.get(k) == v for k, v in labels.items()):
+            total += float(m.group(3))
+    return total
+
+
+# ---------------------------------------------------------------------------------------------- unit
+
+@pytest.mark.unit
+@pytest.mark.parametrize("value, expected", [
+    (f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01", (CLIENT_TRACE, CLIENT_SPAN, "01")),
+    (f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-00", (CLIENT_TRACE, CLIENT_SPAN, "00")),
+    (f"01-{CLIENT_TRACE}-{CLIENT_SPAN}-01-future", (CLIENT_TRACE, CLIENT_SPAN, "01")),   # a later version
+    (f"01-{CLIENT_TRACE}-{CLIENT_SPAN}-01", (CLIENT_TRACE, CLIENT_SPAN, "01")),
+    (f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01-x", None),          # version 00 has exactly four fields
+    (f"ff-{CLIENT_TRACE}-{CLIENT_SPAN}-01", None),            # version ff is invalid
+    (f"00-{'0' * 32}-{CLIENT_SPAN}-01", None),                # all-zero trace id
+    (f"00-{CLIENT_TRACE}-{'0' * 16}-01", None),               # all-zero parent id
+    (f"00-{CLIENT_TRACE.upper()}-{CLIENT_SPAN}-01", None),    # uppercase hex
+    (f"00-{CLIENT_TRACE[:-1]}-{CLIENT_SPAN}-01", None),       # short trace id
+    (f"00_{CLIENT_TRACE}_{CLIENT_SPAN}_01", None),
+    (f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-0g", None),
+    ("", None), (None, None), ("garbage", None),
+])
+def test_traceparent_is_read_as_the_w3c_spec_says(value, expected):
+    assert tracing.parse_traceparent(value) == expected
+
+
+@pytest.mark.unit
+def test_new_ids_are_lowercase_hex_and_distinct():
+    traces = {tracing.new_trace_id() for _ in range(1000)}
+    spans = {tracing.new_span_id() for _ in range(1000)}
+    assert len(traces) == 1000 and len(spans) == 1000
+    assert all(re.fullmatch("[0-9a-f]{32}", t) and t != "0" * 32 for t in traces)
+    assert all(re.fullmatch("[0-9a-f]{16}", s) and s != "0" * 16 for s in spans)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("otlp, message", [
+    ({"endpoint": "127.0.0.1:4318"}, "otlp.endpoint must be an http:// or https:// URL"),
+    ({"endpoint": "ftp://x/v1/traces"}, "otlp.endpoint must be an http:// or https:// URL"),
+    ({"endpoint": "http://host:port/v1/traces"}, "otlp.endpoint must be an http:// or https:// URL"),
+    ({"endpoint": "http://c:4318/v1/traces", "timeout_s": 0}, "otlp.timeout_s must be a finite number"),
+    ({"endpont": "http://c:4318/v1/traces"}, "unknown config key 'otlp.endpont'"),
+])
+def test_otlp_config_refuses_bad_values_in_one_sentence(otlp, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_config({"backends": ["127.0.0.1:9"], "otlp": otlp})
+
+
+@pytest.mark.unit
+def test_otlp_config_empty_endpoint_is_off():
+    assert parse_config({"backends": ["127.0.0.1:9"], "otlp": {"endpoint": ""}}).otlp.endpoint is None
+    assert parse_config({"backends": ["127.0.0.1:9"]}).otlp.endpoint is None
+
+
+@pytest.mark.unit
+def test_proxy_without_the_sdk_refuses_the_endpoint_in_one_sentence(monkeypatch):
+    """The SDK is an optional import: absent, a configured endpoint is refused naming the package."""
+    import builtins
+    from proxy import otlp
+    real = builtins.__import__
+
+    def no_otel(name, *args, **kw):
+        if name.startswith("opentelemetry"):
+            raise ImportError(f"No module named {name!r}", name=name)
+        return real(name, *args, **kw)
+    monkeypatch.setattr(builtins, "__import__", no_otel)
+    message = otlp.missing()
+    assert message and "pip install opentelemetry-sdk opentelemetry-exporter-otlp-proto-http" in message
+    assert "\n" not in message
+    with pytest.raises(ConfigError, match="lacks the OpenTelemetry SDK"):
+        otlp.SpanExport(parse_config({"backends": ["127.0.0.1:9"],
+                                      "otlp": {"endpoint": "http://127.0.0.1:9/v1/traces"}}).otlp)
+
+
+# ---------------------------------------------------------------------------------------------- process
+
+@pytest.mark.process
+def test_histograms_count_by_backend(procs, tmp_path):
+    """1. two sim backends, least_conn (round robin on ties); 2. six chat completions, three streamed with
+    usage asked for; 3. /metrics: proxy_time_to_first_byte_seconds and proxy_output_tokens count each
+    backend's answers, the model label empty in the plain form (no label, to Prometheus), and the tokens
+    sum is what the answers' usage said."""
+    ports = start_sims(procs, tmp_path, 2, token_ms=1)
+    port, _ = start_proxy(procs, tmp_path, ports, routing={"policy": "least_conn"})
+    url = f"http://127.0.0.1:{port}"
+    tokens = 0
+    by_backend: dict[str, int] = {}
+    for i in range(6):
+        body = {**CHAT, "max_tokens": 3 + i}
+        if i % 2:
+            body.update(stream=True, stream_options={"include_usage": True})
+        status, headers, data = post(url + "/v1/chat/completions", body)
+        assert status == 200
+        by_backend[headers["X-Backend"]] = by_backend.get(headers["X-Backend"], 0) + 1
+        tokens += 3 + i     # the sim answers max_tokens tokens (its natural length is longer)
+    text = urllib.request.urlopen(url + "/metrics").read().decode()
+    assert len(by_backend) == 2
+    for backend, n in by_backend.items():
+        assert metric(text, "proxy_time_to_first_byte_seconds_count", backend=backend) == n
+        assert metric(text, "proxy_output_tokens_count", backend=backend) == n
+    assert metric(text, "proxy_output_tokens_sum") == tokens
+    # The plain form's model label is empty, which Prometheus stores as no label at all.
+    assert metric(text, "proxy_output_tokens_count", model="") == 6
+    assert metric(text, "proxy_time_to_first_byte_seconds_bucket", le="+Inf") == 6
+
+
+@pytest.mark.process
+def test_trace_across_a_retry_reaches_the_collector(procs, tmp_path, servers):
+    """1. two backends that answer the first attempt of each trace 503, the next 200; a collector
+    (OTLP/HTTP, decoded by opentelemetry-proto); 2. a request with the client's traceparent: retried on the
+    other backend, 200; 3. the collector gets one trace: the SERVER span's parent is the client's span,
+    both CLIENT (attempt) spans' parent is the SERVER span, and the traceparent each backend received
+    names its attempt's span; X-Trace-Id and the results log's otel_trace_id say the same trace id;
+    tracestate passed through untouched."""
+    engines = FakeEngines(servers, 2, fail_first=True)
+    collector = Collector(servers)
+    port, _ = start_proxy(procs, tmp_path, engines.ports, otlp={"endpoint": collector.url})
+    status, headers, _ = post(f"http://127.0.0.1:{port}/v1/chat/completions", {**CHAT, "user": "u-1"},
+                              {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01", "tracestate": "k=v"})
+    assert status == 200 and headers["X-Retries"] == "1" and headers["X-Trace-Id"] == CLIENT_TRACE
+    spans = wait_until(lambda: len(collector.of_trace(CLIENT_TRACE)) >= 3 and collector.of_trace(CLIENT_TRACE),
+                       what="the request's spans at the collector")
+    assert len(spans) == 3 and {s.trace_id.hex() for s in spans} == {CLIENT_TRACE}
+    server = [s for s in spans if s.kind == s.SPAN_KIND_SERVER]
+    attempts = sorted((s for s in spans if s.kind == s.SPAN_KIND_CLIENT), key=lambda s: s.start_time_unix_nano)
+    assert len(server) == 1 and len(attempts) == 2
+    server = server[0]
+    assert server.parent_span_id.hex() == CLIENT_SPAN and server.name == "POST /v1/chat/completions"
+    assert all(a.parent_span_id == server.span_id for a in attempts)
+    # Each backend got its attempt's span as the parent, in the one trace; tracestate as the client sent it.
+    sent = [h for _, h in engines.seen]
+    assert [h["traceparent"] for h in sent] == [f"00-{CLIENT_TRACE}-{a.span_id.hex()}-01" for a in attempts]
+    assert all(h["tracestate"] == "k=v" for h in sent)
+    a = attrs(server)
+    assert a["http.response.status_code"] == 200 and a["proxy.retries"] == 1
+    assert a["gen_ai.usage.output_tokens"] == 7 and a["gen_ai.usage.input_tokens"] == 5
+    assert a["proxy.backend"] == headers["X-Backend"] and a["proxy.request_id"] == headers["X-Request-Id"]
+    assert "proxy.time_to_first_byte_ms" in a and "proxy.queue_wait_ms" in a
+    assert [attrs(x)["http.response.status_code"] for x in attempts] == [503, 200]
+    assert attempts[0].status.code == attempts[0].status.STATUS_CODE_ERROR
+    assert server.start_time_unix_nano <= attempts[0].start_time_unix_nano < attempts[1].end_time_unix_nano \
+        <= server.end_time_unix_nano
+    # The results log: both attempts' lines carry the trace id, beside the user's trace_id.
+    path = tmp_path / "req_results.log"
+    lines = wait_until(lambda: len(results(path)) >= 2 and results(path), what="two results-log lines")
+    assert [(x["status"], x["otel_trace_id"], x["trace_id"]) for x in lines] == [
+        (503, CLIENT_TRACE, "u-1"), (200, CLIENT_TRACE, "u-1")]
+
+
+@pytest.mark.process
+def test_absent_or_invalid_traceparent_starts_a_trace(procs, tmp_path, servers):
+    """1. one backend, no export; 2. no traceparent, then an invalid one (all-zero trace id): each
+    answer's X-Trace-Id is a new trace, which the backend's traceparent carries with a span of the proxy's;
+    3. a valid traceparent with flags 00 keeps its trace and flags; 4. the proxy's own answers (401
+    without the API key) carry X-Trace-Id too."""
+    engines = FakeEngines(servers, 1)
+    keys = tmp_path / "keys"
+    keys.write_text("k1\n")
+    port, _ = start_proxy(procs, tmp_path, engines.ports, api_keys_file=str(keys))
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    auth = {"Authorization": "Bearer k1"}
+    seen = []
+    for extra in ({}, {"traceparent": f"00-{'0' * 32}-{CLIENT_SPAN}-01"}, {"traceparent": "00-xyz"}):
+        status, headers, _ = post(url, CHAT, {**auth, **extra})
+        assert status == 200
+        trace = headers["X-Trace-Id"]
+        assert re.fullmatch("[0-9a-f]{32}", trace) and trace != "0" * 32
+        version, sent_trace, parent, flags = engines.seen[-1][1]["traceparent"].split("-")
+        assert (version, sent_trace, flags) == ("00", trace, "01") and parent != CLIENT_SPAN
+        seen.append(trace)
+    assert len(set(seen)) == 3
+    status, headers, _ = post(url, CHAT, {**auth, "traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-00"})
+    assert status == 200 and headers["X-Trace-Id"] == CLIENT_TRACE
+    assert engines.seen[-1][1]["traceparent"].startswith(f"00-{CLIENT_TRACE}-")
+    assert engines.seen[-1][1]["traceparent"].endswith("-00")
+    status, headers, _ = post(url, CHAT, {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"})
+    assert status == 401 and headers["X-Trace-Id"] == CLIENT_TRACE
+
+
+@pytest.mark.process
+@pytest.mark.xdist_group("load")
+def test_collector_down_costs_the_requests_nothing(procs, tmp_path, servers):
+    """1. two proxies over the same two sims: one exporting to a closed loopback port with a 300 s export
+    timeout (its exporter thread stuck in retries the whole run), one without export; 2. 1,000 requests
+    through each, 16 at a time, the two runs interleaved in halves; 3. every request answered 200, each
+    results log has its 1,000 lines; the ratio of the runs' times is printed (not asserted: this machine is
+    shared; bench/bench_proxy.py measures it, docs/PERFORMANCE.md has the figures); 4. the exporting proxy
+    stops at SIGTERM within 15 s: nothing waits on the collector."""
+    sims = start_sims(procs, tmp_path, 2, token_ms=0)
+    with socket_closed_port() as closed:
+        on_dir, off_dir = tmp_path / "on", tmp_path / "off"
+        on_dir.mkdir()
+        off_dir.mkdir()
+        on, _ = start_proxy(procs, on_dir, sims, otlp={"endpoint": f"http://127.0.0.1:{closed}/v1/traces",
+                                                        "timeout_s": 300})
+        off, _ = start_proxy(procs, off_dir, sims)
+        proxy_on = procs.started[-2]
+        times = {"on": [], "off": []}
+
+        async def run(port: int, n: int) -> tuple[float, list[int]]:
+            body = json.dumps({**CHAT, "max_tokens": 1}).encode()
+            statuses: list[int] = []
+            queue = iter(range(n))
+
+            async def client(s):
+                for _ in queue:
+                    async with s.post(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
+                                      headers={"Content-Type": "application/json"}) as r:
+                        await r.read()
+                        statuses.append(r.status)
+            t = time.monotonic()
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+                await asyncio.gather(*(client(s) for _ in range(16)))
+            return time.monotonic() - t, statuses
+        for half in range(2):
+            for name, port in (("on", on), ("off", off)) if half == 0 else (("off", off), ("on", on)):
+                took, statuses = asyncio.run(run(port, 500))
+                assert statuses == [200] * 500, f"{name}: {sorted(set(statuses))}"
+                times[name].append(took)
+        for d in (on_dir, off_dir):
+            wait_until(lambda: len(results(d / "req_results.log")) == 1000, what=f"1,000 lines in {d.name}")
+        ratio = sum(times["on"]) / sum(times["off"])
+        print(f"\ncollector down: 1,000 requests in {sum(times['on']):.2f} s with export on, "
+              f"{sum(times['off']):.2f} s off: ratio {ratio:.3f} (halves {statistics.mean(times['on']):.2f} / "
+              f"{statistics.mean(times['off']):.2f} s)")
+        text = urllib.request.urlopen(f"http://127.0.0.1:{on}/metrics").read().decode()
+        assert metric(text, "proxy_requests_total", status="200") == 1000
+        t = time.monotonic()
+        proxy_on.send_signal(signal.SIGTERM)
+        proxy_on.wait(15)
+        assert time.monotonic() - t < 15 and proxy_on.returncode == 0
+
+
+class socket_closed_port:
+    """A loopback port nothing listens on (bound, then closed: connections to it are refused)."""
+
+    def __enter__(self) -> int:
+        import socket
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        self.port = s.getsockname()[1]
+        s.close()
+        return self.port
+
+    def __exit__(self, *exc) -> None:
+        pass
