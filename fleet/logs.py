@@ -105,11 +105,12 @@ def _grep_oldest_first(conn: Transport, base: str, backups: int, ident: str) -> 
 
 
 def find_requests(conn: Transport, hv: HostVars, ident: str) -> list[dict]:
-    """Every results-log line whose trace id (`user`) or request id is ident, oldest first; then
-    the nginx access-log lines of that request id (nginx mode records no trace id)."""
+    """Every results-log line whose trace id (`user`), W3C trace id (`otel_trace_id`, the X-Trace-Id
+    header) or request id is ident, oldest first; then the nginx access-log lines of that request id
+    (nginx mode records no trace id)."""
     d, backups = hv["deploy_dir"], hv["proxy"]["results_log"]["backups"]
     found = [e for e in _grep_oldest_first(conn, f"{d}/{RESULTS_LOG}", backups, ident)
-             if ident in (e.get("trace_id"), e.get("request_id"))]
+             if ident in (e.get("trace_id"), e.get("request_id"), e.get("otel_trace_id"))]
     for e in _grep_oldest_first(conn, f"{d}/{NGINX_ACCESS_LOG}", backups, ident):
         if e.get("request_id") == ident:
             found.append(_from_nginx(e))
@@ -138,7 +139,7 @@ def trace(conn: Transport, hv: HostVars, emit: Emit, ident: str) -> Report:
     if found:
         report.add("trace", "ok", f"{len(found)} lines for {ident}")
     else:
-        report.add("trace", "ok", f"no results-log line has trace id or request id {ident!r} "
+        report.add("trace", "ok", f"no results-log line has trace id, W3C trace id or request id {ident!r} "
                    f"(searched {RESULTS_LOG}, {NGINX_ACCESS_LOG} and their "
                    f"{hv['proxy']['results_log']['backups']} rotated files)")
         emit(report.steps[-1].message)

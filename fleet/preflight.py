@@ -20,9 +20,22 @@ STEP_TOOLS = {"deploy": ("ss", "setsid", "ps", "fuser")}
 # What the proxy (and the sim engine) import besides the standard library.
 PROXY_MODULES = ("aiohttp", "yaml", "prometheus_client")
 MODULE_PACKAGES = {"yaml": "pyyaml", "prometheus_client": "prometheus-client"}
+# What the proxy's span export imports (proxy/otlp.py), checked only when proxy.otlp.endpoint is set.
+OTEL_MODULES = ("opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.http")
+OTEL_INSTALL = "pip install opentelemetry-sdk opentelemetry-exporter-otlp-proto-http"
 
-_FIND_MODULES = ("import importlib.util, sys; "
-                 "print(' '.join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))")
+_FIND_MODULES = ("import importlib.util, sys\n"
+                 "def absent(m):\n"
+                 "    try:\n"
+                 "        return importlib.util.find_spec(m) is None\n"
+                 "    except ImportError:\n"   # a dotted name whose parent package is not there
+                 "        return True\n"
+                 "print(' '.join(m for m in sys.argv[1:] if absent(m)))")
+
+
+def proxy_modules(hv: HostVars) -> tuple[str, ...]:
+    """The modules the host's proxy imports, with this inventory's settings."""
+    return PROXY_MODULES + (OTEL_MODULES if hv["proxy"]["otlp"]["endpoint"] else ())
 
 
 def script(hv: HostVars, step: str) -> str:
@@ -32,7 +45,7 @@ def script(hv: HostVars, step: str) -> str:
              '    command -v "$t" >/dev/null 2>&1 || echo "missing tool $t"',
              "done",
              f"if command -v {python} >/dev/null 2>&1; then",
-             f"    m=$({python} -c {shlex.quote(_FIND_MODULES)} {' '.join(PROXY_MODULES)} 2>/dev/null) "
+             f"    m=$({python} -c {shlex.quote(_FIND_MODULES)} {' '.join(proxy_modules(hv))} 2>/dev/null) "
              "|| m=unusable",
              '    if [ -n "$m" ]; then echo "missing modules $m"; fi',
              "else",
@@ -68,6 +81,14 @@ def check(conn: Transport, hv: HostVars, step: str = "deploy") -> None:
             missing.append(f"the Python {python} (set python, or make env_setup put it on PATH)")
         elif kind == "modules" and what == "unusable":
             missing.append(f"a working {python} (it fails to start)")
+        elif kind == "modules" and any(m in OTEL_MODULES for m in what.split()):
+            missing.append(f"the OpenTelemetry SDK in {python}, which proxy.otlp.endpoint needs ({OTEL_INSTALL} "
+                           "into that Python, or unset proxy.otlp.endpoint)")
+            rest = [m for m in what.split() if m not in OTEL_MODULES]
+            if rest:
+                pkgs = " ".join(MODULE_PACKAGES.get(m, m) for m in rest)
+                missing.append(f"the modules {', '.join(rest)} in {python} (pip install {pkgs} there, or "
+                               "set python to the vLLM environment's Python)")
         elif kind == "modules":
             pkgs = " ".join(MODULE_PACKAGES.get(m, m) for m in what.split())
             missing.append(f"the modules {', '.join(what.split())} in {python} (pip install {pkgs} there, or "

@@ -102,8 +102,14 @@ def engine_argv(hv: HostVars, model: str | None = None) -> list[str]:
             argv += ["--sim-kv-blocks", str(sim["kv_blocks"])]
         if sim["instant"]:
             argv.append("--sim-instant")
-        return argv
-    return [v["vllm_bin"] or "vllm", "serve", model]
+        return argv + _tracing_args(v)
+    return [v["vllm_bin"] or "vllm", "serve", model, *_tracing_args(v)]
+
+
+def _tracing_args(v: dict) -> list[str]:
+    """vLLM's span export, when the inventory sets it (the sim accepts and ignores the flag)."""
+    url = v.get("otlp_traces_endpoint")
+    return ["--otlp-traces-endpoint", url] if url else []
 
 
 def _num(x) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import urllib.parse
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
@@ -48,6 +49,18 @@ def is_address(value: str) -> bool:
         return True
     except ValueError:
         return bool(DNS_NAME.match(value))
+
+
+def is_otlp_url(value: str) -> bool:
+    """An http(s) URL with a host (an OTLP collector's endpoint), or empty (off)."""
+    if value == "":
+        return True
+    try:
+        url = urllib.parse.urlsplit(value)
+        url.port   # a port that is not a number raises
+    except ValueError:
+        return False
+    return url.scheme in ("http", "https") and bool(url.hostname) and not re.search(r"\s", value)
 
 
 def _as_text(value):
@@ -101,6 +114,8 @@ WorkerProcesses = Annotated[Literal["auto"] | Annotated[int, Field(ge=1, le=1024
                             Field(description="auto or a number of worker processes from 1 to 1024")]
 NginxUser = Annotated[str, _fails(lambda v: v == "" or USER_GROUP.match(v)),
                       Field(description="a user name, optionally followed by a group name")]
+OtlpUrl = Annotated[str, _fails(is_otlp_url),
+                    Field(description="an http:// or https:// URL (or empty: off)")]
 AcceleratorKind = Annotated[str, _fails(lambda v: v in accelerators.KINDS),
                             Field(description="one of " + ", ".join(accelerators.KINDS))]
 
@@ -226,6 +241,20 @@ class RoutingSettings(Section):
         "backend; no request is passed over more than this many times. 0: strict FIFO.")
 
 
+class OtlpSettings(Section):
+    """The proxy's export of its spans (OpenTelemetry, OTLP/HTTP protobuf)."""
+
+    endpoint: OtlpUrl = doc("",
+        "The collector's OTLP/HTTP traces URL (`http://collector:4318/v1/traces`): the proxy exports a span "
+        "per request and one per attempt at a backend, batched off the request's path; a collector that is "
+        "down costs the requests nothing (its spans are dropped and counted). Needs the OpenTelemetry SDK "
+        "in the proxy's Python (`pip install opentelemetry-sdk opentelemetry-exporter-otlp-proto-http`), "
+        "which deploy checks. Empty: no export (the proxy still reads and forwards `traceparent`).")
+    timeout_s: _seconds() = doc(10.0,
+        "The longest one export of a batch of spans may take, its retries included (on the exporter's own "
+        "thread, never a request's).")
+
+
 class ProxySettings(Section):
     port: Port = doc(8000,
         "The entry port (nginx mode listens on it too).")
@@ -267,6 +296,8 @@ class ProxySettings(Section):
         "The proxy's admission queue.")
     routing: RoutingSettings = doc(RoutingSettings(),
         "How the proxy picks a backend: least connections, or prefix-aware.")
+    otlp: OtlpSettings = doc(OtlpSettings(),
+        "The proxy's OpenTelemetry spans.")
 
 
 class NginxSettings(Section):
@@ -431,6 +462,12 @@ class HostSettings(Section):
         "More `vllm serve` arguments, each passed as one literal argument after the toolkit's own "
         "(numbers are taken as text). The served name goes as `--served-model-name=NAME`, which takes"
         " exactly one value, so no extra argument can become another served name.")
+    otlp_traces_endpoint: OtlpUrl = doc("",
+        "The engines' OpenTelemetry collector: vLLM's `--otlp-traces-endpoint URL` (the sim accepts and "
+        "ignores it). vLLM reads the proxy's `traceparent`, so its span is the child of the proxy's attempt: "
+        "one trace across proxy and engine. vLLM sends over gRPC (`http://collector:4317`) unless "
+        "`env_setup` exports `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf` (then "
+        "`http://collector:4318/v1/traces`). Empty: no engine spans.")
     env_setup: Text = doc("",
         "Shell code run before the engine and the proxy start (source the DTK env, activate a conda "
         "env); the one value that is shell by design.")

@@ -28,6 +28,7 @@ OWNED_FLAGS = {
     "-tp": "tensor_parallel_size",
     "--served-model-name": "name (or served_model_name) and aliases",
     "--lora-modules": "lora_modules",
+    "--otlp-traces-endpoint": "otlp_traces_endpoint",
 }
 
 

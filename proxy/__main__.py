@@ -11,7 +11,7 @@ import time
 
 from aiohttp import web
 
-from . import logfile
+from . import logfile, otlp
 from .app import make_admin_app, make_app
 from .listener import listen_socket, queued, steer_away, stop_steering
 from .state import PROXY
@@ -180,10 +180,8 @@ def main(argv=None) -> int:
     try:
         config = load_config(args.config)
         load_api_keys(config.api_keys_file)
-        if config.otlp.endpoint is not None:
-            from .otlp import missing   # the OpenTelemetry SDK is optional: checked only when asked for
-            if missing():
-                raise ConfigError(missing())
+        if config.otlp.endpoint is not None and otlp.missing():   # the SDK is optional: checked when asked for
+            raise ConfigError(otlp.missing())
     except ConfigError as e:
         print(f"proxy: {e}", file=sys.stderr)
         return 2

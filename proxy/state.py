@@ -5,7 +5,6 @@ import asyncio
 import dataclasses
 import logging
 import threading
-from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
@@ -13,10 +12,8 @@ from aiohttp import web
 from .config import ConfigError, ProxyConfig, load_api_keys, load_config
 from .metrics import Metrics
 from .models import Router
+from .otlp import SpanExport
 from .results_log import ResultsLog
-
-if TYPE_CHECKING:
-    from .otlp import SpanExport
 
 log = logging.getLogger("proxy")
 
@@ -80,10 +77,10 @@ class Proxy:
         return True
 
     def _span_export(self, config: ProxyConfig) -> SpanExport | None:
-        """The span export config.otlp asks for (not started), or None; ConfigError without the SDK."""
+        """The span export config.otlp asks for (not started), or None; ConfigError without the SDK (an
+        optional dependency, which proxy.otlp imports only then)."""
         if config.otlp.endpoint is None:
             return None
-        from .otlp import SpanExport   # the OpenTelemetry SDK: an optional dependency, imported only here
         return SpanExport(config.otlp, self.metrics.spans_dropped.inc)
 
     def _use(self, config: ProxyConfig) -> None:

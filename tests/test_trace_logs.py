@@ -11,12 +11,15 @@ from conftest import wait_until
 from fleet_helpers import inv, write_inventory
 from proxy_helpers import start_proxy, start_sims
 
+OTEL_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+TRACEPARENT = f"00-{OTEL_TRACE}-00f067aa0ba902b7-01"
+
 
 @pytest.mark.process
 def test_trace_finds_a_failed_request_after_rotation(procs, tmp_path):
     """1. A client sends a numeric `user` with the fixup off: vLLM's 400 and its error body are logged.
-    2. Enough traffic follows to rotate that line into a backup file.  3. `inv trace` by trace id and
-    by request id finds it, with the backend's error body, oldest first; `inv logs --results` tails."""
+    2. Enough traffic follows to rotate that line into a backup file.  3. `inv trace` by trace id, by
+    request id and by the W3C trace id of the client's traceparent finds it, with the backend's error body, oldest first; `inv logs --results` tails."""
     inventory = write_inventory(tmp_path, instances=1)
     logs = tmp_path / "deploy" / "logs"
     [sim] = start_sims(procs, tmp_path, 1, token_ms=0)
@@ -27,8 +30,8 @@ def test_trace_finds_a_failed_request_after_rotation(procs, tmp_path):
     async def run():
         async with aiohttp.ClientSession() as s:
             bad = {"model": "m", "user": 4242, "messages": [{"role": "user", "content": "hi"}]}
-            async with s.post(url, json=bad, headers={"X-Request-Id": "rid-bad-1"}) as r:
-                assert r.status == 400
+            async with s.post(url, json=bad, headers={"X-Request-Id": "rid-bad-1", "traceparent": TRACEPARENT}) as r:
+                assert r.status == 400 and r.headers["X-Trace-Id"] == OTEL_TRACE
             for i in range(30):
                 ok = {"model": "m", "max_tokens": 4, "user": f"u-{i}", "messages": [{"role": "user", "content": "x"}]}
                 async with s.post(url, json=ok) as r:
@@ -46,9 +49,12 @@ def test_trace_finds_a_failed_request_after_rotation(procs, tmp_path):
     assert "error: " in by_trace.stdout and "valid string" in by_trace.stdout
     by_id = inv("trace", "rid-bad-1", "--host", "t", inventory=inventory)
     assert "trace 4242" in by_id.stdout
+    # By the W3C trace id (the X-Trace-Id the client got), from a traceparent the client sent.
+    by_otel = inv("trace", OTEL_TRACE, "--host", "t", inventory=inventory)
+    assert "request rid-bad-1" in by_otel.stdout and f"otel trace {OTEL_TRACE}" in by_otel.stdout
 
     none = inv("trace", "nobody", "--host", "t", inventory=inventory)
-    assert none.returncode == 0 and "no results-log line has trace id or request id 'nobody'" in none.stdout
+    assert none.returncode == 0 and "no results-log line has trace id, W3C trace id or request id 'nobody'" in none.stdout
 
     tail = inv("logs", "--host", "t", "--results", "-n", "3", inventory=inventory)
     assert tail.returncode == 0, tail.stderr

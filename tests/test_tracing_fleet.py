@@ -1,0 +1,114 @@
+"""OpenTelemetry from the inventory: proxy.otlp rendered into conf/proxy.yaml, otlp_traces_endpoint into
+the engines' command, and the deploy's refusal when the proxy's Python lacks the SDK."""
+from __future__ import annotations
+
+import re
+import shlex
+
+import pytest
+
+from conftest import PYTHON, ROOT
+from fleet import inventory, preflight, render
+from fleet.errors import InventoryError, RemoteError
+from fleet.transport import LocalTransport, Result
+from fleet_helpers import write_inventory
+
+COLLECTOR = "http://collector.example:4318/v1/traces"
+
+
+def k100(overrides=()):
+    hv = inventory.load(ROOT / "inventory" / "hosts.yml").host_vars("k100-01", overrides)
+    hv.vars["python"] = "python3"
+    return hv
+
+
+def rendered(hv) -> dict[str, str]:
+    return {f.path: f.content for f in render.render_host(hv)}
+
+
+@pytest.mark.unit
+def test_otlp_keys_render_into_the_proxy_config_and_the_engine_command(tmp_path):
+    """proxy.otlp.endpoint reaches conf/proxy.yaml (which the proxy's own loader takes); otlp_traces_endpoint
+    becomes vLLM's --otlp-traces-endpoint, in the plain form and the models form, and the sim's (ignored)."""
+    from proxy.config import load_config
+    files = rendered(k100([f"proxy.otlp.endpoint={COLLECTOR}", "proxy.otlp.timeout_s=3",
+                           "otlp_traces_endpoint=http://collector.example:4317"]))
+    conf = tmp_path / "proxy.yaml"
+    conf.write_text(files["conf/proxy.yaml"])
+    otlp = load_config(conf).otlp
+    assert (otlp.endpoint, otlp.timeout_s) == (COLLECTOR, 3.0)
+    engine = re.search(r"^ENGINE=\((.*)\)$", files["bin/start_cluster.sh"], re.M).group(1)
+    assert shlex.split(engine)[-2:] == ["--otlp-traces-endpoint", "http://collector.example:4317"]
+    sim = inventory.load(write_inventory(tmp_path, instances=1, extra=f"otlp_traces_endpoint: {COLLECTOR}\n"))
+    sim_hv = sim.host_vars("t")
+    sim_hv.vars["python"] = PYTHON
+    assert render.engine_argv(sim_hv)[-2:] == ["--otlp-traces-endpoint", COLLECTOR]
+    # Unset (the default), nothing of either is rendered: tests/golden stays as it was.
+    plain = rendered(k100())
+    assert "otlp" not in plain["conf/proxy.yaml"] and "otlp" not in plain["bin/start_cluster.sh"]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("override, key", [
+    ("proxy.otlp.endpoint=collector:4318", "proxy.otlp.endpoint"),
+    ("proxy.otlp.endpoint=http://", "proxy.otlp.endpoint"),
+    ("otlp_traces_endpoint=grpc://x:4317", "otlp_traces_endpoint"),
+    ("proxy.otlp.timeout_s=0", "proxy.otlp.timeout_s"),
+])
+def test_bad_otlp_values_are_refused_in_one_sentence(override, key):
+    with pytest.raises(InventoryError) as e:
+        k100([override])
+    assert key in str(e.value) and "\n" not in str(e.value) and "Traceback" not in str(e.value)
+
+
+@pytest.mark.unit
+def test_otlp_flag_in_extra_args_is_refused():
+    with pytest.raises(InventoryError, match="otlp_traces_endpoint"):
+        k100(['extra_args=["--otlp-traces-endpoint", "http://x:4317"]'])
+
+
+@pytest.mark.unit
+def test_preflight_asks_for_the_sdk_only_when_the_proxy_exports():
+    assert "opentelemetry" not in preflight.script(k100(), "deploy")
+    script = preflight.script(k100([f"proxy.otlp.endpoint={COLLECTOR}"]), "deploy")
+    assert "opentelemetry.sdk opentelemetry.exporter.otlp.proto.http" in script
+
+
+class FakeHost:
+    """A transport whose host answers the check with the lines given."""
+
+    def __init__(self, stdout: str):
+        self.stdout = stdout
+
+    def run(self, command, **kw) -> Result:
+        return Result(0, self.stdout, "")
+
+
+@pytest.mark.unit
+def test_preflight_refuses_the_endpoint_without_the_sdk_in_one_sentence():
+    hv = k100([f"proxy.otlp.endpoint={COLLECTOR}"])
+    with pytest.raises(RemoteError) as e:
+        preflight.check(FakeHost("missing modules opentelemetry.sdk opentelemetry.exporter.otlp.proto.http\n"), hv)
+    message = str(e.value)
+    assert message.count(".") >= 1 and "\n" not in message
+    assert "pip install opentelemetry-sdk opentelemetry-exporter-otlp-proto-http" in message
+    assert "proxy.otlp.endpoint" in message and "aiohttp" not in message
+    with pytest.raises(RemoteError) as e:    # other modules missing too: each said, in the one sentence
+        preflight.check(FakeHost("missing modules aiohttp opentelemetry.sdk\n"), hv)
+    assert "the modules aiohttp in python3" in str(e.value) and "opentelemetry-sdk" in str(e.value)
+
+
+@pytest.mark.process
+def test_preflight_finds_the_sdk_missing_on_a_real_host(tmp_path):
+    """The check as deploy runs it, on this machine: a Python whose path shadows the `opentelemetry`
+    package with an empty one (as a Python without the SDK) is refused; the test venv's own passes."""
+    shadow = tmp_path / "shadow" / "opentelemetry"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("")
+    path = write_inventory(tmp_path, instances=1)
+    hv = inventory.load(path).host_vars("t", [f"python={PYTHON}", f"proxy.otlp.endpoint={COLLECTOR}"])
+    preflight.check(LocalTransport(), hv)       # this venv has the SDK (the test extra)
+    hv = inventory.load(path).host_vars("t", [f"python={PYTHON}", f"proxy.otlp.endpoint={COLLECTOR}",
+                                              f"env_setup=export PYTHONPATH={shadow.parent}"])
+    with pytest.raises(RemoteError, match="lacks what deploy needs: the OpenTelemetry SDK in"):
+        preflight.check(LocalTransport(), hv)
