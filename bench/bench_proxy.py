@@ -28,6 +28,11 @@ Routing by prefix: `proxy-prefix` is the proxy with `proxy.routing.policy=prefix
 every request's message is N characters of text (the prefix policy hashes every 64 bytes of it; "hi"
 has no whole block), and the report adds its requests/s, p50, p99 and CPU per request as ratios to
 `proxy` (least_conn), round by round.
+
+Tracing: `proxy-otel` is the proxy exporting every request's spans (proxy.otlp) to a local sink that
+discards them; `proxy-base` (with --baseline DIR, a checkout of the code before a change, such as the
+main branch's worktree) is that checkout's proxy on the same config: `--fronts proxy,proxy-otel,proxy-base
+--chat-only` gives export on against off, and off against before, as ratios round by round.
 """
 from __future__ import annotations
 
@@ -147,6 +152,7 @@ def main(argv=None) -> int:
     ap.add_argument("--chat-only", action="store_true", help="the chat rounds alone: no SSE, no open loop")
     ap.add_argument("--prompt-chars", type=int, default=0, help="a message of N characters instead of 'hi'")
     ap.add_argument("--out", help="also write every figure to this JSON file")
+    ap.add_argument("--baseline", help="another checkout (the main branch) whose proxy runs as front proxy-base")
     args = ap.parse_args(argv)
     global CHAT, CHAT2
     if args.prompt_chars:
@@ -165,7 +171,8 @@ def main(argv=None) -> int:
         # max_num_seqs 256 (vLLM's default): slots enough that the proxy's queue never holds a request here.
         # `proxy` is least_conn, `proxy-prefix` the prefix policy (the default), to compare the two
         stack = Stack(Path(tmp), args.backends, 256, ["--sim-instant"], served=("m", "m2") if mix else ("m",),
-                      proxy_set=("proxy.routing.policy=least_conn",))
+                      proxy_set=("proxy.routing.policy=least_conn",),
+                      baseline=Path(args.baseline).resolve() if args.baseline else None)
         try:
             fronts = stack.start(args.fronts.split(","))
             figures["skipped"] = stack.skipped
@@ -229,7 +236,7 @@ def report(f: dict) -> None:
                               "p99_by_round": p99, "p99_median": statistics.median(p99)}
         print(f"  proxy / {other}: requests/s {statistics.median(per_round):.2f}x (rounds "
               f"{', '.join(f'{r:.2f}' for r in per_round)}), p99 {statistics.median(p99):.2f}x")
-    for other in (*MODELS_FRONTS, "proxy-prefix"):
+    for other in (*MODELS_FRONTS, "proxy-prefix", "proxy-otel", "proxy-base"):
         if other not in runs or "proxy" not in runs:
             continue
         pairs = list(zip(f["runs"][other], f["runs"]["proxy"]))
@@ -242,12 +249,16 @@ def report(f: dict) -> None:
               f"(rounds {', '.join(f'{r:.3f}' for r in by['cpu_us_per_request'])})")
     if "proxy-prefix" in runs:
         print("  target: routing by prefix costs at most 10% (requests/s at least 0.90x proxy's)")
+    if "proxy-otel" in runs:
+        print("  target: exporting spans costs at most 10% (proxy-otel's requests/s at least 0.90x proxy's)")
+    if "proxy-base" in runs:
+        print("  target: tracing off costs at most 3% over the baseline (proxy-base's requests/s at most 1.03x proxy's)")
     if any(o in runs for o in MODELS_FRONTS):
         cpu = {n: statistics.median(r["cpu_us_per_request"] for r in f["runs"][n]) for n in ("proxy", *MODELS_FRONTS)
                if n in runs}
         print("  proxy CPU per request answered, median: " + ", ".join(f"{n} {v:.0f} us" for n, v in cpu.items()))
         print("  target: routing by model costs at most 5% (requests/s at least 0.95x proxy's)")
-    elif "proxy-prefix" not in runs:
+    elif not any(o in runs for o in ("proxy-prefix", "proxy-otel", "proxy-base")):
         print("  targets: requests/s at least vllm-router's (1.00x), p99 at most 1.5x nginx's")
     if "sse" not in f:
         return

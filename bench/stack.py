@@ -3,7 +3,10 @@
 Fronts: `direct` (the sims themselves; `url` gives the first), `proxy` (conf/proxy.yaml as `inv render`
 makes it: slots from max_num_seqs, the queue on), `proxy-lc` (the same with `slots: 0`: least connections
 alone, as before the queue), `proxy-prefix` (the rendered config with `proxy.routing.policy=prefix` and
-the `routing_set` overrides: the prefix-aware policy), `nginx` (conf/nginx.conf as rendered),
+the `routing_set` overrides: the prefix-aware policy), `proxy-otel` (the `proxy` config with
+`otlp.endpoint` set: every request's spans exported to a local sink that accepts and discards them),
+`proxy-base` (the `proxy` config served by the proxy of another checkout, `baseline`: the code before a
+change, in the same run), `nginx` (conf/nginx.conf as rendered),
 `vllm-router` and `smg` with their default policy, `vllm-router-cache` and `smg-cache` with
 `--policy cache_aware`, `vllm-router-p2` with `--policy power_of_two` (from bench/.venv-routers, made by
 bench/setup_routers.sh, or the PATH). A front whose program is missing is left out and said so.
@@ -35,6 +38,16 @@ sys.path.insert(0, str(ROOT))
 from fleet import inventory, render  # noqa: E402
 from hostagent import upstream  # noqa: E402
 
+# An OTLP/HTTP sink: takes every export and discards it (the empty body is an empty ExportTraceServiceResponse).
+SINK = """import sys
+from aiohttp import web
+async def traces(request):
+    await request.read()
+    return web.Response(body=b"", content_type="application/x-protobuf")
+app = web.Application(client_max_size=64 * 1024 * 1024)
+app.router.add_post("/v1/traces", traces)
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), access_log=None, print=None)
+"""
 ROUTERS_BIN = Path(__file__).resolve().parent / ".venv-routers" / "bin"
 
 
@@ -90,15 +103,19 @@ class Stack:
     """
 
     FRONTS = ("direct", "proxy", "proxy-lc", "proxy-prefix", "proxy-asyncio", "proxy-models", "proxy-models-1",
-              "nginx", "vllm-router", "vllm-router-cache", "vllm-router-p2", "smg", "smg-cache")
-    PROXIES = ("proxy", "proxy-lc", "proxy-prefix", "proxy-asyncio", "proxy-models", "proxy-models-1")
+              "proxy-otel", "proxy-base", "nginx", "vllm-router", "vllm-router-cache", "vllm-router-p2", "smg",
+              "smg-cache")
+    PROXIES = ("proxy", "proxy-lc", "proxy-prefix", "proxy-asyncio", "proxy-models", "proxy-models-1", "proxy-otel",
+               "proxy-base")
     ROUTERS = {"vllm-router": None, "vllm-router-cache": "cache_aware", "vllm-router-p2": "power_of_two",
                "smg": None, "smg-cache": "cache_aware"}   # front -> its --policy (None: the default)
 
     def __init__(self, work: Path, backends: int, max_num_seqs: int, sim_args: list[str],
                  proxy_set: tuple[str, ...] = (), served: tuple[str, ...] = ("m",),
-                 pools: dict[str, list[dict]] | None = None, routing_set: tuple[str, ...] = ()):
+                 pools: dict[str, list[dict]] | None = None, routing_set: tuple[str, ...] = (),
+                 baseline: Path | None = None):
         self.work, self.deploy = work, work / "deploy"
+        self.baseline = baseline
         self.n, self.max_num_seqs, self.sim_args, self.served = backends, max_num_seqs, sim_args, served
         base = free_ports(backends + 32)
         self.backend_ports = [base + i for i in range(backends)]
@@ -106,6 +123,7 @@ class Stack:
         self.ports = {f: next(spare) for f in self.FRONTS if f != "direct"}
         self.admin_ports = {f: next(spare) for f in self.PROXIES}
         self.metrics_ports = {f: next(spare) for f in self.ROUTERS}
+        self.sink_port = next(spare)   # proxy-otel's span sink
         self.procs: list[subprocess.Popen] = []
         self.pids: dict[str, int] = {}
         self.nginx_pid_file: Path | None = None
@@ -152,6 +170,8 @@ class Stack:
                 conf["slots"] = 0
             if front == "proxy-prefix":
                 conf["routing"] = self.routing
+            if front == "proxy-otel":
+                conf["otlp"] = {"endpoint": f"http://127.0.0.1:{self.sink_port}/v1/traces"}
             if front in self.pools:
                 conf["models"] = [{**pool, "slots": self.slots,
                                    "backends": [conf["backends"][i] for i in pool["backends"]]}
@@ -203,10 +223,23 @@ class Stack:
         fields = Path(f"/proc/{self.pids[front]}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-    def _proxy(self, front: str, *extra: str):
+    def _proxy(self, front: str, *extra: str, root: Path = ROOT):
         self.pids[front] = self._start([sys.executable, "-m", "proxy", "--config", str(self.deploy / "conf" / f"{front}.yaml"), *extra],
-                    f"{front}.log", cwd=ROOT).pid
+                    f"{front}.log", cwd=root).pid
         wait_http(self.url(front) + "/health")
+
+    def _start_proxy_otel(self):
+        try:
+            import opentelemetry.exporter.otlp.proto.http  # noqa: F401
+        except ImportError:
+            return "the OpenTelemetry SDK is not installed (pip install -e '.[otel]')"
+        self._start([sys.executable, "-c", SINK, str(self.sink_port)], "otlp_sink.log")
+        self._proxy("proxy-otel")
+
+    def _start_proxy_base(self):
+        if self.baseline is None:
+            return "no --baseline checkout given"
+        self._proxy("proxy-base", root=self.baseline)
 
     def _start_proxy(self):
         self._proxy("proxy")

@@ -65,11 +65,17 @@ class SpanExport:
 
     def start(self) -> None:
         """Set up the SDK's tracer, processor and exporter, and start the builder thread."""
+        from opentelemetry import trace
+        from opentelemetry.context import Context
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
         from opentelemetry.sdk.trace.id_generator import IdGenerator
+        from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+        # Kept for the builder (an import statement per span costs as much as a span's attributes).
+        self._api = (trace.set_span_in_context, Context, NonRecordingSpan, SpanContext, TraceFlags, Status,
+                     StatusCode.ERROR, SpanKind.SERVER, SpanKind.CLIENT)
 
         class GivenIds(IdGenerator):
             """The ids the builder sets before it starts a span (one thread starts spans)."""
@@ -150,10 +156,7 @@ class SpanExport:
 
     def _build(self, rec: tuple) -> None:
         """The request's SERVER span and its attempts' CLIENT spans, started and ended at their times."""
-        from opentelemetry import trace
-        from opentelemetry.context import Context
-        from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
-
+        in_context, Context, NonRecordingSpan, SpanContext, TraceFlags, Status, ERROR, SERVER, CLIENT = self._api
         (method, path, t0, end, wall_ns, status, trace_id, parent_id, flags, backend, model, queued_ms,
          ttfb, request_id, prompt_tokens, output_tokens, attempts) = rec
 
@@ -164,10 +167,10 @@ class SpanExport:
         if parent_id is not None:
             remote = SpanContext(int(trace_id, 16), int(parent_id, 16), is_remote=True,
                                  trace_flags=TraceFlags(int(flags, 16)))
-            context = trace.set_span_in_context(NonRecordingSpan(remote), context)
-        attributes = {"http.request.method": method, "url.path": path, "http.response.status_code": status,
-                      "proxy.request_id": request_id, "proxy.retries": max(0, len(attempts) - 1),
-                      "proxy.queue_wait_ms": queued_ms}
+            context = in_context(NonRecordingSpan(remote), context)
+        # The method and path are in the span's name; each attribute costs (the SDK checks and encodes it).
+        attributes = {"http.response.status_code": status, "proxy.request_id": request_id,
+                      "proxy.retries": max(0, len(attempts) - 1), "proxy.queue_wait_ms": queued_ms}
         if backend:
             attributes["proxy.backend"] = backend
         if model:
@@ -180,21 +183,18 @@ class SpanExport:
             attributes["gen_ai.usage.output_tokens"] = output_tokens
         self._ids.trace_id = int(trace_id, 16)
         self._ids.span_id = int(new_span_id(), 16)
-        server = self._tracer.start_span(name, context=context, kind=SpanKind.SERVER, attributes=attributes,
+        server = self._tracer.start_span(name, context=context, kind=SERVER, attributes=attributes,
                                          start_time=ns(t0))
         if status >= 500:
-            server.set_status(Status(StatusCode.ERROR, f"status {status}"))
-        below = trace.set_span_in_context(server, Context())
+            server.set_status(Status(ERROR, f"status {status}"))
+        below = in_context(server, Context())
         for n, (span_id, attempt_backend, start, ms, attempt_status, error) in enumerate(attempts, 1):
             self._ids.span_id = int(span_id, 16)
-            host, _, port = attempt_backend.rpartition(":")
-            child = self._tracer.start_span(name, context=below, kind=SpanKind.CLIENT, start_time=ns(start),
+            child = self._tracer.start_span(name, context=below, kind=CLIENT, start_time=ns(start),
                                             attributes={"proxy.backend": attempt_backend, "proxy.attempt": n,
-                                                        "server.address": host.strip("[]"),
-                                                        "server.port": int(port) if port.isdigit() else 0,
                                                         "http.response.status_code": attempt_status})
             if error or attempt_status >= 400:
-                child.set_status(Status(StatusCode.ERROR, (error or f"status {attempt_status}")[:500]))
+                child.set_status(Status(ERROR, (error or f"status {attempt_status}")[:500]))
             child.end(end_time=ns(start + ms / 1000))
         server.end(end_time=ns(end))
 
