@@ -30,9 +30,10 @@ has no whole block), and the report adds its requests/s, p50, p99 and CPU per re
 `proxy` (least_conn), round by round.
 
 Tracing: `proxy-otel` is the proxy exporting every request's spans (proxy.otlp) to a local sink that
-discards them; `proxy-base` (with --baseline DIR, a checkout of the code before a change, such as the
+discards them, `proxy-otel-down` the same with its collector down; `proxy-base` (with --baseline DIR, a checkout of the code before a change, such as the
 main branch's worktree) is that checkout's proxy on the same config: `--fronts proxy,proxy-otel,proxy-base
---chat-only` gives export on against off, and off against before, as ratios round by round.
+--chat-only` gives export on against off, and off against before, as ratios round by round; without
+--chat-only the open-loop latency run (below capacity: what a client feels) takes every one of them too.
 """
 from __future__ import annotations
 
@@ -197,7 +198,7 @@ def main(argv=None) -> int:
                         sse.setdefault(name, []).append(drive(wrk_bin, stack, name, SSE, 16, args.seconds, Path(tmp)))
                 figures["sse"] = sse
                 lat = {}
-                for name in ("direct", "proxy", "nginx"):
+                for name in ("direct", "proxy", "nginx", "proxy-otel", "proxy-otel-down", "proxy-base"):
                     if name not in fronts:
                         continue
                     url = (f"http://127.0.0.1:{stack.backend_ports[0]}" if name == "direct" else stack.url(name))
@@ -236,7 +237,7 @@ def report(f: dict) -> None:
                               "p99_by_round": p99, "p99_median": statistics.median(p99)}
         print(f"  proxy / {other}: requests/s {statistics.median(per_round):.2f}x (rounds "
               f"{', '.join(f'{r:.2f}' for r in per_round)}), p99 {statistics.median(p99):.2f}x")
-    for other in (*MODELS_FRONTS, "proxy-prefix", "proxy-otel", "proxy-base"):
+    for other in (*MODELS_FRONTS, "proxy-prefix", "proxy-otel", "proxy-otel-down", "proxy-base"):
         if other not in runs or "proxy" not in runs:
             continue
         pairs = list(zip(f["runs"][other], f["runs"]["proxy"]))
@@ -258,7 +259,7 @@ def report(f: dict) -> None:
                if n in runs}
         print("  proxy CPU per request answered, median: " + ", ".join(f"{n} {v:.0f} us" for n, v in cpu.items()))
         print("  target: routing by model costs at most 5% (requests/s at least 0.95x proxy's)")
-    elif not any(o in runs for o in ("proxy-prefix", "proxy-otel", "proxy-base")):
+    elif not any(o in runs for o in ("proxy-prefix", "proxy-otel", "proxy-otel-down", "proxy-base")):
         print("  targets: requests/s at least vllm-router's (1.00x), p99 at most 1.5x nginx's")
     if "sse" not in f:
         return
@@ -267,7 +268,7 @@ def report(f: dict) -> None:
           f"proxy {sse['proxy']['rps'] * 1000:.0f} chunks/s: {sse['proxy']['rps'] / sse['direct']['rps']:.0%} "
           "of direct")
     ol = f["open_loop"]
-    for name in ("proxy", "nginx"):
+    for name in ("proxy", "nginx", "proxy-otel", "proxy-otel-down", "proxy-base"):
         if name in ol and "direct" in ol:
             print(f"open loop at {ol['rate']:g} r/s: {name} p50 {ol[name]['p50_ms']:.1f} / p99 {ol[name]['p99_ms']:.1f} ms "
                   f"against direct {ol['direct']['p50_ms']:.1f} / {ol['direct']['p99_ms']:.1f} ms: adds "

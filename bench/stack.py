@@ -5,6 +5,8 @@ makes it: slots from max_num_seqs, the queue on), `proxy-lc` (the same with `slo
 alone, as before the queue), `proxy-prefix` (the rendered config with `proxy.routing.policy=prefix` and
 the `routing_set` overrides: the prefix-aware policy), `proxy-otel` (the `proxy` config with
 `otlp.endpoint` set: every request's spans exported to a local sink that accepts and discards them),
+`proxy-otel-down` (the same, its collector a loopback port nothing listens on, the export's timeout 300 s:
+a collector that is down),
 `proxy-base` (the `proxy` config served by the proxy of another checkout, `baseline`: the code before a
 change, in the same run), `nginx` (conf/nginx.conf as rendered),
 `vllm-router` and `smg` with their default policy, `vllm-router-cache` and `smg-cache` with
@@ -96,6 +98,14 @@ def find_program(name: str) -> str | None:
     return shutil.which(name) or (f"/usr/sbin/{name}" if os.path.exists(f"/usr/sbin/{name}") else None)
 
 
+def _no_sdk() -> str | None:
+    try:
+        import opentelemetry.exporter.otlp.proto.http  # noqa: F401
+    except ImportError:
+        return "the OpenTelemetry SDK is not installed (pip install -e '.[otel]')"
+    return None
+
+
 class Stack:
     """n sims and the fronts asked for, from rendered files in work/deploy; stop() ends them all by pid.
 
@@ -103,10 +113,10 @@ class Stack:
     """
 
     FRONTS = ("direct", "proxy", "proxy-lc", "proxy-prefix", "proxy-asyncio", "proxy-models", "proxy-models-1",
-              "proxy-otel", "proxy-base", "nginx", "vllm-router", "vllm-router-cache", "vllm-router-p2", "smg",
+              "proxy-otel", "proxy-otel-down", "proxy-base", "nginx", "vllm-router", "vllm-router-cache", "vllm-router-p2", "smg",
               "smg-cache")
     PROXIES = ("proxy", "proxy-lc", "proxy-prefix", "proxy-asyncio", "proxy-models", "proxy-models-1", "proxy-otel",
-               "proxy-base")
+               "proxy-otel-down", "proxy-base")
     ROUTERS = {"vllm-router": None, "vllm-router-cache": "cache_aware", "vllm-router-p2": "power_of_two",
                "smg": None, "smg-cache": "cache_aware"}   # front -> its --policy (None: the default)
 
@@ -117,13 +127,14 @@ class Stack:
         self.work, self.deploy = work, work / "deploy"
         self.baseline = baseline
         self.n, self.max_num_seqs, self.sim_args, self.served = backends, max_num_seqs, sim_args, served
-        base = free_ports(backends + 32)
+        base = free_ports(backends + 40)
         self.backend_ports = [base + i for i in range(backends)]
-        spare = iter(range(base + backends, base + backends + 32))
+        spare = iter(range(base + backends, base + backends + 40))
         self.ports = {f: next(spare) for f in self.FRONTS if f != "direct"}
         self.admin_ports = {f: next(spare) for f in self.PROXIES}
         self.metrics_ports = {f: next(spare) for f in self.ROUTERS}
         self.sink_port = next(spare)   # proxy-otel's span sink
+        self.down_port = next(spare)   # proxy-otel-down's collector: nothing listens there
         self.procs: list[subprocess.Popen] = []
         self.pids: dict[str, int] = {}
         self.nginx_pid_file: Path | None = None
@@ -172,6 +183,8 @@ class Stack:
                 conf["routing"] = self.routing
             if front == "proxy-otel":
                 conf["otlp"] = {"endpoint": f"http://127.0.0.1:{self.sink_port}/v1/traces"}
+            if front == "proxy-otel-down":
+                conf["otlp"] = {"endpoint": f"http://127.0.0.1:{self.down_port}/v1/traces", "timeout_s": 300}
             if front in self.pools:
                 conf["models"] = [{**pool, "slots": self.slots,
                                    "backends": [conf["backends"][i] for i in pool["backends"]]}
@@ -229,12 +242,17 @@ class Stack:
         wait_http(self.url(front) + "/health")
 
     def _start_proxy_otel(self):
-        try:
-            import opentelemetry.exporter.otlp.proto.http  # noqa: F401
-        except ImportError:
-            return "the OpenTelemetry SDK is not installed (pip install -e '.[otel]')"
+        why = _no_sdk()
+        if why:
+            return why
         self._start([sys.executable, "-c", SINK, str(self.sink_port)], "otlp_sink.log")
         self._proxy("proxy-otel")
+
+    def _start_proxy_otel_down(self):
+        why = _no_sdk()
+        if why:
+            return why
+        self._proxy("proxy-otel-down")
 
     def _start_proxy_base(self):
         if self.baseline is None:

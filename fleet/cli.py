@@ -371,7 +371,7 @@ def top(c, host="", interval="1", once=False, set_=None, inventory_=""):
     _finish(code)
 
 
-@command(help=_help("host", "inventory", "set", ident="a trace id (the request's `user`) or an X-Request-Id"))
+@command(help=_help("host", "inventory", "set", ident="a trace id (the request's `user`), a W3C trace id (X-Trace-Id) or an X-Request-Id"))
 def trace(c, ident, host="", set_=None, inventory_=""):
     """Show every results-log line of one request, across the rotated files, oldest first."""
     if ident in HELP_FLAGS:

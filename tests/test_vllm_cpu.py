@@ -23,6 +23,7 @@ import pytest
 
 from conftest import ROOT, free_ports, http_status, wait_until
 from fleet_helpers import deployment_id, inv, kill_tagged, session_members, start_inv, status_json, tagged_pids
+from otlp_helpers import Collector, Servers
 
 # The whole tier keeps to one worker, in file order (its xdist group): the parser's test and the cluster's
 # load are CPU-bound, beside each other both take twice as long.
@@ -92,7 +93,8 @@ for argv in json.loads(sys.argv[1]):
     out.append({"exit": 0, "flags": flags, "model": a.model_tag, "served_model_name": a.served_model_name,
                 "gpu_memory_utilization": a.gpu_memory_utilization, "port": a.port, "host": a.host,
                 "max_num_seqs": a.max_num_seqs, "max_model_len": a.max_model_len, "dtype": a.dtype,
-                "trust_remote_code": a.trust_remote_code, "limit_mm_per_prompt": a.limit_mm_per_prompt})
+                "trust_remote_code": a.trust_remote_code, "limit_mm_per_prompt": a.limit_mm_per_prompt,
+                "otlp_traces_endpoint": a.otlp_traces_endpoint})
 print(json.dumps(out))
 """
 
@@ -127,10 +129,13 @@ def test_golden_start_script_is_what_the_real_vllm_parser_reads():
     venv = engine_venv()
     argv = golden_engine_argv()
     stray_argv = argv[:argv.index("--served-model-name=MiniCPM-V-4_5") + 1] + ["stray"]
-    r = subprocess.run([str(venv / "bin" / "python"), "-c", PARSE_WITH_VLLM, json.dumps([argv, stray_argv])],
+    # otlp_traces_endpoint renders this flag after the model (fleet/render.py): vLLM takes it.
+    traced = [*argv[:1], "--otlp-traces-endpoint", "http://collector:4317", *argv[1:]]
+    r = subprocess.run([str(venv / "bin" / "python"), "-c", PARSE_WITH_VLLM, json.dumps([argv, stray_argv, traced])],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    got, stray = json.loads(r.stdout.strip().splitlines()[-1])
+    got, stray, traced = json.loads(r.stdout.strip().splitlines()[-1])
+    assert traced["exit"] == 0 and traced["otlp_traces_endpoint"] == "http://collector:4317", traced
     assert got["exit"] == 0, got.get("stderr")
     for flag in (a for a in argv if a.startswith("--")):
         assert flag.split("=")[0] in got["flags"], flag
@@ -145,8 +150,9 @@ def test_golden_start_script_is_what_the_real_vllm_parser_reads():
 class Cluster:
     """The deployed cluster of this module: its inventory, ports, and what was measured."""
 
-    def __init__(self, tmp: Path, model: Path):
+    def __init__(self, tmp: Path, model: Path, collector: Collector):
         self.tmp = tmp
+        self.collector = collector   # the proxy's and the engines' spans go there (OTLP/HTTP)
         base = free_ports(4)
         self.ports = [base, base + 1]
         self.proxy_port, self.admin_port = base + 2, base + 3
@@ -158,7 +164,7 @@ class Cluster:
         self.figures: dict[str, object] = {}
 
     def write_inventory(self) -> None:
-        base, model, tmp = self.ports[0], self.model, self.tmp
+        base, model, tmp, traces = self.ports[0], self.model, self.tmp, self.collector.url
         self.inventory.write_text(textwrap.dedent(f"""\
             hosts:
               {HOST}:
@@ -180,10 +186,13 @@ class Cluster:
                 health_timeout_s: {LOAD_TIMEOUT_S}
                 stop_grace_s: 10
                 release_timeout_s: 60
+                otlp_traces_endpoint: {traces}
+                env_setup: export OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf   # vLLM's default is gRPC
                 proxy:
                   port: {self.proxy_port}
                   admin_port: {self.admin_port}
                   health_interval_s: 1
+                  otlp: {{endpoint: {traces}}}
                 keeper:
                   enabled: false     # these tests kill engines on purpose and watch what is left
             """))
@@ -227,7 +236,8 @@ def cluster(tmp_path_factory):
                         str(model)], capture_output=True, text=True, timeout=600,
                        env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert r.returncode == 0, r.stderr[-2000:]
-    c = Cluster(tmp, model)
+    servers = Servers()
+    c = Cluster(tmp, model, Collector(servers))
     c.figures["model_s"] = round(time.monotonic() - t0, 1)
     t0 = time.monotonic()
     deploy = start_inv("deploy", "--host", HOST, inventory=c.inventory, stderr=subprocess.STDOUT)
@@ -267,6 +277,7 @@ def cluster(tmp_path_factory):
         except ProcessLookupError:
             pass
     kill_tagged(c.dep + "/")
+    servers.close()
     print(f"\nreal-engine tier figures: {json.dumps(c.figures)}")
 
 
@@ -315,6 +326,33 @@ def test_chat_stream_and_non_stream_through_the_proxy_alternate_backends(cluster
 def results_log(c) -> list[dict]:
     path = c.tmp / "deploy" / "logs" / "req_results.log"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def test_one_trace_across_proxy_and_engine(cluster):
+    """1. the cluster exports the proxy's spans (proxy.otlp) and the engines' (otlp_traces_endpoint, over
+    OTLP/HTTP) to the module's collector; 2. a chat completion with the client's traceparent through the
+    proxy; 3. one trace at the collector: the proxy's SERVER span under the client's span, its attempt's
+    CLIENT span under it, and vLLM's own span under that attempt: the engine read the traceparent the
+    proxy sent it."""
+    c = cluster
+    trace, client_span = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+    r = c.client().chat.completions.with_raw_response.create(
+        model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+        extra_headers={"traceparent": f"00-{trace}-{client_span}-01"})
+    assert r.headers["X-Trace-Id"] == trace
+
+    def spans():
+        found = [(res, s) for res, s in c.collector.spans if s.trace_id.hex() == trace]
+        return len(found) >= 3 and found
+    found = wait_until(spans, timeout=60, what="the proxy's and the engine's spans at the collector")
+    proxy = [s for res, s in found if res.get("service.name") == "vllm-fleet-proxy"]
+    engine = [s for res, s in found if res.get("service.name") != "vllm-fleet-proxy"]
+    [server] = [s for s in proxy if s.kind == s.SPAN_KIND_SERVER]
+    [attempt] = [s for s in proxy if s.kind == s.SPAN_KIND_CLIENT]
+    assert server.parent_span_id.hex() == client_span and attempt.parent_span_id == server.span_id
+    assert engine and all(s.parent_span_id == attempt.span_id for s in engine), \
+        [(s.name, s.parent_span_id.hex()) for s in engine]
+    c.figures["engine_spans"] = sorted({s.name for s in engine})
 
 
 def test_numeric_user_fixed_by_the_proxy_refused_by_vllm_itself(cluster):
