@@ -117,8 +117,7 @@ class Exchange:
     def describe(self) -> dict:
         """What names this request in a drain report."""
         return {"request_id": self.request_id, "trace_id": self.trace_id, "otel_trace_id": self.otel_trace,
-                "backend": self.backend,
-                "path": self.request.path, "age_s": round(time.monotonic() - self.t0, 1)}
+                "backend": self.backend, "path": self.request.path, "age_s": round(time.monotonic() - self.t0, 1)}
 
 
 async def proxy_handler(request: web.Request) -> web.StreamResponse:
