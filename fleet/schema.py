@@ -253,6 +253,11 @@ class OtlpSettings(Section):
     timeout_s: _seconds() = doc(10.0,
         "The longest one export of a batch of spans may take, its retries included (on the exporter's own "
         "thread, never a request's).")
+    sample_ratio: _number(0, 1, "a number from 0 to 1") = doc(1.0,
+        "Of the traces the proxy starts (a request without `traceparent`), the share it records and exports:"
+        " the others go to the engines with flags `00`, so they record none either. A client's `traceparent`"
+        " keeps its own decision. Exporting costs CPU in the proxy's process (docs/PERFORMANCE.md); below 1"
+        " the cost shrinks in proportion.")
 
 
 class ProxySettings(Section):

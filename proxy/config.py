@@ -83,6 +83,7 @@ class OtlpConfig:
 
     endpoint: str | None = None   # the collector's traces URL, e.g. http://127.0.0.1:4318/v1/traces
     timeout_s: float = 10.0       # one export's bound (its retries included), on the exporter's own thread
+    sample_ratio: float = 1.0     # of the traces the proxy starts, the share recorded (flags 01) and exported
     service_name: str = "vllm-fleet-proxy"
 
 
@@ -303,7 +304,7 @@ def _routing(value: Any) -> RoutingConfig:
 
 def _otlp(value: Any) -> OtlpConfig:
     """The otlp section: an http(s) URL or nothing (no export), the export's timeout, the service name."""
-    m = _mapping(value, "otlp", ("endpoint", "timeout_s", "service_name"))
+    m = _mapping(value, "otlp", ("endpoint", "timeout_s", "service_name", "sample_ratio"))
     d = OtlpConfig()
     endpoint = _optional_text(m.get("endpoint"), "otlp.endpoint")
     if endpoint is not None:
@@ -316,14 +317,15 @@ def _otlp(value: Any) -> OtlpConfig:
             raise ConfigError(f"otlp.endpoint must be an http:// or https:// URL of the collector's traces "
                               f"endpoint (such as http://127.0.0.1:4318/v1/traces), not {endpoint!r}.")
     return OtlpConfig(endpoint=endpoint, timeout_s=_positive(m, "timeout_s", d.timeout_s, "otlp."),
-                      service_name=_text(m.get("service_name", d.service_name), "otlp.service_name"))
+                      service_name=_text(m.get("service_name", d.service_name), "otlp.service_name"),
+                      sample_ratio=_ratio(m, "sample_ratio", d.sample_ratio, "otlp."))
 
 
-def _ratio(m: dict, key: str, default: float) -> float:
+def _ratio(m: dict, key: str, default: float, prefix: str = "routing.") -> float:
     """m[key] (or default) as a number from 0 to 1."""
     value = m.get(key, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-        raise ConfigError(f"routing.{key} must be a number from 0 to 1, not {value!r}.")
+        raise ConfigError(f"{prefix}{key} must be a number from 0 to 1, not {value!r}.")
     return float(value)
 
 

@@ -20,7 +20,7 @@ from .models import NO_MODEL, model_of
 from .prefix import Route, prompt_blocks
 from .results_log import LOGGED_PATHS, ResponseObserver, trace_id_of, user_value
 from .state import PROXY
-from .tracing import SAMPLED, new_span_id, new_trace_id, parse_traceparent, sampled
+from .tracing import NOT_SAMPLED, SAMPLED, chance, new_span_id, new_trace_id, parse_traceparent, sampled
 
 # Hop-by-hop headers (RFC 9110 7.6.1) never cross the proxy; length and encoding are the proxy's own.
 HOP_BY_HOP = frozenset(h.lower() for h in (
@@ -134,6 +134,8 @@ async def proxy_handler(request: web.Request) -> web.StreamResponse:
     if context[1] is not None:
         ex.parent_span, ex.flags = context[1], context[2]
     spans = proxy.spans
+    if spans is not None and context[1] is None and chance() >= spans.config.sample_ratio:
+        ex.flags = NOT_SAMPLED   # a trace the proxy starts, past otlp.sample_ratio: no one records it
     if spans is None or not sampled(ex.flags):
         return await _handle(ex, proxy)
     ex.tried, ex.wall_ns = [], time.time_ns()

@@ -11,6 +11,7 @@ _TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f
 _ZERO_TRACE = "0" * 32
 _ZERO_SPAN = "0" * 16
 SAMPLED = "01"     # the flags of a trace the proxy starts: recorded (the proxy and the engines export it)
+NOT_SAMPLED = "00"  # ... or, past otlp.sample_ratio, not recorded by anyone
 
 _random = random.Random()           # seeded from os.urandom once, at import
 _bits = _random.getrandbits
@@ -46,6 +47,11 @@ def new_span_id() -> str:
     while not value:
         value = _bits(64)
     return f"{value:016x}"
+
+
+def chance() -> float:
+    """A random number in [0, 1): the sampling draw of a trace the proxy starts."""
+    return _random.random()
 
 
 def sampled(flags: str) -> bool:

@@ -133,6 +133,7 @@ def test_new_ids_are_lowercase_hex_and_distinct():
     ({"endpoint": "http://host:port/v1/traces"}, "otlp.endpoint must be an http:// or https:// URL"),
     ({"endpoint": "http://c:4318/v1/traces", "timeout_s": 0}, "otlp.timeout_s must be a finite number"),
     ({"endpont": "http://c:4318/v1/traces"}, "unknown config key 'otlp.endpont'"),
+    ({"endpoint": "http://c:4318/v1/traces", "sample_ratio": 1.5}, "otlp.sample_ratio must be a number from 0 to 1"),
 ])
 def test_otlp_config_refuses_bad_values_in_one_sentence(otlp, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -268,6 +269,24 @@ def test_absent_or_invalid_traceparent_starts_a_trace(procs, tmp_path, servers):
     assert engines.seen[-1][1]["traceparent"].endswith("-00")
     status, headers, _ = post(url, CHAT, {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"})
     assert status == 401 and headers["X-Trace-Id"] == CLIENT_TRACE
+
+
+@pytest.mark.process
+def test_sample_ratio_zero_exports_only_what_the_client_sampled(procs, tmp_path, servers):
+    """1. export on with otlp.sample_ratio 0; 2. a request without traceparent: its trace goes to the
+    backend with flags 00 (not sampled) and is not exported; 3. then one whose client sampled it (flags 01):
+    exported. Its spans arrive after the first request's would have: so the first's were never recorded."""
+    engines = FakeEngines(servers, 1)
+    collector = Collector(servers)
+    port, _ = start_proxy(procs, tmp_path, engines.ports, otlp={"endpoint": collector.url, "sample_ratio": 0})
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    status, headers, _ = post(url, CHAT)
+    unsampled = headers["X-Trace-Id"]
+    assert status == 200 and engines.seen[-1][1]["traceparent"].endswith("-00")
+    status, headers, _ = post(url, CHAT, {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"})
+    assert status == 200 and engines.seen[-1][1]["traceparent"].endswith("-01")
+    wait_until(lambda: len(collector.of_trace(CLIENT_TRACE)) >= 2, what="the sampled request's spans")
+    assert collector.of_trace(unsampled) == []
 
 
 @pytest.mark.process

@@ -32,11 +32,11 @@ def test_otlp_keys_render_into_the_proxy_config_and_the_engine_command(tmp_path)
     becomes vLLM's --otlp-traces-endpoint, in the plain form and the models form, and the sim's (ignored)."""
     from proxy.config import load_config
     files = rendered(k100([f"proxy.otlp.endpoint={COLLECTOR}", "proxy.otlp.timeout_s=3",
-                           "otlp_traces_endpoint=http://collector.example:4317"]))
+                           "proxy.otlp.sample_ratio=0.25", "otlp_traces_endpoint=http://collector.example:4317"]))
     conf = tmp_path / "proxy.yaml"
     conf.write_text(files["conf/proxy.yaml"])
     otlp = load_config(conf).otlp
-    assert (otlp.endpoint, otlp.timeout_s) == (COLLECTOR, 3.0)
+    assert (otlp.endpoint, otlp.timeout_s, otlp.sample_ratio) == (COLLECTOR, 3.0, 0.25)
     engine = re.search(r"^ENGINE=\((.*)\)$", files["bin/start_cluster.sh"], re.M).group(1)
     assert shlex.split(engine)[-2:] == ["--otlp-traces-endpoint", "http://collector.example:4317"]
     sim = inventory.load(write_inventory(tmp_path, instances=1, extra=f"otlp_traces_endpoint: {COLLECTOR}\n"))
