@@ -24,7 +24,7 @@ from conftest import PYTHON, ROOT, free_ports
 def write_inventory(tmp_path: Path, name: str = "t", instances: int = 4, max_num_seqs: int = 4,
                     extra: str = "", sim: str = "{load_s: 0.3, prefill_ms: 20, token_ms: 5}") -> Path:
     """An inventory with one local sim host whose ports are free and whose deploy_dir is in tmp_path."""
-    base = free_ports(instances + 2)
+    base = free_ports(instances + 3)      # the instances, the proxy's two ports, the keeper's metrics
     text = textwrap.dedent(f"""\
         hosts:
           {name}:

@@ -1,0 +1,121 @@
+"""conf/prometheus.yml from the inventory (`inv render`): the scrape jobs of every proxy, engine instance and
+keeper, with their labels, an entry host's fronted hosts included; checked by promtool, then run by a real
+Prometheus against a sim cluster under load, which answers the dashboard's key queries."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import textwrap
+import threading
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import ROOT, free_port, free_ports, require_tool, wait_until
+from fleet import inventory, render
+from fleet_helpers import deployment_id, inv, kill_tagged, write_inventory
+
+ENTRY = """\
+hosts:
+  e:
+    connection: local
+    engine: sim
+    accelerator: sim
+    accelerators: 2
+    instances: 2
+    base_port: {e}
+    deploy_dir: {tmp}/e
+    proxy: {{port: {e_proxy}, admin_port: {e_admin}}}
+    fronts: [e, m]
+  m:
+    ssh: {{host: 10.9.0.7}}
+    engine: sim
+    accelerators: 4
+    models:
+      - {{name: small, instances: 2}}
+      - {{name: big, instances: 1, tensor_parallel_size: 2}}
+    base_port: 9002
+    keeper: {{metrics_port: 9100}}
+  lone:
+    connection: local
+    engine: sim
+    instances: 1
+    accelerators: 1
+    base_port: {lone}
+    deploy_dir: {tmp}/lone
+    proxy: {{port: {lone_proxy}, admin_port: {lone_admin}}}
+    keeper: {{enabled: false}}
+"""
+
+
+def entry_inventory(tmp_path: Path) -> Path:
+    e, lone = free_ports(6), free_ports(4)
+    path = tmp_path / "hosts.yml"
+    path.write_text(ENTRY.format(tmp=tmp_path, e=e, e_proxy=e + 2, e_admin=e + 3, lone=lone, lone_proxy=lone + 1,
+                                 lone_admin=lone + 2))
+    return path
+
+
+def prometheus_yml(path: Path, host: str) -> dict:
+    hv = inventory.load(path).host_vars(host)
+    hv.vars["python"] = "python3"
+    return yaml.safe_load({f.path: f for f in render.render_host(hv)}["conf/prometheus.yml"].content)
+
+
+def targets(conf: dict) -> dict[str, list[tuple[str, dict]]]:
+    """job -> [(target, labels)] of a loaded prometheus.yml."""
+    return {job["job_name"]: [(t, sc["labels"]) for sc in job["static_configs"] for t in sc["targets"]]
+            for job in conf["scrape_configs"]}
+
+
+@pytest.mark.unit
+def test_an_entry_host_scrapes_every_proxy_engine_and_keeper_it_fronts(tmp_path):
+    """1. Entry host e fronts itself and m (ssh, two models, one of them on two cards).  2. Its prometheus.yml
+    has both proxies, all five engines and both keepers; m's at its address, e's on loopback, each labelled
+    host, instance, card(s) and model.  3. A host without a keeper (keeper.enabled false) has no keeper target."""
+    path = entry_inventory(tmp_path)
+    e = inventory.load(path).host_vars("e")
+    got = targets(prometheus_yml(path, "e"))
+    assert got["vllm-fleet-proxy"] == [(f"127.0.0.1:{e['proxy']['port']}", {"host": "e", "instance": "proxy"}),
+                                       ("10.9.0.7:8000", {"host": "m", "instance": "proxy"})]
+    assert got["vllm-fleet-engine"] == [
+        (f"127.0.0.1:{e.ports[0]}", {"host": "e", "instance": "0", "card": "0", "model": "sim-model"}),
+        (f"127.0.0.1:{e.ports[1]}", {"host": "e", "instance": "1", "card": "1", "model": "sim-model"}),
+        ("10.9.0.7:9002", {"host": "m", "instance": "0", "card": "0", "model": "small"}),
+        ("10.9.0.7:9003", {"host": "m", "instance": "1", "card": "1", "model": "small"}),
+        ("10.9.0.7:9004", {"host": "m", "instance": "2", "card": "2,3", "model": "big"})]
+    assert got["vllm-fleet-keeper"] == [(f"127.0.0.1:{e.ports[1] + 3}", {"host": "e", "instance": "keeper"}),
+                                        ("10.9.0.7:9100", {"host": "m", "instance": "keeper"})]
+    assert e["keeper"]["metrics_port"] == e["proxy"]["admin_port"] + 1      # the port after the host's own
+    assert next(j for j in prometheus_yml(path, "e")["scrape_configs"]
+                if j["job_name"] == "vllm-fleet-keeper")["honor_labels"] is True
+    assert targets(prometheus_yml(path, "lone"))["vllm-fleet-keeper"] == []
+
+
+@pytest.mark.unit
+def test_promtool_accepts_every_rendered_prometheus_yml(tmp_path):
+    """`promtool check config` on the entry host's file, a host without a keeper, and the example inventory's."""
+    promtool = require_tool("promtool")
+    path = entry_inventory(tmp_path)
+    files = [(tmp_path / "e.yml", path, "e"), (tmp_path / "lone.yml", path, "lone")]
+    files += [(tmp_path / f"{h}.yml", ROOT / "inventory" / "hosts.yml", h) for h in ("k100-01", "k100-02", "cpu")]
+    for out, inv_path, host in files:
+        hv = inventory.load(inv_path).host_vars(host)
+        hv.vars["python"] = "python3"
+        out.write_text({f.path: f for f in render.render_host(hv)}["conf/prometheus.yml"].content)
+        r = subprocess.run([promtool, "check", "config", str(out)], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, (host, r.stdout + r.stderr)
+
+
+@pytest.mark.unit
+def test_inv_render_writes_conf_prometheus_yml(tmp_path):
+    path = entry_inventory(tmp_path)
+    r = inv("render", "--host", "e", "--out", str(tmp_path / "out"), inventory=path)
+    assert r.returncode == 0, r.stderr
+    assert f"wrote {tmp_path / 'out' / 'conf' / 'prometheus.yml'}" in r.stdout
+    assert "job_name: vllm-fleet-engine" in (tmp_path / "out" / "conf" / "prometheus.yml").read_text()
