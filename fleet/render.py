@@ -170,6 +170,7 @@ def context(hv: HostVars) -> dict:
         "cards": hv.cards,
         "pools": hv.pools,
         "scrape_targets": scrape_targets(hv),
+        "smi_candidates": accelerators.kind(v["accelerator"]).smi_candidates,
     }
 
 

@@ -39,7 +39,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from . import host, instances, layout, lock, processes, proxyadmin, restart, watch
+from . import cards, host, instances, layout, lock, processes, proxyadmin, restart, watch
 from .keeper_decisions import (PROBE_RESULTS, REASONS, Crashloop, Log, MarkReady, Observed, Probe, Restart, Watch,
                                begin_restart, decide, end_restart, lock_refused)
 
@@ -140,6 +140,7 @@ class Keeper:
         self.mode = "proxy"
         self.written = ""
         self.metrics = self.metrics_text("running")   # what GET /metrics answers, renewed each round
+        self.cards = cards.Sampler(cfg, log)            # the cards' figures, added to GET /metrics only
 
     # the host (seams)
     def observe(self, i: int) -> Observed:
@@ -211,6 +212,11 @@ class Keeper:
         lines += ["# HELP fleet_keeper_up 1 while the keeper runs.", "# TYPE fleet_keeper_up gauge",
                   f'fleet_keeper_up{{deployment="{dep}"}} {1 if state == "running" else 0}']
         return "\n".join(lines) + "\n"
+
+    def http_text(self) -> str:
+        """GET /metrics: run/keeper.prom's text plus the cards' memory and use (sampled at most every 2 s)."""
+        more = cards.metrics_lines(self.cards.sample(), self.cfg["deployment_id"])
+        return self.metrics + "".join(line + "\n" for line in more)
 
     def interval(self) -> float:
         return max(0.1, min(5.0, float(self.cfg["health_interval_s"])))
@@ -340,7 +346,7 @@ class _MetricsHandler(BaseHTTPRequestHandler):
         if self.path.split("?", 1)[0] != "/metrics":
             self.send_error(404, "the keeper serves /metrics only")
             return
-        body = self.keeper.metrics.encode()
+        body = self.keeper.http_text().encode()
         self.send_response(200)
         self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
         self.send_header("Content-Length", str(len(body)))
