@@ -18,7 +18,8 @@ import yaml
 
 from conftest import ROOT, free_port, free_ports, require_tool, wait_until
 from fleet import inventory, render
-from fleet_helpers import deployment_id, inv, kill_tagged, write_inventory
+from fleet_helpers import inv
+from test_dashboard import sim_cluster  # noqa: F401 - the fixture
 
 ENTRY = """\
 hosts:
@@ -119,3 +120,89 @@ def test_inv_render_writes_conf_prometheus_yml(tmp_path):
     assert r.returncode == 0, r.stderr
     assert f"wrote {tmp_path / 'out' / 'conf' / 'prometheus.yml'}" in r.stdout
     assert "job_name: vllm-fleet-engine" in (tmp_path / "out" / "conf" / "prometheus.yml").read_text()
+
+
+# --- a real Prometheus against a sim cluster under load ----------------------------------------------------
+
+def api(port: int, path: str, **params) -> dict:
+    url = f"http://127.0.0.1:{port}/api/v1/{path}" + (f"?{urllib.parse.urlencode(params)}" if params else "")
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def answer(port: int, query: str) -> list:
+    """The result of an instant query; [] while Prometheus cannot answer yet."""
+    try:
+        got = api(port, "query", query=query)
+    except OSError:
+        return []
+    return got["data"]["result"] if got.get("status") == "success" else []
+
+
+def start_prometheus(procs, tmp_path: Path, config: dict) -> int:
+    """A real Prometheus on a free loopback port with its own storage under tmp_path; its port once ready."""
+    binary = require_tool("prometheus")
+    conf = tmp_path / "prometheus.yml"
+    conf.write_text(yaml.safe_dump(config))
+    port = free_port()
+    log = open(tmp_path / "prometheus.log", "wb")
+    procs.start([binary, f"--config.file={conf}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                 f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=1h"],
+                stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+    log.close()
+
+    def ready():
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+    wait_until(ready, timeout=60, interval=0.2, what=f"Prometheus ready (log: {tmp_path / 'prometheus.log'})")
+    return port
+
+
+@pytest.mark.cluster
+@pytest.mark.xdist_group("load")
+@pytest.mark.timeout(400)
+def test_a_real_prometheus_with_the_rendered_config_answers_the_dashboards_queries(sim_cluster, procs, tmp_path):
+    """1. Deploy a sim cluster (2 instances of 4 slots, a proxy queue of 2: a burst gets 429s).
+    2. `inv render` its conf/prometheus.yml; scrape every 1 s (the test's only change to it).
+    3. Start a real Prometheus on it; 12 clients load the proxy (127.0.0.1, bounded in time).
+    4. Every target is up, and each of the dashboard's queries (but those of the proxy's PENDING histograms)
+       gets a non-empty answer, polled until it does or the deadline passes."""
+    from test_dashboard import PENDING, load, metric_names, panel_exprs, DASHBOARD
+    path, hv = sim_cluster(queue_max=2)
+    out = tmp_path / "rendered"
+    r = inv("render", "--host", "t", "--out", str(out), inventory=path)
+    assert r.returncode == 0, r.stderr
+    config = yaml.safe_load((out / "conf" / "prometheus.yml").read_text())
+    config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
+    port = start_prometheus(procs, tmp_path, config)
+    stop = threading.Event()
+    clients = [threading.Thread(target=load, args=(hv["proxy"]["port"], stop, 150), daemon=True) for _ in range(12)]
+    for c in clients:
+        c.start()
+    try:
+        def all_up():
+            active = api(port, "targets")["data"]["activeTargets"]
+            return len(active) == 2 + len(hv.ports) and all(t["health"] == "up" for t in active) and active
+        active = wait_until(all_up, timeout=60, interval=0.5, what="every target up")
+        assert {t["labels"]["job"] for t in active} == {"vllm-fleet-proxy", "vllm-fleet-engine", "vllm-fleet-keeper"}
+        queries = [e.replace("$host", "t") for e in panel_exprs(json.loads(DASHBOARD.read_text()))
+                   if not metric_names(e) & PENDING]
+        deadline = time.monotonic() + 120
+        empty = list(queries)
+        while empty and time.monotonic() < deadline:
+            empty = [q for q in empty if not answer(port, q)]
+            if empty:
+                time.sleep(1)
+        assert not empty, f"no answer within 120 s to: {empty}"
+        engine = answer(port, 'vllm:num_requests_running{host="t"}')
+        assert {(s["metric"]["instance"], s["metric"]["card"], s["metric"]["model"]) for s in engine} == {
+            (str(i), str(i), "Test-Model") for i in range(len(hv.ports))}
+        restarts = answer(port, 'fleet_keeper_restarts_total{host="t",reason="exited"}')
+        assert {s["metric"]["instance"] for s in restarts} == {str(i) for i in range(len(hv.ports))}
+    finally:
+        stop.set()
+        for c in clients:
+            c.join(40)
