@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
 import urllib.request
 
 import pytest
 
 from conftest import ROOT, wait_until
-from fleet_helpers import deployment_id, inv, kill_tagged, write_inventory
+from fleet_helpers import load
 
 DASHBOARD = ROOT / "dashboards" / "vllm-fleet.json"
 
@@ -122,56 +121,6 @@ def test_the_dashboard_is_provisioning_ready():
 def get(url: str) -> str:
     with urllib.request.urlopen(url, timeout=10) as r:
         return r.read().decode()
-
-
-def load(port: int, stop: threading.Event, seconds: float = 120) -> None:
-    """Chat requests to the proxy until stop is set (at most `seconds`), streamed and not, 127.0.0.1 only."""
-    deadline = time.monotonic() + seconds
-    body = {"model": "Test-Model", "max_tokens": 8, "messages": [{"role": "user", "content": "hello " * 40}]}
-    n = 0
-    while not stop.is_set() and time.monotonic() < deadline:
-        streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
-        data = json.dumps(streamed if n % 2 == 0 else body).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data,
-                                     {"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=30) as r:
-                r.read()
-        except OSError:
-            time.sleep(0.05)
-        n += 1
-
-
-def deploy_sim_cluster(tmp_path, instances: int = 2, queue_max: int | None = None):
-    """A local sim cluster through `inv deploy` (again on fresh ports when another session took one):
-    its inventory and host variables. queue_max: the proxy's proxy.queue.max."""
-    from fleet import inventory as inventory_mod
-    for _ in range(2):
-        path = write_inventory(tmp_path, instances=instances,
-                               sim="{load_s: 0.2, prefill_ms: 20, token_ms: 4, output_tokens: 8}")
-        if queue_max is not None:
-            interval = "      health_interval_s: 0.5\n"
-            path.write_text(path.read_text().replace(interval, interval + f"      queue: {{max: {queue_max}}}\n"))
-        r = inv("deploy", "--host", "t", inventory=path)
-        if r.returncode == 0 or not any(w in r.stdout + r.stderr for w in ("in use", "is taken")):
-            break
-        inv("stop", "--host", "t", inventory=path)
-    assert r.returncode == 0, r.stdout + r.stderr
-    return path, inventory_mod.load(path).host_vars("t")
-
-
-@pytest.fixture
-def sim_cluster(tmp_path):
-    made = []
-
-    def deploy(**kw):
-        path, hv = deploy_sim_cluster(tmp_path, **kw)
-        made.append(path)
-        return path, hv
-    yield deploy
-    for path in made:
-        inv("stop", "--host", "t", inventory=path)
-        kill_tagged(deployment_id(path) + "/")
 
 
 @pytest.mark.cluster

@@ -4,9 +4,7 @@ Prometheus against a sim cluster under load, which answers the dashboard's key q
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import textwrap
 import threading
 import time
 import urllib.parse
@@ -18,8 +16,7 @@ import yaml
 
 from conftest import ROOT, free_port, free_ports, require_tool, wait_until
 from fleet import inventory, render
-from fleet_helpers import inv
-from test_dashboard import sim_cluster  # noqa: F401 - the fixture
+from fleet_helpers import inv, load
 
 ENTRY = """\
 hosts:
@@ -170,7 +167,7 @@ def test_a_real_prometheus_with_the_rendered_config_answers_the_dashboards_queri
     3. Start a real Prometheus on it; 12 clients load the proxy (127.0.0.1, bounded in time).
     4. Every target is up, and each of the dashboard's queries (but those of the proxy's PENDING histograms)
        gets a non-empty answer, polled until it does or the deadline passes."""
-    from test_dashboard import PENDING, load, metric_names, panel_exprs, DASHBOARD
+    from test_dashboard import DASHBOARD, PENDING, metric_names, panel_exprs
     path, hv = sim_cluster(queue_max=2)
     out = tmp_path / "rendered"
     r = inv("render", "--host", "t", "--out", str(out), inventory=path)
