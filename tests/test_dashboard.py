@@ -92,6 +92,14 @@ def test_metric_names_are_read_off_promql(expr, names):
 
 
 @pytest.mark.unit
+def test_exported_names_are_samples_and_declared_families():
+    """A sample's name; a labelled counter declared without a sample yet; a histogram's three series."""
+    text = ('# TYPE a_total counter\na_total{x="1"} 2.0\n# TYPE b_total counter\n'
+            '# TYPE h histogram\nh_bucket{le="+Inf"} 0.0\nup 1\n')
+    assert exported(text) == {"a_total", "b_total", "h_bucket", "h_sum", "h_count", "up"}
+
+
+@pytest.mark.unit
 def test_the_dashboard_is_provisioning_ready():
     """uid and title fixed, schemaVersion 39, a datasource variable of type datasource (prometheus) and a
     multi-value host variable from the scrape jobs' host label, every panel and target on ${datasource},
