@@ -48,6 +48,9 @@ def engine_cmd(hv: HostVars) -> list[str]:
     return [hv["vllm_bin"] or "vllm", "--version"]
 
 
+KEEPER_METRICS = "keeper metrics"
+
+
 def read_facts(conn, hv: HostVars) -> dict:
     """Run the doctor's probe on the host, after env_setup (so PATH is the engine's)."""
     dep = hv.deployment_id
@@ -59,6 +62,9 @@ def read_facts(conn, hv: HostVars) -> dict:
                "pidfiles": [proxy, (layout.NGINX_PID, layout.tag(dep, "nginx"))]},
               {"port": hv["proxy"]["admin_port"], "what": "proxy admin", "key": "proxy.admin_port",
                "pidfiles": [proxy]}]
+    if hv["keeper"]["enabled"]:
+        ports.append({"port": hv["keeper"]["metrics_port"], "host": hv.instance_host, "what": KEEPER_METRICS,
+                      "key": "keeper.metrics_port", "pidfiles": [(layout.KEEPER_PID, layout.tag(dep, "keeper"))]})
     spec = {"deploy_dir": hv["deploy_dir"], "deployment_id": dep, "engine_cmd": engine_cmd(hv), "model": hv["model"],
             "check_model": hv["engine"] != "sim", "ports": ports, "smi_cmd": smi.smi_command(hv)}
     return agent.run_script(conn, hv, "doctor", spec, "the doctor's probe", timeout=300, env_setup=True)
@@ -101,6 +107,9 @@ def checks(conn, hv: HostVars, f: dict) -> list[Check]:
             out.append(Check(label, "ok", "free"))
         elif p["ours"]:
             out.append(Check(label, "ok", f"ours (pid {p['ours']})"))
+        elif p["stranger"] and p["what"] == KEEPER_METRICS:     # the keeper runs without it: say so only
+            out.append(Check(label, "warn", f"{p['stranger']}; the keeper's GET /metrics will be off",
+                             "free the port, or set keeper.metrics_port to a free one"))
         elif p["stranger"]:
             out.append(Check(label, "fail", p["stranger"]))
         else:

@@ -138,6 +138,7 @@ class Inventory:
             # an entry host's backends are its members' instances
             served = cluster.front_backends(self, hv, overrides)
             hv.front_backends = [backend for backend, _, _ in served]
+            hv.front_members = list({mv.name: mv for _, mv, _ in served if mv is not hv}.values())
         else:
             served = [(backend, hv, i) for i, backend in enumerate(hv.backends)]
         hv.pools = cluster.pools(hv, served, f"{self.path}: hosts.{name}")
@@ -440,6 +441,7 @@ class HostVars:
     deployment_id: str = ""
     ports: list[int] = field(default_factory=list)
     front_backends: list[str] | None = None    # set on an entry host (`fronts`): its members' instances
+    front_members: list["HostVars"] = field(default_factory=list)   # an entry host's members, itself aside
     groups: list[serving.Group] = field(default_factory=list)   # what it serves (fleet.serving)
     cards: list[tuple[int, ...]] = field(default_factory=list)  # instance i's cards
     plain: bool = True                         # one group on one card per instance: no model routing
@@ -500,6 +502,17 @@ class HostVars:
         if proxy["port"] == proxy["admin_port"]:
             raise InventoryError(f"{where}.proxy.admin_port: {proxy['admin_port']} is also proxy.port; "
                                  "give the admin listener its own port.")
+        own = {p: f"instance {i}" for i, p in enumerate(ports)}
+        own.update({proxy["port"]: "proxy.port", proxy["admin_port"]: "proxy.admin_port"})
+        metrics_port = v["keeper"]["metrics_port"]
+        if metrics_port is None:                  # the port after the host's own: never one of them
+            metrics_port = v["keeper"]["metrics_port"] = max(own) + 1
+            if metrics_port > 65535:
+                raise InventoryError(f"{where}.keeper.metrics_port: the port after the host's own ports is past "
+                                     "65535; set keeper.metrics_port.")
+        elif metrics_port in own:
+            raise InventoryError(f"{where}.keeper.metrics_port: {metrics_port} is also the port of "
+                                 f"{own[metrics_port]}; give the keeper's metrics a port of their own.")
         if v["keeper"]["backoff_base_s"] > v["keeper"]["backoff_max_s"]:
             raise InventoryError(f"{where}.keeper.backoff_base_s: {v['keeper']['backoff_base_s']:g} is above "
                                  f"keeper.backoff_max_s ({v['keeper']['backoff_max_s']:g}); lower one or raise the other.")
@@ -556,8 +569,11 @@ class HostVars:
     def claimed_ports(self) -> list[tuple[int, str, str]]:
         """Every TCP port this host listens on: (port, the key that sets it, what listens there)."""
         out = [(p, "base_port", f"instance {i}") for i, p in enumerate(self.ports)]
-        return out + [(self.vars["proxy"]["port"], "proxy.port", "proxy"),
-                      (self.vars["proxy"]["admin_port"], "proxy.admin_port", "proxy admin")]
+        out += [(self.vars["proxy"]["port"], "proxy.port", "proxy"),
+                (self.vars["proxy"]["admin_port"], "proxy.admin_port", "proxy admin")]
+        if self.vars["keeper"]["enabled"]:
+            out.append((self.vars["keeper"]["metrics_port"], "keeper.metrics_port", "keeper metrics"))
+        return out
 
 
 def machine(hv: HostVars) -> str:

@@ -10,7 +10,7 @@ import jinja2
 from hostagent import layout
 
 from . import accelerators
-from .cluster import backend_name
+from .cluster import address, backend_name
 from .errors import TemplateError
 from .inventory import HostVars
 
@@ -82,6 +82,7 @@ FILES = {
     layout.NGINX_CONF: ("nginx.conf.j2", 0o644),
     layout.NGINX_FRONT_CONF: ("nginx_front.json.j2", 0o644),
     layout.HOSTAGENT_CONF: ("hostagent.json.j2", 0o644),
+    layout.PROMETHEUS_CONF: ("prometheus.yml.j2", 0o644),
 }
 
 
@@ -123,6 +124,29 @@ def stop_spec(hv: HostVars) -> dict:
             "base_port": v["base_port"], "proxy_port": v["proxy"]["port"], "grace_s": v["stop_grace_s"]}
 
 
+def _reach(hv: HostVars, bind: str, port: int) -> str:
+    """host:port where a port bound to `bind` on hv is scraped: the bind address, or for a wildcard the
+    host's address (fleet.cluster.address: how other hosts reach it)."""
+    return backend_name(address(hv) if bind in ("0.0.0.0", "::") else bind, port)
+
+
+def scrape_targets(hv: HostVars) -> dict[str, list[dict]]:
+    """conf/prometheus.yml's targets by job: every proxy, engine instance and keeper of the host, and on an
+    entry host of every host it fronts; each {"target": host:port, "labels": {...}}."""
+    jobs: dict[str, list[dict]] = {"vllm-fleet-proxy": [], "vllm-fleet-engine": [], "vllm-fleet-keeper": []}
+    for h in [hv, *hv.front_members]:          # an entry host that fronts only others has no instance
+        jobs["vllm-fleet-proxy"].append({"target": _reach(h, h["proxy"]["bind"], h["proxy"]["port"]),
+                                         "labels": {"host": h.name, "instance": "proxy"}})
+        for i, port in enumerate(h.ports):
+            jobs["vllm-fleet-engine"].append({"target": _reach(h, h["bind"], port), "labels": {
+                "host": h.name, "instance": str(i), "card": ",".join(map(str, h.cards[i])),
+                "model": h.group_of(i).name}})
+        if h["keeper"]["enabled"]:
+            jobs["vllm-fleet-keeper"].append({"target": _reach(h, h["bind"], h["keeper"]["metrics_port"]),
+                                              "labels": {"host": h.name, "instance": "keeper"}})
+    return jobs
+
+
 def context(hv: HostVars) -> dict:
     """The template variables: the host's own plus what is derived from them."""
     v = hv.vars
@@ -151,6 +175,8 @@ def context(hv: HostVars) -> dict:
         "group_argv": [engine_argv(hv, g.model) for g in hv.groups],
         "cards": hv.cards,
         "pools": hv.pools,
+        "scrape_targets": scrape_targets(hv),
+        "smi_candidates": accelerators.kind(v["accelerator"]).smi_candidates,
     }
 
 

@@ -360,6 +360,11 @@ class KeeperSettings(Section):
     probe_failures: _int(1, 1000) = doc(3,
         "Stall-probe timeouts in a row, with `/health` 200 and no token generated meanwhile, that "
         "count as dead (`stalled`).")
+    metrics_port: Port | None = doc(None,
+        "The port of the keeper's `GET /metrics` (what `run/keeper.prom` holds, plus the cards' memory "
+        "and use), bound to the engines' address (`bind`); Prometheus' `vllm-fleet-keeper` job scrapes it "
+        "(docs/OBSERVABILITY.md). Unset: the port after the highest of `proxy.port`, `proxy.admin_port` "
+        "and the instances' ports (8010 with the defaults and 8 instances).")
 
 
 class ModelGroup(Section):

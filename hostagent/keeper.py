@@ -19,7 +19,8 @@ is instances.classify's, the one `inv status` uses); this module observes, calls
 actions. It never acts while the deployment's run lock is held (deploy, stop, restart, swaps), and holds that lock
 itself while it restarts. In nginx mode it also does the /health watching and access-log rotation
 (hostagent/watch.py). What it knows goes to run/keeper.json (read by `inv status`) and run/keeper.prom
-(Prometheus text format, for node_exporter's textfile collector); its log is logs/keeper.log, rotated.
+(Prometheus text format, for node_exporter's textfile collector), and is served at `GET /metrics` on
+keeper.metrics_port (bound to the engines' address) while it runs; its log is logs/keeper.log, rotated.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import logging
 import logging.handlers
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -35,8 +37,9 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from . import host, instances, layout, lock, processes, proxyadmin, restart, watch
+from . import cards, host, instances, layout, lock, processes, proxyadmin, restart, watch
 from .keeper_decisions import (PROBE_RESULTS, REASONS, Crashloop, Log, MarkReady, Observed, Probe, Restart, Watch,
                                begin_restart, decide, end_restart, lock_refused)
 
@@ -136,6 +139,8 @@ class Keeper:
         self.started_at = self.wall()
         self.mode = "proxy"
         self.written = ""
+        self.metrics = self.metrics_text("running")   # what GET /metrics answers, renewed each round
+        self.cards = cards.Sampler(cfg, log)            # the cards' figures, added to GET /metrics only
 
     # the host (seams)
     def observe(self, i: int) -> Observed:
@@ -163,6 +168,7 @@ class Keeper:
             return {}
 
     def write_state(self, state: str = "running") -> None:
+        self.metrics = self.metrics_text(state)
         now = self.clock()
         data = {"pid": os.getpid(), "state": state, "started_at": self.started_at, "mode": self.mode,
                 "lock_held": self.lock_held_by_other, "restarting": self.restarting,
@@ -172,7 +178,7 @@ class Keeper:
         if text == self.written:       # written on change only: a quiet host's deploy_dir stays as it is
             return
         host.write_atomic(host.at(self.cfg, layout.KEEPER_STATE), text)
-        host.write_atomic(host.at(self.cfg, layout.KEEPER_METRICS), self.metrics_text(state))
+        host.write_atomic(host.at(self.cfg, layout.KEEPER_METRICS), self.metrics)
         self.written = text
 
     def metrics_text(self, state: str) -> str:
@@ -194,15 +200,38 @@ class Keeper:
             for result in PROBE_RESULTS:
                 lines.append(f'fleet_keeper_probes_total{{deployment="{dep}",instance="{w.index}",'
                              f'result="{result}"}} {w.probes.get(result, 0)}')
+        lines += ["# HELP fleet_keeper_last_restart_timestamp_seconds When the keeper last began restarting "
+                  "the instance (Unix time; 0: never).",
+                  "# TYPE fleet_keeper_last_restart_timestamp_seconds gauge"]
+        lines += [f'fleet_keeper_last_restart_timestamp_seconds{{deployment="{dep}",instance="{w.index}"}} '
+                  f'{float(w.last_at or 0)}' for w in watches]
+        lines += ["# HELP fleet_keeper_instance_healthy 1 while the keeper sees the instance healthy.",
+                  "# TYPE fleet_keeper_instance_healthy gauge"]
+        lines += [f'fleet_keeper_instance_healthy{{deployment="{dep}",instance="{w.index}"}} '
+                  f'{int(w.state == "healthy")}' for w in watches]
         lines += ["# HELP fleet_keeper_up 1 while the keeper runs.", "# TYPE fleet_keeper_up gauge",
                   f'fleet_keeper_up{{deployment="{dep}"}} {1 if state == "running" else 0}']
         return "\n".join(lines) + "\n"
+
+    def http_text(self) -> str:
+        """GET /metrics: run/keeper.prom's text plus the cards' memory and use (sampled at most every 2 s)."""
+        more = cards.metrics_lines(self.cards.sample(), self.cfg["deployment_id"])
+        return self.metrics + "".join(line + "\n" for line in more)
 
     def interval(self) -> float:
         return max(0.1, min(5.0, float(self.cfg["health_interval_s"])))
 
     # the loop
     def run(self) -> None:
+        server = serve_metrics(self, self.k.get("metrics_address") or "127.0.0.1", self.k.get("metrics_port"))
+        try:
+            self._run()
+        finally:
+            if server is not None:        # stopped: the port serves nothing any more
+                server.shutdown()
+                server.server_close()
+
+    def _run(self) -> None:
         log.info("keeper pid %d watching %d instance(s) every %gs: dead after %gs unhealthy, backoff %g-%gs, "
                  "crashloop after %d restarts in %gs, stall probe %s", os.getpid(), len(self.watches),
                  self.interval(), self.k["dead_after_s"], self.k["backoff_base_s"], self.k["backoff_max_s"],
@@ -306,6 +335,45 @@ class Keeper:
             finally:
                 self.probing.discard(i)
         threading.Thread(target=run, name=f"probe-{i}", daemon=True).start()
+
+
+# --- GET /metrics ----------------------------------------------------------------------------------
+
+class _MetricsHandler(BaseHTTPRequestHandler):
+    keeper: "Keeper"
+
+    def do_GET(self):                                   # noqa: N802 - http.server's name
+        if self.path.split("?", 1)[0] != "/metrics":
+            self.send_error(404, "the keeper serves /metrics only")
+            return
+        body = self.keeper.http_text().encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):                       # a scrape every few seconds is not news
+        pass
+
+
+def serve_metrics(keeper: "Keeper", address: str, port: int | None) -> ThreadingHTTPServer | None:
+    """Serve keeper.metrics at GET /metrics on address:port in a daemon thread; None (one log line) when
+    the port cannot be had: the keeper goes on without it."""
+    if not port:
+        return None
+    handler = type("MetricsHandler", (_MetricsHandler,), {"keeper": keeper})
+    server_class = type("MetricsServer", (ThreadingHTTPServer,), {
+        "daemon_threads": True, "address_family": socket.AF_INET6 if ":" in address else socket.AF_INET})
+    try:
+        server = server_class((address, port), handler)
+    except OSError as e:
+        log.warning("metrics over HTTP are off: cannot listen on %s:%d (%s); run/keeper.prom is still written",
+                    address, port, e.strerror or e)
+        return None
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+    log.info("metrics at http://%s/metrics", f"[{address}]:{port}" if ":" in address else f"{address}:{port}")
+    return server
 
 
 def _read(path: str) -> str | None:

@@ -8,7 +8,7 @@ front of scripts sent on standard input, and runs beside `processes.py` when tha
     run/      pid files (instance_<i>.pid, proxy.pid, keeper.pid, nginx.pid, ...), the run lock, mode,
               the keeper's state, the runtime LoRA adapters' record
     logs/     vllm_<i>.log, proxy.log, req_results.log, keeper.log (+ rotated .1 ...)
-    conf/     hostagent.json, proxy.yaml, nginx_front.json, nginx.conf
+    conf/     hostagent.json, proxy.yaml, nginx_front.json, nginx.conf, prometheus.yml
     bin/      start_cluster.sh, start_proxy.sh, stop_cluster.sh
 
 A tag is `FLEET_TAG=<deployment-id>/<instance>`, where instance is an index (`3`) or a part's name
@@ -44,6 +44,7 @@ HOSTAGENT_CONF = CONF + "/hostagent.json"
 PROXY_CONF = CONF + "/proxy.yaml"
 NGINX_FRONT_CONF = CONF + "/nginx_front.json"
 NGINX_CONF = CONF + "/nginx.conf"
+PROMETHEUS_CONF = CONF + "/prometheus.yml"            # scrape jobs for the operator's Prometheus (not run here)
 
 # bin/
 START_CLUSTER = BIN + "/start_cluster.sh"

@@ -181,3 +181,20 @@ def procs():
     ps = Processes()
     yield ps
     ps.stop_all()
+
+
+@pytest.fixture
+def sim_cluster(tmp_path):
+    """deploy(**kw): a local sim cluster through `inv deploy` (fleet_helpers.deploy_sim_cluster), its
+    inventory and host variables; stopped (and its tagged processes killed) at the end."""
+    from fleet_helpers import deploy_sim_cluster, deployment_id, inv, kill_tagged
+    made = []
+
+    def deploy(**kw):
+        path, hv = deploy_sim_cluster(tmp_path, **kw)
+        made.append(path)
+        return path, hv
+    yield deploy
+    for path in made:
+        inv("stop", "--host", "t", inventory=path)
+        kill_tagged(deployment_id(path) + "/")

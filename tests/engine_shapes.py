@@ -9,6 +9,34 @@ import re
 import aiohttp
 
 PREFIX_CACHE_COUNTERS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
+# The vllm: families the dashboard (dashboards/vllm-fleet.json) and `inv top` read, as the sim exports them.
+REQUEST_FAMILIES = ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
+                    "vllm:inter_token_latency_seconds", "vllm:request_generation_tokens",
+                    "vllm:request_prompt_tokens", "vllm:request_success_total", "vllm:prompt_tokens_total",
+                    "vllm:generation_tokens_total", "vllm:num_requests_running", "vllm:num_requests_waiting",
+                    "vllm:kv_cache_usage_perc", *PREFIX_CACHE_COUNTERS)
+
+
+def family_shapes(text: str, names=REQUEST_FAMILIES) -> dict[str, dict]:
+    """Each named family of a /metrics text: its TYPE, HELP, the label names of its samples and, for a
+    histogram, its bucket bounds (and the finished_reason values of vllm:request_success_total)."""
+    out: dict[str, dict] = {}
+    for name in names:
+        kind = re.search(rf"^# TYPE {re.escape(name)} (\S+)$", text, re.M)
+        doc = re.search(rf"^# HELP {re.escape(name)} (.*)$", text, re.M)
+        suffixes = ("_bucket", "_count", "_sum") if kind and kind.group(1) == "histogram" else ("",)
+        labels, bounds, reasons = set(), [], []
+        for suffix in suffixes:
+            for m in re.finditer(rf"^{re.escape(name + suffix)}\{{([^}}]*)\}} \S+$", text, re.M):
+                pairs = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(1)))
+                labels |= set(pairs) - {"le"}
+                if "le" in pairs and pairs.get("le") not in bounds:
+                    bounds.append(pairs["le"])
+                if "finished_reason" in pairs:
+                    reasons.append(pairs["finished_reason"])
+        out[name] = {"type": kind and kind.group(1), "help": doc and doc.group(1), "labels": sorted(labels),
+                     "buckets": bounds, "finished_reasons": reasons}
+    return out
 
 
 def gauge(text: str, name: str) -> float:

@@ -15,6 +15,7 @@ import textwrap
 import threading
 import time
 import traceback
+import urllib.request
 import warnings
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from conftest import PYTHON, ROOT, free_ports
 def write_inventory(tmp_path: Path, name: str = "t", instances: int = 4, max_num_seqs: int = 4,
                     extra: str = "", sim: str = "{load_s: 0.3, prefill_ms: 20, token_ms: 5}") -> Path:
     """An inventory with one local sim host whose ports are free and whose deploy_dir is in tmp_path."""
-    base = free_ports(instances + 2)
+    base = free_ports(instances + 3)      # the instances, the proxy's two ports, the keeper's metrics
     text = textwrap.dedent(f"""\
         hosts:
           {name}:
@@ -242,3 +243,39 @@ def status_json(inventory: Path, *args: str, host: str = "t") -> dict:
 def deployment_id(inventory: Path, host: str = "t") -> str:
     from fleet import inventory as inv_mod
     return inv_mod.load(inventory).host_vars(host).deployment_id
+
+
+def load(port: int, stop: threading.Event, seconds: float = 120) -> None:
+    """Chat requests to the proxy until stop is set (at most `seconds`), streamed and not, 127.0.0.1 only."""
+    deadline = time.monotonic() + seconds
+    body = {"model": "Test-Model", "max_tokens": 8, "messages": [{"role": "user", "content": "hello " * 40}]}
+    n = 0
+    while not stop.is_set() and time.monotonic() < deadline:
+        streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        data = json.dumps(streamed if n % 2 == 0 else body).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data,
+                                     {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                r.read()
+        except OSError:
+            time.sleep(0.05)
+        n += 1
+
+
+def deploy_sim_cluster(tmp_path, instances: int = 2, queue_max: int | None = None):
+    """A local sim cluster through `inv deploy` (again on fresh ports when another session took one):
+    its inventory and host variables. queue_max: the proxy's proxy.queue.max."""
+    from fleet import inventory as inv_mod
+    for _ in range(2):
+        path = write_inventory(tmp_path, instances=instances,
+                               sim="{load_s: 0.2, prefill_ms: 20, token_ms: 4, output_tokens: 8}")
+        if queue_max is not None:
+            interval = "      health_interval_s: 0.5\n"
+            path.write_text(path.read_text().replace(interval, interval + f"      queue: {{max: {queue_max}}}\n"))
+        r = inv("deploy", "--host", "t", inventory=path)
+        if r.returncode == 0 or not any(w in r.stdout + r.stderr for w in ("in use", "is taken")):
+            break
+        inv("stop", "--host", "t", inventory=path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return path, inv_mod.load(path).host_vars("t")

@@ -16,9 +16,10 @@ from fleet_helpers import inv
 @pytest.mark.process
 def test_doctor_names_a_missing_model_path_and_a_taken_port(tmp_path):
     """1. a vllm host whose model path does not exist and whose instance 1 port is taken by a process
-    that is not the deployment's; 2. doctor fails naming both, each with its fix; 3. deploy runs the doctor
-    first and stops before changing anything; 4. --no-doctor skips it."""
-    base = free_ports(4)
+    that is not the deployment's; 2. doctor fails naming both, each with its fix (a stranger on the keeper's
+    metrics port is a warning only); 3. deploy runs the doctor first and stops before changing anything;
+    4. --no-doctor skips it."""
+    base = free_ports(5)
     inventory = tmp_path / "hosts.yml"
     inventory.write_text(textwrap.dedent(f"""\
         hosts:
@@ -35,9 +36,11 @@ def test_doctor_names_a_missing_model_path_and_a_taken_port(tmp_path):
             deploy_dir: {tmp_path / 'deploy'}
             proxy: {{port: {base + 2}, admin_port: {base + 3}}}
         """))
-    with socket.socket() as taken:
+    with socket.socket() as taken, socket.socket() as metrics:
         taken.bind(("127.0.0.1", base + 1))
         taken.listen()
+        metrics.bind(("127.0.0.1", base + 4))       # keeper.metrics_port unset: the port after the host's own
+        metrics.listen()
         r = inv("doctor", "--host", "t", inventory=inventory)
         assert r.returncode == 2, r.stdout + r.stderr
         out = r.stdout
@@ -47,6 +50,10 @@ def test_doctor_names_a_missing_model_path_and_a_taken_port(tmp_path):
         assert re.search(rf"^ok    port {base} \(instance 0\): free$", out, re.M), out
         assert re.search(rf"^fail  port {base + 1} \(instance 1\): port {base + 1} is held by pid {os.getpid()} "
                          r"\(.+\), which is not this deployment's; stop it yourself or change base_port$", out, re.M), out
+        assert re.search(rf"^warn  port {base + 4} \(keeper metrics\): port {base + 4} is held by pid "
+                         rf"{os.getpid()} \(.+\), which is not this deployment's; stop it yourself or change "
+                         r"keeper.metrics_port; the keeper's GET /metrics will be off\n      fix: free the port, or "
+                         r"set keeper.metrics_port to a free one$", out, re.M), out
         assert re.search(r"^warn  smi: no smi found .*\n      fix: install it or name it with the inventory key smi",
                          out, re.M), out
         assert re.search(r"^ok    (fuser|ss): /", out, re.M) and re.search(r"^ok    logs: [\d.]+ GiB free", out, re.M)

@@ -226,6 +226,17 @@ BAD = [
                                 "    proxy: {{port: {other1}, admin_port: {other2}}}\n", [],
      "hosts.b.base_port: port {base1} (instance 0) is also the port of a's instance 1 on this machine; "
      "give each host on one machine its own ports."),
+    ("keeper-metrics-port-range", "", ["keeper.metrics_port=70000"],
+     "--set: keeper.metrics_port: expected a port number (1-65535), or null, got 70000."),
+    ("keeper-metrics-port-clash", "    keeper: {{metrics_port: {proxy}}}\n", [],
+     "hosts.a.keeper.metrics_port: {proxy} is also the port of proxy.port; give the keeper's metrics a port "
+     "of their own."),
+    ("keeper-metrics-port-shared", "  b:\n    connection: local\n    engine: sim\n    accelerator: sim\n"
+                                   "    accelerators: 1\n    instances: 1\n    base_port: {other}\n"
+                                   "    proxy: {{port: {other1}, admin_port: {other2}}}\n"
+                                   "    keeper: {{metrics_port: {base1}}}\n", [],
+     "hosts.b.keeper.metrics_port: port {base1} (keeper metrics) is also the port of a's instance 1 on this "
+     "machine; give each host on one machine its own ports."),
     ("nginx-worker-injection", "", ["nginx.worker_processes=1; load_module /tmp/evil.so"],
      "--set: nginx.worker_processes: expected auto or a number of worker processes from 1 to 1024, "
      "got '1; load_module /tmp/evil.so'."),

@@ -353,6 +353,65 @@ def test_the_loop_sends_stall_probes_and_restarts_a_stalled_instance(tmp_path):
     assert kp.watches[0].probes == {"timeout": 2}
 
 
+# --- GET /metrics -------------------------------------------------------------------------------------
+
+def _get(url: str) -> tuple[int, str] | None:
+    """Status and text of GET url; None when nothing answers."""
+    import urllib.error
+    import urllib.request
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, ""
+    except urllib.error.URLError:
+        return None
+
+
+def test_the_keeper_serves_its_metrics_over_http_while_it_runs(tmp_path):
+    """1. The keeper runs with keeper.metrics_port free: GET /metrics answers what run/keeper.prom holds
+    (restarts, crash loop, probes, the last restart's time, health, up), another path 404.
+    2. Stopped: the port answers nothing, and run/keeper.prom says fleet_keeper_up 0."""
+    from conftest import free_port
+    port = free_port()
+    kp = FakeKeeper(tmp_path, k={**K, "metrics_port": port, "metrics_address": "127.0.0.1"})
+    runner = threading.Thread(target=kp.run, daemon=True)
+    runner.start()
+    url = f"http://127.0.0.1:{port}/metrics"
+    status, text = wait_until(lambda: (r := _get(url)) and "fleet_keeper_instance_healthy" in r[1] and
+                              'instance_healthy{deployment="d",instance="1"} 1' in r[1] and r,
+                              timeout=10, what="the keeper's /metrics with both instances healthy")
+    assert status == 200 and 'fleet_keeper_up{deployment="d"} 1' in text
+    assert 'fleet_keeper_last_restart_timestamp_seconds{deployment="d",instance="0"} 0.0' in text
+    assert text == (tmp_path / "run" / "keeper.prom").read_text()
+    assert _get(f"http://127.0.0.1:{port}/other")[0] == 404
+    kp.stop.set()
+    runner.join(10)
+    assert not runner.is_alive() and _get(url) is None
+    assert 'fleet_keeper_up{deployment="d"} 0' in (tmp_path / "run" / "keeper.prom").read_text()
+
+
+def test_a_taken_metrics_port_is_one_log_line_and_the_keeper_goes_on(tmp_path, caplog):
+    """keeper.metrics_port is taken by another process: the keeper logs one line and keeps watching
+    (keeper.json and keeper.prom written, the instances seen healthy)."""
+    import socket
+    from conftest import free_port
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", free_port()))
+        taken.listen()
+        port = taken.getsockname()[1]
+        kp = FakeKeeper(tmp_path, k={**K, "metrics_port": port, "metrics_address": "127.0.0.1"})
+        runner = threading.Thread(target=kp.run, daemon=True)
+        with caplog.at_level("WARNING", logger="hostagent.keeper"):
+            runner.start()
+            wait_until(lambda: (tmp_path / "run" / "keeper.json").exists(), timeout=10, what="keeper.json")
+        kp.stop.set()
+        runner.join(10)
+    lines = [r.getMessage() for r in caplog.records if "metrics over HTTP" in r.getMessage()]
+    assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0], lines
+    assert json.loads((tmp_path / "run" / "keeper.json").read_text())["instances"]["0"]["state"] == "healthy"
+
+
 # --- the stall probe against a server -------------------------------------------------------------
 
 class _Engine(http.server.BaseHTTPRequestHandler):

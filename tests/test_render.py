@@ -32,7 +32,7 @@ def rendered(hv) -> dict[str, render.RenderedFile]:
 
 
 @pytest.mark.parametrize("path", ["bin/start_cluster.sh", "bin/stop_cluster.sh", "conf/proxy.yaml",
-                                  "conf/nginx.conf"])
+                                  "conf/nginx.conf", "conf/prometheus.yml"])
 @pytest.mark.unit
 def test_k100_renders_its_golden_file(path):
     """Compare with tests/golden; after an intended change: UPDATE_GOLDEN=1 pytest tests/test_render.py."""

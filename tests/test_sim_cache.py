@@ -338,3 +338,47 @@ def test_the_sims_prefix_cache_series_are_the_two_counters_vllm_has():
     for name, lines in series.items():
         assert lines[1] == f"# TYPE {name} counter"
         assert lines[2] == f'{name}{{engine="0",model_name="{MODEL}"}}'
+
+
+VLLM_CPU_METRICS = ROOT / "tests" / "data" / "vllm_cpu_metrics.txt"
+
+
+@pytest.mark.unit
+def test_the_sims_request_metrics_have_vllm_cpus_names_types_help_labels_and_buckets():
+    """The families the dashboard and `inv top` read (tests/engine_shapes.py REQUEST_FAMILIES), compared
+    with tests/data/vllm_cpu_metrics.txt: the /metrics of vllm-cpu 0.32 serving the tiny model
+    (max_model_len 512) after two requests. The real-engine tier runs the same comparison live."""
+    from engine_shapes import family_shapes
+
+    async def text():
+        return metrics_text(Engine(SimConfig("tiny", ["tiny"], max_model_len=512)))
+
+    sim, real = family_shapes(asyncio.run(text())), family_shapes(VLLM_CPU_METRICS.read_text())
+    assert sim == real
+    assert sim["vllm:time_to_first_token_seconds"]["type"] == "histogram"
+    assert sim["vllm:request_success_total"]["labels"] == ["engine", "finished_reason", "model_name"]
+
+
+@pytest.mark.process
+def test_request_metrics_count_what_the_requests_did(procs, tmp_path):
+    """Three requests (one cut by max_tokens, two stopped naturally, one streamed): the histograms count
+    three, time to first token at least the prefill, finished reasons length 1 and stop 2, tokens summed."""
+    sim = start_sim(procs, tmp_path, "--sim-output-tokens", "6")
+    r1 = request(sim.url("/v1/chat/completions"), chat("one", max_tokens=3))[1]
+    r2 = request(sim.url("/v1/chat/completions"), chat("two"))[1]
+    request(sim.url("/v1/chat/completions"), chat("three", stream=True))
+    _, text = request(sim.url("/metrics"))
+
+    def value(series: str) -> float:
+        return float(re.search(rf"^{re.escape(series)} (\S+)$", text, re.M).group(1))
+
+    labels = f'engine="0",model_name="{MODEL}"'
+    for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_generation_tokens"):
+        assert value(f"vllm:{h}_count{{{labels}}}") == 3, h
+    assert value(f"vllm:request_generation_tokens_sum{{{labels}}}") == 3 + 6 + 6
+    assert value(f"vllm:inter_token_latency_seconds_count{{{labels}}}") == 2 + 5 + 5
+    assert value(f"vllm:time_to_first_token_seconds_sum{{{labels}}}") > 0
+    assert value(f'vllm:request_success_total{{engine="0",finished_reason="length",model_name="{MODEL}"}}') == 1
+    assert value(f'vllm:request_success_total{{engine="0",finished_reason="stop",model_name="{MODEL}"}}') == 2
+    prompt = r1["usage"]["prompt_tokens"] + r2["usage"]["prompt_tokens"]
+    assert value(f"vllm:prompt_tokens_total{{{labels}}}") > prompt

