@@ -15,10 +15,6 @@ from fleet_helpers import load
 
 DASHBOARD = ROOT / "dashboards" / "vllm-fleet.json"
 
-# PENDING: the proxy's two new histograms (issue 20, part 2), being added beside this work. Until they are
-# merged, the live check lets exactly these two names be missing; empty this list once they are.
-PENDING = {"proxy_time_to_first_byte_seconds_bucket", "proxy_output_tokens_bucket"}
-
 # PromQL words that are not metric names: aggregation modifiers, binary operators, `offset`, `bool`.
 KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "offset", "and", "or",
             "unless", "inf", "nan"}
@@ -136,7 +132,7 @@ def get(url: str) -> str:
 def test_every_metric_the_dashboard_reads_is_exported_by_a_live_sim_cluster(sim_cluster):
     """1. Deploy a sim cluster (2 instances, the proxy, the keeper), send it requests.  2. Read the proxy's,
     each engine's and the keeper's /metrics.  3. Every metric name of every panel's PromQL is among their
-    samples, but the PENDING names (and those only while missing)."""
+    samples."""
     _, hv = sim_cluster()
     stop = threading.Event()
     worker = threading.Thread(target=load, args=(hv["proxy"]["port"], stop, 60), daemon=True)
@@ -153,6 +149,4 @@ def test_every_metric_the_dashboard_reads_is_exported_by_a_live_sim_cluster(sim_
     have = set().union(*map(exported, texts))
     # Scraping adds `up` to every target; the keeper's card gauges need an smi (the sim's here).
     wanted = dashboard_metric_names() - {"up"}
-    missing = wanted - have
-    assert missing <= PENDING, sorted(missing - PENDING)
-    assert not (PENDING - missing), f"{sorted(PENDING - missing)} are exported now: take them off PENDING"
+    assert not wanted - have, sorted(wanted - have)
