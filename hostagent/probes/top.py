@@ -63,7 +63,7 @@ def read_instance(spec, inst):
                        float(spec.get("health_timeout_s", HEALTH_TIMEOUT_S)))
     out = {"index": inst["index"], "state": f["state"], "reason": f["reason"], "health": f["health"],
            "pid": f["pid"], "metrics": None, "error": None}
-    if f["listening"]:
+    if f["state"] == "healthy":     # a loading or dying engine's /metrics is no news: its state says it
         out["metrics"], out["error"] = scrape(base_url(address, inst["port"]), ENGINE_SERIES)
     return out
 
