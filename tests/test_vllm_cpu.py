@@ -561,6 +561,39 @@ def test_bench_says_a_text_only_model_takes_no_image_and_runs_with_image_none(cl
     assert all(lv["ok"] == lv["requests"] for sc in result["scenarios"] for lv in sc["levels"])
 
 
+def test_top_shows_the_real_engines_at_work(cluster):
+    """`inv top --once` reads vLLM's own /metrics: while short chats keep both instances busy, each line
+    shows the instance healthy with its requests per second and a time to first token from vLLM's
+    histogram (polled: the frame's window is one second, so it must hold a first token)."""
+    import threading
+    c = cluster
+    client, stop = c.client(), threading.Event()
+
+    def chats():
+        deadline = time.monotonic() + 120
+        while not stop.is_set() and time.monotonic() < deadline:
+            client.chat.completions.create(model=NAME, max_tokens=4,
+                                           messages=[{"role": "user", "content": "count to three"}])
+    workers = [threading.Thread(target=chats, daemon=True) for _ in range(4)]
+    for w in workers:
+        w.start()
+    frames = []
+
+    def busy_frame():
+        r = inv("top", "--host", HOST, "--once", inventory=c.inventory, process=True, env={"COLUMNS": "160"})
+        rows = [ln.split() for ln in r.stdout.splitlines() if ln[:1].isdigit()]
+        frames.append(r.stdout)
+        return r.returncode == 0 and len(rows) == 2 and all(
+            row[1] == "healthy" and row[3] != "-" for row in rows) and any(row[4] != "-" for row in rows)
+    try:
+        wait_until(busy_frame, timeout=90, interval=0, what="a frame of both engines at work")
+    finally:
+        stop.set()
+        for w in workers:
+            w.join(timeout=60)
+    assert re.search(r"\d+ms|\d\.\d\ds", frames[-1].split("TTFT")[1]), frames[-1]
+
+
 def gone(pids) -> bool:
     return not [p for p in pids if alive(p)]
 
