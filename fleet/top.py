@@ -242,6 +242,9 @@ def instance_view(row: Row, frames: list[Frame], proxy_frames: list[Frame], keep
         elif state == "healthy" and pm.values("proxy_backend_healthy", "backend").get(row.backend) == 0:
             out["state"] = "proxy-out"
     if m is not None:
+        # The bases of the rates and the window: frames that read this engine (a frame whose scrape failed,
+        # or taken while it loaded, would give no rate, or the histogram since the engine started).
+        read = [f for f in frames if row.index in f.engines]
         if out["in_flight"] is None:            # no proxy in front (nginx mode): what the engine holds
             running = m.total("vllm:num_requests_running")
             waiting = m.total("vllm:num_requests_waiting")
@@ -249,22 +252,22 @@ def instance_view(row: Row, frames: list[Frame], proxy_frames: list[Frame], keep
                 out["in_flight"] = int(running + (waiting or 0))
         kv = m.total("vllm:kv_cache_usage_perc")
         out["kv"] = kv
-        old = _since(frames, RATE_S)
-        if old is not None and row.index in old.engines:
+        old = _since(read, RATE_S)
+        if old is not None:
             om, dt = old.engines[row.index], last.t - old.t
             out["rps"] = _rate(m.total("vllm:request_success_total"), om.total("vllm:request_success_total"), dt)
             out["tokens_s"] = _rate(m.total("vllm:generation_tokens_total"),
                                     om.total("vllm:generation_tokens_total"), dt)
-        first = _since(frames, WINDOW_S)
-        base = first.engines.get(row.index) if first is not None else None
+        first = _since(read, WINDOW_S)
+        base = first.engines[row.index] if first is not None else None
         ttft = m.buckets("vllm:time_to_first_token_seconds")
         window = delta_buckets(ttft, base.buckets("vllm:time_to_first_token_seconds")) if base else ttft
         out["ttft_p50"], out["ttft_p95"] = quantile(0.5, window), quantile(0.95, window)
         hits, queries = m.total("vllm:prefix_cache_hits_total"), m.total("vllm:prefix_cache_queries_total")
         if base is not None and hits is not None and queries is not None:
             bh, bq = base.total("vllm:prefix_cache_hits_total"), base.total("vllm:prefix_cache_queries_total")
-            if bq is not None and queries >= bq and queries - bq > 0:
-                hits, queries = hits - (bh or 0), queries - bq
+            if bq is not None and queries >= bq:     # else the engine restarted: its counts since then
+                hits, queries = hits - (bh or 0), queries - bq   # none in the window: no rate ("-")
         out["hit"] = hits / queries if hits is not None and queries else None
     if out["rps"] is None and pm is not None:     # an engine without vLLM's request counter: the proxy's
         old = _since(proxy_frames, RATE_S)
@@ -380,7 +383,8 @@ def events(old: dict | None, new: dict, memory: dict) -> list[str]:
         turned = (h.get("r429") or 0) + (h.get("r503") or 0) - (was.get("r429") or 0) - (was.get("r503") or 0)
         if turned > 0 and was.get("r429") is not None and new["at"] - memory.get(h["host"], 0) >= TURNED_AWAY_EVERY_S:
             memory[h["host"]] = new["at"]
-            lines.append(f"{stamp} {h['host']}: {turned:.0f} requests answered 429/503 in the last second "
+            lines.append(f"{stamp} {h['host']}: {turned:.0f} requests answered 429/503 in the last "
+                         f"{max(1.0, new['at'] - old['at']):.0f}s "
                          f"({h.get('r429_min') or 0:.0f}/{h.get('r503_min') or 0:.0f} in the last minute)")
         for e in h["errors"]:
             if e not in was["errors"]:
@@ -526,17 +530,23 @@ def _pump(target: Target, stop: threading.Event, interval: float, count: int) ->
                 stop.wait(0.2)
                 continue
             _start(target, interval, count)
+            if stop.is_set():                         # the view ended while this one started: no sampler left
+                _close(target)
+                return
             if count and target.sampler is None:      # --once: a host that cannot be reached is said, not awaited
                 return
             continue
+        sampler = target.sampler     # the view's end closes and clears target.sampler from another thread
         try:
-            line = target.sampler.readline(timeout=max(10.0, 5 * interval))
+            line = sampler.readline(timeout=max(10.0, 5 * interval))
         except FleetError as e:
             line, why = None, str(e)
         else:
             why = None
+        if stop.is_set():
+            return
         if line is None:
-            err = target.sampler.stderr().strip().splitlines() if why is None else [why]
+            err = sampler.stderr().strip().splitlines() if why is None else [why]
             if count and len(target.frames) >= count:
                 return
             target.error = f"its sampler: it ended ({(err or ['no output'])[-1][:200]}); starting it again"
@@ -626,3 +636,5 @@ def run(inv: Inventory, pattern: str, overrides=(), interval: float = 1.0, once:
         stop.set()
         for t in targets.values():
             _close(t)
+        for th in threads:         # each sees its sampler's output end, or stop, and returns
+            th.join(timeout=1.0)

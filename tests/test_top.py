@@ -97,6 +97,33 @@ def test_an_instance_line_has_rates_over_10_s_and_percentiles_over_the_last_minu
 
 
 @pytest.mark.unit
+def test_a_frame_that_could_not_read_the_engine_is_no_base_for_its_rates_or_window(one_host):
+    """1. The frames 50 s and 10 s ago could not read the engine's /metrics (a timeout under load): the
+    next frames are the bases, so the rate is the engine's and the percentiles the last minute's (not the
+    proxy's count, nor the histogram since the engine started).  2. No prefix-cache query in the window:
+    no hit rate ("-"), not the one since the engine started."""
+    hv, rows = one_host
+    target = top.Target(hv)
+    early = {0.1: 100.0, 0.5: 100.0, 1.0: 100.0, float("inf"): 100.0}
+    late = {0.1: 100.0, 0.5: 100.0, 1.0: 200.0, float("inf"): 200.0}
+    t0 = 1000.0
+    unread = raw_frame(t0 - 50, None, proxy_lines())
+    unread["instances"][0]["error"] = "http://127.0.0.1:8002/metrics: timed out"
+    target.add(top.Frame.parse(unread, hv))
+    target.add(top.Frame.parse(raw_frame(t0 - 49, engine_lines(0, 0, hits=90, queries=100, ttft=early),
+                                         proxy_lines()), hv))
+    target.add(top.Frame.parse({**unread, "t": t0 - 10}, hv))
+    target.add(top.Frame.parse(raw_frame(t0 - 8, engine_lines(100, 1000, hits=90, queries=100, ttft=early),
+                                         proxy_lines()), hv))
+    target.add(top.Frame.parse(raw_frame(t0, engine_lines(140, 1800, hits=90, queries=100, ttft=late),
+                                         proxy_lines()), hv))
+    line = top.view({hv.name: target}, rows)["instances"][0]
+    assert line["rps"] == pytest.approx(5.0) and line["tokens_s"] == pytest.approx(100.0)
+    assert 0.5 < line["ttft_p50"] <= 1.0
+    assert line["hit"] is None
+
+
+@pytest.mark.unit
 def test_events_name_what_changed(one_host):
     hv, rows = one_host
     target = top.Target(hv)
