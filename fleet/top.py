@@ -480,11 +480,17 @@ def _cards(cards) -> str:
 
 # --- running it ----------------------------------------------------------------------------------------
 
+def _local(bind: str) -> str:
+    """Where the host itself reaches a port bound to `bind`: loopback for a wildcard."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(bind, bind)
+
+
 def sampler_spec(hv: HostVars, interval: float, count: int) -> dict:
     instances = [{"index": i, "port": p, "address": hv.instance_host} for i, p in enumerate(hv.ports)]
     with_smi = bool(hv.ports) and hv["accelerator"] != "none"
     return {"deploy_dir": hv["deploy_dir"], "deployment_id": hv.deployment_id, "instances": instances,
-            "proxy_port": hv["proxy"]["port"], "health_timeout_s": hv["health_timeout_s"],
+            "proxy_port": hv["proxy"]["port"], "proxy_address": _local(hv["proxy"]["bind"]),
+            "health_timeout_s": hv["health_timeout_s"],
             "interval_s": interval, "count": count, "exit_at_eof": True,
             "smi": smi.smi_command(hv) if with_smi else None, "smi_every_s": max(SMI_EVERY_S, interval)}
 

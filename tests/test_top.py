@@ -168,6 +168,15 @@ def test_a_narrow_terminal_keeps_the_essentials(one_host, width, shown, hidden):
         assert word not in text, text
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("bind,address", [("0.0.0.0", "127.0.0.1"), ("::", "::1"), ("127.0.0.2", "127.0.0.2")])
+def test_the_sampler_reads_the_proxy_where_it_listens(tmp_path, bind, address):
+    """proxy.bind set to one address: the proxy is not on loopback, and its /metrics is read there."""
+    inv_ = fleet_inventory.load(write_inventory(tmp_path, instances=1))
+    hv = inv_.host_vars("t", [f"proxy.bind='{bind}'"])
+    assert top.sampler_spec(hv, 1.0, 0)["proxy_address"] == address
+
+
 # --- the sampler alone -----------------------------------------------------------------------------------
 
 @pytest.mark.process

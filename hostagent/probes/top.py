@@ -74,7 +74,9 @@ def read_proxy(spec):
     up = stale is None and alive(pid)
     out = {"alive": up, "metrics": None, "error": None}
     if up:
-        out["metrics"], out["error"] = scrape(base_url("127.0.0.1", spec["proxy_port"]), PROXY_SERIES)
+        # its public port, where /metrics is: loopback unless proxy.bind is one address
+        out["metrics"], out["error"] = scrape(base_url(spec.get("proxy_address") or "127.0.0.1", spec["proxy_port"]),
+                                              PROXY_SERIES)
     return out
 
 
