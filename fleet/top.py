@@ -336,7 +336,7 @@ def view(targets: dict[str, Target], rows: list[Row]) -> dict:
     instances = []
     for row in rows:
         frames = targets[row.host].window()
-        if not frames:
+        if not frames or targets[row.host].error:   # none yet, or its sampler lost: no frozen numbers
             instances.append({"host": row.host, "index": row.index, "backend": row.backend, "model": row.model,
                               "state": "unread", "slots": row.max_num_seqs})
             continue

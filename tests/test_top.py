@@ -344,3 +344,15 @@ def _samplers(deploy_dir: str) -> list[int]:
         if "exit_at_eof" in cmd and deploy_dir in cmd:
             found.append(int(name))
     return found
+
+
+@pytest.mark.unit
+def test_a_host_whose_sampler_was_lost_shows_no_frozen_numbers(one_host):
+    hv, rows = one_host
+    target = top.Target(hv)
+    target.add(top.Frame.parse(raw_frame(1.0, engine_lines(), proxy_lines()), hv))
+    assert top.view({hv.name: target}, rows)["instances"][0]["state"] == "healthy"
+    target.error = "its sampler: it ended (Broken pipe); starting it again"
+    v = top.view({hv.name: target}, rows)
+    assert v["instances"][0]["state"] == "unread" and v["instances"][0].get("rps") is None
+    assert "its sampler: it ended (Broken pipe); starting it again" in v["hosts"][0]["errors"]
