@@ -159,6 +159,7 @@ class Target:
     frames: deque = field(default_factory=deque)
     error: str | None = None            # why no frame comes (unreachable, the sampler ended)
     entry: str | None = None            # the entry host whose proxy fronts this host's instances
+    proxy_only: bool = False            # sampled for its proxy alone (an entry host not selected)
     next_start: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -174,18 +175,29 @@ class Target:
             return list(self.frames)
 
 
-def plan(inv: Inventory, pattern: str, overrides=()) -> tuple[list[HostVars], list[Row]]:
-    """The hosts to sample and the instance rows: the selected hosts, and for an entry host the hosts it
-    fronts (each once); a fronted instance's proxy is its entry host's."""
+def plan(inv: Inventory, pattern: str, overrides=()) -> tuple[list[HostVars], list[Row], set[str]]:
+    """The hosts to sample, the instance rows, and the hosts sampled for their proxy alone: the selected
+    hosts, and for an entry host the hosts it fronts (each once); a fronted instance's proxy is its entry
+    host's, read for its proxy alone when the entry itself is not selected."""
     hosts: dict[str, HostVars] = {}
     fronted: dict[tuple[str, int], tuple[str, str]] = {}     # (host, index) -> (backend, entry host)
-    for name in inv.select(pattern):
+    selected = inv.select(pattern)
+    for name in selected:
         hv = inv.host_vars(name, overrides)
         hosts.setdefault(hv.name, hv)
         if hv["fronts"]:
             for backend, member, index in cluster.front_backends(inv, hv, overrides):
                 hosts.setdefault(member.name, member)
                 fronted[(member.name, index)] = (backend, hv.name)
+    proxies: dict[str, HostVars] = {}      # entry hosts read for their proxy alone: they front a host shown
+    for name in selected:
+        entries = sorted(inv.fronted_by(name, overrides) - set(hosts))
+        if entries and not any((name, i) in fronted for i in range(len(hosts[name].ports))):
+            entry = proxies.get(entries[0]) or inv.host_vars(entries[0], overrides)
+            proxies[entry.name] = entry
+            for backend, member, index in cluster.front_backends(inv, entry, overrides):
+                if member.name == name:
+                    fronted[(name, index)] = (backend, entry.name)
     rows = []
     for hv in hosts.values():
         own_proxy = None if hv["fronts"] else hv.name
@@ -194,7 +206,7 @@ def plan(inv: Inventory, pattern: str, overrides=()) -> tuple[list[HostVars], li
             group = hv.group_of(i) if hv.groups and not hv.plain else None
             rows.append(Row(hv.name, i, backend, proxy_host, group.name if group else None,
                             group.max_num_seqs if group else hv["max_num_seqs"]))
-    return list(hosts.values()), rows
+    return list(hosts.values()) + list(proxies.values()), rows, set(proxies)
 
 
 # --- the view: frames in, numbers out -----------------------------------------------------------------
@@ -485,9 +497,12 @@ def _local(bind: str) -> str:
     return {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(bind, bind)
 
 
-def sampler_spec(hv: HostVars, interval: float, count: int) -> dict:
-    instances = [{"index": i, "port": p, "address": hv.instance_host} for i, p in enumerate(hv.ports)]
-    with_smi = bool(hv.ports) and hv["accelerator"] != "none"
+def sampler_spec(hv: HostVars, interval: float, count: int, proxy_only: bool = False) -> dict:
+    """What the host's sampler reads; an entry host shown for its proxy alone (it fronts a host selected
+    without it) is not asked for its instances or cards."""
+    instances = [] if proxy_only else [{"index": i, "port": p, "address": hv.instance_host}
+                                       for i, p in enumerate(hv.ports)]
+    with_smi = bool(instances) and hv["accelerator"] != "none"
     return {"deploy_dir": hv["deploy_dir"], "deployment_id": hv.deployment_id, "instances": instances,
             "proxy_port": hv["proxy"]["port"], "proxy_address": _local(hv["proxy"]["bind"]),
             "health_timeout_s": hv["health_timeout_s"],
@@ -501,7 +516,7 @@ def _start(target: Target, interval: float, count: int) -> None:
         if target.conn is None:
             target.conn = connect(target.hv)
             target.hv = prepare(target.conn, target.hv)
-        spec = sampler_spec(target.hv, interval, count)
+        spec = sampler_spec(target.hv, interval, count, target.proxy_only)
         target.sampler = target.conn.start(agent.python_command(
             target.hv, f"-c {shlex.quote(hostcode.probe('top'))} {shlex.quote(json.dumps(spec))}"))
     except FleetError as e:
@@ -599,10 +614,10 @@ def run(inv: Inventory, pattern: str, overrides=(), interval: float = 1.0, once:
     from rich.console import Console
     from rich.live import Live
 
-    hosts, rows = plan(inv, pattern, overrides)
+    hosts, rows, proxy_only = plan(inv, pattern, overrides)
     console = console or Console()
     entries = {r.host: r.proxy_host for r in rows if r.proxy_host}
-    targets = {hv.name: Target(hv, entry=entries.get(hv.name)) for hv in hosts}
+    targets = {hv.name: Target(hv, entry=entries.get(hv.name), proxy_only=hv.name in proxy_only) for hv in hosts}
     count = 2 if once else 0           # two frames: a rate needs an interval
     stop = threading.Event()
     threads = [threading.Thread(target=_pump, args=(t, stop, interval, count), daemon=True)

@@ -56,7 +56,7 @@ def raw_frame(t, engine, proxy, state="healthy", keeper=None):
 
 @pytest.fixture
 def one_host(tmp_path):
-    hosts, rows = top.plan(fleet_inventory.load(write_inventory(tmp_path, instances=1)), "t")
+    hosts, rows, _ = top.plan(fleet_inventory.load(write_inventory(tmp_path, instances=1)), "t")
     rows[0].backend = "127.0.0.1:8002"
     return hosts[0], rows
 
@@ -356,3 +356,26 @@ def test_a_host_whose_sampler_was_lost_shows_no_frozen_numbers(one_host):
     v = top.view({hv.name: target}, rows)
     assert v["instances"][0]["state"] == "unread" and v["instances"][0].get("rps") is None
     assert "its sampler: it ended (Broken pipe); starting it again" in v["hosts"][0]["errors"]
+
+
+@pytest.mark.unit
+def test_a_fronted_host_alone_is_shown_with_its_entry_hosts_proxy(tmp_path):
+    """inv top --host b, where a fronts b: b's rows take their load from a's proxy, a is read for its
+    proxy alone (no rows, no cards); --host a shows both hosts' rows."""
+    import yaml
+    base = {"connection": "local", "engine": "sim", "accelerator": "sim", "accelerators": 2, "instances": 2}
+    hosts = {"a": {**base, "base_port": 21000, "fronts": ["a", "b"], "proxy": {"port": 21010, "admin_port": 21011},
+                   "deploy_dir": str(tmp_path / "a")},
+             "b": {**base, "base_port": 21100, "proxy": {"port": 21110, "admin_port": 21111},
+                   "deploy_dir": str(tmp_path / "b")}}
+    path = tmp_path / "hosts.yml"
+    path.write_text(yaml.safe_dump({"hosts": hosts}))
+    inv_ = fleet_inventory.load(path)
+    sampled, rows, proxy_only = top.plan(inv_, "b")
+    assert [h.name for h in sampled] == ["b", "a"] and proxy_only == {"a"}
+    assert [(r.host, r.proxy_host) for r in rows] == [("b", "a"), ("b", "a")]
+    assert top.sampler_spec(sampled[1], 1.0, 0, proxy_only=True)["instances"] == []
+    assert top.sampler_spec(sampled[1], 1.0, 0, proxy_only=True)["smi"] is None
+    sampled, rows, proxy_only = top.plan(inv_, "a")
+    assert not proxy_only and sorted((r.host, r.index, r.proxy_host) for r in rows) == [
+        ("a", 0, "a"), ("a", 1, "a"), ("b", 0, "a"), ("b", 1, "a")]
