@@ -203,22 +203,29 @@ class SpanExport:
         code = child.popen.returncode
         how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with status {code}"
         wait = max(0.0, self._next_start - time.monotonic())
-        log.error("traces: the span exporter (pid %d) %s; %d span(s) it held are dropped; starting it again%s",
-                  child.pid, how, max(0, child.sent - child.settled), f" in {wait:.1f}s" if wait > 0.05 else "")
+        again = "not started again: the proxy stops" if self._stop.is_set() else \
+            "starting it again" + (f" in {wait:.1f}s" if wait > 0.05 else "")
+        log.error("traces: the span exporter (pid %d) %s; %d span(s) it held are dropped; %s",
+                  child.pid, how, max(0, child.sent - child.settled), again)
 
     # --- the writer thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
         while not self._stop.wait(self.BUILD_S):
-            self._tick(None)
-        deadline = time.monotonic() + self.STOP_S
-        self._tick(deadline)
+            self._guarded(None)
+        self._guarded(time.monotonic() + self.STOP_S)
         child = self._child
         if child is not None:
             try:
                 child.popen.stdin.close()    # the exporter's end of input: it sends what it has, and exits
             except OSError:
                 pass
+
+    def _guarded(self, deadline: float | None) -> None:
+        try:
+            self._tick(deadline)
+        except Exception as e:        # the writer thread must outlive whatever one batch did
+            log.error("traces: handing spans to the exporter failed: %s: %s", type(e).__name__, e)
 
     def _tick(self, deadline: float | None) -> None:
         """Take what has queued and write it to the exporter as one batch; mind a dead exporter."""
