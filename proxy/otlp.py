@@ -56,7 +56,9 @@ class _Child:
         self.popen = popen
         self.pid = popen.pid
         self.fd = popen.stdin.fileno()
-        os.set_blocking(self.fd, False)   # the writer waits with select, a bounded time at a stop
+        os.set_blocking(self.fd, False)   # the writer waits with poll, a bounded time at a stop
+        self.poll = select.poll()         # (not select: a proxy holding many sockets has descriptors past 1024)
+        self.poll.register(self.fd, select.POLLOUT)
         self.sent = 0        # spans written to it whole (the writer thread)
         self.settled = 0     # of those, spans it said were exported or dropped (the reader thread)
         self.reader: threading.Thread | None = None
@@ -278,5 +280,5 @@ class SpanExport:
                 deadline = time.monotonic() + self.STOP_S
             if deadline is not None and time.monotonic() >= deadline:
                 return False
-            select.select([], [child.fd], [], 0.1)
+            child.poll.poll(100)
         return True
