@@ -34,6 +34,8 @@ discards them, `proxy-otel-down` the same with its collector down; `proxy-base` 
 main branch's worktree) is that checkout's proxy on the same config: `--fronts proxy,proxy-otel,proxy-base
 --chat-only` gives export on against off, and off against before, as ratios round by round; without
 --chat-only the open-loop latency run (below capacity: what a client feels) takes every one of them too.
+CPU per request is the front's own process; a proxy's children (the span exporter, proxy/otlp_export.py)
+are measured apart and reported beside it, and their sum as a ratio too.
 """
 from __future__ import annotations
 
@@ -183,12 +185,19 @@ def main(argv=None) -> int:
             for r in range(args.rounds):
                 for name in fronts[r % len(fronts):] + fronts[:r % len(fronts)]:
                     cpu = stack.cpu_s(name) if name in stack.pids else None
+                    kids = stack.children_cpu_s(name) if name in stack.pids else None
                     run = drive(wrk_bin, stack, name, CHAT, args.connections, args.seconds, Path(tmp),
                                 body2=CHAT2 if mix else None)
                     if cpu is not None and run.get("requests"):   # the front's CPU time per request answered
                         run["cpu_us_per_request"] = (stack.cpu_s(name) - cpu) / run["requests"] * 1e6
+                        # Its children's (the span exporter's), apart: the proxy's own cost is the first.
+                        run["child_cpu_us_per_request"] = max(0.0, stack.children_cpu_s(name) - kids) \
+                            / run["requests"] * 1e6
+                        run["total_cpu_us_per_request"] = run["cpu_us_per_request"] + run["child_cpu_us_per_request"]
                     figures["runs"].setdefault(name, []).append(run)
                     cpu = f"  cpu {run['cpu_us_per_request']:.0f} us/req" if "cpu_us_per_request" in run else ""
+                    if run.get("child_cpu_us_per_request"):
+                        cpu += f" (+ {run['child_cpu_us_per_request']:.0f} in its exporter child)"
                     print(f"  round {r + 1} {name:<14} {run['rps']:>8.0f} r/s  p50 {run['p50_ms']:.1f} ms  "
                           f"p99 {run['p99_ms']:.1f} ms  errors {run['non_2xx'] + run['socket_errors']}{cpu}", flush=True)
             if not args.chat_only:
@@ -248,6 +257,15 @@ def report(f: dict) -> None:
               f"{', '.join(f'{r:.3f}' for r in by['rps'])}), p50 {statistics.median(by['p50_ms']):.3f}x, "
               f"p99 {statistics.median(by['p99_ms']):.3f}x; CPU per request {statistics.median(by['cpu_us_per_request']):.3f}x "
               f"(rounds {', '.join(f'{r:.3f}' for r in by['cpu_us_per_request'])})")
+        if any(r.get("child_cpu_us_per_request") for r in f["runs"][other]):
+            total = [o["total_cpu_us_per_request"] / p["total_cpu_us_per_request"] for o, p in pairs]
+            child = statistics.median(o["child_cpu_us_per_request"] for o, _ in pairs)
+            own = statistics.median(o["cpu_us_per_request"] for o, _ in pairs)
+            f["ratios"][other].update(total_cpu_us_per_request_by_round=total,
+                                      total_cpu_us_per_request_median=statistics.median(total))
+            print(f"    {other}: the proxy process {own:.0f} us/req, its exporter child {child:.0f} us/req (medians); "
+                  f"CPU per request with the child {statistics.median(total):.3f}x proxy's "
+                  f"(rounds {', '.join(f'{r:.3f}' for r in total)})")
     if "proxy-prefix" in runs:
         print("  target: routing by prefix costs at most 10% (requests/s at least 0.90x proxy's)")
     if "proxy-otel" in runs:

@@ -42,6 +42,10 @@ def status_table(st: dict) -> str:
     owned = {i["pid"] for i in st["instances"]} | {p["pid"]} | {(st.get("nginx") or {}).get("watcher_pid")} \
         | {k.get("pid")}
     others = [t for t in st.get("tagged", []) if t["pid"] not in owned]
+    # The proxy's span exporter (proxy.otlp: python -m proxy.otlp_export) is its child, with its tag.
+    exporters = [t for t in others if p["pid"] and t.get("ppid") == p["pid"]
+                 and t["tag"].rpartition("/")[2] == "proxy"]
+    others = [t for t in others if t not in exporters]
     # The engine's own children (EngineCore, Worker) live in their instance's session: expected, not news.
     # A tagged process outside every running session is a leftover of a killed process.
     sessions = {pid for pid in owned if pid}
@@ -50,6 +54,9 @@ def status_table(st: dict) -> str:
     running = {f"log-{i['index']}" for i in st["instances"] if i["pid"]}
     writers = [t for t in others if t.get("sid") not in sessions and t["tag"].rpartition("/")[2] in running]
     strays = [t for t in others if t.get("sid") not in sessions and t not in writers]
+    if exporters:
+        lines.append(f"  + {len(exporters)} span exporter(s) of the proxy (proxy.otlp), pid "
+                     + ", ".join(str(t["pid"]) for t in exporters))
     if children:
         lines.append(f"  + {len(children)} engine process(es) in the running instances' sessions")
     if writers:

@@ -68,7 +68,7 @@ def file_mode(path):
 def tagged(prefix):
     """Processes of this user whose environment carries FLEET_TAG=<prefix>..."""
     me, self_pid = os.getuid(), os.getpid()
-    return [{"pid": p.pid, "tag": p.tag, "sid": p.sid, "cmdline": p.cmdline[:200]}
+    return [{"pid": p.pid, "tag": p.tag, "sid": p.sid, "ppid": p.ppid, "cmdline": p.cmdline[:200]}
             for p in processes.snapshot().values()
             if p.uid == me and p.pid != self_pid and p.tag is not None and p.tag.startswith(prefix)]
 

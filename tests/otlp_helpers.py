@@ -3,6 +3,7 @@ applications served from a thread of their own."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 
 import pytest
@@ -72,3 +73,30 @@ def attrs(span) -> dict:
         v = a.value
         out[a.key] = getattr(v, v.WhichOneof("value"))
     return out
+
+
+def exporters_of(pid: int) -> list[int]:
+    """The span exporter processes whose parent is pid (python -m proxy.otlp_export)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read().decode("ascii", "replace").rsplit(")", 1)[-1].split()
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if stat[0] not in ("Z", "X") and int(stat[1]) == pid and b"proxy.otlp_export" in argv:
+            found.append(int(name))
+    return found
+
+
+def environ_tag(pid: int) -> str | None:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        for kv in f.read().split(b"\0"):
+            if kv.startswith(b"FLEET_TAG="):
+                return kv[len(b"FLEET_TAG="):].decode()
+    return None
+

@@ -280,3 +280,20 @@ def test_status_counts_running_instances_log_writers_apart_from_strays():
     assert "+ 1 log writer(s) of the running instances" in table
     assert "2 process(es) carry the deployment's tag outside any running instance" in table
     assert table.rstrip().endswith("14, 15"), table
+
+
+
+@pytest.mark.unit
+def test_status_counts_the_proxys_span_exporter_apart_from_strays():
+    """The proxy's span exporter (its child, tag <id>/proxy, in its session) is expected, not an orphan nor
+    an engine process; one whose proxy is gone (another parent) is a leftover."""
+    st = {"host": "h", "front": "proxy", "deploy_dir": "/d",
+          "proxy": {"port": 8000, "pid": 5, "state": "healthy", "backends": []},
+          "instances": [{"index": 0, "port": 8002, "accelerator": 0, "pid": 10, "pgid": 10, "state": "healthy"}],
+          "tagged": [{"pid": 6, "tag": "dep/proxy", "sid": 5, "ppid": 5},
+                     {"pid": 7, "tag": "dep/proxy", "sid": 4, "ppid": 1}]}
+    table = display.status_table(st)
+    assert "+ 1 span exporter(s) of the proxy (proxy.otlp), pid 6" in table
+    assert "engine process" not in table
+    assert "1 process(es) carry the deployment's tag outside any running instance" in table
+    assert table.rstrip().endswith(": 7"), table

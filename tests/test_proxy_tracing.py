@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 
 from conftest import wait_until
-from otlp_helpers import Collector, Servers, attrs
+from otlp_helpers import Collector, Servers, attrs, environ_tag, exporters_of
 from proxy_helpers import start_proxy, start_sims
 from proxy import tracing
 from proxy.config import ConfigError, parse_config
@@ -356,3 +356,45 @@ class socket_closed_port:
 
     def __exit__(self, *exc) -> None:
         pass
+
+
+@pytest.mark.process
+def test_span_exporter_child_lives_with_the_proxy_and_is_restarted(procs, tmp_path, servers):
+    """1. a proxy exporting to a collector, FLEET_TAG in its environment: one span exporter child runs
+    (python -m proxy.otlp_export), carrying the proxy's tag; a request's spans arrive; 2. the child is
+    killed (SIGKILL): the proxy says so in one line and starts another within RESTART_S and a bit, and a
+    request made after it has its spans at the collector; 3. the proxy's SIGTERM: it exits 0 and its
+    child is gone with it (no process left behind)."""
+    import os
+    engines = FakeEngines(servers, 1)
+    collector = Collector(servers)
+    tag = "test-host-abc/proxy"
+    port, _ = start_proxy(procs, tmp_path, engines.ports, env_extra={"FLEET_TAG": tag},
+                          otlp={"endpoint": collector.url})
+    proxy = procs.started[-1]
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    first = wait_until(lambda: exporters_of(proxy.pid), what="the span exporter child")
+    assert len(first) == 1 and environ_tag(first[0]) == tag
+    status, headers, _ = post(url, CHAT)
+    assert status == 200
+    wait_until(lambda: len(collector.of_trace(headers["X-Trace-Id"])) == 2, what="the first request's spans")
+
+    os.kill(first[0], signal.SIGKILL)
+    t = time.monotonic()
+    second = wait_until(lambda: [p for p in exporters_of(proxy.pid) if p != first[0]], timeout=15,
+                        what="a new span exporter")
+    assert len(second) == 1 and time.monotonic() - t < 10
+    assert exporters_of(proxy.pid) == second
+    log = (tmp_path / "proxy.log").read_text()
+    assert f"the span exporter (pid {first[0]}) was killed by signal 9" in log
+    status, headers, _ = post(url, CHAT, {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"})
+    assert status == 200
+    spans = wait_until(lambda: len(collector.of_trace(CLIENT_TRACE)) == 2 and collector.of_trace(CLIENT_TRACE),
+                       what="the spans of a request after the restart")
+    assert {s.kind for s in spans} == {spans[0].SPAN_KIND_SERVER, spans[0].SPAN_KIND_CLIENT}
+
+    proxy.send_signal(signal.SIGTERM)
+    assert proxy.wait(15) == 0
+    wait_until(lambda: not os.path.exists(f"/proc/{second[0]}") or
+               open(f"/proc/{second[0]}/stat").read().rsplit(")", 1)[-1].split()[0] in ("Z", "X"),
+               timeout=5, what="the span exporter gone after the proxy's stop")

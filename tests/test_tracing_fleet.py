@@ -112,3 +112,55 @@ def test_preflight_finds_the_sdk_missing_on_a_real_host(tmp_path):
                                               f"env_setup=export PYTHONPATH={shadow.parent}"])
     with pytest.raises(RemoteError, match="lacks what deploy needs: the OpenTelemetry SDK in"):
         preflight.check(LocalTransport(), hv)
+
+
+@pytest.mark.cluster
+def test_the_span_exporter_is_the_proxys_for_status_restart_and_stop(tmp_path):
+    """1. deploy one sim instance with proxy.otlp.endpoint at a live collector: the proxy has one span
+    exporter child, tagged <id>/proxy; `inv status` counts it as the proxy's (not an orphan); a request's spans reach the collector; 2. a zero-gap proxy restart (a restart-only
+    setting): the new proxy has its own exporter, the old one's is gone with it; 3. `inv stop` leaves no
+    process of the deployment, the exporter included."""
+    import json
+    import urllib.request
+
+    from conftest import wait_until
+    from fleet_helpers import deployment_id, inv, kill_tagged, status_json, tagged_pids
+    from otlp_helpers import Collector, Servers, environ_tag, exporters_of
+    servers = Servers()
+    collector = Collector(servers)
+    inventory = write_inventory(tmp_path, instances=1)
+    dep = deployment_id(inventory)
+    sets = ["--set", f"proxy.otlp.endpoint={collector.url}"]
+    try:
+        r = inv("deploy", "--host", "t", *sets, inventory=inventory)
+        assert r.returncode == 0, r.stdout + r.stderr
+        st = status_json(inventory, *sets)
+        old = st["proxy"]["pid"]
+        child = wait_until(lambda: exporters_of(old), what="the proxy's span exporter")
+        assert len(child) == 1 and environ_tag(child[0]) == f"{dep}/proxy"
+        text = inv("status", "--host", "t", *sets, inventory=inventory).stdout
+        assert f"+ 1 span exporter(s) of the proxy (proxy.otlp), pid {child[0]}" in text, text
+        assert "outside any running instance" not in text, text
+        req = urllib.request.Request(f"http://127.0.0.1:{st['proxy']['port']}/v1/chat/completions",
+                                     data=json.dumps({"model": "Test-Model", "max_tokens": 2, "messages": [
+                                         {"role": "user", "content": "hi"}]}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as answer:
+            trace = answer.headers["X-Trace-Id"]
+        wait_until(lambda: len(collector.of_trace(trace)) == 2, what="the request's spans at the collector")
+
+        r = inv("deploy", "--host", "t", *sets, "--set", "proxy.max_body_mb=32", inventory=inventory)
+        assert r.returncode == 0, r.stdout + r.stderr
+        new = status_json(inventory, *sets)["proxy"]["pid"]
+        assert new != old
+        wait_until(lambda: not exporters_of(old) and child[0] not in tagged_pids(dep + "/"), timeout=10,
+                   what="the old proxy's exporter gone")
+        assert len(wait_until(lambda: exporters_of(new), what="the new proxy's span exporter")) == 1
+
+        r = inv("stop", "--host", "t", *sets, inventory=inventory)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert tagged_pids(dep + "/") == [], r.stdout
+    finally:
+        inv("stop", "--host", "t", *sets, "--now", inventory=inventory)
+        kill_tagged(dep + "/")
+        servers.close()
