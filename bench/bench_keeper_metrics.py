@@ -9,34 +9,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
-import socket
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_block(n: int) -> int:
-    """The first of n consecutive free loopback ports."""
-    for _ in range(500):
-        base = random.randrange(21000, 29000)
-        with_all = []
-        for p in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                    with_all.append(p)
-                except OSError:
-                    break
-        if len(with_all) == n:
-            return base
-    raise SystemExit("no free ports found")
+sys.path.insert(0, str(ROOT / "bench"))
+from stack import free_ports, sim_inventory  # noqa: E402
 
 
 def cpu_s(pid: int) -> float:
@@ -50,23 +32,10 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=60)
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-keeper-metrics-"))
-    base = free_block(6)
-    inventory = work / "hosts.yml"
-    inventory.write_text(textwrap.dedent(f"""\
-        hosts:
-          m:
-            connection: local
-            engine: sim
-            accelerator: sim
-            accelerators: 2
-            instances: 2
-            base_port: {base}
-            deploy_dir: {work / 'deploy'}
-            stagger_s: 0
-            sim: {{load_s: 0.3}}
-            proxy: {{port: {base + 2}, admin_port: {base + 3}, health_interval_s: 1}}
-            keeper: {{metrics_port: {base + 4}}}
-        """))
+    base = free_ports(6)
+    inventory = sim_inventory(work / "hosts.yml", "m", work / "deploy", base, 2, sim={"load_s": 0.3},
+                              proxy={"port": base + 2, "admin_port": base + 3, "health_interval_s": 1},
+                              keeper={"metrics_port": base + 4})
 
     def inv(*a: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "invoke", *a, "--inventory", str(inventory)], cwd=ROOT,

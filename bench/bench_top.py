@@ -16,7 +16,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import textwrap
 import threading
 import time
 import urllib.request
@@ -24,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from stack import free_ports  # noqa: E402
+from stack import free_ports, sim_inventory  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -73,23 +72,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="bench-top-"))
     base = free_ports(10)
-    inventory = tmp / "hosts.yml"
-    inventory.write_text(textwrap.dedent(f"""\
-        hosts:
-          t:
-            connection: local
-            engine: sim
-            accelerator: sim
-            accelerators: 8
-            instances: 8
-            max_num_seqs: 4
-            base_port: {base}
-            model: /models/Test-Model
-            deploy_dir: {tmp / 'deploy'}
-            stagger_s: 0
-            sim: {{load_s: 0.3, prefill_ms: 20, token_ms: 10}}
-            proxy: {{port: {base + 8}, admin_port: {base + 9}}}
-        """))
+    inventory = sim_inventory(tmp / "hosts.yml", "t", tmp / "deploy", base, 8, max_num_seqs=4,
+                              model="/models/Test-Model", sim={"load_s": 0.3, "prefill_ms": 20, "token_ms": 10},
+                              proxy={"port": base + 8, "admin_port": base + 9})
     r = inv("deploy", "--host", "t", inventory=inventory, timeout=300)
     if r.returncode != 0:
         print(r.stdout + r.stderr, file=sys.stderr)

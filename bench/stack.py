@@ -69,6 +69,15 @@ def free_ports(n: int) -> int:
     raise SystemExit("bench: no run of free loopback ports found.")
 
 
+def sim_inventory(path: Path, host: str, deploy_dir: Path, base: int, instances: int, **keys) -> Path:
+    """Write an inventory of one local sim host at path: `instances` sims on cards 0.., ports from base,
+    deploy_dir its own; keys add to or replace the host's (sim, proxy, keeper, max_num_seqs ...)."""
+    spec = {"connection": "local", "engine": "sim", "accelerator": "sim", "accelerators": instances,
+            "instances": instances, "base_port": base, "deploy_dir": str(deploy_dir), "stagger_s": 0, **keys}
+    path.write_text(yaml.safe_dump({"hosts": {host: spec}}, sort_keys=False))
+    return path
+
+
 def _free(port: int) -> bool:
     with socket.socket() as s:
         try:

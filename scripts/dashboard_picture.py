@@ -19,11 +19,9 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import textwrap
 import threading
 import time
 import urllib.parse
@@ -33,27 +31,13 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from stack import free_ports, sim_inventory  # noqa: E402
+
 DASHBOARD = ROOT / "dashboards" / "vllm-fleet.json"
 COLORS = ["#7eb26d", "#eab839", "#6ed0e0", "#ef843c", "#e24d42", "#1f78c1", "#ba43a9", "#705da0", "#508642",
           "#cca300"]
 CELL_W, CELL_H = 50, 34          # one grid column (of 24) and one grid row, in pixels
-
-
-def free_block(n: int) -> int:
-    """The first of n consecutive free loopback ports."""
-    for _ in range(500):
-        base = random.randrange(20000, 30000 - n)
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise SystemExit("no free ports found")
 
 
 def inv(*args: str) -> str:
@@ -89,25 +73,12 @@ def client(port: int, stop: threading.Event) -> None:
 
 def run_stack(work: Path, seconds: float) -> tuple[dict, float, float]:
     """Deploy, scrape, load; returns each expression's query_range result, and the time range."""
-    base = free_block(6)
-    inventory = work / "hosts.yml"
-    inventory.write_text(textwrap.dedent(f"""\
-        hosts:
-          demo:
-            connection: local
-            engine: sim
-            accelerator: sim
-            accelerators: 3
-            instances: 3
-            max_num_seqs: 4
-            base_port: {base}
-            model: /models/Demo-Model
-            deploy_dir: {work / 'deploy'}
-            stagger_s: 0
-            sim: {{load_s: 2, prefill_ms: 200, token_ms: 15, output_tokens: 48}}
-            proxy: {{port: {base + 3}, admin_port: {base + 4}, health_interval_s: 1, queue: {{max: 6}}}}
-            keeper: {{metrics_port: {base + 5}, backoff_base_s: 3, dead_after_s: 5}}
-        """))
+    base = free_ports(6)
+    inventory = sim_inventory(
+        work / "hosts.yml", "demo", work / "deploy", base, 3, max_num_seqs=4, model="/models/Demo-Model",
+        sim={"load_s": 2, "prefill_ms": 200, "token_ms": 15, "output_tokens": 48},
+        proxy={"port": base + 3, "admin_port": base + 4, "health_interval_s": 1, "queue": {"max": 6}},
+        keeper={"metrics_port": base + 5, "backoff_base_s": 3, "dead_after_s": 5})
     prom = None
     stop = threading.Event()
     clients: list[threading.Thread] = []
@@ -118,7 +89,7 @@ def run_stack(work: Path, seconds: float) -> tuple[dict, float, float]:
         config = yaml.safe_load((work / "rendered" / "conf" / "prometheus.yml").read_text())
         config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
         (work / "prometheus.yml").write_text(yaml.safe_dump(config))
-        prom_port = free_block(1)
+        prom_port = free_ports(1)
         binary = shutil.which("prometheus") or "/usr/bin/prometheus"
         prom = subprocess.Popen([binary, f"--config.file={work / 'prometheus.yml'}",
                                  f"--storage.tsdb.path={work / 'tsdb'}", f"--web.listen-address=127.0.0.1:{prom_port}"],
