@@ -73,13 +73,22 @@ async def first_chunk_waits_while_queued(port: int, model: str, slots: int, max_
             async with session.get(f"{base}/metrics") as r:
                 return await r.text()
 
-        async def until(predicate, what: str) -> str:
+        async def until(predicate, what: str, streams=()) -> str:
             for _ in range(6000):
                 text = await metrics()
                 if predicate(text):
                     return text
+                ended = [t for t in streams if t.done()]
+                for t in ended:
+                    t.result()          # a stream that failed: its own error
+                if ended:               # finished before all were seen at once (a fast engine, a slow poll)
+                    await asyncio.gather(*streams)
+                    raise AssertionError(f"{len(ended)} stream(s) ended before {what} was seen")
                 await asyncio.sleep(0.02)
-            raise AssertionError(f"timed out waiting for {what}")
+            raise AssertionError(f"timed out waiting for {what} (last seen: running "
+                                 f"{gauge(text, 'vllm:num_requests_running')}, waiting "
+                                 f"{gauge(text, 'vllm:num_requests_waiting')}; streams' events: "
+                                 f"{[len(e) for e in events.values()]})")
 
         async def stream(i: int, started: asyncio.Event) -> None:
             async with session.post(f"{base}/v1/chat/completions", json=body) as r:
@@ -90,7 +99,7 @@ async def first_chunk_waits_while_queued(port: int, model: str, slots: int, max_
                         events[i].append(json.loads(line[6:]))
 
         blockers = [asyncio.create_task(stream(i, asyncio.Event())) for i in range(slots)]
-        await until(lambda t: gauge(t, "vllm:num_requests_running") == slots, f"{slots} running")
+        await until(lambda t: gauge(t, "vllm:num_requests_running") == slots, f"{slots} running", blockers)
         headers = asyncio.Event()
         extra = asyncio.create_task(stream(slots, headers))
         await headers.wait()

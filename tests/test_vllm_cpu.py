@@ -472,14 +472,15 @@ def test_engine_first_chunk_comes_with_the_first_token(cluster):
     from engine_shapes import first_chunk_waits_while_queued
     import asyncio
 
-    # The tiny model writes its streams in a second or two: on a loaded machine the four may end before the
-    # fifth is seen waiting twice in a row, which proves nothing either way; then the round is run again.
+    # The tiny model writes its streams in a second or two: on a loaded machine the four may end before they
+    # are seen running at once, or before the fifth is seen waiting twice in a row, which proves nothing
+    # either way; then the round is run again.
     for attempt in range(3):
         try:
             events = asyncio.run(first_chunk_waits_while_queued(cluster.ports[0], NAME, slots=4, max_tokens=480))
             break
         except AssertionError as e:
-            if "never seen waiting" not in str(e) or attempt == 2:
+            if ("never seen waiting" not in str(e) and "ended before" not in str(e)) or attempt == 2:
                 raise
     assert len(events) >= 2
 
