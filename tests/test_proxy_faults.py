@@ -103,7 +103,9 @@ def test_sigkill_of_a_backend_under_load_fails_only_its_streams(procs, tmp_path)
 
     results = asyncio.run(load(f"http://127.0.0.1:{port}", 32, 3.0, chat(stream=True), kill()))
     failed = [r for r in results if r.status != 200]
-    assert len(results) > 100
+    # The kill hit a backend with streams running (a count, not a throughput floor: a busy machine
+    # serves fewer requests in the 3 s, which says nothing about this test).
+    assert at_kill["in_flight"] > 0
     assert len(failed) <= at_kill["in_flight"], failed
     assert all(r.start < at_kill["t"] for r in failed), failed
     late = [r for r in results if r.start > at_kill["t"] + 0.05]
