@@ -9,7 +9,6 @@ import re
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from rich.console import Console
 from conftest import PYTHON, ROOT, require_tool, wait_until
 from fleet import hostcode, top
 from fleet import inventory as fleet_inventory
-from fleet_helpers import deployment_id, inv, inv_env, kill_tagged, write_inventory
+from fleet_helpers import deployment_id, inv, inv_env, kill_tagged, load, write_inventory
 
 # --- the view on made-up frames -------------------------------------------------------------------------
 
@@ -199,28 +198,20 @@ SIM = "{load_s: 0.3, prefill_ms: 20, token_ms: 10}"
 
 
 class Load:
-    """Bounded chat load on a proxy's port from a few threads, until stop() or 120 s."""
+    """The shared chat load (fleet_helpers.load, bounded in time) from a few threads, until stop()."""
 
-    def __init__(self, port: int, threads: int = 6, model: str = "Test-Model"):
-        self.url = f"http://127.0.0.1:{port}/v1/chat/completions"
-        self.body = json.dumps({"model": model, "messages": [{"role": "user", "content": "hello " * 40}],
-                                "max_tokens": 24}).encode()
-        self.done = threading.Event()
-        self.answered = 0
-        self.deadline = time.monotonic() + 120
-        self.threads = [threading.Thread(target=self.run, daemon=True) for _ in range(threads)]
+    def __init__(self, port: int, threads: int = 6):
+        self.port, self.done = port, threading.Event()
+        self.threads = [threading.Thread(target=load, args=(port, self.done, 120), daemon=True)
+                        for _ in range(threads)]
         for th in self.threads:
             th.start()
 
-    def run(self):
-        while not self.done.is_set() and time.monotonic() < self.deadline:
-            req = urllib.request.Request(self.url, data=self.body, headers={"Content-Type": "application/json"})
-            try:
-                with urllib.request.urlopen(req, timeout=30) as r:
-                    r.read()
-                self.answered += 1
-            except OSError:
-                time.sleep(0.1)
+    def answered(self) -> float:
+        """The proxy's own count of 200 answers."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        return sum(float(v) for v in re.findall(r'^proxy_requests_total\{[^}]*status="200"[^}]*\} (\S+)$', text, re.M))
 
     def stop(self):
         self.done.set()
@@ -262,12 +253,12 @@ def once(inventory, *extra) -> subprocess.CompletedProcess:
 @pytest.mark.xdist_group("top")
 def test_once_prints_a_frame_with_the_fleet_at_work(cluster):
     inventory, port = cluster
-    load = Load(port)
+    work = Load(port)
     try:
-        wait_until(lambda: load.answered >= 20, timeout=60, what="the load's first answers")
+        wait_until(lambda: work.answered() >= 20, timeout=60, what="the load's first answers")
         r = once(inventory)
     finally:
-        load.stop()
+        work.stop()
     assert r.returncode == 0, r.stdout + r.stderr
     rows = instance_rows(r.stdout)
     assert sorted(rows) == [0, 1], r.stdout
@@ -306,10 +297,10 @@ def test_in_a_real_terminal_the_numbers_move_under_load_and_q_quits(cluster, tmp
     def pane() -> str:
         return subprocess.run([tmux, "-L", server, "capture-pane", "-p"], capture_output=True, text=True,
                               env=env).stdout
-    load = None
+    work = None
     try:
         wait_until(lambda: len(instance_rows(pane())) == 2, timeout=60, what="inv top's first frame in tmux")
-        load = Load(port)
+        work = Load(port)
         seen = []
 
         def moving() -> bool:
@@ -326,8 +317,8 @@ def test_in_a_real_terminal_the_numbers_move_under_load_and_q_quits(cluster, tmp
         dep = str(inventory.parent / "deploy")
         wait_until(lambda: not _samplers(dep), timeout=10, what="the sampler to end with the view")
     finally:
-        if load is not None:
-            load.stop()
+        if work is not None:
+            work.stop()
         subprocess.run([tmux, "-L", server, "kill-server"], capture_output=True, env=env)
 
 
