@@ -216,12 +216,12 @@ async def _read_stream(r: aiohttp.ClientResponse, sample: Sample, t0: float) -> 
     chunks, usage_tokens, done = 0, None, False
     async for line in r.content:
         line = line.strip()
-        if not line.startswith(b"data:"):
-            continue
+        if done or not line.startswith(b"data:"):
+            continue   # after [DONE]: read on to the response's end, so the connection is kept for reuse
         data = line[5:].strip()
         if data == b"[DONE]":
             done = True
-            break
+            continue
         try:
             event = json.loads(data)
         except ValueError:

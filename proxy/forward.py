@@ -83,6 +83,7 @@ class Outcome:
     span_id: str = ""              # the attempt's span, its backend's traceparent parent id
     backend: str = ""
     t_start: float = 0.0
+    delivered: bool = False        # the stream's last event went out: the client has the whole answer
 
 
 @dataclass
@@ -108,6 +109,8 @@ class Exchange:
     parent_span: str | None = None  # the client's span (its traceparent's parent id), None: a new trace
     flags: str = SAMPLED           # the trace flags, passed on to the backends as the client sent them
     ttfb: float | None = None      # seconds from arrival to the first byte sent to the client
+    attempt: Outcome | None = None  # the attempt under way (or the last one)
+    client_left: bool = False      # the client went away before it had the whole answer
     tried: list | None = None      # every attempt's Outcome, kept when spans are exported
     wall_ns: int = 0               # time.time_ns() at arrival, when spans are exported
 
@@ -142,7 +145,7 @@ async def proxy_handler(request: web.Request) -> web.StreamResponse:
     status = CLIENT_CLOSED
     try:
         response = await _handle(ex, proxy)
-        status = response.status
+        status = CLIENT_CLOSED if ex.client_left else response.status
         return response
     finally:   # the spans are built off the event loop (proxy/otlp.py): here a tuple is queued
         spans.record(_span_record(ex, status))
@@ -223,12 +226,18 @@ async def _handle(ex: Exchange, proxy) -> web.StreamResponse:
             proxy.metrics.retries.labels(failed.name).inc()
             _log_attempt(ex, proxy, failed, outcome, final=False)
         return _finish(ex, proxy, backend, outcome)
-    except ClientGone:
-        outcome = _client_gone(ex, proxy, backend)
+    except (ClientGone, asyncio.CancelledError) as gone:
+        # ClientGone: a write found the client gone; CancelledError: aiohttp's handler_cancellation,
+        # the client hung up while we waited. A client that hangs up once the stream's last event
+        # (`data: [DONE]`) reached it, without waiting for the stream's end, was served: log it so.
+        if ex.attempt is not None and ex.attempt.delivered:
+            outcome = ex.attempt
+            _finish(ex, proxy, backend, outcome)
+        else:
+            outcome = _client_gone(ex, proxy, backend)
+        if isinstance(gone, asyncio.CancelledError):
+            raise
         return request["response"]      # already started; aiohttp has nobody left to send it to
-    except asyncio.CancelledError:      # handler_cancellation: the client hung up while we waited
-        outcome = _client_gone(ex, proxy, backend)
-        raise
     finally:
         proxy.requests.pop(id(ex), None)
         pool.release(backend)
@@ -309,6 +318,7 @@ async def list_models(request: web.Request) -> web.StreamResponse:
 def _client_gone(ex: Exchange, proxy, backend: Backend) -> Outcome:
     outcome = Outcome(status=CLIENT_CLOSED, error="cut: still in flight when the stopping proxy's drain "
                       "bound passed" if ex.cut else "the client went away")
+    ex.client_left = True
     proxy.metrics.aborted.labels(backend.name).inc()
     _log_attempt(ex, proxy, backend, outcome, final=True)
     return outcome
@@ -403,7 +413,7 @@ async def _attempt(ex: Exchange, proxy, backend: Backend) -> Outcome:
     """Send the request to backend; stream a good answer to the client, hold back a 502/503."""
     request, config = ex.request, proxy.config
     ex.attempts += 1
-    out = Outcome(span_id=new_span_id(), backend=backend.name)
+    out = ex.attempt = Outcome(span_id=new_span_id(), backend=backend.name)
     headers = upstream_headers(request.headers)
     headers["X-Request-Id"] = ex.request_id
     headers["traceparent"] = f"00-{ex.otel_trace}-{out.span_id}-{ex.flags}"
@@ -449,6 +459,8 @@ async def _attempt(ex: Exchange, proxy, backend: Backend) -> Outcome:
                     await resp.write(chunk)
                 except ConnectionResetError as e:
                     raise ClientGone() from e
+                if not out.delivered and _ends_stream(chunk, out.observer):
+                    out.delivered = True
             try:
                 await resp.write_eof()
             except ConnectionResetError:
@@ -483,6 +495,13 @@ async def _attempt(ex: Exchange, proxy, backend: Backend) -> Outcome:
     if out.sent:
         out.retryable = False   # never retry once a byte went to the client
     return out
+
+
+def _ends_stream(chunk: bytes, observer: ResponseObserver | None) -> bool:
+    """Whether an SSE chunk just written carried the stream's last event, `data: [DONE]`."""
+    if observer is not None:
+        return observer.done
+    return chunk.rstrip().endswith(b"data: [DONE]")
 
 
 async def _read_up_to(up: aiohttp.ClientResponse, limit: int) -> bytes:

@@ -63,6 +63,7 @@ class ResponseObserver:
         self.prompt_tokens: int | None = None
         self.reported_tokens: int | None = None   # usage.completion_tokens as the answer said (no estimate)
         self.error: str | None = None
+        self.done = False   # the stream's last event (`data: [DONE]`) has passed
         self._content_chunks = 0
         self._reasoning = False
         self._prefix: list[str] = []
@@ -104,7 +105,10 @@ class ResponseObserver:
             if not line.startswith(b"data:"):
                 continue
             payload = line[5:].strip()
-            if payload == b"[DONE]" or not payload:
+            if payload == b"[DONE]":
+                self.done = True
+                continue
+            if not payload:
                 continue
             try:
                 event = json.loads(payload)

@@ -12,6 +12,7 @@ import signal
 import socket
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass
 
 import aiohttp
@@ -211,7 +212,9 @@ class FakeBackend:
     """A tiny HTTP backend on a thread, for faults a sim engine has no reason to make.
 
     mode "ok": /health 200. "503": POSTs answer 503. "break": POSTs start an SSE answer, send one
-    chunk, and cut the connection. "blackhole": stop accepting, so a new connection times out.
+    chunk, and cut the connection. "linger": POSTs stream a whole SSE answer, `data: [DONE]` included,
+    then hold the stream open LINGER_S before ending it (an engine slow to end its response).
+    "blackhole": stop accepting, so a new connection times out.
     Every answer closes its connection, so the proxy never holds a kept-alive one.
     """
 
@@ -293,6 +296,22 @@ class FakeBackend:
             chunk = b'data: {"choices": [{"delta": {"content": "half"}}]}\n\n'
             conn.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
             conn.shutdown(socket.SHUT_RDWR)
+        elif self.mode == "linger":
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                         b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n")
+            events = [b'data: {"choices": [{"index": 0, "delta": {"content": "one"}}]}\n\n',
+                      b'data: {"choices": [{"index": 0, "delta": {"content": " two"}, "finish_reason": "stop"}]}'
+                      b'\n\ndata: {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 2}}\n\n'
+                      b'data: [DONE]\n\n']
+            for i, chunk in enumerate(events):
+                if i:
+                    time.sleep(0.3)   # the first chunk alone first: a client can leave between the two
+                conn.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            time.sleep(LINGER_S)
+            conn.sendall(b"0\r\n\r\n")
+
+
+LINGER_S = 2
 
 
 @pytest.fixture
@@ -343,6 +362,48 @@ def test_retry_before_the_first_byte_and_never_after(procs, tmp_path, fakes):
     assert second["backend"] == name(sim) and second["status"] == 200 and second["retries"] == 1
     cut = next(x for x in lines if x["backend"] == breaking.name)
     assert cut["final"] and cut["retries"] == 0 and "interrupted" in cut["error"]
+
+
+def test_a_client_that_leaves_after_done_was_served(procs, tmp_path, fakes):
+    """Many SSE clients hang up once `data: [DONE]` reaches them, before the response's end (the bench
+    did: the results log said 499 for answers it had whole). 1. A client that leaves after [DONE] while
+    the engine holds the stream open: the results log says 200 with the answer's finish_reason and
+    tokens, and no client abort is counted. 2. One that leaves after the first chunk: 499, "the client
+    went away", one abort counted."""
+    lingering = fakes()
+    port, admin = start_proxy(procs, tmp_path, [lingering.name])
+    wait_until(lambda: all(b["healthy"] for b in asyncio.run(backends(admin)).values()), what="healthy")
+    lingering.mode = "linger"
+    body = json.dumps(chat(stream=True)).encode()
+
+    def leave_after(marker: bytes, rid: str) -> bytes:
+        """Send a streamed request, read until marker, hang up; what was read."""
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
+            c.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"X-Request-Id: %s\r\nContent-Length: %d\r\n\r\n%s" % (rid.encode(), len(body), body))
+            got = b""
+            while marker not in got:
+                data = c.recv(65536)
+                assert data, got
+                got += data
+            return got
+
+    assert b"data: [DONE]" in leave_after(b"data: [DONE]", "whole")
+    assert b"[DONE]" not in leave_after(b'"one"', "half")
+
+    def logged():
+        lines = {x["request_id"]: x for x in results_log(tmp_path) if x["final"]}
+        return len(lines) == 2 and lines
+    lines = wait_until(logged, timeout=LINGER_S * 4, what="both requests logged")
+    assert lines["whole"]["status"] == 200 and lines["whole"]["stream"], lines["whole"]
+    assert (lines["whole"]["finish_reason"], lines["whole"]["completion_tokens"]) == ("stop", 2), lines["whole"]
+    assert lines["whole"]["error"] is None, lines["whole"]
+    assert lines["half"]["status"] == 499 and lines["half"]["error"] == "the client went away", lines["half"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    assert f'proxy_client_aborts_total{{backend="{lingering.name}"}} 1.0' in text
+    assert f'proxy_requests_total{{backend="{lingering.name}",status="200"}} 1.0' in text
+    assert f'proxy_requests_total{{backend="{lingering.name}",status="499"}} 1.0' in text
 
 
 def test_connect_timeout_is_504_and_refused_is_502(procs, tmp_path, fakes):

@@ -630,7 +630,7 @@ def test_sigkill_of_api_servers_leaves_engines_that_stop_finds(cluster):
     memory table shows it. (`inv deploy` bringing such an instance back is tested on the sim, which
     renames its children the same way; here it would cost one more load of vLLM.)"""
     c = cluster
-    st = c.status()
+    c.status()
     victims, api = {}, {}
     for i in (0, 1):
         members = c.members(i)
