@@ -142,12 +142,15 @@ async def proxy_handler(request: web.Request) -> web.StreamResponse:
     if spans is None or not sampled(ex.flags):
         return await _handle(ex, proxy)
     ex.tried, ex.wall_ns = [], time.time_ns()
-    status = CLIENT_CLOSED
+    status = None
     try:
         response = await _handle(ex, proxy)
-        status = CLIENT_CLOSED if ex.client_left else response.status
+        status = response.status
         return response
     finally:   # the spans are built off the event loop (proxy/otlp.py): here a tuple is queued
+        if ex.client_left or status is None:   # cancelled: served if the whole answer had gone out
+            delivered = ex.attempt is not None and ex.attempt.delivered and not ex.client_left
+            status = ex.attempt.status if delivered else CLIENT_CLOSED
         spans.record(_span_record(ex, status))
 
 
@@ -166,6 +169,8 @@ def _span_record(ex: Exchange, status: int) -> tuple:
     final = ex.tried[-1].observer if ex.tried else None
     attempts = [(o.span_id, o.backend, o.t_start, o.attempt_ms, o.status or CLIENT_CLOSED,
                  o.error or (None if o.status else "the client went away")) for o in ex.tried]
+    if ex.client_left and attempts and not ex.tried[-1].delivered:   # it left mid-answer: not a 200
+        attempts[-1] = (*attempts[-1][:4], CLIENT_CLOSED, attempts[-1][5] or "the client went away")
     return (ex.request.method, ex.request.path, ex.t0, time.monotonic(), ex.wall_ns, status, ex.otel_trace,
             ex.parent_span, ex.flags, ex.backend, ex.pool or ex.model, ex.queued_ms, ex.ttfb, ex.request_id,
             final.prompt_tokens if final else None, final.reported_tokens if final else None, attempts)

@@ -7,6 +7,7 @@ import asyncio
 import json
 import re
 import signal
+import socket
 import statistics
 import time
 import urllib.request
@@ -269,6 +270,70 @@ def test_absent_or_invalid_traceparent_starts_a_trace(procs, tmp_path, servers):
     assert engines.seen[-1][1]["traceparent"].endswith("-00")
     status, headers, _ = post(url, CHAT, {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"})
     assert status == 401 and headers["X-Trace-Id"] == CLIENT_TRACE
+
+
+def lingering_engine(servers: Servers) -> int:
+    """A backend that streams an answer: one chunk, 0.3 s, the rest and `data: [DONE]`, then holds the
+    stream open 2 s before ending it."""
+    app = web.Application()
+
+    async def health(request):
+        return web.json_response({})
+
+    async def chat(request):
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices": [{"index": 0, "delta": {"content": "one"}}]}\n\n')
+        await asyncio.sleep(0.3)
+        await resp.write(b'data: {"choices": [{"index": 0, "delta": {"content": " two"}, "finish_reason": '
+                         b'"stop"}]}\n\ndata: {"choices": [], "usage": {"prompt_tokens": 9, '
+                         b'"completion_tokens": 2}}\n\ndata: [DONE]\n\n')
+        await asyncio.sleep(2)
+        try:
+            await resp.write_eof()
+        except ConnectionResetError:   # the proxy let it go when its client left
+            pass
+        return resp
+    app.router.add_get("/health", health)
+    app.router.add_post("/v1/chat/completions", chat)
+    return servers.serve(app)
+
+
+@pytest.mark.process
+def test_a_client_that_leaves_mid_stream_is_a_499_span(procs, tmp_path, servers):
+    """A client that hangs up after the first chunk: the server span and its attempt say 499, the
+    client went away (the attempt's backend had answered 200); one that hangs up once `data: [DONE]`
+    reached it was served: 200, its tokens counted."""
+    collector = Collector(servers)
+    port, _ = start_proxy(procs, tmp_path, [lingering_engine(servers)], otlp={"endpoint": collector.url})
+    body = json.dumps({**CHAT, "stream": True}).encode()
+    traces = {}
+    for kind, marker in (("half", b'"one"'), ("whole", b"data: [DONE]")):
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
+            c.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            got = b""
+            while marker not in got:
+                data = c.recv(65536)
+                assert data, got
+                got += data
+            traces[kind] = re.search(rb"X-Trace-Id: (\w+)", got).group(1).decode()
+
+    def spans(trace):
+        found = collector.of_trace(trace)
+        return len(found) == 2 and found
+    for kind, status in (("half", 499), ("whole", 200)):
+        found = wait_until(lambda: spans(traces[kind]), timeout=15, what=f"the {kind} request's spans")
+        server = next(s for s in found if s.kind == s.SPAN_KIND_SERVER)
+        attempt = next(s for s in found if s.kind == s.SPAN_KIND_CLIENT)
+        assert attrs(server)["http.response.status_code"] == status, (kind, attrs(server))
+        assert attrs(attempt)["http.response.status_code"] == status, (kind, attrs(attempt))
+        if status == 499:
+            assert attempt.status.message == "the client went away", attempt.status
+        else:
+            assert attrs(server)["gen_ai.usage.output_tokens"] == 2
+            assert attempt.status.code != attempt.status.STATUS_CODE_ERROR
 
 
 @pytest.mark.process
