@@ -51,6 +51,13 @@ class Proxy:
             if new.results_log != self.config.results_log:
                 results = ResultsLog(new.results_log, self.metrics.results_dropped.inc)
                 results.start()   # may fail (an unwritable path): then nothing has changed yet
+            if spans is not self.spans and spans is not None:
+                try:
+                    spans.start()   # may fail (no process to be had): the new results log goes too
+                except BaseException:
+                    if results is not None:
+                        threading.Thread(target=results.stop, name="results-log-stop", daemon=True).start()
+                    raise
         except ConfigError as e:
             log.error("reload refused, the running config stays: %s", e)
             return False
@@ -63,8 +70,6 @@ class Proxy:
             threading.Thread(target=old_results.stop, name="results-log-stop", daemon=True).start()
         if spans is not self.spans:
             old_spans, self.spans = self.spans, spans
-            if spans is not None:
-                spans.start()
             if old_spans is not None:
                 threading.Thread(target=old_spans.stop, name="otlp-stop", daemon=True).start()
         added, removed = self.router.update(new)

@@ -463,3 +463,63 @@ def test_span_exporter_child_lives_with_the_proxy_and_is_restarted(procs, tmp_pa
     wait_until(lambda: not os.path.exists(f"/proc/{second[0]}") or
                open(f"/proc/{second[0]}/stat").read().rsplit(")", 1)[-1].split()[0] in ("Z", "X"),
                timeout=5, what="the span exporter gone after the proxy's stop")
+
+
+@pytest.mark.process
+def test_a_reload_turns_export_on_and_off_and_a_refused_one_starts_nothing(procs, tmp_path, servers):
+    """SIGHUP with otlp.endpoint: 1. set, together with a results log path that cannot be written: the
+    reload is refused, no span exporter is started, the running results log goes on; 2. set alone: an
+    exporter child starts and a request's spans arrive; 3. unset: the child is stopped, requests go on."""
+    import yaml
+    engines = FakeEngines(servers, 1)
+    collector = Collector(servers)
+    port, _ = start_proxy(procs, tmp_path, engines.ports)
+    proxy = procs.started[-1]
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    conf_path = tmp_path / "proxy.yaml"
+    conf = yaml.safe_load(conf_path.read_text())
+    log = tmp_path / "proxy.log"
+
+    def reload(**changes) -> None:
+        before = log.read_text().count("reload")
+        conf_path.write_text(yaml.safe_dump({**conf, **changes}))
+        proxy.send_signal(signal.SIGHUP)
+        wait_until(lambda: log.read_text().count("reload") > before, what="the reload's line")
+
+    (tmp_path / "a-dir").mkdir()
+    reload(otlp={"endpoint": collector.url}, results_log={"path": str(tmp_path / "a-dir")})
+    assert "reload refused, the running config stays" in log.read_text()
+    assert exporters_of(proxy.pid) == []
+    assert post(url, CHAT)[0] == 200
+    wait_until(lambda: len(results(tmp_path / "req_results.log")) == 1, what="the running results log's line")
+
+    reload(otlp={"endpoint": collector.url})
+    wait_until(lambda: exporters_of(proxy.pid), what="the span exporter child")
+    status, headers, _ = post(url, CHAT)
+    assert status == 200
+    wait_until(lambda: len(collector.of_trace(headers["X-Trace-Id"])) == 2, what="the request's spans")
+
+    reload()
+    wait_until(lambda: exporters_of(proxy.pid) == [], timeout=10, what="the span exporter stopped")
+    status, headers, _ = post(url, CHAT)
+    assert status == 200 and not collector.of_trace(headers["X-Trace-Id"])
+
+
+@pytest.mark.unit
+def test_a_reload_whose_span_exporter_cannot_start_changes_nothing(tmp_path, monkeypatch):
+    """The exporter's process cannot be had (OSError at its start): the reload is refused, the running
+    config, results log and (absent) export stay, and the new results log made for it is let go."""
+    from proxy import state as state_mod
+    path = tmp_path / "proxy.yaml"
+    path.write_text(f"backends: [127.0.0.1:9]\nresults_log: {{path: {tmp_path / 'a.log'}}}\n")
+    proxy = state_mod.Proxy(state_mod.load_config(path), str(path))
+    stopped = []
+    monkeypatch.setattr(state_mod.SpanExport, "start", lambda self: (_ for _ in ()).throw(OSError(24, "EMFILE")))
+    monkeypatch.setattr(state_mod.ResultsLog, "stop", lambda self: stopped.append(self.config.path))
+    path.write_text(f"backends: [127.0.0.1:9]\nresults_log: {{path: {tmp_path / 'b.log'}}}\n"
+                    "otlp: {endpoint: 'http://127.0.0.1:9/v1/traces'}\n")
+    running = proxy.results
+    assert proxy.reload() is False
+    assert proxy.spans is None and proxy.results is running and proxy.config.otlp.endpoint is None
+    wait_until(lambda: stopped, what="the new results log let go")
+    assert stopped == [str(tmp_path / "b.log")]
