@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -18,13 +16,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from stack import free_ports, sim_inventory  # noqa: E402
+from stack import cpu_s as proc_cpu_s, free_ports, pid_of, run_inv, sim_inventory  # noqa: E402
 
 
 def cpu_s(pid: int) -> float:
-    """utime + stime + cutime + cstime of pid, in seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+    """The keeper's CPU seconds, the smi runs it waited for included."""
+    return proc_cpu_s(pid, waited_children=True)
 
 
 def main() -> int:
@@ -37,15 +34,11 @@ def main() -> int:
                               proxy={"port": base + 2, "admin_port": base + 3, "health_interval_s": 1},
                               keeper={"metrics_port": base + 4})
 
-    def inv(*a: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "invoke", *a, "--inventory", str(inventory)], cwd=ROOT,
-                              capture_output=True, text=True)
-
-    r = inv("deploy", "--host", "m")
+    r = run_inv(inventory, "deploy", "--host", "m")
     if r.returncode != 0:
         raise SystemExit(r.stdout + r.stderr)
     try:
-        pid = int((work / "deploy" / "run" / "keeper.pid").read_text().split()[0].split("=")[1])
+        pid = pid_of(work / "deploy" / "run" / "keeper.pid")
         time.sleep(3)
         c0, t0 = cpu_s(pid), time.time()
         time.sleep(args.seconds)
@@ -65,7 +58,7 @@ def main() -> int:
                           "max_ms": round(latencies[-1] * 1000, 1), "bytes": len(body),
                           "cards": body.count(b"fleet_card_memory_used_bytes{")}))
     finally:
-        inv("stop", "--host", "m")
+        run_inv(inventory, "stop", "--host", "m")
     return 0
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -23,19 +22,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from stack import free_ports, sim_inventory  # noqa: E402
-
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
-
-
-def inv(*args, inventory: Path, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "invoke", *args, "--inventory", str(inventory)], cwd=ROOT,
-                          capture_output=True, text=True, **kw)
+from stack import cpu_s, free_ports, pid_of, run_inv, sim_inventory  # noqa: E402
+from hostagent import processes  # noqa: E402  (stack put the checkout on the path)
 
 
 class Load:
@@ -75,13 +63,13 @@ def main(argv=None) -> int:
     inventory = sim_inventory(tmp / "hosts.yml", "t", tmp / "deploy", base, 8, max_num_seqs=4,
                               model="/models/Test-Model", sim={"load_s": 0.3, "prefill_ms": 20, "token_ms": 10},
                               proxy={"port": base + 8, "admin_port": base + 9})
-    r = inv("deploy", "--host", "t", inventory=inventory, timeout=300)
+    r = run_inv(inventory, "deploy", "--host", "t", timeout=300)
     if r.returncode != 0:
         print(r.stdout + r.stderr, file=sys.stderr)
         return 1
     load = top = None
     try:
-        pid = _proxy_pid(tmp / "deploy")
+        pid = pid_of(tmp / "deploy" / "run" / "proxy.pid")
         load = Load(base + 8, args.clients)
         time.sleep(3)
         rows, sampler_cpu = [], []
@@ -91,8 +79,7 @@ def main(argv=None) -> int:
                     top = subprocess.Popen([sys.executable, "-m", "invoke", "top", "--host", "t", "--inventory",
                                             str(inventory)], cwd=ROOT, stdin=subprocess.PIPE,
                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                    time.sleep(3)        # its samplers started, frames flowing
-                samplers = _samplers(str(tmp / "deploy")) if with_top else []
+                samplers = _wait_for_samplers(str(tmp / "deploy"), top) if with_top else []
                 c0, s0, t0 = cpu_s(pid), sum(map(cpu_s, samplers)), time.monotonic()
                 time.sleep(args.phase_s)
                 dt = time.monotonic() - t0
@@ -117,7 +104,7 @@ def main(argv=None) -> int:
             top.wait(timeout=20)
         if load is not None:
             load.close()
-        inv("stop", "--host", "t", inventory=inventory, timeout=300)
+        run_inv(inventory, "stop", "--host", "t", timeout=300)
     off = [x for w, x in rows if not w]
     on = [x for w, x in rows if w]
     print("| phase | proxy CPU, % of a core (each round) | mean |")
@@ -131,22 +118,23 @@ def main(argv=None) -> int:
     return 0
 
 
+def _wait_for_samplers(deploy_dir: str, top: subprocess.Popen) -> list[int]:
+    """inv top's sampler for deploy_dir, once it runs (up to 30 s; inv top ending first is the bench's end)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        found = _samplers(deploy_dir)
+        if found:
+            return found
+        if top.poll() is not None:
+            raise SystemExit(f"inv top exited with status {top.returncode} before its sampler ran")
+        time.sleep(0.1)
+    raise SystemExit("inv top's sampler did not start within 30 s")
+
+
 def _samplers(deploy_dir: str) -> list[int]:
     """The pids of inv top's samplers for deploy_dir (their spec names it, with exit_at_eof)."""
-    found = []
-    for name in os.listdir("/proc"):
-        try:
-            cmd = Path(f"/proc/{name}/cmdline").read_bytes().decode(errors="replace") if name.isdigit() else ""
-        except OSError:
-            continue
-        if "exit_at_eof" in cmd and deploy_dir in cmd:
-            found.append(int(name))
-    return found
-
-
-def _proxy_pid(deploy: Path) -> int:
-    text = (deploy / "run" / "proxy.pid").read_text()
-    return int(text.split()[0].split("=")[-1])
+    return [p.pid for p in processes.snapshot().values()
+            if p.alive and "exit_at_eof" in p.cmdline and deploy_dir in p.cmdline]
 
 
 if __name__ == "__main__":

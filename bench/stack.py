@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from fleet import inventory, render  # noqa: E402
-from hostagent import upstream  # noqa: E402
+from hostagent import processes, upstream  # noqa: E402
 
 # An OTLP/HTTP sink: takes every export and discards it (the empty body is an empty ExportTraceServiceResponse).
 SINK = """import sys
@@ -51,6 +51,27 @@ app.router.add_post("/v1/traces", traces)
 web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), access_log=None, print=None)
 """
 ROUTERS_BIN = Path(__file__).resolve().parent / ".venv-routers" / "bin"
+
+
+def cpu_s(pid: int, waited_children: bool = False) -> float:
+    """CPU seconds (user + system) pid has used so far, with its waited-for children's when asked (Linux
+    /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(x) for x in fields[11:15 if waited_children else 13]) / os.sysconf("SC_CLK_TCK")
+
+
+def pid_of(pid_file: Path) -> int:
+    """The pid a deployment's pid file records (run/proxy.pid, run/keeper.pid)."""
+    rec, why = processes.read_record_file(str(pid_file))
+    if rec is None:
+        raise SystemExit(f"{pid_file}: {why or 'no such file'}")
+    return rec["pid"]
+
+
+def run_inv(inventory: Path, *args: str, **kw) -> subprocess.CompletedProcess:
+    """`inv ARGS --inventory INVENTORY` from the checkout, its output captured."""
+    return subprocess.run([sys.executable, "-m", "invoke", *args, "--inventory", str(inventory)], cwd=ROOT,
+                          capture_output=True, text=True, **kw)
 
 
 def free_ports(n: int) -> int:
@@ -242,22 +263,18 @@ class Stack:
 
     def cpu_s(self, front: str) -> float:
         """CPU seconds (user + system) a proxy front's process has used so far (Linux /proc)."""
-        fields = Path(f"/proc/{self.pids[front]}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return cpu_s(self.pids[front])
 
     def children_cpu_s(self, front: str) -> float:
         """CPU seconds the live children of a proxy front have used so far: its span exporter
         (proxy.otlp_export), 0 when it has none. A child that died meanwhile takes its time with it."""
         total = 0.0
-        for name in os.listdir("/proc"):
-            if not name.isdigit():
-                continue
-            try:
-                fields = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            if int(fields[1]) == self.pids[front]:
-                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        for p in processes.snapshot().values():
+            if p.ppid == self.pids[front]:
+                try:
+                    total += cpu_s(p.pid)
+                except (OSError, IndexError):   # it ended meanwhile
+                    pass
         return total
 
     def _proxy(self, front: str, *extra: str, root: Path = ROOT):

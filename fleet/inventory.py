@@ -431,6 +431,11 @@ def parse_overrides(overrides) -> dict:
     return layer
 
 
+def local_address(bind: str) -> str:
+    """Where the host itself reaches a port bound to `bind`: loopback for a wildcard."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(bind, bind)
+
+
 @dataclass
 class HostVars:
     """One host's resolved variables plus what follows from them (ports, backends, deployment id)."""
@@ -563,8 +568,7 @@ class HostVars:
     def instance_host(self) -> str:
         """Where an instance is reached on its own host (probes, doctor): its bind address, loopback for
         a wildcard."""
-        bind = self.vars["bind"]
-        return {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(bind, bind)
+        return local_address(self.vars["bind"])
 
     def claimed_ports(self) -> list[tuple[int, str, str]]:
         """Every TCP port this host listens on: (port, the key that sets it, what listens there)."""

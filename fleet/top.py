@@ -24,10 +24,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from . import agent, cluster, hostcode, smi
+from . import agent, cluster, smi
 from .errors import FleetError
 from .facts import prepare
-from .inventory import HostVars, Inventory
+from .inventory import HostVars, Inventory, local_address
 from .transport import Running, connect
 
 WINDOW_S = 60.0       # percentiles and the hit rate: over the last minute
@@ -295,14 +295,13 @@ def host_view(target: Target) -> dict:
     hv, frames = target.hv, target.window()
     out = {"host": hv.name, "front": None, "queue": None, "queue_max": hv["proxy"]["queue"]["max"],
            "r429": None, "r503": None, "r429_min": None, "r503_min": None, "keeper": None, "cards": None,
-           "errors": [], "took_ms": None, "ok": bool(frames)}
+           "errors": [], "ok": bool(frames)}
     if target.error:
         out["errors"].append(target.error)
     if not frames:
         return out
     last = frames[-1]
     raw = last.raw
-    out["took_ms"] = raw.get("took_ms")
     proxy = raw.get("proxy") or {}
     if raw.get("mode") == "nginx" and raw.get("nginx"):
         out["front"] = "nginx"
@@ -345,14 +344,15 @@ def host_view(target: Target) -> dict:
 def view(targets: dict[str, Target], rows: list[Row]) -> dict:
     """Everything one screen shows: the hosts' lines and the instances' lines."""
     hosts = [host_view(t) for t in targets.values()]
+    windows = {name: t.window() for name, t in targets.items()}   # one copy of each host's frames a view
     instances = []
     for row in rows:
-        frames = targets[row.host].window()
+        frames = windows[row.host]
         if not frames or targets[row.host].error:   # none yet, or its sampler lost: no frozen numbers
             instances.append({"host": row.host, "index": row.index, "backend": row.backend, "model": row.model,
                               "state": "unread", "slots": row.max_num_seqs})
             continue
-        proxy_frames = targets[row.proxy_host].window() if row.proxy_host in targets else []
+        proxy_frames = windows.get(row.proxy_host, [])
         keeper = (frames[-1].raw.get("keeper") or {}).get("instances") or {}
         instances.append(instance_view(row, frames, proxy_frames, keeper))
     return {"hosts": hosts, "instances": instances, "at": time.time()}
@@ -492,11 +492,6 @@ def _cards(cards) -> str:
 
 # --- running it ----------------------------------------------------------------------------------------
 
-def _local(bind: str) -> str:
-    """Where the host itself reaches a port bound to `bind`: loopback for a wildcard."""
-    return {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(bind, bind)
-
-
 def sampler_spec(hv: HostVars, interval: float, count: int, proxy_only: bool = False) -> dict:
     """What the host's sampler reads; an entry host shown for its proxy alone (it fronts a host selected
     without it) is not asked for its instances or cards."""
@@ -504,7 +499,7 @@ def sampler_spec(hv: HostVars, interval: float, count: int, proxy_only: bool = F
                                        for i, p in enumerate(hv.ports)]
     with_smi = bool(instances) and hv["accelerator"] != "none"
     return {"deploy_dir": hv["deploy_dir"], "deployment_id": hv.deployment_id, "instances": instances,
-            "proxy_port": hv["proxy"]["port"], "proxy_address": _local(hv["proxy"]["bind"]),
+            "proxy_port": hv["proxy"]["port"], "proxy_address": local_address(hv["proxy"]["bind"]),
             "health_timeout_s": hv["health_timeout_s"],
             "interval_s": interval, "count": count, "exit_at_eof": True,
             "smi": smi.smi_command(hv) if with_smi else None, "smi_every_s": max(SMI_EVERY_S, interval)}
@@ -517,12 +512,9 @@ def _start(target: Target, interval: float, count: int) -> None:
             target.conn = connect(target.hv)
             target.hv = prepare(target.conn, target.hv)
         spec = sampler_spec(target.hv, interval, count, target.proxy_only)
-        target.sampler = target.conn.start(agent.python_command(
-            target.hv, f"-c {shlex.quote(hostcode.probe('top'))} {shlex.quote(json.dumps(spec))}"))
+        target.sampler = agent.start_module(target.conn, target.hv, "probes.top", shlex.quote(json.dumps(spec)))
     except FleetError as e:
-        message = str(e)
-        target.error = "the host: " + (message[len(target.hv.name) + 2:] if message.startswith(f"{target.hv.name}: ")
-                                       else message)
+        target.error = "the host: " + str(e).removeprefix(f"{target.hv.name}: ")
         target.sampler, target.next_start = None, time.monotonic() + RESTART_AFTER_S
         if target.conn is not None:
             _close(target)
@@ -629,8 +621,8 @@ def run(inv: Inventory, pattern: str, overrides=(), interval: float = 1.0, once:
         if once:
             deadline = time.monotonic() + max(30.0, 10 * interval)
             try:
-                while time.monotonic() < deadline and any(th.is_alive() for th in threads):
-                    time.sleep(0.1)
+                for th in threads:
+                    th.join(max(0.0, deadline - time.monotonic()))
             except KeyboardInterrupt:
                 return 130
             v = view(targets, rows)

@@ -139,7 +139,7 @@ class Keeper:
         self.started_at = self.wall()
         self.mode = "proxy"
         self.written = ""
-        self.metrics = self.metrics_text("running")   # what GET /metrics answers, renewed each round
+        self.metrics = self.metrics_text("running")   # what GET /metrics answers, renewed when the record changes
         self.cards = cards.Sampler(cfg, log)            # the cards' figures, added to GET /metrics only
 
     # the host (seams)
@@ -168,7 +168,6 @@ class Keeper:
             return {}
 
     def write_state(self, state: str = "running") -> None:
-        self.metrics = self.metrics_text(state)
         now = self.clock()
         data = {"pid": os.getpid(), "state": state, "started_at": self.started_at, "mode": self.mode,
                 "lock_held": self.lock_held_by_other, "restarting": self.restarting,
@@ -176,7 +175,8 @@ class Keeper:
                 "instances": {str(i): w.record(now) for i, w in self.watches.items()}}
         text = json.dumps(data, indent=1) + "\n"
         if text == self.written:       # written on change only: a quiet host's deploy_dir stays as it is
-            return
+            return                     # (the record holds every figure of the metrics: they are unchanged)
+        self.metrics = self.metrics_text(state)
         host.write_atomic(host.at(self.cfg, layout.KEEPER_STATE), text)
         host.write_atomic(host.at(self.cfg, layout.KEEPER_METRICS), self.metrics)
         self.written = text

@@ -121,8 +121,18 @@ def nginx_facts(d, dep):
     return {"pid": pid if up else None, "alive": up, "watcher_pid": wpid if wup else None, "watcher_alive": wup}
 
 
-def keeper_facts(d, dep):
-    """The keeper (run/keeper.pid) and what it wrote in run/keeper.json; a crash-looping instance's log tail."""
+def read_mode(d):
+    """The front the host runs (run/mode: proxy or nginx), None when unset or unreadable."""
+    try:
+        with open(layout.path(d, layout.MODE)) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def keeper_facts(d, dep, log_tails=True):
+    """The keeper (run/keeper.pid) and what it wrote in run/keeper.json; with log_tails, a crash-looping
+    instance's log tail."""
     pid, _, _, stale = read_pidfile(layout.path(d, layout.KEEPER_PID), layout.tag(dep, "keeper"))
     up = stale is None and alive(pid)
     try:
@@ -130,7 +140,7 @@ def keeper_facts(d, dep):
             state = json.load(f)
     except (OSError, ValueError):
         state = None
-    if isinstance(state, dict):
+    if log_tails and isinstance(state, dict):
         for index, w in (state.get("instances") or {}).items():
             if isinstance(w, dict) and w.get("crashloop"):
                 w["log_tail"] = instances.engine_log_tail(d, int(index))

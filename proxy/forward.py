@@ -148,9 +148,10 @@ async def proxy_handler(request: web.Request) -> web.StreamResponse:
         status = response.status
         return response
     finally:   # the spans are built off the event loop (proxy/otlp.py): here a tuple is queued
-        if ex.client_left or status is None:   # cancelled: served if the whole answer had gone out
-            delivered = ex.attempt is not None and ex.attempt.delivered and not ex.client_left
-            status = ex.attempt.status if delivered else CLIENT_CLOSED
+        if ex.client_left:
+            status = CLIENT_CLOSED
+        elif status is None:   # cancelled: served when the whole answer had gone out
+            status = ex.attempt.status if ex.attempt is not None and ex.attempt.delivered else CLIENT_CLOSED
         spans.record(_span_record(ex, status))
 
 
@@ -169,8 +170,6 @@ def _span_record(ex: Exchange, status: int) -> tuple:
     final = ex.tried[-1].observer if ex.tried else None
     attempts = [(o.span_id, o.backend, o.t_start, o.attempt_ms, o.status or CLIENT_CLOSED,
                  o.error or (None if o.status else "the client went away")) for o in ex.tried]
-    if ex.client_left and attempts and not ex.tried[-1].delivered:   # it left mid-answer: not a 200
-        attempts[-1] = (*attempts[-1][:4], CLIENT_CLOSED, attempts[-1][5] or "the client went away")
     return (ex.request.method, ex.request.path, ex.t0, time.monotonic(), ex.wall_ns, status, ex.otel_trace,
             ex.parent_span, ex.flags, ex.backend, ex.pool or ex.model, ex.queued_ms, ex.ttfb, ex.request_id,
             final.prompt_tokens if final else None, final.reported_tokens if final else None, attempts)
@@ -324,6 +323,8 @@ def _client_gone(ex: Exchange, proxy, backend: Backend) -> Outcome:
     outcome = Outcome(status=CLIENT_CLOSED, error="cut: still in flight when the stopping proxy's drain "
                       "bound passed" if ex.cut else "the client went away")
     ex.client_left = True
+    if ex.attempt is not None:   # the attempt it left ends so (its span), not with its backend's status
+        ex.attempt.status, ex.attempt.error = outcome.status, outcome.error
     proxy.metrics.aborted.labels(backend.name).inc()
     _log_attempt(ex, proxy, backend, outcome, final=True)
     return outcome

@@ -142,22 +142,16 @@ class Metrics:
 
     def first_byte_after(self, backend: str, model: str, seconds: float) -> None:
         """Observe one answer's time to its first byte."""
-        child = self._first.get((backend, model))
-        if child is None:
-            child = self._first[(backend, model)] = self.first_byte.labels(backend, model)
-        child.observe(seconds)
+        _child(self._first, self.first_byte, backend, model).observe(seconds)
 
     def produced(self, backend: str, model: str, tokens: int) -> None:
         """Observe one answer's output tokens (its usage.completion_tokens)."""
-        child = self._output.get((backend, model))
-        if child is None:
-            child = self._output[(backend, model)] = self.output_tokens.labels(backend, model)
-        child.observe(tokens)
+        _child(self._output, self.output_tokens, backend, model).observe(tokens)
 
 
-def _child(cache: dict, metric, label: str):
-    """metric's child for label, made once (labels() costs on every call)."""
-    child = cache.get(label)
+def _child(cache: dict, metric, *labels: str):
+    """metric's child for labels, made once (labels() costs on every call)."""
+    child = cache.get(labels)
     if child is None:
-        child = cache[label] = metric.labels(label)
+        child = cache[labels] = metric.labels(*labels)
     return child

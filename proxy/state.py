@@ -53,7 +53,7 @@ class Proxy:
                 results.start()   # may fail (an unwritable path): then nothing has changed yet
             if spans is not self.spans and spans is not None:
                 try:
-                    spans.start()   # may fail (no process to be had): the new results log goes too
+                    spans.start()   # may fail (no thread to be had): the new results log goes too
                 except BaseException:
                     if results is not None:
                         threading.Thread(target=results.stop, name="results-log-stop", daemon=True).start()

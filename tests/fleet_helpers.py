@@ -263,13 +263,14 @@ def load(port: int, stop: threading.Event, seconds: float = 120) -> None:
         n += 1
 
 
-def deploy_sim_cluster(tmp_path, instances: int = 2, queue_max: int | None = None):
+def deploy_sim_cluster(tmp_path, instances: int = 2, queue_max: int | None = None,
+                       sim: str = "{load_s: 0.2, prefill_ms: 20, token_ms: 4, output_tokens: 8}"):
     """A local sim cluster through `inv deploy` (again on fresh ports when another session took one):
-    its inventory and host variables. queue_max: the proxy's proxy.queue.max."""
+    its inventory and host variables. queue_max: the proxy's proxy.queue.max. A deploy that fails
+    leaves nothing running."""
     from fleet import inventory as inv_mod
     for _ in range(2):
-        path = write_inventory(tmp_path, instances=instances,
-                               sim="{load_s: 0.2, prefill_ms: 20, token_ms: 4, output_tokens: 8}")
+        path = write_inventory(tmp_path, instances=instances, sim=sim)
         if queue_max is not None:
             interval = "      health_interval_s: 0.5\n"
             path.write_text(path.read_text().replace(interval, interval + f"      queue: {{max: {queue_max}}}\n"))
@@ -277,5 +278,8 @@ def deploy_sim_cluster(tmp_path, instances: int = 2, queue_max: int | None = Non
         if r.returncode == 0 or not any(w in r.stdout + r.stderr for w in ("in use", "is taken")):
             break
         inv("stop", "--host", "t", inventory=path)
+    if r.returncode != 0:
+        inv("stop", "--host", "t", inventory=path)
+        kill_tagged(deployment_id(path) + "/")
     assert r.returncode == 0, r.stdout + r.stderr
     return path, inv_mod.load(path).host_vars("t")

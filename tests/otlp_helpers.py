@@ -3,11 +3,12 @@ applications served from a thread of their own."""
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 
 import pytest
 from aiohttp import web
+
+from hostagent import processes
 
 
 class Servers:
@@ -77,20 +78,8 @@ def attrs(span) -> dict:
 
 def exporters_of(pid: int) -> list[int]:
     """The span exporter processes whose parent is pid (python -m proxy.otlp_export)."""
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read().decode("ascii", "replace").rsplit(")", 1)[-1].split()
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        if stat[0] not in ("Z", "X") and int(stat[1]) == pid and b"proxy.otlp_export" in argv:
-            found.append(int(name))
-    return found
+    return [p.pid for p in processes.snapshot().values()
+            if p.alive and p.ppid == pid and "proxy.otlp_export" in p.cmdline.split()]
 
 
 def environ_tag(pid: int) -> str | None:

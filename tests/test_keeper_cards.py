@@ -84,3 +84,10 @@ def test_metrics_lines():
         "# HELP fleet_card_utilization The card's utilisation (0-1), from the smi.",
         "# TYPE fleet_card_utilization gauge", 'fleet_card_utilization{card="0",deployment="d"} 0.5']
     assert cards.metrics_lines({}, "d") == []
+
+
+def test_the_keeper_asks_each_smi_what_the_control_node_asks():
+    """hostagent/cards.py spells each smi's arguments itself (the host agent cannot import fleet/): the
+    two copies stay one (the nvidia CSV's column order above all)."""
+    from fleet import smi
+    assert cards.SMI_ARGS == smi.SMI_ARGS

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT, free_port, free_ports, require_tool, wait_until
+from conftest import ROOT, free_port, free_ports, http_status, require_tool, wait_until
 from fleet import inventory, render
 from fleet_helpers import inv, load
 
@@ -52,17 +52,23 @@ hosts:
 
 
 def entry_inventory(tmp_path: Path) -> Path:
-    e, lone = free_ports(6), free_ports(4)
+    e = free_ports(10)      # one pick for both hosts: two picks could overlap
+    lone = e + 6
     path = tmp_path / "hosts.yml"
     path.write_text(ENTRY.format(tmp=tmp_path, e=e, e_proxy=e + 2, e_admin=e + 3, lone=lone, lone_proxy=lone + 1,
                                  lone_admin=lone + 2))
     return path
 
 
-def prometheus_yml(path: Path, host: str) -> dict:
+def prometheus_text(path: Path, host: str) -> str:
+    """The conf/prometheus.yml host renders from the inventory at path."""
     hv = inventory.load(path).host_vars(host)
     hv.vars["python"] = "python3"
-    return yaml.safe_load({f.path: f for f in render.render_host(hv)}["conf/prometheus.yml"].content)
+    return {f.path: f for f in render.render_host(hv)}["conf/prometheus.yml"].content
+
+
+def prometheus_yml(path: Path, host: str) -> dict:
+    return yaml.safe_load(prometheus_text(path, host))
 
 
 def targets(conf: dict) -> dict[str, list[tuple[str, dict]]]:
@@ -78,7 +84,8 @@ def test_an_entry_host_scrapes_every_proxy_engine_and_keeper_it_fronts(tmp_path)
     host, instance, card(s) and model.  3. A host without a keeper (keeper.enabled false) has no keeper target."""
     path = entry_inventory(tmp_path)
     e = inventory.load(path).host_vars("e")
-    got = targets(prometheus_yml(path, "e"))
+    conf = prometheus_yml(path, "e")
+    got = targets(conf)
     assert got["vllm-fleet-proxy"] == [(f"127.0.0.1:{e['proxy']['port']}", {"host": "e", "instance": "proxy"}),
                                        ("10.9.0.7:8000", {"host": "m", "instance": "proxy"})]
     assert got["vllm-fleet-engine"] == [
@@ -90,7 +97,7 @@ def test_an_entry_host_scrapes_every_proxy_engine_and_keeper_it_fronts(tmp_path)
     assert got["vllm-fleet-keeper"] == [(f"127.0.0.1:{e.ports[1] + 3}", {"host": "e", "instance": "keeper"}),
                                         ("10.9.0.7:9100", {"host": "m", "instance": "keeper"})]
     assert e["keeper"]["metrics_port"] == e["proxy"]["admin_port"] + 1      # the port after the host's own
-    assert next(j for j in prometheus_yml(path, "e")["scrape_configs"]
+    assert next(j for j in conf["scrape_configs"]
                 if j["job_name"] == "vllm-fleet-keeper")["honor_labels"] is True
     assert targets(prometheus_yml(path, "lone"))["vllm-fleet-keeper"] == []
 
@@ -103,9 +110,7 @@ def test_promtool_accepts_every_rendered_prometheus_yml(tmp_path):
     files = [(tmp_path / "e.yml", path, "e"), (tmp_path / "lone.yml", path, "lone")]
     files += [(tmp_path / f"{h}.yml", ROOT / "inventory" / "hosts.yml", h) for h in ("k100-01", "k100-02", "cpu")]
     for out, inv_path, host in files:
-        hv = inventory.load(inv_path).host_vars(host)
-        hv.vars["python"] = "python3"
-        out.write_text({f.path: f for f in render.render_host(hv)}["conf/prometheus.yml"].content)
+        out.write_text(prometheus_text(inv_path, host))
         r = subprocess.run([promtool, "check", "config", str(out)], capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, (host, r.stdout + r.stderr)
 
@@ -148,13 +153,7 @@ def start_prometheus(procs, tmp_path: Path, config: dict) -> int:
                 stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
     log.close()
 
-    def ready():
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=2) as r:
-                return r.status == 200
-        except OSError:
-            return False
-    wait_until(ready, timeout=60, interval=0.2, what=f"Prometheus ready (log: {tmp_path / 'prometheus.log'})")
+    wait_until(lambda: http_status(f"http://127.0.0.1:{port}/-/ready") == 200, timeout=60, interval=0.2, what=f"Prometheus ready (log: {tmp_path / 'prometheus.log'})")
     return port
 
 

@@ -507,14 +507,15 @@ def test_a_reload_turns_export_on_and_off_and_a_refused_one_starts_nothing(procs
 
 @pytest.mark.unit
 def test_a_reload_whose_span_exporter_cannot_start_changes_nothing(tmp_path, monkeypatch):
-    """The exporter's process cannot be had (OSError at its start): the reload is refused, the running
-    config, results log and (absent) export stay, and the new results log made for it is let go."""
+    """The exporter cannot start (its writer thread cannot be had; a process that cannot be had is
+    retried by that thread): the reload is refused, the running config, results log and (absent) export
+    stay, and the new results log made for it is let go."""
     from proxy import state as state_mod
     path = tmp_path / "proxy.yaml"
     path.write_text(f"backends: [127.0.0.1:9]\nresults_log: {{path: {tmp_path / 'a.log'}}}\n")
     proxy = state_mod.Proxy(state_mod.load_config(path), str(path))
     stopped = []
-    monkeypatch.setattr(state_mod.SpanExport, "start", lambda self: (_ for _ in ()).throw(OSError(24, "EMFILE")))
+    monkeypatch.setattr(state_mod.SpanExport, "start", lambda self: (_ for _ in ()).throw(RuntimeError("can't start new thread")))
     monkeypatch.setattr(state_mod.ResultsLog, "stop", lambda self: stopped.append(self.config.path))
     path.write_text(f"backends: [127.0.0.1:9]\nresults_log: {{path: {tmp_path / 'b.log'}}}\n"
                     "otlp: {endpoint: 'http://127.0.0.1:9/v1/traces'}\n")

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import threading
 import urllib.request
-from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -18,7 +17,8 @@ from rich.console import Console
 from conftest import PYTHON, ROOT, require_tool, wait_until
 from fleet import hostcode, top
 from fleet import inventory as fleet_inventory
-from fleet_helpers import deployment_id, inv, inv_env, kill_tagged, load, write_inventory
+from fleet_helpers import deploy_sim_cluster, deployment_id, inv, inv_env, kill_tagged, load, write_inventory
+from hostagent import processes
 
 # --- the view on made-up frames -------------------------------------------------------------------------
 
@@ -221,13 +221,9 @@ class Load:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("top")
-    inventory = write_inventory(tmp, instances=2, max_num_seqs=4, sim=SIM)
-    r = inv("deploy", "--host", "t", inventory=inventory)
+    inventory, hv = deploy_sim_cluster(tmp_path_factory.mktemp("top"), sim=SIM)
     try:
-        assert r.returncode == 0, r.stdout + r.stderr
-        port = int(re.search(r"port: (\d+)\n\s+admin_port", inventory.read_text()).group(1))
-        yield inventory, port
+        yield inventory, hv["proxy"]["port"]
     finally:
         inv("stop", "--host", "t", inventory=inventory)
         kill_tagged(deployment_id(inventory) + "/")
@@ -323,18 +319,8 @@ def test_in_a_real_terminal_the_numbers_move_under_load_and_q_quits(cluster, tmp
 
 
 def _samplers(deploy_dir: str) -> list[int]:
-    """Processes of this user running the live view's sampler for deploy_dir."""
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            cmd = Path(f"/proc/{name}/cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        if "exit_at_eof" in cmd and deploy_dir in cmd:
-            found.append(int(name))
-    return found
+    """Processes running the live view's sampler for deploy_dir."""
+    return [p.pid for p in processes.snapshot().values() if "exit_at_eof" in p.cmdline and deploy_dir in p.cmdline]
 
 
 @pytest.mark.unit

@@ -7,23 +7,14 @@ import shlex
 
 import pytest
 
-from conftest import PYTHON, ROOT
+from conftest import PYTHON
 from fleet import inventory, preflight, render
 from fleet.errors import InventoryError, RemoteError
 from fleet.transport import LocalTransport, Result
 from fleet_helpers import write_inventory
+from test_render import k100, rendered
 
 COLLECTOR = "http://collector.example:4318/v1/traces"
-
-
-def k100(overrides=()):
-    hv = inventory.load(ROOT / "inventory" / "hosts.yml").host_vars("k100-01", overrides)
-    hv.vars["python"] = "python3"
-    return hv
-
-
-def rendered(hv) -> dict[str, str]:
-    return {f.path: f.content for f in render.render_host(hv)}
 
 
 @pytest.mark.unit
@@ -34,10 +25,10 @@ def test_otlp_keys_render_into_the_proxy_config_and_the_engine_command(tmp_path)
     files = rendered(k100([f"proxy.otlp.endpoint={COLLECTOR}", "proxy.otlp.timeout_s=3",
                            "proxy.otlp.sample_ratio=0.25", "otlp_traces_endpoint=http://collector.example:4317"]))
     conf = tmp_path / "proxy.yaml"
-    conf.write_text(files["conf/proxy.yaml"])
+    conf.write_text(files["conf/proxy.yaml"].content)
     otlp = load_config(conf).otlp
     assert (otlp.endpoint, otlp.timeout_s, otlp.sample_ratio) == (COLLECTOR, 3.0, 0.25)
-    engine = re.search(r"^ENGINE=\((.*)\)$", files["bin/start_cluster.sh"], re.M).group(1)
+    engine = re.search(r"^ENGINE=\((.*)\)$", files["bin/start_cluster.sh"].content, re.M).group(1)
     assert shlex.split(engine)[-2:] == ["--otlp-traces-endpoint", "http://collector.example:4317"]
     sim = inventory.load(write_inventory(tmp_path, instances=1, extra=f"otlp_traces_endpoint: {COLLECTOR}\n"))
     sim_hv = sim.host_vars("t")
@@ -45,7 +36,7 @@ def test_otlp_keys_render_into_the_proxy_config_and_the_engine_command(tmp_path)
     assert render.engine_argv(sim_hv)[-2:] == ["--otlp-traces-endpoint", COLLECTOR]
     # Unset (the default), nothing of either is rendered: tests/golden stays as it was.
     plain = rendered(k100())
-    assert "otlp" not in plain["conf/proxy.yaml"] and "otlp" not in plain["bin/start_cluster.sh"]
+    assert "otlp" not in plain["conf/proxy.yaml"].content and "otlp" not in plain["bin/start_cluster.sh"].content
 
 
 @pytest.mark.unit

@@ -47,12 +47,13 @@ class Histogram:
         out, total = [], 0
         for bound, n in zip([*map(repr, self.buckets), "+Inf"], self.counts):
             total += n
-            out.append(f"{name}_bucket{_labels({**labels, 'le': bound})} {float(total)}")
-        return out + [f"{name}_count{_labels(labels)} {float(self.count)}",
-                      f"{name}_sum{_labels(labels)} {self.sum}"]
+            out.append(f"{name}_bucket{label_set({**labels, 'le': bound})} {float(total)}")
+        return out + [f"{name}_count{label_set(labels)} {float(self.count)}",
+                      f"{name}_sum{label_set(labels)} {self.sum}"]
 
 
-def _labels(labels: dict) -> str:
+def label_set(labels: dict) -> str:
+    """{k="v",...} of labels, keys sorted, values escaped as the text format says."""
     return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(labels.items())) + "}"
 
 
@@ -86,10 +87,10 @@ class RequestMetrics:
         labels = {"engine": "0", "model_name": model}
         lines = ["# HELP vllm:prompt_tokens_total Number of prefill tokens processed.",
                  "# TYPE vllm:prompt_tokens_total counter",
-                 f"vllm:prompt_tokens_total{_labels(labels)} {float(self.prompt_tokens_total)}",
+                 f"vllm:prompt_tokens_total{label_set(labels)} {float(self.prompt_tokens_total)}",
                  "# HELP vllm:request_success_total Count of successfully processed requests.",
                  "# TYPE vllm:request_success_total counter"]
-        lines += [f"vllm:request_success_total{_labels({**labels, 'finished_reason': r})} {float(n)}"
+        lines += [f"vllm:request_success_total{label_set({**labels, 'finished_reason': r})} {float(n)}"
                   for r, n in self.finished.items()]
         for name, doc, h in (
                 ("vllm:request_prompt_tokens", "Number of prefill tokens processed.", self.prompt_tokens),

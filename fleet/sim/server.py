@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -15,7 +14,7 @@ from fleet.sim import devices, protocol
 from fleet.sim.config import SimConfig
 from fleet.sim.core import EngineCore
 from fleet.sim.lora import Adapters, permission
-from fleet.sim.metrics import RequestMetrics
+from fleet.sim.metrics import RequestMetrics, label_set
 from fleet.sim.prefix_cache import PrefixCache, block_hashes
 from fleet.sim.protocol import ApiError, Job
 from fleet.sim.scheduler import Scheduler
@@ -361,7 +360,7 @@ async def reset_stats(request: web.Request) -> web.Response:
 def metrics_text(engine: Engine) -> str:
     """vLLM's load gauges plus the sim's peaks and counters, in Prometheus text format."""
     s = engine.scheduler
-    labels = f'{{engine="0",model_name={json.dumps(engine.config.served_name)}}}'
+    labels = label_set({"engine": "0", "model_name": engine.config.served_name})
     series = [
         ("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", s.running),
         ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", s.waiting),

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from hostagent import layout, lora
 from hostagent.observe import (HEALTH_TIMEOUT_S, file_mode, instance_facts, keeper_facts, nginx_facts,
+                               read_mode,
                                proxy_facts, sha256, tagged)
 
 
@@ -39,11 +40,7 @@ def main():
             "tagged": tagged(layout.tag_prefix(dep)),
         }
     out["lora_adapters"], out["lora_record_error"] = lora.read_record_quiet(d)
-    try:
-        with open(layout.path(d, layout.MODE)) as f:
-            out["mode"] = f.read().strip() or None
-    except OSError:
-        out["mode"] = None
+    out["mode"] = read_mode(d)
     json.dump(out, sys.stdout)
 
 

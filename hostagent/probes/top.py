@@ -17,17 +17,16 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 import urllib.request
 
-from hostagent import layout
+from hostagent import instances, layout
 from hostagent.observe import (HEALTH_TIMEOUT_S, alive, instance_facts, keeper_facts, nginx_facts,
-                               read_pidfile)
+                               read_mode, read_pidfile)
 
 # The series the view reads; the rest of an engine's /metrics (vLLM's runs to ~100 KiB) stays on the host.
 ENGINE_SERIES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:generation_tokens_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
                  "vllm:request_success_total", "vllm:time_to_first_token_seconds_bucket")
 PROXY_SERIES = ("proxy_backend_in_flight", "proxy_backend_slots", "proxy_backend_healthy", "proxy_backend_drained",
-                "proxy_queue_length", "proxy_requests_total", "proxy_ejections_total", "proxy_queue_rejected_total",
-                "proxy_backend_model")
+                "proxy_queue_length", "proxy_requests_total")
 MIN_SMI_EVERY_S = 2.0
 METRICS_TIMEOUT_S = 2.0
 
@@ -52,19 +51,14 @@ def scrape(url, names):
         return None, "%s/metrics: %s" % (url, getattr(e, "reason", None) or e)
 
 
-def base_url(address, port):
-    return "http://[%s]:%d" % (address, port) if ":" in address else "http://%s:%d" % (address, port)
-
-
 def read_instance(spec, inst):
     d, dep = spec["deploy_dir"], spec["deployment_id"]
-    address = inst.get("address") or "127.0.0.1"
-    f = instance_facts(d, dep, inst["index"], inst["port"], True, address,
+    f = instance_facts(d, dep, inst["index"], inst["port"], True, inst.get("address") or "127.0.0.1",
                        float(spec.get("health_timeout_s", HEALTH_TIMEOUT_S)))
     out = {"index": inst["index"], "state": f["state"], "reason": f["reason"], "health": f["health"],
            "pid": f["pid"], "metrics": None, "error": None}
     if f["state"] == "healthy":     # a loading or dying engine's /metrics is no news: its state says it
-        out["metrics"], out["error"] = scrape(base_url(address, inst["port"]), ENGINE_SERIES)
+        out["metrics"], out["error"] = scrape(instances.url(inst), ENGINE_SERIES)
     return out
 
 
@@ -75,17 +69,9 @@ def read_proxy(spec):
     out = {"alive": up, "metrics": None, "error": None}
     if up:
         # its public port, where /metrics is: loopback unless proxy.bind is one address
-        out["metrics"], out["error"] = scrape(base_url(spec.get("proxy_address") or "127.0.0.1", spec["proxy_port"]),
-                                              PROXY_SERIES)
+        where = {"address": spec.get("proxy_address"), "port": spec["proxy_port"]}
+        out["metrics"], out["error"] = scrape(instances.url(where), PROXY_SERIES)
     return out
-
-
-def read_mode(d):
-    try:
-        with open(layout.path(d, layout.MODE)) as f:
-            return f.read().strip() or None
-    except OSError:
-        return None
 
 
 def read_smi(command):
@@ -103,7 +89,7 @@ def frame(spec, pool, with_smi):
     insts = [pool.submit(read_instance, spec, inst) for inst in spec["instances"]]
     prox = pool.submit(read_proxy, spec)
     smi = pool.submit(read_smi, spec["smi"]) if with_smi else None
-    keeper = keeper_facts(d, dep)
+    keeper = keeper_facts(d, dep, log_tails=False)   # the view shows no log: none read each second
     state = keeper["state"] if isinstance(keeper["state"], dict) else {}
     out = {"t": t0, "mode": read_mode(d), "nginx": nginx_facts(d, dep)["alive"],
            "keeper": {"alive": keeper["alive"], "state": state.get("state"), "restarting": state.get("restarting"),
@@ -111,7 +97,6 @@ def frame(spec, pool, with_smi):
            "instances": [f.result() for f in insts], "proxy": prox.result()}
     if smi is not None:
         out["smi"] = smi.result()
-    out["took_ms"] = round((time.time() - t0) * 1000, 1)
     return out
 
 
