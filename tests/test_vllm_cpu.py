@@ -466,14 +466,15 @@ def test_engine_request_metrics_are_the_sims_and_the_dashboards(cluster):
 
 
 def test_engine_first_chunk_comes_with_the_first_token(cluster):
-    """As the sim (tests/engine_shapes.py, run on both): the engine's 4 slots busy with long streams, a
-    fifth request's stream has its headers but no chunk while /metrics says it waits; every stream opens
-    with the role delta, then content. (vLLM 0.32 sends the role chunk on the engine's first output.)"""
+    """As the sim (tests/engine_shapes.py, run on both): the engine's 4 slots busy with long streams and 4
+    more queued, a ninth request's stream has its headers but no chunk while /metrics says it waits; every
+    stream opens with the role delta, then content. (vLLM 0.32 sends the role chunk on the engine's first
+    output.)"""
     from engine_shapes import first_chunk_waits_while_queued
     import asyncio
 
     # The tiny model writes its streams in a second or two: on a loaded machine the four may end before they
-    # are seen running at once, or before the fifth is seen waiting twice in a row, which proves nothing
+    # are seen running at once, or before the ninth is seen waiting twice in a row, which proves nothing
     # either way; then the round is run again.
     for attempt in range(3):
         try:
