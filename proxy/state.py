@@ -105,7 +105,8 @@ class Proxy:
         return new
 
 
-# Bound when the listeners and the application are built.
+# The settings a reload cannot change: bound when the listeners and the application are built. The docs
+# list them by their inventory keys (tests/test_docs.py holds the lists to this one).
 RESTART_ONLY = ("listen", "admin", "shutdown_timeout_s", "max_body_mb", "log")
 
 

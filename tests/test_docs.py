@@ -61,3 +61,68 @@ def test_relative_links_lead_to_files_and_headings_that_exist(doc):
         elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest.read_text()):
             broken.append(f"{target} (no heading #{anchor} in {dest.relative_to(ROOT)})")
     assert not broken, f"{doc}: broken links: " + ", ".join(broken)
+
+
+# --- the settings a running proxy keeps until it restarts -----------------------------------------
+
+PROXY_TEMPLATE = ROOT / "fleet" / "templates" / "proxy.yaml.j2"
+INVENTORY_KEY = re.compile(r"(?<![/\w.])proxy\.[a-z_]+(?:\.[a-z_]+)*")
+
+
+def _template_blocks() -> dict[str, set[str]]:
+    """conf/proxy.yaml's top-level keys, each with the inventory keys (`proxy.*`) its template lines use."""
+    blocks: dict[str, set[str]] = {}
+    key = None
+    for line in PROXY_TEMPLATE.read_text().splitlines():
+        m = re.match(r"([a-z_]+):", line)
+        if m:
+            key = m.group(1)
+        elif not line.startswith((" ", "\t")):
+            key = None     # a comment or a template tag at the margin ends the block
+        if key is not None:
+            blocks.setdefault(key, set()).update(INVENTORY_KEY.findall(line))
+    return blocks
+
+
+def restart_only_keys() -> dict[str, str]:
+    """The inventory keys behind proxy.state.RESTART_ONLY, read from the template that renders them:
+    inventory key -> the setting of conf/proxy.yaml it renders."""
+    from proxy.state import RESTART_ONLY
+    blocks = _template_blocks()
+    keys = {}
+    for setting in RESTART_ONLY:
+        assert blocks.get(setting), f"{setting} (proxy.state.RESTART_ONLY) renders from no proxy.* key"
+        keys.update(dict.fromkeys(blocks[setting], setting))
+    return keys
+
+
+def _restart_lists(text: str, keys: dict[str, str]) -> list[set[str]]:
+    """Each parenthesised list, in a paragraph (or table row) about restarting, that names the keys of
+    two or more restart-only settings (the two keys of one, such as a log's rotation, are no such list)."""
+    found = []
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    for paragraph in re.split(r"\n\s*\n|\n(?=\|)", text):
+        if "restart" not in paragraph:
+            continue
+        for group in re.findall(r"\(([^()]*)\)", paragraph):
+            named = set(re.findall(r"`(proxy\.[\w.]+)`", group))
+            if len({keys[k] for k in named if k in keys}) >= 2:
+                found.append(named)
+    return found
+
+
+def test_restart_only_settings_come_from_the_template():
+    assert restart_only_keys().items() >= {("proxy.port", "listen"), ("proxy.admin_port", "admin"),
+                                           ("proxy.log.max_mb", "log")}
+
+
+def test_docs_list_exactly_the_settings_that_restart_the_proxy():
+    """Wherever a doc lists the settings a reload cannot change, it lists proxy.state.RESTART_ONLY's."""
+    keys = restart_only_keys()
+    seen = 0
+    for doc in DOCS:
+        for named in _restart_lists((ROOT / doc).read_text(), keys):
+            seen += 1
+            assert named == set(keys), (f"{doc}: the settings that restart the proxy are "
+                                   f"{', '.join(sorted(keys))}; it lists {', '.join(sorted(named))}")
+    assert seen, "no doc lists the settings that restart the proxy (docs/proxy.md should)"
