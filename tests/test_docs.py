@@ -126,3 +126,47 @@ def test_docs_list_exactly_the_settings_that_restart_the_proxy():
             assert named == set(keys), (f"{doc}: the settings that restart the proxy are "
                                    f"{', '.join(sorted(keys))}; it lists {', '.join(sorted(named))}")
     assert seen, "no doc lists the settings that restart the proxy (docs/proxy.md should)"
+
+
+# --- docs/ARCHITECTURE.md's module tables --------------------------------------------------------
+
+PARTS = ("fleet", "hostagent", "proxy")
+
+
+def module_tables() -> dict[str, set[str]]:
+    """Each part's module table in docs/ARCHITECTURE.md (the `### `part/`` sections under `## Modules`):
+    part -> the names in its rows' first cells, as written (`cli.py`, `sim/`)."""
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    modules = re.search(r"^## Modules\n(.*?)(?=^## |\Z)", text, flags=re.S | re.M)
+    assert modules, "docs/ARCHITECTURE.md has no `## Modules` section"
+    tables: dict[str, set[str]] = {}
+    for part, body in re.findall(r"^### `(\w+)/`[^\n]*\n(.*?)(?=^### |\Z)", modules.group(1), flags=re.S | re.M):
+        first_cells = re.findall(r"^\| *([^|]*?) *\|", body, flags=re.M)
+        tables[part] = {n for cell in first_cells for n in re.findall(r"`([^`]+)`", cell)}
+    return tables
+
+
+def test_the_module_tables_name_every_module_and_no_other():
+    """Every module of the three parts (`__init__.py` aside) is a row of its part's table, by itself
+    (`cli.py`, `probes/state.py`) or in a package named as a whole (`sim/`, `probes/`); every name
+    in a table is a module or package that exists."""
+    tables = module_tables()
+    assert set(tables) == set(PARTS), f"docs/ARCHITECTURE.md: one module table per part, {PARTS}"
+    problems = []
+    for part, names in tables.items():
+        base = ROOT / part
+        packages = {n for n in names if n.endswith("/")}
+        for n in sorted(names):
+            if n.endswith("/"):
+                ok = (base / n / "__init__.py").is_file() or any((base / n).glob("*.py"))
+            else:
+                ok = n.endswith(".py") and (base / n).is_file()
+            if not ok:
+                problems.append(f"`{n}` in the {part}/ table is no module or package of {part}/")
+        for path in sorted(base.rglob("*.py")):
+            rel = path.relative_to(base).as_posix()
+            if path.name == "__init__.py" or rel in names:
+                continue
+            if not any(rel.startswith(p) for p in packages):
+                problems.append(f"{part}/{rel} is in no row of the {part}/ table")
+    assert not problems, "docs/ARCHITECTURE.md's module tables: " + "; ".join(problems)
