@@ -170,3 +170,56 @@ def test_the_module_tables_name_every_module_and_no_other():
             if not any(rel.startswith(p) for p in packages):
                 problems.append(f"{part}/{rel} is in no row of the {part}/ table")
     assert not problems, "docs/ARCHITECTURE.md's module tables: " + "; ".join(problems)
+
+
+# --- what a reader outside the project can follow ----------------------------------------------------
+
+# An issue or pull request of this project by its number means nothing to a reader of the docs. Another
+# project's is fine when it names the repository (vllm-project/production-stack#957) or links it.
+INTERNAL_NUMBER = re.compile(r"\b(?:issues?|pull requests?|PRs?)\s+#?\d+\b|(?<![\w/.-])#\d+\b(?![\w-])",
+                             flags=re.I)
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=str)
+def test_no_doc_names_an_internal_issue_number(doc):
+    found = [m.group(0) for m in INTERNAL_NUMBER.finditer((ROOT / doc).read_text())]
+    assert not found, f"{doc}: say what the thing is instead of its issue number: {found}"
+
+
+def test_an_internal_issue_number_is_recognised_and_another_projects_is_not():
+    named = [t for t in ("issue 19", "Issue 20's work", "(issue #21)", "see #12.", "PR 3",
+                         "vllm-project/router#244", "production-stack/issues/957", "[x](a.md#1-setup)",
+                         "engines encountered an issue")
+             if INTERNAL_NUMBER.search(t)]
+    assert named == ["issue 19", "Issue 20's work", "(issue #21)", "see #12.", "PR 3"]
+
+
+def _repeated_headings(markdown: str) -> list[str]:
+    """Headings that repeat a sibling's text: the same level under the same parent heading."""
+    seen: set[tuple] = set()
+    parents: list[tuple[int, str]] = []
+    repeated = []
+    for line in re.sub(r"```.*?```", "", markdown, flags=re.S).splitlines():
+        m = re.match(r"(#{1,6}) (.*)", line)
+        if not m:
+            continue
+        level, title = len(m.group(1)), m.group(2).strip()
+        while parents and parents[-1][0] >= level:
+            parents.pop()
+        key = (tuple(parents), level, title)
+        if key in seen:
+            repeated.append(line)
+        seen.add(key)
+        parents.append((level, title))
+    return repeated
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=str)
+def test_no_doc_repeats_a_heading_within_a_section(doc):
+    repeated = _repeated_headings((ROOT / doc).read_text())
+    assert not repeated, f"{doc}: headings repeated within one section: {repeated}"
+
+
+def test_a_repeated_heading_is_one_under_the_same_parent():
+    text = "# A\n## x\n### y\n## z\n### y\n## x\n"
+    assert _repeated_headings(text) == ["## x"]
