@@ -11,7 +11,8 @@ import pytest
 
 from conftest import wait_until
 from proxy.balancer import Balancer
-from proxy.config import ConfigError, RoutingConfig, parse_config
+from proxy.config import ConfigError, parse_config
+from proxy.routing import RoutingConfig
 from proxy.routing.prefix import BLOCK_BYTES, PrefixIndex, PrefixRoute, prompt_blocks
 from proxy_helpers import start_proxy, start_sims
 

@@ -2,10 +2,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Collection, Protocol, Sequence
-
-if TYPE_CHECKING:
-    from ..balancer import Backend, Waiter
+import asyncio
+from typing import Collection, Protocol, Sequence
 
 
 def _bounded(default, lo, hi):
@@ -18,18 +16,19 @@ class RoutingConfig:
     """The routing section of the proxy's config: the policy (a name in proxy.routing.POLICIES) and its
     keys, each with its default and its bounds (docs/proxy.md says what they do)."""
 
-    policy: str = "prefix"        # measured better or equal on every workload (docs/PERFORMANCE.md)
-    min_match_tokens: int = _bounded(256, 0, 10_000_000)  # prefill a prefix must save over the least
-                                                          # loaded backend to win
-    min_match_ratio: float = _bounded(0.5, 0, 1)  # and the share of the prompt it must cover (a new
-                                                  # conversation that shares only a system prompt goes by load)
-    balance_abs: int = _bounded(1, 0, 65536)      # the prefix's backend is passed over when it has more than
-    balance_rel: float = _bounded(1.5, 1, 1000)   # this many requests more than the least loaded, and more
-                                                  # than this many times as many
-    max_blocks: int = _bounded(262144, 1, 100_000_000)  # prompt blocks remembered (64 bytes each), least
-                                                        # recently used dropped first
-    lookahead: int = _bounded(16, 0, 1024)  # queued requests a freed slot may look past for one whose prefix
-                                            # is there
+    policy: str = "prefix"   # measured better or equal on every workload (docs/PERFORMANCE.md)
+    # prefix: a match wins when it saves this much prefill (tokens) over the least loaded backend's and
+    # covers this share of the prompt (a new conversation that shares only a system prompt goes by load)
+    min_match_tokens: int = _bounded(256, 0, 10_000_000)
+    min_match_ratio: float = _bounded(0.5, 0, 1)
+    # prefix: the match's backend is passed over when it has more than balance_abs requests more than the
+    # least loaded one and more than balance_rel times as many
+    balance_abs: int = _bounded(1, 0, 65536)
+    balance_rel: float = _bounded(1.5, 1, 1000)
+    # prefix: prompt blocks remembered (64 bytes each), least recently used dropped first
+    max_blocks: int = _bounded(262144, 1, 100_000_000)
+    # prefix: queued requests a freed slot may look past for one whose prefix is there
+    lookahead: int = _bounded(16, 0, 1024)
     # balance_abs 1 and lookahead 16 measured (bench/bench_routing.py, docs/PERFORMANCE.md): with 2, one
     # hot system prompt left a backend idle; with 4, a saturated fleet scattered conversations.
 
@@ -40,6 +39,25 @@ class Route(Protocol):
     decision: str          # the results log's `route`, the metrics' decision label
     matched_tokens: int    # prompt tokens the chosen backend likely holds already
     prompt_tokens: int     # the prompt's tokens, as the policy reckons them
+
+
+class Backend(Protocol):
+    """A backend as a policy sees it (proxy.balancer.Backend; the balancer alone changes it)."""
+
+    name: str
+    in_flight: int
+
+    @property
+    def free(self) -> bool:
+        """Whether it takes a new request now."""
+
+
+class Waiter(Protocol):
+    """A queued request as a policy sees it (proxy.balancer.Waiter)."""
+
+    future: asyncio.Future   # done: it left the queue already (cancelled, timed out), its turn is not taken
+    route: Route | None
+    overtaken: int           # requests behind it that were handed a slot first
 
 
 class Policy:

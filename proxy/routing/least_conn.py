@@ -5,12 +5,9 @@ read (the seed's pile-up fix: counting after the read let many requests see one 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
-from .base import Policy, Route
-
-if TYPE_CHECKING:
-    from ..balancer import Backend
+from .base import Backend, Policy, Route
 
 
 class LeastConn(Policy):

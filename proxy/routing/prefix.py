@@ -17,12 +17,9 @@ import itertools
 import json
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Collection, Sequence
+from typing import Collection, Sequence
 
-from .base import Policy, RoutingConfig
-
-if TYPE_CHECKING:
-    from ..balancer import Backend, Waiter
+from .base import Backend, Policy, RoutingConfig, Waiter
 
 BLOCK_BYTES = 64      # vLLM's 16-token block at about 4 bytes of text a token
 TOKEN_BYTES = 4       # what the match length in tokens is reckoned with
