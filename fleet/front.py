@@ -11,7 +11,7 @@ import time
 
 from hostagent import layout
 
-from . import agent, facts, runlock, sync
+from . import agent, facts, runlock, schema, sync
 from .errors import FleetError
 from .inventory import HostVars
 from .report import Emit, Report
@@ -23,9 +23,9 @@ NO_RESULTS_LOG = ("nginx has no results log: logs/req_results.log gets no new li
                   "front; logs/nginx_access.log has one JSON line per request (request_id, backend, status, "
                   "request and upstream times), but no trace id, finish_reason, tokens or error bodies.")
 
-NO_PREFIX_ROUTING = ("nginx has no body-aware routing: proxy.routing.policy prefix does not apply while nginx is "
-                     "the front (least_conn instead), so a conversation's rounds no longer go back to the "
-                     "instance that holds its prefix; swap back with `inv swap-to-proxy`.")
+NO_BODY_ROUTING = ("nginx has no body-aware routing: proxy.routing.policy {policy} does not apply while nginx is "
+                   f"the front ({schema.NGINX_POLICY} instead), so a conversation's rounds no longer go back to the "
+                   "instance that holds its prefix; swap back with `inv swap-to-proxy`.")
 
 
 def _prepare(conn: Transport, hv: HostVars, report: Report, emit: Emit) -> tuple[HostVars, dict]:
@@ -81,8 +81,9 @@ def _swap_to_nginx(conn: Transport, hv: HostVars, emit: Emit) -> Report:
         report.add("watcher", "changed", f"started, pid {r['watcher_pid']}")
     report.data["swap"] = r
     emit(NO_RESULTS_LOG)
-    if hv["proxy"]["routing"]["policy"] != "least_conn":
-        emit(NO_PREFIX_ROUTING)
+    policy = hv["proxy"]["routing"]["policy"]
+    if policy != schema.NGINX_POLICY:
+        emit(NO_BODY_ROUTING.format(policy=policy))
     report.status = facts.status_of(hv, facts.probe(conn, hv))
     _confirm(report, "nginx")
     return report

@@ -214,10 +214,17 @@ class QueueSettings(Section):
         "value.")
 
 
-class RoutingSettings(Section):
-    """How the proxy picks a backend (issue 19); docs/proxy.md has the rules, docs/PERFORMANCE.md the figures."""
+# The proxy's routing policies (proxy/routing/: its POLICIES registry); nginx mode does least_conn alone.
+# tests/test_routing_contract.py holds these names and RoutingSettings' bounds and defaults equal to the proxy's.
+POLICIES = ("least_conn", "prefix")
+NGINX_POLICY = "least_conn"
 
-    policy: Annotated[Literal["least_conn", "prefix"], Field(description="least_conn or prefix")] = doc(
+
+class RoutingSettings(Section):
+    """How the proxy picks a backend (issue 19); docs/proxy.md has the rules, docs/PERFORMANCE.md the figures.
+    conf/proxy.yaml's `routing` is these keys as they are."""
+
+    policy: Annotated[Literal[POLICIES], Field(description=" or ".join(POLICIES))] = doc(
         "prefix",
         "`least_conn`: the backend with the fewest requests in flight. `prefix`: where the request's prompt "
         "prefix was sent before (its KV cache is likely there), unless that is too loaded; the proxy then "

@@ -1,14 +1,13 @@
-"""Backend state, the least-connections pick and the admission queue: no I/O, so it is unit-testable."""
+"""Backend state, slots, membership and the admission queue, with the routing policy's pick: no I/O, so
+it is unit-testable."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Collection, Iterable
 
-from .config import RoutingConfig
-from .prefix import BLOCK_BYTES, TOKEN_BYTES, PrefixIndex, Route
+from .routing import Route, RoutingConfig, make_policy
 
 
 class QueueFull(Exception):
@@ -67,7 +66,7 @@ class Backend:
 @dataclass
 class Waiter:
     """A request in the queue: its future (set to the backend it gets), its route, and how many
-    requests behind it were handed a slot first (the prefix policy's look-ahead; bounded)."""
+    requests behind it were handed a slot first (a policy's look-ahead, such as prefix's; bounded)."""
 
     future: asyncio.Future
     route: Route | None = None
@@ -75,12 +74,12 @@ class Waiter:
 
 
 class Balancer:
-    """Least connections over backends with a free slot, ties broken round robin; one FIFO queue
-    for the requests that find every slot taken, each handed the first slot freed anywhere.
+    """One pool: its backends and their slots, and one FIFO queue for the requests that find every
+    slot taken, each handed the first slot freed anywhere. Among the backends with a free slot the
+    routing policy picks (proxy/routing/), given the least loaded (ties broken round robin); it may
+    hand a freed slot to a waiter other than the queue's head.
 
     slots: a backend's slots (0: no limit). queue_max: how many may wait (0: none, refuse at once).
-    routing: with policy `prefix`, a request with a route goes where its prompt's prefix was sent
-    (see _by_prefix), and a freed slot may go to one of the first few waiters whose prefix is there.
     """
 
     def __init__(self, names: Iterable[str], slots: int = 0, queue_max: int = 0,
@@ -91,20 +90,17 @@ class Balancer:
         self._queue: deque[Waiter] = deque()
         self.queue_max = queue_max
         self.slots = slots
-        self.routing = routing or RoutingConfig()
-        self.index = PrefixIndex(self.routing.max_blocks) if self.routing.policy == "prefix" else None
+        self.policy = make_policy(routing or RoutingConfig())
         self.update(names)
 
     def set_routing(self, routing: RoutingConfig) -> None:
-        """Take a reloaded routing config (a new policy or bound starts the index afresh)."""
-        if routing != self.routing:
-            self.routing = routing
-            self.index = PrefixIndex(routing.max_blocks) if routing.policy == "prefix" else None
+        """Take a reloaded routing config (a new policy or bound starts the policy afresh)."""
+        if routing != self.policy.config:
+            self.policy = make_policy(routing)
 
     def cold(self, backend: Backend) -> None:
-        """Forget the prefixes sent to backend: it lost its cache (ejected, restarted) or left."""
-        if self.index is not None:
-            self.index.drop(backend.name)
+        """Have the policy forget backend: it lost its cache (ejected, restarted) or left."""
+        self.policy.forget(backend.name)
 
     def update(self, names: Iterable[str], slots: int | None = None,
                queue_max: int | None = None) -> tuple[list[str], list[str]]:
@@ -123,14 +119,14 @@ class Balancer:
         removed = [n for n in self.backends if n not in names]
         for n in removed:
             self.backends.pop(n).removed = True
-            if self.index is not None:
-                self.index.drop(n)
+            self.policy.forget(n)
         for n in added:
             self.backends[n] = Backend(n)
         self.backends = {n: self.backends[n] for n in names}
         for b in self.backends.values():
             b.slots = self.slots
         self._order = list(self.backends.values())
+        self._at = {b.name: at for at, b in enumerate(self._order)}
         self._cursor = 0
         self.dispatch()
         return added, removed
@@ -139,63 +135,30 @@ class Balancer:
                 route: Route | None = None) -> Backend | None:
         """Pick a backend with a free slot (not one of exclude) and count the request on it at once,
         or None. over: when no slot is free, the least loaded available backend all the same (a retry,
-        which already held a slot elsewhere). route: the prompt's blocks, for the prefix policy; the
-        decision is written back into it.
+        which already held a slot elsewhere). route: what the policy made of the request (its
+        route_of); the policy writes its decision into it.
 
         Pick and count are one step with no await between them: counting later (the seed counted
         after reading the body) lets many requests see the same backend as idlest.
         """
         n = len(self._order)
-        best: Backend | None = None
-        best_at = 0
+        least: Backend | None = None
+        candidates: list[Backend] = []   # in round-robin order, from the cursor on
         for k in range(n):
-            at = (self._cursor + k) % n
-            b = self._order[at]
-            if (b.free or (over and b.available)) and b not in exclude and (
-                    best is None or b.in_flight < best.in_flight):
-                best, best_at = b, at
-        if best is None:
+            b = self._order[(self._cursor + k) % n]
+            if (b.free or (over and b.available)) and b not in exclude:
+                candidates.append(b)
+                if least is None or b.in_flight < least.in_flight:
+                    least = b
+        if least is None:
             return None
-        if route is not None and route.blocks and self.index is not None:
-            best, best_at = self._by_prefix(route, best, best_at, exclude, over)
-            self.index.insert(route.blocks, best.name)
-        self._cursor = best_at + 1  # the next tie goes to the backend after this one
+        best = self.policy.pick(route, least, candidates)
+        self.policy.sent(route, best)
+        self._cursor = self._at[best.name] + 1  # the next tie goes to the backend after this one
         best.in_flight += 1
         if best.in_flight > best.peak_in_flight:
             best.peak_in_flight = best.in_flight
         return best
-
-    def _by_prefix(self, route: Route, least: Backend, least_at: int, exclude, over) -> tuple[Backend, int]:
-        """The backend holding the longest run of the prompt's leading blocks (ties: the less loaded,
-        then round robin), when that run covers routing.min_match_ratio of the prompt (a new
-        conversation that shares only a system prompt goes by load) and saves at least min_match_tokens
-        of prefill over the least loaded backend (a shared prefix that every backend holds pins
-        nothing); unless that backend has more than balance_abs requests more than the least loaded one
-        and more than balance_rel times as many: then the least loaded one."""
-        matched = self.index.match(route.blocks)
-        top: Backend | None = None
-        top_at = top_run = 0
-        n = len(self._order)
-        for k in range(n):
-            at = (self._cursor + k) % n
-            b = self._order[at]
-            run = matched.get(b.name, 0)
-            if run and (b.free or (over and b.available)) and b not in exclude and (
-                    run > top_run or (run == top_run and b.in_flight < top.in_flight)):
-                top, top_at, top_run = b, at, run
-        per_block = BLOCK_BYTES // TOKEN_BYTES
-        least_tokens = matched.get(least.name, 0) * per_block
-        r = self.routing
-        if (top is None or top is least or top_run < r.min_match_ratio * len(route.blocks)
-                or top_run * per_block - least_tokens < r.min_match_tokens):
-            route.decision = "prefix" if least_tokens >= r.min_match_tokens else "load"
-            route.matched_tokens = least_tokens
-            return least, least_at
-        if top.in_flight - least.in_flight > r.balance_abs and top.in_flight > r.balance_rel * least.in_flight:
-            route.decision, route.matched_tokens = "override", least_tokens
-            return least, least_at
-        route.decision, route.matched_tokens = "prefix", top_run * per_block
-        return top, top_at
 
     async def wait_for_slot(self, timeout_s: float, route: Route | None = None) -> Backend | None:
         """A backend with the request counted on it, once the requests queued before it have theirs
@@ -240,17 +203,15 @@ class Balancer:
                 return
 
     def dispatch(self) -> None:
-        """Hand free slots to the requests waiting, first come first served; with the prefix policy a
-        slot may go to one of the first routing.lookahead waiters whose prefix lives on a free backend,
-        and no waiter is passed over more than lookahead times."""
+        """Hand free slots to the requests waiting, first come first served, unless the policy prefers
+        another waiter (prefix: one of the first routing.lookahead whose prefix lives on a free backend,
+        no waiter passed over more than lookahead times)."""
         while self._queue:
             head = self._queue[0]
             if head.future.done():   # cancelled, its task not run yet (it would forget itself)
                 self._queue.popleft()
                 continue
-            chosen = head
-            if self.index is not None and self.routing.lookahead:
-                chosen = self._affine_waiter() or head
+            chosen = self.policy.waiter(self._queue, self._order) or head
             backend = self.acquire(route=chosen.route)
             if backend is None:
                 return
@@ -264,26 +225,6 @@ class Balancer:
                 self._queue.remove(chosen)
             chosen.future.set_result(backend)
 
-    def _affine_waiter(self) -> Waiter | None:
-        """The first of the first lookahead + 1 waiters whose prompt has at least min_match_tokens on a
-        backend with a free slot; a waiter passed over lookahead times already is taken as it is."""
-        r = self.routing
-        free = [b.name for b in self._order if b.free]
-        if not free:
-            return None      # nothing to hand out: the caller's acquire finds no slot either
-        for w in itertools.islice(self._queue, r.lookahead + 1):
-            if w.future.done():
-                continue
-            if w.overtaken >= r.lookahead:
-                return w
-            if w.route is not None and w.route.blocks:
-                matched = self.index.match(w.route.blocks)
-                run = max((matched.get(n, 0) for n in free), default=0)
-                if run * BLOCK_BYTES // TOKEN_BYTES >= r.min_match_tokens and run >= r.min_match_ratio * len(
-                        w.route.blocks):
-                    return w
-        return None
-
     @property
     def queued(self) -> int:
         """How many requests wait for a slot."""
@@ -292,6 +233,7 @@ class Balancer:
     def release(self, backend: Backend) -> None:
         """Uncount one finished request; its slot goes to the first request waiting, if any."""
         backend.in_flight -= 1
+        self.policy.ended(backend)
         if self._queue:
             self.dispatch()
 

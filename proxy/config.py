@@ -4,11 +4,13 @@ from __future__ import annotations
 import ipaddress
 import math
 import urllib.parse
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from .routing import POLICIES, RoutingConfig
 
 MIB = 1024 * 1024
 
@@ -55,26 +57,6 @@ class QueueConfig:
 
     max: int = 256          # requests that may wait; 0: none, a request that finds no slot gets 429 at once
     timeout_s: float = 60.0  # the longest a request waits before 503 with Retry-After
-
-
-@dataclass(frozen=True)
-class RoutingConfig:
-    """How a backend is picked: least_conn (the fewest requests in flight), or prefix (where the prompt's
-    prefix was sent before, unless that is too loaded; see proxy/prefix.py and docs/proxy.md)."""
-
-    policy: str = "prefix"        # measured better or equal on every workload (docs/PERFORMANCE.md)
-    min_match_tokens: int = 256   # prefill a prefix must save over the least loaded backend to win
-    min_match_ratio: float = 0.5  # and the share of the prompt it must cover (a new conversation that
-                                  # shares only a system prompt goes by load)
-    balance_abs: int = 1          # the prefix's backend is passed over when it has more than this many
-    balance_rel: float = 1.5      # requests more than the least loaded, and more than this many times as many
-    max_blocks: int = 262144      # prompt blocks remembered (64 bytes each), least recently used dropped first
-    lookahead: int = 16           # queued requests a freed slot may look past for one whose prefix is there
-    # balance_abs 1 and lookahead 16 measured (bench/bench_routing.py, docs/PERFORMANCE.md): with 2, one
-    # hot system prompt left a backend idle; with 4, a saturated fleet scattered conversations.
-
-
-POLICIES = ("least_conn", "prefix")
 
 
 @dataclass(frozen=True)
@@ -154,7 +136,7 @@ class ProxyConfig:
 TOP_KEYS = ("listen", "admin", "backends", "health", "timeout_s", "connect_timeout_s",
             "max_body_mb", "results_log", "log", "retries", "max_fails", "shutdown_timeout_s",
             "fix_numeric_user", "api_keys_file", "slots", "queue", "models", "routing", "otlp")
-ROUTING_KEYS = ("policy", "min_match_tokens", "min_match_ratio", "balance_abs", "balance_rel", "max_blocks", "lookahead")
+ROUTING_KEYS = tuple(f.name for f in fields(RoutingConfig))
 POOL_KEYS = ("name", "aliases", "adapters", "slots", "backends")
 
 
@@ -286,20 +268,15 @@ def _backends(value: Any) -> tuple[str, ...]:
 
 
 def _routing(value: Any) -> RoutingConfig:
-    """The routing section: a known policy and its bounds."""
+    """The routing section: a known policy, and every other key within the bounds RoutingConfig declares."""
     m = _mapping(value, "routing", ROUTING_KEYS)
     d = RoutingConfig()
     policy = m.get("policy", d.policy)
     if policy not in POLICIES:
         raise ConfigError(f"routing.policy must be one of {', '.join(POLICIES)}, not {policy!r}.")
-    return RoutingConfig(
-        policy=policy,
-        min_match_tokens=_count(m, "min_match_tokens", d.min_match_tokens, minimum=0, prefix="routing."),
-        min_match_ratio=_ratio(m, "min_match_ratio", d.min_match_ratio),
-        balance_abs=_count(m, "balance_abs", d.balance_abs, minimum=0, prefix="routing."),
-        balance_rel=_positive(m, "balance_rel", d.balance_rel, "routing."),
-        max_blocks=_count(m, "max_blocks", d.max_blocks, minimum=1, prefix="routing."),
-        lookahead=_count(m, "lookahead", d.lookahead, minimum=0, prefix="routing."))
+    return RoutingConfig(policy=policy, **{
+        f.name: _bounded(m, f.name, getattr(d, f.name), *f.metadata["bounds"], prefix="routing.")
+        for f in fields(RoutingConfig) if "bounds" in f.metadata})
 
 
 def _otlp(value: Any) -> OtlpConfig:
@@ -321,7 +298,7 @@ def _otlp(value: Any) -> OtlpConfig:
                       sample_ratio=_ratio(m, "sample_ratio", d.sample_ratio, "otlp."))
 
 
-def _ratio(m: dict, key: str, default: float, prefix: str = "routing.") -> float:
+def _ratio(m: dict, key: str, default: float, prefix: str) -> float:
     """m[key] (or default) as a number from 0 to 1."""
     value = m.get(key, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
@@ -390,6 +367,17 @@ def _positive(m: dict, key: str, default: float, prefix: str = "") -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
         raise ConfigError(f"{prefix}{key} must be a finite number greater than 0, not {value!r}.")
     return float(value)
+
+
+def _bounded(m: dict, key: str, default: int | float, lo: float, hi: float, prefix: str) -> int | float:
+    """m[key] (or default) from lo to hi: a whole number when the default is one."""
+    value = m.get(key, default)
+    whole = isinstance(default, int)
+    if (isinstance(value, bool) or not isinstance(value, int if whole else (int, float))
+            or not lo <= value <= hi):
+        what = "a whole number" if whole else "a number"
+        raise ConfigError(f"{prefix}{key} must be {what} from {lo} to {hi}, not {value!r}.")
+    return value if whole else float(value)
 
 
 def _count(m: dict, key: str, default: int, minimum: int, prefix: str = "") -> int:

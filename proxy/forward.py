@@ -17,8 +17,8 @@ from yarl import URL  # aiohttp's own URL type; encoded=True passes the client's
 from .balancer import Backend, Balancer, QueueFull, QueueTimeout
 from .fixups import fix_numeric_user
 from .models import NO_MODEL, model_of
-from .prefix import Route, prompt_blocks
 from .results_log import LOGGED_PATHS, ResponseObserver, trace_id_of, user_value
+from .routing import Route
 from .state import PROXY
 from .tracing import NOT_SAMPLED, SAMPLED, chance, new_span_id, new_trace_id, parse_traceparent, sampled
 
@@ -181,7 +181,7 @@ async def _handle(ex: Exchange, proxy) -> web.StreamResponse:
     proxy.requests[id(ex)] = ex        # what a drain waits for (a queued request too), and names if it cuts it
     pool: Balancer | web.Response | None = None
     try:
-        if proxy.router.by_model or proxy.router.by_prefix:
+        if proxy.router.needs_body:
             pool = await _pool_of(ex, proxy)
         else:
             pool = proxy.router.only()
@@ -193,8 +193,8 @@ async def _handle(ex: Exchange, proxy) -> web.StreamResponse:
     # Counted here, before the body is read (the seed's pile-up fix), in the plain form; in the models
     # form and with the prefix policy right after it, pick and count still one step. A request that
     # finds every slot of its pool taken waits its turn in the pool's queue.
-    if pool.index is not None and ex.logged:
-        ex.route = Route(prompt_blocks(ex.body))
+    if pool.policy.needs_body and ex.logged:
+        ex.route = pool.policy.route_of(ex.body)
     backend = None if pool.queued else pool.acquire(route=ex.route)
     if backend is None:
         try:

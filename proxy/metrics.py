@@ -5,7 +5,6 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from .models import Router
-from .prefix import BLOCK_BYTES, TOKEN_BYTES
 
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120)
@@ -128,9 +127,9 @@ class Metrics:
         child.inc()
 
     def routed(self, route) -> None:
-        """Count one prefix-policy decision (a proxy.prefix.Route)."""
+        """Count one routing decision (a proxy.routing.Route)."""
         _child(self._decisions, self.route_decisions, route.decision).inc()
-        _child(self._tokens, self.route_tokens, "prompt").inc(len(route.blocks) * BLOCK_BYTES // TOKEN_BYTES)
+        _child(self._tokens, self.route_tokens, "prompt").inc(route.prompt_tokens)
         _child(self._tokens, self.route_tokens, "matched").inc(route.matched_tokens)
 
     def took(self, backend: str, seconds: float) -> None:

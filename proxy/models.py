@@ -58,9 +58,10 @@ class Router:
         return NO_MODEL not in self.pools
 
     @property
-    def by_prefix(self) -> bool:
-        """Whether a backend is picked by the prompt's prefix (routing.policy prefix)."""
-        return next(iter(self.pools.values())).index is not None
+    def needs_body(self) -> bool:
+        """Whether a request's body is read before the pick: for its `model` (the models form), or for
+        the routing policy (every pool has the same)."""
+        return self.by_model or next(iter(self.pools.values())).policy.needs_body
 
     def update(self, config: ProxyConfig) -> tuple[list[str], list[str]]:
         """Make the pools those of config, keeping the state of backends that stay in their pool;

@@ -11,8 +11,9 @@ import pytest
 
 from conftest import wait_until
 from proxy.balancer import Balancer
-from proxy.config import ConfigError, RoutingConfig, parse_config
-from proxy.prefix import BLOCK_BYTES, PrefixIndex, Route, prompt_blocks
+from proxy.config import ConfigError, parse_config
+from proxy.routing import RoutingConfig
+from proxy.routing.prefix import BLOCK_BYTES, PrefixIndex, PrefixRoute, prompt_blocks
 from proxy_helpers import start_proxy, start_sims
 
 SYSTEM = "You are a careful assistant. " * 40          # about 1,100 bytes: 17 blocks, about 280 tokens
@@ -83,7 +84,7 @@ def test_the_index_is_bounded_and_evicts_a_prompts_tail_before_its_head():
     assert len(idx) == 6
     assert idx.match([1, 2, 3, 4]) == {"a": 2}          # 3 and 4, the oldest tail, went first
     assert idx.match([10, 11, 12, 13]) == {"b": 4}
-    assert idx.blocks_of("a") == 2
+    assert idx.drop("a") == 2 and idx.match([1, 2]) == {}
 
 
 # The pick.
@@ -92,10 +93,10 @@ def test_the_index_is_bounded_and_evicts_a_prompts_tail_before_its_head():
 def test_a_conversation_goes_back_to_where_its_prefix_is():
     b = pool()
     first = prompt_blocks(chat(SYSTEM, "Tell me about the harbour. " * 4))
-    home = b.acquire(route=Route(first))
+    home = b.acquire(route=PrefixRoute(first))
     for other in range(3):      # other conversations take the other backends' slots in turn
-        b.acquire(route=Route(prompt_blocks(chat(f"conversation {other} " * 60))))
-    later = Route(prompt_blocks(chat(SYSTEM, "Tell me about the harbour. " * 4, "It is old.", "How old?")))
+        b.acquire(route=PrefixRoute(prompt_blocks(chat(f"conversation {other} " * 60))))
+    later = PrefixRoute(prompt_blocks(chat(SYSTEM, "Tell me about the harbour. " * 4, "It is old.", "How old?")))
     assert b.acquire(route=later) is home and later.decision == "prefix"
     assert later.matched_tokens >= len(first) * BLOCK_BYTES // 4
 
@@ -109,7 +110,7 @@ def test_a_shared_system_prompt_alone_does_not_pin_traffic():
     counts: dict[str, int] = {}
     held = []
     for i in range(400):
-        route = Route(prompt_blocks(chat(SYSTEM, f"Question number {i}: what is {i} squared?")))
+        route = PrefixRoute(prompt_blocks(chat(SYSTEM, f"Question number {i}: what is {i} squared?")))
         backend = b.acquire(route=route)
         counts[backend.name] = counts.get(backend.name, 0) + 1
         held.append(backend)
@@ -122,8 +123,8 @@ def test_a_shared_system_prompt_alone_does_not_pin_traffic():
 def test_a_match_shorter_than_the_minimum_routes_by_load():
     b = pool(min_match_tokens=10_000)
     first = prompt_blocks(chat(SYSTEM, "a"))
-    home = b.acquire(route=Route(first))
-    again = Route(first)
+    home = b.acquire(route=PrefixRoute(first))
+    again = PrefixRoute(first)
     assert b.acquire(route=again) is not home and again.decision == "load"
 
 
@@ -131,10 +132,10 @@ def test_a_match_shorter_than_the_minimum_routes_by_load():
 def test_load_overrides_the_prefix_beyond_both_thresholds():
     b = pool(n=2, slots=100, balance_abs=2, balance_rel=1.5)
     conv = prompt_blocks(chat(SYSTEM, "The long story of a conversation. " * 30))
-    home = b.acquire(route=Route(conv))
+    home = b.acquire(route=PrefixRoute(conv))
     decisions = []
     for _ in range(4):
-        r = Route(conv)
+        r = PrefixRoute(conv)
         decisions.append((b.acquire(route=r) is home, r.decision))
     # home has 1, 2, 3 in flight against 0: the third goes over abs 2 and rel 1.5: the other backend.
     assert decisions[:2] == [(True, "prefix"), (True, "prefix")]
@@ -146,8 +147,8 @@ def test_a_backend_taken_out_comes_back_cold():
     for take_out in ("eject", "unhealthy", "drain", "remove"):
         b = pool(n=2)
         conv = prompt_blocks(chat(SYSTEM, "A conversation. " * 40))
-        home = b.acquire(route=Route(conv))
-        assert b.index.blocks_of(home.name) == len(conv)
+        home = b.acquire(route=PrefixRoute(conv))
+        assert b.policy.index.match(conv) == {home.name: len(conv)}
         if take_out == "eject":
             b.eject(home, "test")
         elif take_out == "unhealthy":
@@ -156,7 +157,7 @@ def test_a_backend_taken_out_comes_back_cold():
             b.set_drained(home, True)
         else:
             b.update([n for n in b.backends if n != home.name])
-        assert b.index.blocks_of(home.name) == 0, take_out
+        assert b.policy.index.match(conv) == {}, take_out
 
 
 @pytest.mark.unit
@@ -167,12 +168,12 @@ def test_a_freed_slot_may_pass_over_at_most_lookahead_waiters():
         b = pool(n=2, slots=1, lookahead=2)
         a_conv = prompt_blocks(chat(SYSTEM, "conversation A " * 40))
         b_conv = prompt_blocks(chat("another system " * 60, "conversation B " * 40))
-        home_a = b.acquire(route=Route(a_conv))
-        home_b = b.acquire(route=Route(b_conv))
+        home_a = b.acquire(route=PrefixRoute(a_conv))
+        home_b = b.acquire(route=PrefixRoute(b_conv))
         got: list[str] = []
 
         async def wait(tag, blocks):
-            backend = await b.wait_for_slot(5, Route(blocks))
+            backend = await b.wait_for_slot(5, PrefixRoute(blocks))
             got.append(tag)
             return backend
         tasks = [asyncio.create_task(wait("b1", b_conv))]
@@ -194,8 +195,9 @@ def test_a_freed_slot_may_pass_over_at_most_lookahead_waiters():
 @pytest.mark.unit
 @pytest.mark.parametrize("routing_value, says", [
     ({"policy": "cache_aware"}, "routing.policy must be one of least_conn, prefix"),
-    ({"policy": "prefix", "max_blocks": 0}, "routing.max_blocks must be a whole number of at least 1"),
-    ({"policy": "prefix", "balance_rel": -1}, "routing.balance_rel must be a finite number greater than 0"),
+    ({"policy": "prefix", "max_blocks": 0}, "routing.max_blocks must be a whole number from 1 to 100000000"),
+    ({"policy": "prefix", "balance_rel": 0.5}, "routing.balance_rel must be a number from 1 to 1000, not 0.5"),
+    ({"policy": "prefix", "lookahead": 1.5}, "routing.lookahead must be a whole number from 0 to 1024"),
     ({"policy": "prefix", "depth": 3}, "unknown config key 'routing.depth'"),
 ])
 def test_a_wrong_routing_section_is_one_sentence(routing_value, says):

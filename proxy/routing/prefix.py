@@ -1,4 +1,4 @@
-"""What the proxy sent where: an approximate index of prompt prefixes per backend, for prefix-aware routing.
+"""The prefix policy: a request goes where its prompt's prefix was sent before, unless that is too loaded.
 
 vLLM caches a prompt's KV blocks (16 tokens each) per instance, keyed by a hash chained over the blocks
 before them, and reuses them for any later prompt that starts the same way. The proxy cannot see the
@@ -13,12 +13,17 @@ dropped when the proxy takes it out (ejected, unhealthy, drained for a restart) 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Collection, Sequence
+
+from .base import Backend, Policy, RoutingConfig, Waiter
 
 BLOCK_BYTES = 64      # vLLM's 16-token block at about 4 bytes of text a token
 TOKEN_BYTES = 4       # what the match length in tokens is reckoned with
+BLOCK_TOKENS = BLOCK_BYTES // TOKEN_BYTES
 
 
 def prompt_blocks(body: bytes) -> list[int]:
@@ -69,12 +74,17 @@ def _content(content) -> str:
 
 
 @dataclass
-class Route:
+class PrefixRoute:
     """One request's routing: its prompt's blocks in, what was decided out (for the log and metrics)."""
 
     blocks: list[int] = field(default_factory=list)
     decision: str = "load"     # prefix: sent where its prefix is; load: least loaded; override: prefix
     matched_tokens: int = 0    # was there, but that backend was too loaded
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The prompt's whole blocks in tokens."""
+        return len(self.blocks) * BLOCK_TOKENS
 
 
 class PrefixIndex:
@@ -140,6 +150,74 @@ class PrefixIndex:
                     del self._lru[h]
         return len(hashes)
 
-    def blocks_of(self, backend: str) -> int:
-        """How many blocks the index holds for backend."""
-        return len(self._of.get(backend, ()))
+
+class Prefix(Policy):
+    """Where the prompt's longest known prefix was sent (see pick), and in the queue a bounded look-ahead
+    for a waiter whose prefix is on the backend that freed a slot."""
+
+    needs_body = True
+
+    def __init__(self, config: RoutingConfig):
+        super().__init__(config)
+        self.index = PrefixIndex(config.max_blocks)
+
+    def route_of(self, body: bytes) -> PrefixRoute:
+        return PrefixRoute(prompt_blocks(body))
+
+    def pick(self, route: PrefixRoute | None, least: Backend, candidates: Sequence[Backend]) -> Backend:
+        """The backend holding the longest run of the prompt's leading blocks (ties: the less loaded,
+        then round robin), when that run covers routing.min_match_ratio of the prompt (a new
+        conversation that shares only a system prompt goes by load) and saves at least min_match_tokens
+        of prefill over the least loaded backend (a shared prefix that every backend holds pins
+        nothing); unless that backend has more than balance_abs requests more than the least loaded one
+        and more than balance_rel times as many: then the least loaded one."""
+        if route is None or not route.blocks:
+            return least
+        matched = self.index.match(route.blocks)
+        top: Backend | None = None
+        top_run = 0
+        for b in candidates:
+            run = matched.get(b.name, 0)
+            if run and (run > top_run or (run == top_run and b.in_flight < top.in_flight)):
+                top, top_run = b, run
+        least_tokens = matched.get(least.name, 0) * BLOCK_TOKENS
+        r = self.config
+        if (top is None or top is least or top_run < r.min_match_ratio * len(route.blocks)
+                or top_run * BLOCK_TOKENS - least_tokens < r.min_match_tokens):
+            route.decision = "prefix" if least_tokens >= r.min_match_tokens else "load"
+            route.matched_tokens = least_tokens
+            return least
+        if top.in_flight - least.in_flight > r.balance_abs and top.in_flight > r.balance_rel * least.in_flight:
+            route.decision, route.matched_tokens = "override", least_tokens
+            return least
+        route.decision, route.matched_tokens = "prefix", top_run * BLOCK_TOKENS
+        return top
+
+    def sent(self, route: PrefixRoute | None, backend: Backend) -> None:
+        """Remember the prompt's blocks on backend."""
+        if route is not None and route.blocks:
+            self.index.insert(route.blocks, backend.name)
+
+    def forget(self, backend: str) -> None:
+        self.index.drop(backend)
+
+    def waiter(self, queue: Collection[Waiter], backends: Sequence[Backend]) -> Waiter | None:
+        """The first of the first lookahead + 1 waiters whose prompt has at least min_match_tokens on a
+        backend with a free slot; a waiter passed over lookahead times already is taken as it is."""
+        r = self.config
+        if not r.lookahead:
+            return None
+        free = [b.name for b in backends if b.free]
+        if not free:
+            return None      # nothing to hand out: the balancer's acquire finds no slot either
+        for w in itertools.islice(queue, r.lookahead + 1):
+            if w.future.done():
+                continue
+            if w.overtaken >= r.lookahead:
+                return w
+            if w.route is not None and w.route.blocks:
+                matched = self.index.match(w.route.blocks)
+                run = max((matched.get(n, 0) for n in free), default=0)
+                if run * BLOCK_TOKENS >= r.min_match_tokens and run >= r.min_match_ratio * len(w.route.blocks):
+                    return w
+        return None

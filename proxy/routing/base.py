@@ -1,0 +1,96 @@
+"""The routing seam: the settings every policy reads, and the interface the balancer calls."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+import asyncio
+from typing import Collection, Protocol, Sequence
+
+
+def _bounded(default, lo, hi):
+    """A routing key's default and the bounds a config value must keep (fleet/schema.py has the same)."""
+    return field(default=default, metadata={"bounds": (lo, hi)})
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """The routing section of the proxy's config: the policy (a name in proxy.routing.POLICIES) and its
+    keys, each with its default and its bounds (docs/proxy.md says what they do)."""
+
+    policy: str = "prefix"   # measured better or equal on every workload (docs/PERFORMANCE.md)
+    # prefix: a match wins when it saves this much prefill (tokens) over the least loaded backend's and
+    # covers this share of the prompt (a new conversation that shares only a system prompt goes by load)
+    min_match_tokens: int = _bounded(256, 0, 10_000_000)
+    min_match_ratio: float = _bounded(0.5, 0, 1)
+    # prefix: the match's backend is passed over when it has more than balance_abs requests more than the
+    # least loaded one and more than balance_rel times as many
+    balance_abs: int = _bounded(1, 0, 65536)
+    balance_rel: float = _bounded(1.5, 1, 1000)
+    # prefix: prompt blocks remembered (64 bytes each), least recently used dropped first
+    max_blocks: int = _bounded(262144, 1, 100_000_000)
+    # prefix: queued requests a freed slot may look past for one whose prefix is there
+    lookahead: int = _bounded(16, 0, 1024)
+    # balance_abs 1 and lookahead 16 measured (bench/bench_routing.py, docs/PERFORMANCE.md): with 2, one
+    # hot system prompt left a backend idle; with 4, a saturated fleet scattered conversations.
+
+
+class Route(Protocol):
+    """What a policy made of one request, as the results log and the metrics report it."""
+
+    decision: str          # the results log's `route`, the metrics' decision label
+    matched_tokens: int    # prompt tokens the chosen backend likely holds already
+    prompt_tokens: int     # the prompt's tokens, as the policy reckons them
+
+
+class Backend(Protocol):
+    """A backend as a policy sees it (proxy.balancer.Backend; the balancer alone changes it)."""
+
+    name: str
+    in_flight: int
+
+    @property
+    def free(self) -> bool:
+        """Whether it takes a new request now."""
+
+
+class Waiter(Protocol):
+    """A queued request as a policy sees it (proxy.balancer.Waiter)."""
+
+    future: asyncio.Future   # done: it left the queue already (cancelled, timed out), its turn is not taken
+    route: Route | None
+    overtaken: int           # requests behind it that were handed a slot first
+
+
+class Policy:
+    """One pool's routing policy: what it needs of a request, how it picks, what it learns and forgets.
+
+    The balancer owns the slots, the queue and the membership and calls these; between a pick and its
+    count there is no await. Every policy picks; the other defaults read nothing and learn nothing.
+    """
+
+    needs_body = False   # True: the body is read before the pick; False keeps the count before the body
+
+    def __init__(self, config: RoutingConfig):
+        self.config = config
+
+    def route_of(self, body: bytes) -> Route | None:
+        """What a chat/completions request brings to the pick, from its body (read when needs_body)."""
+        return None
+
+    def pick(self, route: Route | None, least: Backend, candidates: Sequence[Backend]) -> Backend:
+        """The backend for a request: one of candidates (every backend it may go to now, in round-robin
+        order); least is the least loaded of them. The decision is written into route."""
+        raise NotImplementedError
+
+    def sent(self, route: Route | None, backend: Backend) -> None:
+        """Learn that a request was counted on backend."""
+
+    def ended(self, backend: Backend) -> None:
+        """Learn that a request on backend finished."""
+
+    def forget(self, backend: str) -> None:
+        """Forget what was learned of a backend: it left, or lost its cache (ejected, down, drained)."""
+
+    def waiter(self, queue: Collection[Waiter], backends: Sequence[Backend]) -> Waiter | None:
+        """The waiter a freed slot goes to instead of the queue's head (None: first come, first served);
+        backends are the pool's."""
+        return None
