@@ -1,4 +1,5 @@
-"""The request path: pick a backend, count it, read the body, try it (and others), stream the answer back."""
+"""The request path: pick a backend, count it, read the body, try it (and others), stream the answer back;
+whatever ends a request, it is settled once (_settle): counted, its final results-log line, its span."""
 from __future__ import annotations
 
 import asyncio
@@ -152,7 +153,7 @@ async def _settled(request: web.Request, answer) -> web.StreamResponse:
     except asyncio.CancelledError:
         # aiohttp's handler_cancellation (the client hung up) or a drain's cut, wherever the request was.
         if ex.outcome is None:
-            ex.outcome = Outcome(status=CLIENT_CLOSED, error=_why_gone(ex, ""))
+            ex.outcome = Outcome(status=CLIENT_CLOSED, error=_why_gone(ex))
         raise
     finally:
         proxy.requests.pop(id(ex), None)
@@ -263,6 +264,7 @@ def _route(ex: Exchange, pool: Balancer) -> None:
 
 
 def _hold(ex: Exchange, backend: Backend) -> None:
+    """The request now holds a slot on backend."""
     ex.slot, ex.backend = backend, backend.name
 
 
@@ -319,15 +321,15 @@ def _client_gone(ex: Exchange) -> None:
     if ex.attempt is not None and ex.attempt.delivered:
         ex.outcome = ex.attempt
         return
-    ex.outcome = Outcome(status=CLIENT_CLOSED, error=_why_gone(ex, "in flight"))
+    ex.outcome = Outcome(status=CLIENT_CLOSED, error=_why_gone(ex))
     ex.client_left = True
     if ex.attempt is not None:   # the attempt it left ends so (its span), not with its backend's status
         ex.attempt.status, ex.attempt.error = ex.outcome.status, ex.outcome.error
 
 
-def _why_gone(ex: Exchange, where: str) -> str:
+def _why_gone(ex: Exchange, queued: bool = False) -> str:
     """The error of a request that ended without its answer: the client left, or a drain cut it."""
-    if where == "queued":
+    if queued:
         return ("cut while queued: still waiting when the stopping proxy's drain bound passed" if ex.cut
                 else "the client went away while queued")
     return ("cut: still in flight when the stopping proxy's drain bound passed" if ex.cut
@@ -398,7 +400,7 @@ async def _wait_for_slot(ex: Exchange, proxy, pool: Balancer) -> Backend | web.R
             "queue_timeout", {**ids, "Retry-After": str(RETRY_AFTER_TIMEOUT_S)}))
     except asyncio.CancelledError:      # the client left while it waited (or a drain cut it): out of the queue
         metrics.queue_rejected.labels("gone").inc()
-        ex.outcome = Outcome(status=CLIENT_CLOSED, error=_why_gone(ex, "queued"))
+        ex.outcome = Outcome(status=CLIENT_CLOSED, error=_why_gone(ex, queued=True))
         raise
     if backend is None:
         where = f" serves {ex.pool}" if ex.pool else " is available"
