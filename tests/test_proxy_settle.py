@@ -90,8 +90,8 @@ async def behind_a_held_slot(port: int, admin: int) -> dict:
 @pytest.mark.process
 def test_every_answer_from_one_sim_has_one_final_line_and_one_count(procs, tmp_path):
     """1. One sim (about 0.1 s a token, one slot), the proxy with an API key, a 10 KiB body bound, a queue of
-    one that waits 3 s. 2. /metrics right after start shows the queue's refusals and the backend's
-    retries at 0. 3. Sent: a good request (200), max_tokens 0 (the engine's 400), an unknown model (its
+    one that waits 5 s (the stream below takes 20). 2. /metrics right after start shows the queue's
+    refusals and the backend's retries and ejections at 0. 3. Sent: a good request (200), max_tokens 0 (the engine's 400), an unknown model (its
     404), a 20 KiB body (413), no key (401). 4. A stream holds the slot: a queued request waits out the
     queue (503), another finds it full (429), the stream's client leaves mid-answer (499). 5. The sim is
     killed; once the proxy sees it down, a request gets 503 (no healthy backend). 6. Each request has
@@ -101,7 +101,7 @@ def test_every_answer_from_one_sim_has_one_final_line_and_one_count(procs, tmp_p
     keys = tmp_path / "keys"
     keys.write_text(KEY + "\n")
     port, admin = start_proxy(procs, tmp_path, [sim], api_keys_file=str(keys), max_body_mb=0.01, slots=1,
-                              queue={"max": 1, "timeout_s": 3})
+                              queue={"max": 1, "timeout_s": 5})
     text = metrics_text(port)
     assert 'proxy_queue_rejected_total{reason="full"} 0.0' in text
     assert 'proxy_queue_rejected_total{reason="gone"} 0.0' in text
