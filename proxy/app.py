@@ -43,7 +43,9 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = generate_latest(request.app[PROXY].metrics.registry)
+    proxy = request.app[PROXY]
+    proxy.metrics.cover(proxy.router.backends)   # a backend added (at start or by a reload) shows its zeros
+    body = generate_latest(proxy.metrics.registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

@@ -1,4 +1,5 @@
-"""The request path: pick a backend, count it, read the body, try it (and others), stream the answer back."""
+"""The request path: pick a backend, count it, read the body, try it (and others), stream the answer back;
+whatever ends a request, it is settled once (_settle): counted, its final results-log line, its span."""
 from __future__ import annotations
 
 import asyncio
@@ -98,19 +99,23 @@ class Exchange:
     trace_id: str | None = None
     fixups: list = field(default_factory=list)
     attempts: int = 0
-    backend: str = ""
+    backend: str = ""              # the backend whose slot it holds (the last one, after a retry)
+    slot: Backend | None = None    # that backend: what the request path releases when it ends
     cut: bool = False              # still in flight at the drain bound of a stopping proxy: cancelled
     queued_ms: float = 0.0         # time it waited in the queue for a slot
     read: bool = False             # the body is read (before the pick in the models form)
+    by_model: bool = False         # routed by its `model` (the models form): counted per served model too
     model: str | None = None       # the body's `model` (the models form reads it)
     pool: str | None = None        # the served model it is routed to (the models form)
-    route: Route | None = None     # its prompt's blocks and where they led (the prefix policy)
+    route: Route | None = None     # what its pool's policy made of it and where that led
     otel_trace: str = ""           # its W3C trace id: the client's traceparent's, or a new one
     parent_span: str | None = None  # the client's span (its traceparent's parent id), None: a new trace
     flags: str = SAMPLED           # the trace flags, passed on to the backends as the client sent them
     ttfb: float | None = None      # seconds from arrival to the first byte sent to the client
     attempt: Outcome | None = None  # the attempt under way (or the last one)
+    outcome: Outcome | None = None  # how the request ended: set where it ends, settled once (_settle)
     client_left: bool = False      # the client went away before it had the whole answer
+    spans: object | None = None    # where its spans go (proxy.spans at arrival), when they are exported
     tried: list | None = None      # every attempt's Outcome, kept when spans are exported
     wall_ns: int = 0               # time.time_ns() at arrival, when spans are exported
 
@@ -126,33 +131,47 @@ class Exchange:
 async def proxy_handler(request: web.Request) -> web.StreamResponse:
     """Pick a backend and count the request on it (waiting for a free slot if need be), then read
     the body and forward it. In the models form the body is read first: its `model` names the pool."""
+    return await _settled(request, _answer)
+
+
+async def list_models(request: web.Request) -> web.StreamResponse:
+    """GET /v1/models: in the models form, the union of the healthy backends' lists, each id once;
+    in the plain form it goes to a backend like any request."""
+    if not request.app[PROXY].router.by_model:
+        return await proxy_handler(request)
+    return await _settled(request, _listing)
+
+
+async def _settled(request: web.Request, answer) -> web.StreamResponse:
+    """answer(ex, proxy)'s response; whatever ends the request (an answer, the client leaving, a drain's
+    cut, a fault of the proxy's), it is settled here, once: counted, its final line logged, its span kept."""
     proxy = request.app[PROXY]
-    request_id = request.headers.get("X-Request-Id") or new_request_id()
-    context = _trace_context(request)
-    refused = _refused(request, proxy, request_id)
-    if refused is not None:
-        return refused
-    ex = Exchange(request, request_id)
-    ex.otel_trace = context[0]
-    if context[1] is not None:
-        ex.parent_span, ex.flags = context[1], context[2]
-    spans = proxy.spans
-    if spans is not None and context[1] is None and chance() >= spans.config.sample_ratio:
-        ex.flags = NOT_SAMPLED   # a trace the proxy starts, past otlp.sample_ratio: no one records it
-    if spans is None or not sampled(ex.flags):
-        return await _handle(ex, proxy)
-    ex.tried, ex.wall_ns = [], time.time_ns()
-    status = None
+    ex = _exchange(request, proxy)
+    proxy.requests[id(ex)] = ex        # what a drain waits for (a queued request too), and names if it cuts it
     try:
-        response = await _handle(ex, proxy)
-        status = response.status
-        return response
-    finally:   # the spans are built off the event loop (proxy/otlp.py): here a tuple is queued
-        if ex.client_left:
-            status = CLIENT_CLOSED
-        elif status is None:   # cancelled: served when the whole answer had gone out
-            status = ex.attempt.status if ex.attempt is not None and ex.attempt.delivered else CLIENT_CLOSED
-        spans.record(_span_record(ex, status))
+        return await answer(ex, proxy)
+    except asyncio.CancelledError:
+        # aiohttp's handler_cancellation (the client hung up) or a drain's cut, wherever the request was.
+        if ex.outcome is None:
+            ex.outcome = Outcome(status=CLIENT_CLOSED, error=_why_gone(ex))
+        raise
+    finally:
+        proxy.requests.pop(id(ex), None)
+        _settle(ex, proxy)
+
+
+def _exchange(request: web.Request, proxy) -> Exchange:
+    """The request as an Exchange: its ids and trace context, and whether its spans are kept."""
+    ex = Exchange(request, request.headers.get("X-Request-Id") or new_request_id())
+    ex.otel_trace, parent, flags = _trace_context(request)
+    if parent is not None:
+        ex.parent_span, ex.flags = parent, flags
+    spans = proxy.spans
+    if spans is not None and parent is None and chance() >= spans.config.sample_ratio:
+        ex.flags = NOT_SAMPLED   # a trace the proxy starts, past otlp.sample_ratio: no one records it
+    if spans is not None and sampled(ex.flags):
+        ex.spans, ex.tried, ex.wall_ns = spans, [], time.time_ns()
+    return ex
 
 
 def _trace_context(request: web.Request) -> tuple[str, str | None, str]:
@@ -165,6 +184,36 @@ def _trace_context(request: web.Request) -> tuple[str, str | None, str]:
     return context
 
 
+def _settle(ex: Exchange, proxy) -> None:
+    """Count the request, write its final results-log line and record its span (the spans are built off
+    the event loop, proxy/otlp.py: here a tuple is queued). The one place a request is accounted for."""
+    out = ex.outcome or Outcome(status=500, error="the proxy failed on this request; see its proxy.log")
+    metrics = proxy.metrics
+    label = ex.backend if ex.attempts else NO_BACKEND   # a 413 never reached the backend it was given
+    _count(proxy, ex, label, out.status)
+    if ex.client_left:
+        metrics.aborted.labels(ex.backend).inc()
+    if ex.slot is not None:    # timed from arrival when it got a slot (the queue's refusals are not)
+        elapsed = time.monotonic() - ex.t0
+        metrics.took(label, elapsed)
+        if ex.ttfb is None and (out.status != CLIENT_CLOSED or out.sent):
+            ex.ttfb = elapsed     # a whole answer: its first byte goes out as the handler returns it
+        if ex.ttfb is not None:
+            metrics.first_byte_after(label, ex.pool or "", ex.ttfb)
+    _log_attempt(ex, proxy, ex.backend or None, out, final=True)   # a whole answer's body parsed here
+    if out.observer is not None and out.observer.reported_tokens is not None:
+        metrics.produced(ex.backend, ex.pool or "", out.observer.reported_tokens)
+    if ex.spans is not None:
+        ex.spans.record(_span_record(ex, out.status))
+
+
+def _count(proxy, ex: Exchange, backend: str, status: int) -> None:
+    """Count an answer by backend, and by served model in the models form."""
+    proxy.metrics.answered(backend, status)
+    if ex.by_model:
+        proxy.metrics.answered_model(ex.pool or NO_BACKEND, status)
+
+
 def _span_record(ex: Exchange, status: int) -> tuple:
     """What proxy/otlp.py builds the request's spans from (plain values: the request itself is let go)."""
     final = ex.tried[-1].observer if ex.tried else None
@@ -175,106 +224,129 @@ def _span_record(ex: Exchange, status: int) -> tuple:
             final.prompt_tokens if final else None, final.reported_tokens if final else None, attempts)
 
 
-async def _handle(ex: Exchange, proxy) -> web.StreamResponse:
-    """proxy_handler's work once the request is an Exchange."""
-    request = ex.request
-    proxy.requests[id(ex)] = ex        # what a drain waits for (a queued request too), and names if it cuts it
-    pool: Balancer | web.Response | None = None
-    try:
-        if proxy.router.needs_body:
-            pool = await _pool_of(ex, proxy)
-        else:
-            pool = proxy.router.only()
-    finally:
-        if not isinstance(pool, Balancer):   # answered here (400, 404, 413) or the client left
-            proxy.requests.pop(id(ex), None)
+def _ended(ex: Exchange, response: web.Response) -> web.Response:
+    """The proxy's own answer (an OpenAI-style error) as the request's outcome."""
+    ex.outcome = Outcome(status=response.status, error=json.loads(response.body)["error"]["message"])
+    return response
+
+
+async def _answer(ex: Exchange, proxy) -> web.StreamResponse:
+    """The request path once the request is an Exchange: key, pool, slot, then the backends."""
+    refused = _refused(ex.request, proxy, ex.request_id)
+    if refused is not None:
+        return _ended(ex, refused)     # its body stays unread: nothing of it reaches the results log
+    pool = await _pool(ex, proxy)
     if isinstance(pool, web.Response):
         return pool
     # Counted here, before the body is read (the seed's pile-up fix), in the plain form; in the models
-    # form and with the prefix policy right after it, pick and count still one step. A request that
+    # form and with a policy that reads the body right after it, pick and count still one step. A request that
     # finds every slot of its pool taken waits its turn in the pool's queue.
-    if pool.policy.needs_body and ex.logged:
-        ex.route = pool.policy.route_of(ex.body)
+    _route(ex, pool)
     backend = None if pool.queued else pool.acquire(route=ex.route)
     if backend is None:
-        try:
-            backend = await _wait_for_slot(ex, proxy, pool)
-        finally:
-            if not isinstance(backend, Backend):     # answered here (429, 503) or the client left
-                proxy.requests.pop(id(ex), None)
+        backend = await _wait_for_slot(ex, proxy, pool)
         if isinstance(backend, web.Response):
             return backend
-    ex.backend = backend.name
+    return await _forward(ex, proxy, pool, backend)
+
+
+async def _pool(ex: Exchange, proxy) -> Balancer | web.Response:
+    """The pool the request goes to, or the answer when it ends before one (400, 404, 413)."""
+    if proxy.router.needs_body:
+        return await _pool_of(ex, proxy)
+    return proxy.router.only()
+
+
+def _route(ex: Exchange, pool: Balancer) -> None:
+    """What the pool's policy makes of the request's body (a prefix route: its prompt's blocks), before the pick."""
+    if pool.policy.needs_body and ex.logged:
+        ex.route = pool.policy.route_of(ex.body)
+
+
+def _hold(ex: Exchange, backend: Backend) -> None:
+    """The request now holds a slot on backend."""
+    ex.slot, ex.backend = backend, backend.name
+
+
+async def _forward(ex: Exchange, proxy, pool: Balancer, backend: Backend) -> web.StreamResponse:
+    """With a slot on backend: read the body, try the backends, hand on the answer; the slot (the
+    last backend's, after a retry) is released whatever happens."""
+    _hold(ex, backend)
     if ex.route is not None:
         proxy.metrics.routed(ex.route)
-    outcome = Outcome()
     try:
         response = None if ex.read else await _read_body(ex, proxy, backend)
         if response is not None:
-            outcome.status = response.status
-            return response
-        tried: list[Backend] = []
-        while True:
-            outcome = await _attempt(ex, proxy, backend)
-            tried.append(backend)
-            if not outcome.retryable or len(tried) > proxy.config.retries:
-                break
-            # The request holds a slot already: it may go over another backend's slots, never wait.
-            other = pool.acquire(exclude=tried, over=True, route=ex.route)
-            if other is None:
-                break
-            failed, backend = backend, other   # swap first: `backend` is what `finally` releases
-            ex.backend = backend.name
-            pool.release(failed)
-            _count(proxy, ex, failed.name, outcome.status)
-            proxy.metrics.retries.labels(failed.name).inc()
-            _log_attempt(ex, proxy, failed, outcome, final=False)
-        return _finish(ex, proxy, backend, outcome)
+            return _ended(ex, response)
+        return _reply(ex, await _tries(ex, proxy, pool))
     except (ClientGone, asyncio.CancelledError) as gone:
         # ClientGone: a write found the client gone; CancelledError: aiohttp's handler_cancellation,
-        # the client hung up while we waited. A client that hangs up once the stream's last event
-        # (`data: [DONE]`) reached it, without waiting for the stream's end, was served: log it so.
-        if ex.attempt is not None and ex.attempt.delivered:
-            outcome = ex.attempt
-            _finish(ex, proxy, backend, outcome)
-        else:
-            outcome = _client_gone(ex, proxy, backend)
+        # the client hung up while we waited.
+        _client_gone(ex)
         if isinstance(gone, asyncio.CancelledError):
             raise
-        return request["response"]      # already started; aiohttp has nobody left to send it to
+        return ex.request["response"]      # already started; aiohttp has nobody left to send it to
     finally:
-        proxy.requests.pop(id(ex), None)
-        pool.release(backend)
-        label = backend.name if ex.attempts else NO_BACKEND   # a 413 never reached a backend
-        _count(proxy, ex, label, outcome.status)
-        elapsed = time.monotonic() - ex.t0
-        proxy.metrics.took(label, elapsed)
-        if ex.ttfb is None and (outcome.status != CLIENT_CLOSED or outcome.sent):
-            ex.ttfb = elapsed     # a whole answer: its first byte goes out as the handler returns it
-        if ex.ttfb is not None:
-            proxy.metrics.first_byte_after(label, ex.pool or "", ex.ttfb)
+        pool.release(ex.slot)
 
 
-def _count(proxy, ex: Exchange, backend: str, status: int) -> None:
-    """Count an answer by backend, and by model in the models form."""
-    proxy.metrics.answered(backend, status)
-    if ex.pool is not None:
-        proxy.metrics.answered_model(ex.pool, status)
+async def _tries(ex: Exchange, proxy, pool: Balancer) -> Outcome:
+    """Attempts on the backend held, then on others while one fails before any byte reached the client."""
+    tried: list[Backend] = []
+    while True:
+        out = await _attempt(ex, proxy, ex.slot)
+        tried.append(ex.slot)
+        if not out.retryable or len(tried) > proxy.config.retries:
+            return out
+        # The request holds a slot already: it may go over another backend's slots, never wait.
+        other = pool.acquire(exclude=tried, over=True, route=ex.route)
+        if other is None:
+            return out
+        failed = ex.slot
+        _hold(ex, other)       # first: ex.slot is what _forward releases
+        pool.release(failed)
+        _retried(ex, proxy, failed, out)
+
+
+def _retried(ex: Exchange, proxy, failed: Backend, out: Outcome) -> None:
+    """An attempt given up for another backend: its backend's answer counted, its line not final."""
+    _count(proxy, ex, failed.name, out.status)
+    proxy.metrics.retries.labels(failed.name).inc()
+    _log_attempt(ex, proxy, failed.name, out, final=False)
+
+
+def _client_gone(ex: Exchange) -> None:
+    """The client left with a slot held. One that hangs up once the stream's last event (`data: [DONE]`)
+    reached it, without waiting for the stream's end, was served: its attempt is its outcome."""
+    if ex.attempt is not None and ex.attempt.delivered:
+        ex.outcome = ex.attempt
+        return
+    ex.outcome = Outcome(status=CLIENT_CLOSED, error=_why_gone(ex))
+    ex.client_left = True
+    if ex.attempt is not None:   # the attempt it left ends so (its span), not with its backend's status
+        ex.attempt.status, ex.attempt.error = ex.outcome.status, ex.outcome.error
+
+
+def _why_gone(ex: Exchange, queued: bool = False) -> str:
+    """The error of a request that ended without its answer: the client left, or a drain cut it."""
+    if queued:
+        return ("cut while queued: still waiting when the stopping proxy's drain bound passed" if ex.cut
+                else "the client went away while queued")
+    return ("cut: still in flight when the stopping proxy's drain bound passed" if ex.cut
+            else "the client went away")
 
 
 async def _pool_of(ex: Exchange, proxy) -> Balancer | web.Response:
-    """Read the body (the models form, the prefix policy) and find the pool its `model` reaches (the
+    """Read the body (the models form, a policy that needs it) and find the pool its `model` reaches (the
     only pool when not routing by model); or the answer when the request ends here: 413, 400 (no model
     and several served), 404 (a model nobody serves, in vLLM's own words), never sent to an engine."""
     router = proxy.router
+    ex.by_model = router.by_model
     response = await _read_body(ex, proxy, None)
     if response is not None:
-        proxy.metrics.answered(NO_BACKEND, response.status)
-        if router.by_model:
-            proxy.metrics.answered_model(NO_BACKEND, response.status)
-        return response
+        return _ended(ex, response)
     if not router.by_model:
-        return router.only()     # the body was read for the prefix policy
+        return router.only()     # the body was read for the routing policy
     ids = {"X-Request-Id": ex.request_id}
     name = model_of(ex.body) if ex.body else NO_MODEL
     ex.model = name or None
@@ -285,49 +357,27 @@ async def _pool_of(ex: Exchange, proxy) -> Balancer | web.Response:
             return only
         message = (f"the request names no `model`; this host serves {', '.join(router.served_names())}: "
                    "set `model` to one of them.")
-        response = json_error(400, message, "BadRequestError", ids)
-    else:
-        pool = router.resolve(name)
-        if pool is not None:
-            ex.pool = pool
-            return router.pools[pool]
-        # vLLM's own 404 (serving_models.py, 0.32), without its list of the names it knows.
-        message = f"The model `{name}` does not exist."
-        response = web.json_response({"error": {"message": message, "type": "NotFoundError", "param": "model",
-                                                "code": 404}}, status=404, headers=ids)
-    proxy.metrics.answered(NO_BACKEND, response.status)
-    proxy.metrics.answered_model(NO_BACKEND, response.status)
-    _log_attempt(ex, proxy, None, Outcome(status=response.status, error=message), final=True)
-    return response
+        return _ended(ex, json_error(400, message, "BadRequestError", ids))
+    pool = router.resolve(name)
+    if pool is not None:
+        ex.pool = pool
+        return router.pools[pool]
+    # vLLM's own 404 (serving_models.py, 0.32), without its list of the names it knows.
+    message = f"The model `{name}` does not exist."
+    return _ended(ex, web.json_response({"error": {"message": message, "type": "NotFoundError", "param": "model",
+                                                   "code": 404}}, status=404, headers=ids))
 
 
-async def list_models(request: web.Request) -> web.StreamResponse:
-    """GET /v1/models: in the models form, the union of the healthy backends' lists, each id once;
-    in the plain form it goes to a backend like any request."""
-    proxy = request.app[PROXY]
-    if not proxy.router.by_model:
-        return await proxy_handler(request)
-    _trace_context(request)
-    refused = _refused(request, proxy, request.headers.get("X-Request-Id") or new_request_id())
+async def _listing(ex: Exchange, proxy) -> web.Response:
+    """The models form's answer to GET /v1/models."""
+    refused = _refused(ex.request, proxy, ex.request_id)
     if refused is not None:
-        return refused
+        return _ended(ex, refused)
     listing = proxy.router.listing()
-    status = 200 if listing else 503
-    proxy.metrics.answered(NO_BACKEND, status)
     if not listing:
-        return json_error(503, "no healthy backend is available; check `inv status`.", "no_backend")
+        return _ended(ex, json_error(503, "no healthy backend is available; check `inv status`.", "no_backend"))
+    ex.outcome = Outcome(status=200)
     return web.json_response({"object": "list", "data": listing})
-
-
-def _client_gone(ex: Exchange, proxy, backend: Backend) -> Outcome:
-    outcome = Outcome(status=CLIENT_CLOSED, error="cut: still in flight when the stopping proxy's drain "
-                      "bound passed" if ex.cut else "the client went away")
-    ex.client_left = True
-    if ex.attempt is not None:   # the attempt it left ends so (its span), not with its backend's status
-        ex.attempt.status, ex.attempt.error = outcome.status, outcome.error
-    proxy.metrics.aborted.labels(backend.name).inc()
-    _log_attempt(ex, proxy, backend, outcome, final=True)
-    return outcome
 
 
 async def _wait_for_slot(ex: Exchange, proxy, pool: Balancer) -> Backend | web.Response:
@@ -350,38 +400,31 @@ async def _wait_for_slot(ex: Exchange, proxy, pool: Balancer) -> Backend | web.R
             "queue_timeout", {**ids, "Retry-After": str(RETRY_AFTER_TIMEOUT_S)}))
     except asyncio.CancelledError:      # the client left while it waited (or a drain cut it): out of the queue
         metrics.queue_rejected.labels("gone").inc()
-        _count(proxy, ex, NO_BACKEND, CLIENT_CLOSED)
-        why = ("cut while queued: still waiting when the stopping proxy's drain bound passed" if ex.cut
-               else "the client went away while queued")
-        _log_attempt(ex, proxy, None, Outcome(status=CLIENT_CLOSED, error=why), final=True)
+        ex.outcome = Outcome(status=CLIENT_CLOSED, error=_why_gone(ex, queued=True))
         raise
     if backend is None:
-        _count(proxy, ex, NO_BACKEND, 503)
         where = f" serves {ex.pool}" if ex.pool else " is available"
-        return json_error(503, f"no healthy backend{where}; check `inv status`.", "no_backend", ids)
+        return await _turned_away(ex, proxy, json_error(
+            503, f"no healthy backend{where}; check `inv status`.", "no_backend", ids))
     ex.queued_ms = round((time.monotonic() - ex.t0) * 1000, 1)
     metrics.queue_wait.observe(ex.queued_ms / 1000)
     return backend
 
 
 async def _turned_away(ex: Exchange, proxy, response: web.Response) -> web.Response:
-    """Count and log a request the queue refused; its body is read only for the log's trace id."""
-    _count(proxy, ex, NO_BACKEND, response.status)
+    """A request refused before any slot: its body is read only for the log's trace id."""
     if ex.logged and not ex.read and (ex.request.content_length or 0) <= proxy.config.max_body_bytes:
         try:
             ex.trace_id = trace_id_of(user_value(await ex.request.read()))
         except web.HTTPRequestEntityTooLarge:
             pass
-    message = json.loads(response.body)["error"]["message"]
-    _log_attempt(ex, proxy, None, Outcome(status=response.status, error=message), final=True)
-    return response
+    return _ended(ex, response)
 
 
 def _refused(request: web.Request, proxy, request_id: str) -> web.Response | None:
     """The 401 for a request without one of the API keys (when keys are set), else None."""
     if proxy.api_keys is None or _authorized(request, proxy.api_keys):
         return None
-    proxy.metrics.answered(NO_BACKEND, 401)
     return json_error(401, "missing or wrong API key; send `Authorization: Bearer <key>`.",
                       "unauthorized", {"X-Request-Id": request_id, "WWW-Authenticate": "Bearer"})
 
@@ -417,90 +460,109 @@ async def _read_body(ex: Exchange, proxy, backend: Backend | None) -> web.Respon
 
 async def _attempt(ex: Exchange, proxy, backend: Backend) -> Outcome:
     """Send the request to backend; stream a good answer to the client, hold back a 502/503."""
-    request, config = ex.request, proxy.config
+    request = ex.request
     ex.attempts += 1
     out = ex.attempt = Outcome(span_id=new_span_id(), backend=backend.name)
-    headers = upstream_headers(request.headers)
+    if ex.tried is not None:
+        ex.tried.append(out)
+    out.t_start = time.monotonic()
+    try:
+        async with proxy.session.request(request.method, URL(backend.url + request.raw_path, encoded=True),
+                                         headers=_headers_for(ex, proxy, out), data=ex.body or None,
+                                         allow_redirects=False, timeout=proxy.upstream_timeout) as up:
+            await _take(ex, proxy, backend, out, up)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionResetError) as e:
+        _failed(proxy, backend, out, e)
+    finally:
+        out.attempt_ms = round((time.monotonic() - out.t_start) * 1000, 1)
+    if out.sent:
+        out.retryable = False   # never retry once a byte went to the client
+    return out
+
+
+def _headers_for(ex: Exchange, proxy, out: Outcome) -> dict:
+    """The headers an attempt sends: the client's, its request id, the attempt's own traceparent."""
+    headers = upstream_headers(ex.request.headers)
     headers["X-Request-Id"] = ex.request_id
     headers["traceparent"] = f"00-{ex.otel_trace}-{out.span_id}-{ex.flags}"
     if proxy.api_keys is not None:
         headers.pop("Authorization", None)
-    timeout = proxy.upstream_timeout
-    if ex.tried is not None:
-        ex.tried.append(out)
-    t_attempt = out.t_start = time.monotonic()
+    return headers
+
+
+async def _take(ex: Exchange, proxy, backend: Backend, out: Outcome, up: aiohttp.ClientResponse) -> None:
+    """Take the backend's answer: hold a 502/503 back, read a small whole answer, stream the rest."""
+    out.status = up.status
+    _answered(proxy, backend, up.status)
+    if up.status in RETRY_STATUSES:
+        body = await _read_up_to(up, ERROR_BODY_BYTES)
+        out.retryable, out.error = True, body.decode("utf-8", "replace")
+        out.buffered = (up.status, downstream_headers(up.headers), body)
+        return
+    streamed = up.headers.get("Content-Type", "").startswith("text/event-stream")
+    out.observer = ResponseObserver(up.status, streamed) if ex.logged else None
+    headers = {**downstream_headers(up.headers), **_ids(ex, backend)}
+    if not streamed and up.content_length is not None and up.content_length <= WHOLE_BODY_BYTES:
+        # A whole answer (not SSE) of known, bounded size goes out in one write with its
+        # headers: nothing is gained by streaming what the engine sent all at once.
+        body = await up.read()
+        if out.observer is not None:
+            out.observer.feed(body)
+        out.whole = web.Response(status=up.status, body=body, headers=headers)
+        return
+    await _stream(ex, out, up, headers)
+
+
+async def _stream(ex: Exchange, out: Outcome, up: aiohttp.ClientResponse, headers: dict) -> None:
+    """Write the backend's answer to the client chunk by chunk, as it comes."""
+    resp = web.StreamResponse(status=up.status, headers=headers)
+    await resp.prepare(ex.request)
+    out.sent = True
+    ex.request["response"] = resp
+    async for chunk in up.content.iter_any():
+        if out.observer is not None:
+            out.observer.feed(chunk)
+        if ex.ttfb is None:
+            ex.ttfb = time.monotonic() - ex.t0
+        try:
+            await resp.write(chunk)
+        except ConnectionResetError as e:
+            raise ClientGone() from e
+        if not out.delivered and _ends_stream(chunk, out.observer):
+            out.delivered = True
     try:
-        async with proxy.session.request(request.method, URL(backend.url + request.raw_path, encoded=True),
-                                         headers=headers,
-                                         data=ex.body or None, allow_redirects=False, timeout=timeout) as up:
-            out.status = up.status
-            _answered(proxy, backend, up.status)
-            if up.status in RETRY_STATUSES:
-                body = await _read_up_to(up, ERROR_BODY_BYTES)
-                out.retryable, out.error = True, body.decode("utf-8", "replace")
-                out.buffered = (up.status, downstream_headers(up.headers), body)
-                return out
-            streamed = up.headers.get("Content-Type", "").startswith("text/event-stream")
-            out.observer = ResponseObserver(up.status, streamed) if ex.logged else None
-            if not streamed and up.content_length is not None and up.content_length <= WHOLE_BODY_BYTES:
-                # A whole answer (not SSE) of known, bounded size goes out in one write with its
-                # headers: nothing is gained by streaming what the engine sent all at once.
-                body = await up.read()
-                if out.observer is not None:
-                    out.observer.feed(body)
-                out.whole = web.Response(status=up.status, body=body,
-                                         headers={**downstream_headers(up.headers), **_ids(ex, backend)})
-                return out
-            resp = web.StreamResponse(status=up.status,
-                                      headers={**downstream_headers(up.headers), **_ids(ex, backend)})
-            await resp.prepare(request)
-            out.sent = True
-            ex.request["response"] = resp
-            async for chunk in up.content.iter_any():
-                if out.observer is not None:
-                    out.observer.feed(chunk)
-                if ex.ttfb is None:
-                    ex.ttfb = time.monotonic() - ex.t0
-                try:
-                    await resp.write(chunk)
-                except ConnectionResetError as e:
-                    raise ClientGone() from e
-                if not out.delivered and _ends_stream(chunk, out.observer):
-                    out.delivered = True
-            try:
-                await resp.write_eof()
-            except ConnectionResetError:
-                # Every byte of the answer was written: a client that closes at once after the last one
-                # (the openai client does after `data: [DONE]`) got its answer; it did not go away first.
-                pass
-    except aiohttp.ConnectionTimeoutError:
+        await resp.write_eof()
+    except ConnectionResetError:
+        # Every byte of the answer was written: a client that closes at once after the last one
+        # (the openai client does after `data: [DONE]`) got its answer; it did not go away first.
+        pass
+
+
+def _failed(proxy, backend: Backend, out: Outcome, e: Exception) -> None:
+    """Name an attempt's failure (the first matching kind, subclasses before their bases), count it."""
+    config, name = proxy.config, backend.name
+    if isinstance(e, aiohttp.ConnectionTimeoutError):
         _upstream_error(proxy, backend, out, "connect_timeout",
-                        f"no connection to {backend.name} within {config.connect_timeout_s:g}s", eject=True)
+                        f"no connection to {name} within {config.connect_timeout_s:g}s", eject=True)
         out.status = 504
-    except aiohttp.ClientConnectorError as e:
-        _upstream_error(proxy, backend, out, "connect", f"cannot connect to {backend.name}: {e.os_error}",
-                        eject=True)
-    except aiohttp.ServerDisconnectedError:
+    elif isinstance(e, aiohttp.ClientConnectorError):
+        _upstream_error(proxy, backend, out, "connect", f"cannot connect to {name}: {e.os_error}", eject=True)
+    elif isinstance(e, aiohttp.ServerDisconnectedError):
         # Before any byte: the engine died or closed a kept-alive connection; another backend may take it.
-        _upstream_error(proxy, backend, out, "disconnected", f"{backend.name} closed the connection")
+        _upstream_error(proxy, backend, out, "disconnected", f"{name} closed the connection")
         if not out.sent:
             _answered(proxy, backend, 502)
-    except asyncio.TimeoutError:
+    elif isinstance(e, asyncio.TimeoutError):
         out.status = 504
-        out.error = f"{backend.name} did not answer within {config.timeout_s:g}s"
-        proxy.metrics.upstream_errors.labels(backend.name, "timeout").inc()
+        out.error = f"{name} did not answer within {config.timeout_s:g}s"
+        proxy.metrics.upstream_errors.labels(name, "timeout").inc()
         _answered(proxy, backend, 504)
-    except aiohttp.ClientPayloadError as e:
-        _upstream_error(proxy, backend, out, "payload", f"{backend.name} broke off its answer: {e}")
-    except (aiohttp.ClientOSError, ConnectionResetError) as e:
-        _upstream_error(proxy, backend, out, "connection", f"connection to {backend.name} failed: {e}")
-    except aiohttp.ClientError as e:   # anything else aiohttp can raise: still one clear answer
-        _upstream_error(proxy, backend, out, "other", f"{backend.name}: {type(e).__name__}: {e}")
-    finally:
-        out.attempt_ms = round((time.monotonic() - t_attempt) * 1000, 1)
-    if out.sent:
-        out.retryable = False   # never retry once a byte went to the client
-    return out
+    elif isinstance(e, aiohttp.ClientPayloadError):
+        _upstream_error(proxy, backend, out, "payload", f"{name} broke off its answer: {e}")
+    elif isinstance(e, (aiohttp.ClientOSError, ConnectionResetError)):
+        _upstream_error(proxy, backend, out, "connection", f"connection to {name} failed: {e}")
+    else:   # anything else aiohttp can raise: still one clear answer
+        _upstream_error(proxy, backend, out, "other", f"{name}: {type(e).__name__}: {e}")
 
 
 def _ends_stream(chunk: bytes, observer: ResponseObserver | None) -> bool:
@@ -547,11 +609,10 @@ def _ids(ex: Exchange, backend: Backend) -> dict:
     return {"X-Backend": backend.name, "X-Request-Id": ex.request_id, "X-Retries": str(ex.attempts - 1)}
 
 
-def _finish(ex: Exchange, proxy, backend: Backend, out: Outcome) -> web.StreamResponse:
-    """Log the last attempt and give the client what it gets."""
-    _log_attempt(ex, proxy, backend, out, final=True)
-    if out.observer is not None and out.observer.reported_tokens is not None:
-        proxy.metrics.produced(backend.name, ex.pool or "", out.observer.reported_tokens)
+def _reply(ex: Exchange, out: Outcome) -> web.StreamResponse:
+    """The last attempt as the request's outcome, and what the client gets of it."""
+    ex.outcome = out
+    backend = ex.slot
     if out.sent:
         if out.error and ex.request.transport is not None:
             # The upstream broke off mid-answer: cut the client's connection too, so it sees a broken
@@ -563,17 +624,18 @@ def _finish(ex: Exchange, proxy, backend: Backend, out: Outcome) -> web.StreamRe
     if out.buffered is not None:
         status, headers, body = out.buffered
         return web.Response(status=status, body=body, headers={**headers, **_ids(ex, backend)})
+    out.status = out.status or 502
     kind = "upstream_timeout" if out.status == 504 else "upstream_error"
-    return json_error(out.status or 502, out.error or "upstream failed", kind, _ids(ex, backend))
+    return json_error(out.status, out.error or "upstream failed", kind, _ids(ex, backend))
 
 
-def _log_attempt(ex: Exchange, proxy, backend: Backend | None, out: Outcome, final: bool) -> None:
+def _log_attempt(ex: Exchange, proxy, backend: str | None, out: Outcome, final: bool) -> None:
     """One results-log line per attempt at a chat/completions request (backend None: it got none)."""
     if not ex.logged:
         return
     entry = {"ts": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
              "trace_id": ex.trace_id, "otel_trace_id": ex.otel_trace, "request_id": ex.request_id,
-             "backend": backend.name if backend is not None else None,
+             "backend": backend,
              "path": ex.request.path, "status": out.status,
              "latency_ms": round((time.monotonic() - ex.t0) * 1000, 1),
              "attempt": ex.attempts, "attempt_ms": out.attempt_ms, "final": final,

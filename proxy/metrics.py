@@ -11,6 +11,11 @@ WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120)
 # Time to first byte: the duration buckets, finer below a second (a first token comes in tens of ms).
 TTFB_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TOKEN_BUCKETS = tuple(2 ** k for k in range(16))   # 1 .. 32768 output tokens
+# The label values known before any event: their series are made at start (or when a backend is first
+# seen), so a panel or an increase() over them starts from 0 instead of "no data".
+QUEUE_REJECT_REASONS = ("full", "timeout", "gone")
+EJECTION_REASONS = ("connect_timeout", "connect", "5xx")
+UPSTREAM_ERROR_KINDS = ("connect_timeout", "connect", "disconnected", "timeout", "payload", "connection", "other")
 
 
 class BackendState:
@@ -111,6 +116,23 @@ class Metrics:
         self._tokens: dict = {}     # kind -> its counter child
         self._first: dict = {}      # (backend, model) -> its time-to-first-byte child
         self._output: dict = {}     # (backend, model) -> its output-tokens child
+        self._covered: set = set()  # backends whose series are made
+        for reason in QUEUE_REJECT_REASONS:
+            self.queue_rejected.labels(reason)
+
+    def cover(self, backends) -> None:
+        """Make the per-backend series of backends (names) not seen yet, at 0."""
+        for name in backends:
+            if name in self._covered:
+                continue
+            self._covered.add(name)
+            self.retries.labels(name)
+            self.aborted.labels(name)
+            self._timed[name] = self.duration.labels(name)
+            for reason in EJECTION_REASONS:
+                self.ejections.labels(name, reason)
+            for kind in UPSTREAM_ERROR_KINDS:
+                self.upstream_errors.labels(name, kind)
 
     def answered(self, backend: str, status: int) -> None:
         """Count one answer of status for backend (a label, "none" when no backend saw it)."""
