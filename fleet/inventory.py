@@ -12,13 +12,12 @@ import copy
 import hashlib
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
 from . import cluster, schema, schema_doc, serving
-from .cluster import backend_name
 from .errors import InventoryError
 
 DEFAULT_INVENTORY = "inventory/hosts.yml"
@@ -105,17 +104,17 @@ class Inventory:
                 found = layer["fronts"] or []
         return list(found)
 
-    def fronted_by(self, name: str, overrides=()) -> set[str]:
-        """The other hosts whose `fronts` name this host (every host's fronts read once per --set)."""
+    def fronts_graph(self, overrides=()) -> dict[str, set[str]]:
+        """Each fronted host -> the entry hosts that front it: every host's fronts read and checked
+        (fleet.cluster.check_fronts) once per --set, the first time at load."""
         key = tuple(overrides or ())
         if key not in self._fronted:
-            index: dict[str, set[str]] = {}
-            for other in self.hosts:
-                for member in self.fronts_of(other, key):
-                    if member != other:
-                        index.setdefault(member, set()).add(other)
-            self._fronted[key] = index
-        return self._fronted[key].get(name, set())
+            self._fronted[key] = cluster.check_fronts({h: self.fronts_of(h, key) for h in self.hosts}, self.path)
+        return self._fronted[key]
+
+    def fronted_by(self, name: str, overrides=()) -> set[str]:
+        """The other hosts whose `fronts` name this host."""
+        return self.fronts_graph(overrides).get(name, set())
 
     def host_vars(self, name: str, overrides: list[str] | tuple[str, ...] = ()) -> "HostVars":
         """The resolved, validated variables of one host, `--set` overrides applied last."""
@@ -134,16 +133,24 @@ class Inventory:
             raise InventoryError(f"{str(e).rstrip('.')} (with --set {' '.join(overrides)}).") from None
         if fronted:                              # another host's proxy reaches these instances
             hv.vars["bind"] = cluster.address(hv)
+        where = f"{self.path}: hosts.{name}"
         if hv["fronts"]:
-            # an entry host's backends are its members' instances
-            served = cluster.front_backends(self, hv, overrides)
-            hv.front_backends = [backend for backend, _, _ in served]
-            hv.front_members = list({mv.name: mv for _, mv, _ in served if mv is not hv}.values())
-        else:
-            served = [(backend, hv, i) for i, backend in enumerate(hv.backends)]
-        hv.pools = cluster.pools(hv, served, f"{self.path}: hosts.{name}")
-        if not hv["served_model_name"] and served:    # an entry host without a model: its members' first
-            hv.vars["served_model_name"] = served[0][1].group_of(served[0][2]).name
+            # an entry host's backends are its members' instances (the graph was checked: a member fronts
+            # nothing but maybe itself, so building it never comes back here)
+            members = {hv.name: hv}
+            for m in hv["fronts"]:
+                if m not in members:
+                    members[m] = self.host_vars(m, overrides)
+            served = cluster.front_backends(f"{where}.fronts", [
+                cluster.Member(m, hv.instance_host if m == name else cluster.address(members[m]), members[m].ports)
+                for m in hv["fronts"]])
+            hv.fronted = [Fronted(backend, members[m], i) for backend, m, i in served]
+            hv.front_members = [mv for mv in members.values() if mv is not hv]
+        own = hv.fronted if hv.fronted is not None else [Fronted(b, hv, i) for i, b in enumerate(hv.backends)]
+        hv.pools = cluster.pools(hv["proxy"]["queue"]["headroom"], [
+            cluster.Served(f.backend, f.host.name, f.host.plain, f.host.group_of(f.index)) for f in own], where)
+        if not hv["served_model_name"] and own:    # an entry host without a model: its members' first
+            hv.vars["served_model_name"] = own[0].host.group_of(own[0].index).name
         return hv
 
     def explain(self, name: str, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, tuple[Any, str]]:
@@ -349,8 +356,9 @@ def load(path: str | os.PathLike | None = None) -> Inventory:
             raise InventoryError(f"{path}: groups.{gname}: a group cannot have the name of a host.")
         check_layer({k: v for k, v in group.items() if k != "hosts"}, path, f"groups.{gname}")
     inv = Inventory(path, defaults, groups, hosts)
-    # Cross-key checks (port clashes, instances > accelerators, fronts) and cross-host ones (ports shared
-    # on one machine) before anything runs.
+    # The fronts graph, then cross-key checks (port clashes, instances > accelerators, an entry host's
+    # backends) and cross-host ones (ports shared on one machine) before anything runs.
+    inv.fronts_graph()
     check_shared_machines(inv, [inv.host_vars(hname) for hname in hosts])
     return inv
 
@@ -436,6 +444,14 @@ def local_address(bind: str) -> str:
     return {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(bind, bind)
 
 
+class Fronted(NamedTuple):
+    """One backend of an entry host's proxy: its name, the host that runs it and its index there."""
+
+    backend: str
+    host: "HostVars"
+    index: int
+
+
 @dataclass
 class HostVars:
     """One host's resolved variables plus what follows from them (ports, backends, deployment id)."""
@@ -445,7 +461,8 @@ class HostVars:
     inventory_path: str = ""
     deployment_id: str = ""
     ports: list[int] = field(default_factory=list)
-    front_backends: list[str] | None = None    # set on an entry host (`fronts`): its members' instances
+    # On an entry host (`fronts`): its proxy's backends, each with the host that runs it and its index there.
+    fronted: list[Fronted] | None = None
     front_members: list["HostVars"] = field(default_factory=list)   # an entry host's members, itself aside
     groups: list[serving.Group] = field(default_factory=list)   # what it serves (fleet.serving)
     cards: list[tuple[int, ...]] = field(default_factory=list)  # instance i's cards
@@ -560,9 +577,9 @@ class HostVars:
     @property
     def backends(self) -> list[str]:
         """The proxy's backends, named host:port as in X-Backend and the admin API."""
-        if self.front_backends is not None:
-            return list(self.front_backends)
-        return [backend_name(self.instance_host, p) for p in self.ports]
+        if self.fronted is not None:
+            return [f.backend for f in self.fronted]
+        return [cluster.backend_name(self.instance_host, p) for p in self.ports]
 
     @property
     def instance_host(self) -> str:

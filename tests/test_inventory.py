@@ -326,3 +326,36 @@ def test_a_rule_across_keys_broken_by_set_says_set_took_part(tmp_path):
         inv.host_vars("a", ["proxy.port=9102"])
     with pytest.raises(InventoryError, match=r"^--set =3: expected key=value"):
         inv.host_vars("a", ["=3"])
+
+
+ENTRY = """
+defaults: {engine: sim, accelerator: sim, accelerators: 2, instances: 2}
+hosts:
+  gw: {fronts: [gw, k1], base_port: 7002, proxy: {port: 7000, admin_port: 7001}}
+  k1: {address: 10.9.0.1, base_port: 7102, proxy: {port: 7100, admin_port: 7101}}
+"""
+
+
+def test_an_entry_host_carries_each_backend_with_the_host_that_runs_it(tmp_path):
+    """An entry host's variables carry its proxy's backends with their host and index (fleet.top reads
+    them instead of working the fronts out again); a plain host carries none."""
+    path = tmp_path / "hosts.yml"
+    path.write_text(ENTRY)
+    loaded = inventory.load(path)
+    gw = loaded.host_vars("gw")
+    assert [(f.backend, f.host.name, f.index) for f in gw.fronted] == [
+        ("127.0.0.1:7002", "gw", 0), ("127.0.0.1:7003", "gw", 1), ("10.9.0.1:7102", "k1", 0), ("10.9.0.1:7103", "k1", 1)]
+    assert gw.fronted[0].host is gw and gw.fronted[2].host["bind"] == "10.9.0.1"
+    assert loaded.host_vars("k1").fronted is None and loaded.fronted_by("k1") == {"gw"}
+
+
+def test_the_fronts_graph_is_checked_at_load_before_any_host_is_built(tmp_path, monkeypatch):
+    """A member that is no host is refused by load itself, before any host's variables are built (the
+    graph is checked once, not by each entry host on its way)."""
+    path = tmp_path / "hosts.yml"
+    path.write_text(ENTRY.replace("[gw, k1]", "[gw, k9]"))
+    built = []
+    monkeypatch.setattr(inventory.Inventory, "host_vars", lambda self, name, overrides=(): built.append(name))
+    with pytest.raises(InventoryError, match=r"hosts\.gw\.fronts: 'k9' is not defined under hosts; add it"):
+        inventory.load(path)
+    assert built == []
