@@ -9,6 +9,7 @@ against accelerators) and hosts (`fronts`, ports shared on one machine) run, all
 from __future__ import annotations
 
 import copy
+import difflib
 import hashlib
 import os
 from dataclasses import dataclass, field
@@ -294,6 +295,18 @@ def _no_duplicates(node, where: str, checked: set[int]) -> None:
             _no_duplicates(item, where, checked)
 
 
+def yaml_problem(e: yaml.YAMLError, text: str) -> str:
+    """A YAML syntax error as one sentence: the line, the parser's own words and what to do."""
+    mark = getattr(e, "problem_mark", None)
+    words = "; ".join(w for w in (getattr(e, "context", None), getattr(e, "problem", None)) if w)
+    where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "somewhere"
+    hint = "fix the syntax there"
+    lines = text.splitlines()
+    if mark and mark.line < len(lines) and "\t" in lines[mark.line][:mark.column + 1]:
+        hint = "YAML indents with spaces only: replace the tab with spaces"
+    return f"not valid YAML at {where} ({words or 'a syntax error'}); {hint}."
+
+
 def load(path: str | os.PathLike | None = None) -> Inventory:
     """Read and check an inventory file (default: $FLEET_INVENTORY, else inventory/hosts.yml)."""
     path = str(path or os.environ.get("FLEET_INVENTORY") or DEFAULT_INVENTORY)
@@ -323,15 +336,14 @@ def load(path: str | os.PathLike | None = None) -> Inventory:
         raise InventoryError(f"{path}: its values are nested deeper than this toolkit reads; "
                              "flatten them.") from None
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise InventoryError(f"{path}: not valid YAML{where}; fix the syntax there.") from None
+        raise InventoryError(f"{path}: {yaml_problem(e, text)}") from None
     if not isinstance(data, dict):
         raise InventoryError(f"{path}: expected a mapping with defaults, groups and hosts at the top.")
     unknown = set(data) - {"defaults", "groups", "hosts"}
     if unknown:
-        raise InventoryError(f"{path}: {sorted(map(str, unknown))[0]}: unknown top-level key; "
-                             "use defaults, groups and hosts.")
+        key = sorted(map(str, unknown))[0]
+        raise InventoryError(f"{path}: {key}: unknown top-level key"
+                             f"{_did_you_mean(key, ['defaults', 'groups', 'hosts'])}; use defaults, groups and hosts.")
     defaults = _mapping(data.get("defaults"), path, "defaults")
     groups = _mapping(data.get("groups"), path, "groups")
     hosts = _mapping(data.get("hosts"), path, "hosts")
@@ -408,12 +420,21 @@ def _sentence(error: dict, path: str, where: str) -> str:
         # anything else is the tag of a union's member (`literal['auto']`, `constrained-int`)
     at = ".".join(([where] if where else []) + keys)
     if error["type"] == "extra_forbidden":
-        return f"{path}: {at}: unknown key; docs/inventory.md lists every key."
+        known = list(model.model_fields) if model is not None else []
+        if where.startswith("groups.") and len(keys) == 1:
+            known.append("hosts")                # a group's own key, besides the host keys it sets
+        return f"{path}: {at}: unknown key{_did_you_mean(keys[-1], known)}; docs/inventory.md lists every key."
     if model is not None and info is not None and error["type"] in ("model_type", "dict_type"):
         expected = "a mapping"
     else:
         expected = schema_doc.type_phrase(info.annotation, info) if info is not None else "another value"
     return f"{path}: {at}: expected {expected}, got {_show(error['input'])}."
+
+
+def _did_you_mean(key: str, known) -> str:
+    """` (did you mean KEY?)` with the closest known key, or nothing when none is close."""
+    close = difflib.get_close_matches(str(key), list(known), n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def parse_overrides(overrides) -> dict:

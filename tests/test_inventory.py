@@ -82,7 +82,15 @@ ERRORS = [
     (("    max_num_seqs: 5", "    max_num_seqs: four"),
      "hosts.a.max_num_seqs: expected an integer from 1 to 65536, got 'four'."),
     (("    max_num_seqs: 5", "    max_num_seq: 5"),
-     "hosts.a.max_num_seq: unknown key; docs/inventory.md lists every key."),
+     "hosts.a.max_num_seq: unknown key (did you mean max_num_seqs?); docs/inventory.md lists every key."),
+    (("    proxy: {port: 9100, admin_port: 9101}", "    proxy: {prot: 9100, admin_port: 9101}"),
+     "hosts.a.proxy.prot: unknown key (did you mean port?); docs/inventory.md lists every key."),
+    (("    hosts: [a]", "    host: [a]"),
+     "groups.lab.host: unknown key (did you mean hosts?); docs/inventory.md lists every key."),
+    (("    max_num_seqs: 5", "    colour: blue"),
+     "hosts.a.colour: unknown key; docs/inventory.md lists every key."),
+    (("groups:", "grups:"),
+     "grups: unknown top-level key (did you mean groups?); use defaults, groups and hosts."),
     (("  max_num_seqs: 2", "  enforce_eager: 'yes'"),
      "defaults.enforce_eager: expected true or false, got 'yes'."),
     (("    max_num_seqs: 3", "    base_port: 70000"),
@@ -135,14 +143,25 @@ def test_set_errors_name_the_key(tmp_path):
         inv.host_vars("a", ["max_num_seqs=lots"])
     with pytest.raises(InventoryError, match=r"^--set nokey: expected key=value"):
         inv.host_vars("a", ["nokey"])
-    with pytest.raises(InventoryError, match=r"^--set: bogus: unknown key"):
+    with pytest.raises(InventoryError, match=r"^--set: bogus: unknown key; docs"):
         inv.host_vars("a", ["bogus=1"])
+    with pytest.raises(InventoryError, match=r"^--set: proxy\.admin_prot: unknown key \(did you mean admin_port\?\); docs"):
+        inv.host_vars("a", ["proxy.admin_prot=1"])
 
 
-def test_yaml_syntax_error_names_line(tmp_path):
-    path = write(tmp_path, "hosts:\n  a: {engine: sim\n")
-    with pytest.raises(InventoryError, match=r"not valid YAML at line \d+"):
+@pytest.mark.parametrize("text, message", [
+    ("hosts:\n\ta: {}\n", "line 2, column 1 (while scanning for the next token; found character that cannot start "
+                          "any token); YAML indents with spaces only: replace the tab with spaces."),
+    ("hosts:\n  a: {engine: sim\n", "line 3, column 1 (while parsing a flow mapping; did not find expected ',' or "
+                                     "'}'); fix the syntax there."),
+    ("hosts:\n  a: b: c\n", "line 2, column 7 (mapping values are not allowed in this context); fix the syntax there."),
+])
+def test_a_yaml_syntax_error_names_the_line_and_the_parsers_words_for_the_problem(tmp_path, text, message):
+    path = write(tmp_path, text)
+    with pytest.raises(InventoryError) as e:
         inventory.load(path)
+    # libyaml (CSafeLoader) says "found character that ...", PyYAML's own parser names it: '\t'
+    assert str(e.value).replace(" '\\t' ", " ") == f"{path}: not valid YAML at {message}"
 
 
 def test_missing_file_says_what_to_do(tmp_path):
