@@ -196,7 +196,10 @@ def _default_inventory() -> Path:
 
 
 def _inventory(path):
-    """Load the inventory: -i FILE, else $FLEET_INVENTORY, else the default (see _default_inventory)."""
+    """Load the inventory: -i FILE, else $FLEET_INVENTORY, else the default (see _default_inventory); one
+    already loaded is taken as it is."""
+    if isinstance(path, inventory.Inventory):
+        return path
     if path and str(path).isdigit() and not Path(path).exists():
         raise _error(f"-i is --inventory, the inventory file (got {path!r}); for instance {path}, write "
                      f"--instance {path}.")
@@ -511,14 +514,15 @@ def bench(c, host="", inventory_="", set_=None, scenario="short,detailed,thinkin
         scenarios = bench_mod.parse_scenarios(scenario)
         levels = bench_mod.parse_concurrency(concurrency)
         n = _number(requests, "--requests", minimum=0)
-        many = bool(host) and len(_inventory(inventory_).select(host)) > 1
+        loaded = _inventory(inventory_) if host else None       # loaded once: the run below takes it
+        many = bool(host) and len(loaded.select(host)) > 1
     except FleetError as e:
         raise _error(str(e))
 
     def action(conn, hv, emit):
         target = (Path(out) / hv.name if many else Path(out)) if out else None
         return bench_mod.run_host(conn, hv, emit, scenarios, levels, n, image or None, target, model=model)
-    _finish(_run(host, inventory_, set_, action, forks=1, readonly=True)[1])
+    _finish(_run(host, loaded, set_, action, forks=1, readonly=True)[1])
 
 
 @command(help=_help("host", "inventory", "set", "forks", "wait"), name="swap-to-nginx")

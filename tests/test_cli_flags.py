@@ -472,6 +472,8 @@ def test_the_checkouts_inventory_is_named_when_used_from_another_directory(tmp_p
     assert code == 0 and json.loads(out)[0]["host"] == "t", out + err
     assert err == (f"inventory: {checkout / 'inventory' / 'hosts.yml'} (the checkout's; there is no "
                    f"inventory/hosts.yml in {elsewhere})\n")
+    code, out, err = run_cli(["bench", "-H", "t"], capsys)       # bench reads the file once: said once
+    assert err.count("inventory: ") == 1 and "t : ok=" in out, out + err     # (nothing deployed to bench)
     for argv, env in ((["-i", str(inventory_file)], None), ([], str(inventory_file))):
         if env:
             monkeypatch.setenv("FLEET_INVENTORY", env)
