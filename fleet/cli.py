@@ -10,7 +10,9 @@ A user error is one sentence on standard error beginning `error: `, and exit 2.
 """
 from __future__ import annotations
 
+import difflib
 import importlib.metadata
+import inspect
 import json
 import os
 import re
@@ -20,7 +22,8 @@ from pathlib import Path
 
 import yaml
 from invoke import Collection, Exit, ParseError, Program, Task, task
-from invoke.parser import Argument
+from invoke.completion.complete import print_completion_script
+from invoke.parser import Argument, ParserContext
 
 from . import bench as bench_mod
 from . import deploy as fleet_deploy
@@ -52,6 +55,18 @@ SHORT_FLAGS = {"host": "H", "inventory_": "i", "set_": "e", "forks": "f", "lines
 # Options that take a whole number: shown as INT in help, checked with a one-sentence error.
 WHOLE_NUMBERS = {"forks", "lines", "instance", "max_tokens", "requests"}
 HELP_FLAGS = ("--help", "-h")
+# What an option's value is, in help where invoke would say STRING or show a switch (vllm-fleet's help;
+# `inv` prints invoke's own, where the help text says it).
+METAVARS = {"set_": "KEY=VALUE", "ident": "ID", "action": "ACTION"}
+# invoke's core options, what each sets in invoke's config, and the value that means "not given". The
+# tool runs its commands through subprocess and paramiko, never through invoke's run(): none of them
+# would do anything, so vllm-fleet does not offer them and a task refuses them under `inv`.
+UNHONOURED = (("--dry", ("run", "dry"), False), ("--warn-only", ("run", "warn"), False),
+              ("--echo", ("run", "echo"), False), ("--pty", ("run", "pty"), False),
+              ("--hide", ("run", "hide"), None), ("--command-timeout", ("timeouts", "command"), None),
+              ("--prompt-for-sudo-password", ("sudo", "password"), None), ("--no-dedupe", ("tasks", "dedupe"), True))
+# The core options vllm-fleet offers: help, the task list, version and shell completion.
+CORE_OPTIONS = {"help", "list", "list-depth", "list-format", "version", "complete", "print-completion-script"}
 
 
 def _version() -> str:
@@ -94,6 +109,8 @@ class FleetTask(Task):
         return opts
 
     def __call__(self, *args, **kwargs):
+        if args:
+            _refuse_unhonoured(args[0])
         try:
             return super().__call__(*args, **kwargs)
         except BrokenPipeError:       # `| head`: the reader left before the end; no traceback for that
@@ -107,14 +124,45 @@ class FleetTask(Task):
             self.help = helps
         args = []
         for arg in found:
-            kw = dict(names=arg.names, default=arg.default, help=arg.help, positional=arg.positional,
+            text = arg.help or ""
+            if arg.positional:          # invoke's help shows it as an option: say it is the first word too
+                text = f"positional (the first word after {self.name}): {text}"
+            shown = _shown_default(arg.default)
+            if shown and "default" not in text:
+                text += f" (default: {shown})"
+            kw = dict(names=arg.names, default=arg.default, help=text, positional=arg.positional,
                       optional=arg.optional, attr_name=arg.attr_name)
             if arg.name == "set_":      # repeatable; invoke's help shows a list as a switch: its help says KEY=VALUE
                 arg = Argument(kind=list, **{**kw, "default": []})
             elif arg.kind is int:
                 arg = _WholeNumber(kind=int, **kw)
+            else:
+                arg.help = text
             args.append(arg)
         return args
+
+
+def _shown_default(value) -> str:
+    """A default as help shows it; empty when there is nothing to say (no value, off, an empty list)."""
+    if value is None or value is False or value == "" or value == []:
+        return ""
+    if value is True:
+        return "on"
+    return str(value)
+
+
+def _refuse_unhonoured(c) -> None:
+    """Under `inv`, refuse invoke's options the tool does not honour (their values reach the task's
+    config from the command line; a config file's do not count: they may be meant for other projects)."""
+    given = getattr(c.config, "_overrides", None) or {}
+    found = [flag for flag, (section, key), unset in UNHONOURED
+             if (given.get(section) or {}).get(key, unset) != unset]
+    if getattr(c.config, "_runtime_path", None):      # -f/--config FILE (or INVOKE_RUNTIME_CONFIG)
+        found.append("--config")
+    if found:
+        raise _error(f"{' and '.join(found)}: invoke's own option{'s' if len(found) > 1 else ''}, which vllm-fleet "
+                     "does not honour (it runs its commands itself, not through invoke); drop "
+                     f"{'them' if len(found) > 1 else 'it'} (deploy --check shows what a deploy would change).")
 
 
 def command(*args, **kwargs):
@@ -139,13 +187,19 @@ def _default_inventory() -> Path:
         return here
     checkout = CHECKOUT / inventory.DEFAULT_INVENTORY
     if (CHECKOUT / "tasks.py").exists() and checkout.exists():
+        # Not the file help promises: say which one this run reads (stderr: --json keeps stdout clean).
+        print(f"inventory: {checkout} (the checkout's; there is no {inventory.DEFAULT_INVENTORY} in "
+              f"{Path.cwd()})", file=sys.stderr)
         return checkout
     raise _error(f"no inventory: there is no {inventory.DEFAULT_INVENTORY} in {Path.cwd()}; "
                  "pass -i FILE or set FLEET_INVENTORY.")
 
 
 def _inventory(path):
-    """Load the inventory: -i FILE, else $FLEET_INVENTORY, else the default (see _default_inventory)."""
+    """Load the inventory: -i FILE, else $FLEET_INVENTORY, else the default (see _default_inventory); one
+    already loaded is taken as it is."""
+    if isinstance(path, inventory.Inventory):
+        return path
     if path and str(path).isdigit() and not Path(path).exists():
         raise _error(f"-i is --inventory, the inventory file (got {path!r}); for instance {path}, write "
                      f"--instance {path}.")
@@ -377,7 +431,7 @@ def trace(c, ident, host="", set_=None, inventory_=""):
     if ident in HELP_FLAGS:
         # invoke's parser hands the first word after `trace` to the id, whatever it is; the console script
         # sees it while parsing (FleetProgram.parse_tasks), `inv` only here.
-        Program(namespace=ns, binary="inv[oke]").run(["inv", "--help", "trace"], exit=False)
+        FleetProgram(namespace=ns, binary="inv[oke]").run(["inv", "--help", "trace"], exit=False)
         return
     if not ident:
         raise _error("trace needs the id to look for: trace ID --host H.")
@@ -413,7 +467,7 @@ def lora(c, action, host="", model="", name="", path="", set_=None, inventory_="
     """Runtime LoRA adapters: add one to a model's running instances (recorded, so a restart loads it again),
     remove one, or list each model's adapters."""
     if action in HELP_FLAGS:        # as trace's id: invoke hands the first word to the action
-        Program(namespace=ns, binary="inv[oke]").run(["inv", "--help", "lora"], exit=False)
+        FleetProgram(namespace=ns, binary="inv[oke]").run(["inv", "--help", "lora"], exit=False)
         return
     if action not in LORA_ACTIONS:
         raise _error(f"lora takes add, remove or list (got {action!r}): lora add --host H --model GROUP "
@@ -460,14 +514,15 @@ def bench(c, host="", inventory_="", set_=None, scenario="short,detailed,thinkin
         scenarios = bench_mod.parse_scenarios(scenario)
         levels = bench_mod.parse_concurrency(concurrency)
         n = _number(requests, "--requests", minimum=0)
-        many = bool(host) and len(_inventory(inventory_).select(host)) > 1
+        loaded = _inventory(inventory_) if host else None       # loaded once: the run below takes it
+        many = bool(host) and len(loaded.select(host)) > 1
     except FleetError as e:
         raise _error(str(e))
 
     def action(conn, hv, emit):
         target = (Path(out) / hv.name if many else Path(out)) if out else None
         return bench_mod.run_host(conn, hv, emit, scenarios, levels, n, image or None, target, model=model)
-    _finish(_run(host, inventory_, set_, action, forks=1, readonly=True)[1])
+    _finish(_run(host, loaded, set_, action, forks=1, readonly=True)[1])
 
 
 @command(help=_help("host", "inventory", "set", "forks", "wait"), name="swap-to-nginx")
@@ -524,24 +579,60 @@ def version(c):
     print(f"{NAME} {VERSION}")
 
 
-ns = Collection(deploy, status, stop, restart, render_, chat, logs, trace, top, doctor, bench, swap_to_nginx,
-                swap_to_proxy, vars_, lora, version)
+class FleetContext(ParserContext):
+    """A task's options as vllm-fleet's help shows them: a value named for what it is (METAVARS: `-e
+    KEY=VALUE`, where invoke shows --set as a switch) and a positional argument by its name."""
+
+    def help_for(self, flag):
+        names, text = super().help_for(flag)
+        arg = self.flags[flag]
+        metavar = METAVARS.get(arg.name)
+        if metavar:
+            longs = [n for n in arg.names if len(n) > 1]
+            shorts = [n for n in arg.names if len(n) == 1]
+            spelled = [f"-{n} {metavar}" for n in shorts] + [f"--{n}={metavar}" for n in longs]
+            names = ", ".join([metavar] * arg.positional + spelled)
+        return names, text
+
+
+class FleetCollection(Collection):
+    """The tasks, parsed with FleetContext (vllm-fleet's; `inv` loads tasks.py into invoke's own Collection)."""
+
+    def to_contexts(self, ignore_unknown_help=None):
+        return [FleetContext(name=c.name, aliases=c.aliases, args=c.args.values())
+                for c in super().to_contexts(ignore_unknown_help)]
+
+
+ns = FleetCollection(deploy, status, stop, restart, render_, chat, logs, trace, top, doctor, bench, swap_to_nginx,
+                     swap_to_proxy, vars_, lora, version)
 
 
 class FleetProgram(Program):
     """invoke's Program with the toolkit's error format: a word it cannot parse is one `error: ` line, exit 2
-    (invoke's own says it on standard error and exits 1), and no core flag taking a task's short flag
-    (invoke's -e is --echo and -f --config: here -e is --set and -f --forks)."""
+    (invoke's own says it on standard error and exits 1), and only the core options the tool honours (help,
+    the task list, version, completion): none of invoke's run() options (--dry, --warn-only, --echo...),
+    which would do nothing here, and no core flag taking a task's short flag (invoke's -e is --echo)."""
 
     def core_args(self):
-        args = super().core_args()
+        args = [arg for arg in super().core_args() if arg.name in CORE_OPTIONS]
         for arg in args:
             arg.names = tuple(n for n in arg.names if n not in SHORT_FLAGS.values())
         return args
 
     def parse_core(self, argv):
+        # invoke's own reads --write-pyc and --debug, which this program does not offer.
         with _parse_errors():
-            super().parse_core(argv)
+            self.normalize_argv(argv)
+            self.parse_core_args()
+        if self.args.version.value:
+            self.print_version()
+            raise Exit
+        if self.args["print-completion-script"].value:
+            print_completion_script(shell=self.args["print-completion-script"].value, names=self.binary_names)
+            raise Exit
+
+    def update_config(self, merge=True):
+        """Nothing to update: invoke's run() options are not offered and the tasks read no invoke config."""
 
     def parse_tasks(self):
         with _parse_errors():
@@ -556,21 +647,54 @@ class FleetProgram(Program):
         with _parse_errors():
             super().parse_cleanup()
 
+    def print_task_help(self, name):
+        context = self.parser.contexts[name]
+        if not context.positional_args:
+            return super().print_task_help(name)
+        # invoke's, with the positional arguments in the usage line (`trace [--options] ID`).
+        positional = " ".join(METAVARS[a.name] for a in context.positional_args)
+        print(f"Usage: {self.binary} [--core-opts] {name} [--options] {positional} [other tasks here ...]\n")
+        print("Docstring:")
+        for line in inspect.getdoc(self.collection[name]).splitlines():
+            print(self.leading_indent + line if line.strip() else "")
+        print("\nOptions:")
+        self.print_columns(context.help_tuples())
+
+
+# invoke's core options vllm-fleet does not offer, each spelling (--dry, -R...): named when given.
+NOT_OFFERED = {f"-{n}" if len(n) == 1 else f"--{n}" for arg in Program.core_args(Program())
+               if arg.name not in CORE_OPTIONS for n in arg.names if n not in SHORT_FLAGS.values()}
+
 
 @contextmanager
 def _parse_errors():
-    """Turn invoke's ParseError into the toolkit's user error (see _error)."""
+    """Turn invoke's ParseError into the toolkit's user error (see _error): an option of invoke's the tool
+    does not offer is named as such, an unknown word gets the closest task or option name."""
     try:
         yield
     except ParseError as e:
         message = str(e).rstrip("!.")
+        context = getattr(e, "context", None)
+        task = getattr(context, "name", None) if context is not None else None
+        unknown = re.match(r"No idea what '(.*)' is$", message)
+        if unknown and unknown.group(1).split("=")[0] in NOT_OFFERED:
+            raise _error(f"{unknown.group(1)} is one of invoke's own options, which vllm-fleet does not offer "
+                         "(it runs its commands itself, not through invoke); drop it.") from None
         missing = re.match(r"Flag <\w+: ([\w-]+)", message)
         if missing:                     # invoke names the Argument object: name the flag instead
             message = f"--{missing.group(1).strip('_').replace('_', '-')} needs a value"
         message = message[:1].lower() + message[1:]
-        context = getattr(e, "context", None)
-        if context is not None and getattr(context, "name", None):
-            message += f"; `{NAME} {context.name} --help` lists its options"
+        if unknown:
+            word = unknown.group(1)
+            names = list(context.flags) if task else (
+                [f"--{n}" if len(n) > 1 else f"-{n}" for a in program().core_args() for n in a.names]
+                if word.startswith("-") else list(ns.task_names))
+            bare = {n.lstrip("-"): n for n in names}       # the dashes alone would make --bogus near --host
+            close = difflib.get_close_matches(word.lstrip("-"), list(bare), n=1)
+            if close:
+                message += f" (did you mean {bare[close[0]]}?)"
+        if task:
+            message += f"; `{NAME} {task} --help` lists its options"
         else:
             message += f"; `{NAME} --list` lists the tasks"
         raise _error(message + ".") from None
@@ -583,4 +707,7 @@ def program() -> FleetProgram:
 
 def main() -> None:
     """The `vllm-fleet` console script."""
-    program().run()
+    try:
+        program().run()
+    except BrokenPipeError:          # `vllm-fleet deploy -h | head`: the reader left; no traceback for that
+        runner.output_closed(sys.stdout)

@@ -5,15 +5,44 @@ every member's instances, addressed `address:port` (a member's `address`, else i
 entry's own instances, when it lists itself, stay on 127.0.0.1). An entry host that does not list
 itself runs the proxy only. Deploy brings the members' instances up first, then the entry's proxy;
 stop goes the other way.
+
+This module works on plain data the inventory hands it (host names, addresses, ports, groups) and on
+anything indexed like a host's variables; it never imports fleet.inventory, which calls it.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 from .errors import InventoryError
+from .serving import Group
 
-if TYPE_CHECKING:
-    from .inventory import HostVars, Inventory
+
+class Vars(Protocol):
+    """What this module reads of a host: its variables by key (fleet.inventory.HostVars is one)."""
+
+    def __getitem__(self, key: str) -> Any: ...
+
+
+H = TypeVar("H", bound=Vars)
+
+
+class Member(NamedTuple):
+    """A host an entry host fronts, as the fronts graph needs it: its name, the address its instances
+    are reached at from the entry host, and their ports."""
+
+    name: str
+    address: str
+    ports: list[int]
+
+
+class Served(NamedTuple):
+    """One backend of a proxy and what it serves: its name, its host, whether that host is plain (one
+    group of one name, one card per instance) and the group its instance serves."""
+
+    backend: str
+    host: str
+    plain: bool
+    group: Group
 
 
 def backend_name(host: str, port: int) -> str:
@@ -21,7 +50,7 @@ def backend_name(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def address(hv: "HostVars") -> str:
+def address(hv: Vars) -> str:
     """How other hosts (an entry host's proxy, `inv chat`) reach this host's ports."""
     if hv["address"]:
         return hv["address"]
@@ -30,55 +59,58 @@ def address(hv: "HostVars") -> str:
     return "127.0.0.1"
 
 
-def front_backends(inv: "Inventory", entry: "HostVars", overrides=()) -> list[tuple[str, "HostVars", int]]:
-    """The backends of an entry host's proxy: the instances of every host it fronts, in its order, each
-    as (name, the host that runs it, its index there)."""
-    where = f"{inv.path}: hosts.{entry.name}.fronts"
-    backends: list[tuple[str, "HostVars", int]] = []
-    owner: dict[str, str] = {}
-    for member in entry["fronts"]:
-        if member not in inv.hosts:
-            raise InventoryError(f"{where}: {member!r} is not defined under hosts; add it or drop it here.")
-        if member == entry.name:
-            mv = entry
-            names = [backend_name(entry.instance_host, p) for p in entry.ports]
-        else:
-            # Read the member's fronts from its layers before building it: building an entry host builds
-            # its members, so a cycle (a fronts b, b fronts a) would never end.
-            if inv.fronts_of(member, overrides):
-                chain = _path_back(inv, member, entry.name, overrides)
+def check_fronts(fronts: dict[str, list[str]], path: str) -> dict[str, set[str]]:
+    """Check the fronts graph once (every host -> the hosts it fronts): each member is a host, and no
+    entry host fronts another (a cycle named as one); return each fronted host's entry hosts."""
+    fronted_by: dict[str, set[str]] = {}
+    for entry, members in fronts.items():
+        where = f"{path}: hosts.{entry}.fronts"
+        for member in members:
+            if member not in fronts:
+                raise InventoryError(f"{where}: {member!r} is not defined under hosts; add it or drop it here.")
+            if member == entry:
+                continue
+            if fronts[member]:
+                chain = _path_back(fronts, member, entry)
                 if chain:
-                    links = ", ".join(f"{x} fronts {y}" for x, y in zip([entry.name] + chain, chain + [entry.name]))
+                    links = ", ".join(f"{x} fronts {y}" for x, y in zip([entry] + chain, chain + [entry]))
                     raise InventoryError(f"{where}: a cycle: {links}; an entry host fronts instances, "
                                          "not other entry hosts.")
                 raise InventoryError(f"{where}: {member!r} is itself an entry host (it has fronts); "
                                      "an entry host fronts instances, not other entry hosts.")
-            mv = inv.host_vars(member, overrides)
-            names = [backend_name(address(mv), p) for p in mv.ports]
-        for i, name in enumerate(names):
+            fronted_by.setdefault(member, set()).add(entry)
+    return fronted_by
+
+
+def front_backends(where: str, members: list[Member]) -> list[tuple[str, str, int]]:
+    """The backends of an entry host's proxy: the instances of every host it fronts, in its order, each
+    as (name, the host that runs it, its index there); two hosts at one backend name are refused."""
+    backends: list[tuple[str, str, int]] = []
+    owner: dict[str, str] = {}
+    for member in members:
+        for i, port in enumerate(member.ports):
+            name = backend_name(member.address, port)
             if name in owner:
-                raise InventoryError(f"{where}: {owner[name]} and {member} both put an instance at {name}; "
+                raise InventoryError(f"{where}: {owner[name]} and {member.name} both put an instance at {name}; "
                                      "give them different base_port or address.")
-            owner[name] = member
-            backends.append((name, mv, i))
+            owner[name] = member.name
+            backends.append((name, member.name, i))
     return backends
 
 
-def pools(hv: "HostVars", backends: list[tuple[str, "HostVars", int]], where: str) -> list[dict] | None:
+def pools(headroom: int, served: list[Served], where: str) -> list[dict] | None:
     """The proxy's pools by model (conf/proxy.yaml's `models:`), one per served name over every backend,
     each backend's slots its own group's max_num_seqs + this proxy's headroom; None when the proxy need
     not route by model (every backend serves one plain group of one name)."""
-    served = [(backend, member, member.group_of(i)) for backend, member, i in backends]
-    if len({g.name for _, _, g in served}) <= 1 and all(member.plain for _, member, _ in served):
+    if len({s.group.name for s in served}) <= 1 and all(s.plain for s in served):
         return None
-    headroom = hv["proxy"]["queue"]["headroom"]
     out: dict[str, dict] = {}
     route: dict[str, str] = {}
-    for backend, member, group in served:
+    for backend, host, _, group in served:
         pool = out.setdefault(group.name, {"name": group.name, "aliases": [], "adapters": [],
                                            "slots": group.max_num_seqs + headroom, "backends": []})
         if pool["slots"] != group.max_num_seqs + headroom:
-            raise InventoryError(f"{where}: {member.name} serves {group.name} with max_num_seqs "
+            raise InventoryError(f"{where}: {host} serves {group.name} with max_num_seqs "
                                  f"{group.max_num_seqs}, another fronted host with {pool['slots'] - headroom}; "
                                  "give the model one max_num_seqs on every host.")
         pool["backends"].append(backend)
@@ -87,25 +119,25 @@ def pools(hv: "HostVars", backends: list[tuple[str, "HostVars", int]], where: st
         for n in group.names:
             if route.setdefault(n, group.name) != group.name:
                 raise InventoryError(f"{where}: the name {n!r} reaches both {route[n]} and {group.name} "
-                                     f"(on {member.name}); each name must route to one model: rename one.")
+                                     f"(on {host}); each name must route to one model: rename one.")
     return list(out.values())
 
 
-def _path_back(inv: "Inventory", start: str, goal: str, overrides) -> list[str]:
+def _path_back(fronts: dict[str, list[str]], start: str, goal: str) -> list[str]:
     """The hosts from start along `fronts` back to goal ([start, ..., last before goal]), or [] if none."""
     todo, seen = [[start]], {start}
     while todo:
         path = todo.pop()
-        for nxt in inv.fronts_of(path[-1], overrides):
+        for nxt in fronts.get(path[-1], []):
             if nxt == goal:
                 return path
-            if nxt not in seen and nxt in inv.hosts:
+            if nxt not in seen and nxt in fronts:
                 seen.add(nxt)
                 todo.append(path + [nxt])
     return []
 
 
-def phases(host_vars: list["HostVars"], order: str | None) -> list[list["HostVars"]]:
+def phases(host_vars: list[H], order: str | None) -> list[list[H]]:
     """Hosts in the batches a run takes them: `entry-last` (deploy: members' instances before the
     entry proxies), `entry-first` (stop: the entry proxies before what they front), else one batch."""
     if order not in ("entry-last", "entry-first"):

@@ -9,16 +9,16 @@ against accelerators) and hosts (`fronts`, ports shared on one machine) run, all
 from __future__ import annotations
 
 import copy
+import difflib
 import hashlib
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
 from . import cluster, schema, schema_doc, serving
-from .cluster import backend_name
 from .errors import InventoryError
 
 DEFAULT_INVENTORY = "inventory/hosts.yml"
@@ -105,17 +105,17 @@ class Inventory:
                 found = layer["fronts"] or []
         return list(found)
 
-    def fronted_by(self, name: str, overrides=()) -> set[str]:
-        """The other hosts whose `fronts` name this host (every host's fronts read once per --set)."""
+    def fronts_graph(self, overrides=()) -> dict[str, set[str]]:
+        """Each fronted host -> the entry hosts that front it: every host's fronts read and checked
+        (fleet.cluster.check_fronts) once per --set, the first time at load."""
         key = tuple(overrides or ())
         if key not in self._fronted:
-            index: dict[str, set[str]] = {}
-            for other in self.hosts:
-                for member in self.fronts_of(other, key):
-                    if member != other:
-                        index.setdefault(member, set()).add(other)
-            self._fronted[key] = index
-        return self._fronted[key].get(name, set())
+            self._fronted[key] = cluster.check_fronts({h: self.fronts_of(h, key) for h in self.hosts}, self.path)
+        return self._fronted[key]
+
+    def fronted_by(self, name: str, overrides=()) -> set[str]:
+        """The other hosts whose `fronts` name this host."""
+        return self.fronts_graph(overrides).get(name, set())
 
     def host_vars(self, name: str, overrides: list[str] | tuple[str, ...] = ()) -> "HostVars":
         """The resolved, validated variables of one host, `--set` overrides applied last."""
@@ -134,16 +134,24 @@ class Inventory:
             raise InventoryError(f"{str(e).rstrip('.')} (with --set {' '.join(overrides)}).") from None
         if fronted:                              # another host's proxy reaches these instances
             hv.vars["bind"] = cluster.address(hv)
+        where = f"{self.path}: hosts.{name}"
         if hv["fronts"]:
-            # an entry host's backends are its members' instances
-            served = cluster.front_backends(self, hv, overrides)
-            hv.front_backends = [backend for backend, _, _ in served]
-            hv.front_members = list({mv.name: mv for _, mv, _ in served if mv is not hv}.values())
-        else:
-            served = [(backend, hv, i) for i, backend in enumerate(hv.backends)]
-        hv.pools = cluster.pools(hv, served, f"{self.path}: hosts.{name}")
-        if not hv["served_model_name"] and served:    # an entry host without a model: its members' first
-            hv.vars["served_model_name"] = served[0][1].group_of(served[0][2]).name
+            # an entry host's backends are its members' instances (the graph was checked: a member fronts
+            # nothing but maybe itself, so building it never comes back here)
+            members = {hv.name: hv}
+            for m in hv["fronts"]:
+                if m not in members:
+                    members[m] = self.host_vars(m, overrides)
+            served = cluster.front_backends(f"{where}.fronts", [
+                cluster.Member(m, hv.instance_host if m == name else cluster.address(members[m]), members[m].ports)
+                for m in hv["fronts"]])
+            hv.fronted = [Fronted(backend, members[m], i) for backend, m, i in served]
+            hv.front_members = [mv for mv in members.values() if mv is not hv]
+        own = hv.fronted if hv.fronted is not None else [Fronted(b, hv, i) for i, b in enumerate(hv.backends)]
+        hv.pools = cluster.pools(hv["proxy"]["queue"]["headroom"], [
+            cluster.Served(f.backend, f.host.name, f.host.plain, f.host.group_of(f.index)) for f in own], where)
+        if not hv["served_model_name"] and own:    # an entry host without a model: its members' first
+            hv.vars["served_model_name"] = own[0].host.group_of(own[0].index).name
         return hv
 
     def explain(self, name: str, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, tuple[Any, str]]:
@@ -287,6 +295,18 @@ def _no_duplicates(node, where: str, checked: set[int]) -> None:
             _no_duplicates(item, where, checked)
 
 
+def yaml_problem(e: yaml.YAMLError, text: str) -> str:
+    """A YAML syntax error as one sentence: the line, the parser's own words and what to do."""
+    mark = getattr(e, "problem_mark", None)
+    words = "; ".join(w for w in (getattr(e, "context", None), getattr(e, "problem", None)) if w)
+    where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "somewhere"
+    hint = "fix the syntax there"
+    lines = text.splitlines()
+    if mark and mark.line < len(lines) and "\t" in lines[mark.line][:mark.column + 1]:
+        hint = "YAML indents with spaces only: replace the tab with spaces"
+    return f"not valid YAML at {where} ({words or 'a syntax error'}); {hint}."
+
+
 def load(path: str | os.PathLike | None = None) -> Inventory:
     """Read and check an inventory file (default: $FLEET_INVENTORY, else inventory/hosts.yml)."""
     path = str(path or os.environ.get("FLEET_INVENTORY") or DEFAULT_INVENTORY)
@@ -316,15 +336,14 @@ def load(path: str | os.PathLike | None = None) -> Inventory:
         raise InventoryError(f"{path}: its values are nested deeper than this toolkit reads; "
                              "flatten them.") from None
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise InventoryError(f"{path}: not valid YAML{where}; fix the syntax there.") from None
+        raise InventoryError(f"{path}: {yaml_problem(e, text)}") from None
     if not isinstance(data, dict):
         raise InventoryError(f"{path}: expected a mapping with defaults, groups and hosts at the top.")
     unknown = set(data) - {"defaults", "groups", "hosts"}
     if unknown:
-        raise InventoryError(f"{path}: {sorted(map(str, unknown))[0]}: unknown top-level key; "
-                             "use defaults, groups and hosts.")
+        key = sorted(map(str, unknown))[0]
+        raise InventoryError(f"{path}: {key}: unknown top-level key"
+                             f"{_did_you_mean(key, ['defaults', 'groups', 'hosts'])}; use defaults, groups and hosts.")
     defaults = _mapping(data.get("defaults"), path, "defaults")
     groups = _mapping(data.get("groups"), path, "groups")
     hosts = _mapping(data.get("hosts"), path, "hosts")
@@ -349,8 +368,9 @@ def load(path: str | os.PathLike | None = None) -> Inventory:
             raise InventoryError(f"{path}: groups.{gname}: a group cannot have the name of a host.")
         check_layer({k: v for k, v in group.items() if k != "hosts"}, path, f"groups.{gname}")
     inv = Inventory(path, defaults, groups, hosts)
-    # Cross-key checks (port clashes, instances > accelerators, fronts) and cross-host ones (ports shared
-    # on one machine) before anything runs.
+    # The fronts graph, then cross-key checks (port clashes, instances > accelerators, an entry host's
+    # backends) and cross-host ones (ports shared on one machine) before anything runs.
+    inv.fronts_graph()
     check_shared_machines(inv, [inv.host_vars(hname) for hname in hosts])
     return inv
 
@@ -400,12 +420,21 @@ def _sentence(error: dict, path: str, where: str) -> str:
         # anything else is the tag of a union's member (`literal['auto']`, `constrained-int`)
     at = ".".join(([where] if where else []) + keys)
     if error["type"] == "extra_forbidden":
-        return f"{path}: {at}: unknown key; docs/inventory.md lists every key."
+        known = list(model.model_fields) if model is not None else []
+        if where.startswith("groups.") and len(keys) == 1:
+            known.append("hosts")                # a group's own key, besides the host keys it sets
+        return f"{path}: {at}: unknown key{_did_you_mean(keys[-1], known)}; docs/inventory.md lists every key."
     if model is not None and info is not None and error["type"] in ("model_type", "dict_type"):
         expected = "a mapping"
     else:
         expected = schema_doc.type_phrase(info.annotation, info) if info is not None else "another value"
     return f"{path}: {at}: expected {expected}, got {_show(error['input'])}."
+
+
+def _did_you_mean(key: str, known) -> str:
+    """` (did you mean KEY?)` with the closest known key, or nothing when none is close."""
+    close = difflib.get_close_matches(str(key), list(known), n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def parse_overrides(overrides) -> dict:
@@ -436,6 +465,14 @@ def local_address(bind: str) -> str:
     return {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(bind, bind)
 
 
+class Fronted(NamedTuple):
+    """One backend of an entry host's proxy: its name, the host that runs it and its index there."""
+
+    backend: str
+    host: "HostVars"
+    index: int
+
+
 @dataclass
 class HostVars:
     """One host's resolved variables plus what follows from them (ports, backends, deployment id)."""
@@ -445,7 +482,8 @@ class HostVars:
     inventory_path: str = ""
     deployment_id: str = ""
     ports: list[int] = field(default_factory=list)
-    front_backends: list[str] | None = None    # set on an entry host (`fronts`): its members' instances
+    # On an entry host (`fronts`): its proxy's backends, each with the host that runs it and its index there.
+    fronted: list[Fronted] | None = None
     front_members: list["HostVars"] = field(default_factory=list)   # an entry host's members, itself aside
     groups: list[serving.Group] = field(default_factory=list)   # what it serves (fleet.serving)
     cards: list[tuple[int, ...]] = field(default_factory=list)  # instance i's cards
@@ -560,9 +598,9 @@ class HostVars:
     @property
     def backends(self) -> list[str]:
         """The proxy's backends, named host:port as in X-Backend and the admin API."""
-        if self.front_backends is not None:
-            return list(self.front_backends)
-        return [backend_name(self.instance_host, p) for p in self.ports]
+        if self.fronted is not None:
+            return [f.backend for f in self.fronted]
+        return [cluster.backend_name(self.instance_host, p) for p in self.ports]
 
     @property
     def instance_host(self) -> str:

@@ -186,7 +186,7 @@ def plan(inv: Inventory, pattern: str, overrides=()) -> tuple[list[HostVars], li
         hv = inv.host_vars(name, overrides)
         hosts.setdefault(hv.name, hv)
         if hv["fronts"]:
-            for backend, member, index in cluster.front_backends(inv, hv, overrides):
+            for backend, member, index in hv.fronted:
                 hosts.setdefault(member.name, member)
                 fronted[(member.name, index)] = (backend, hv.name)
     proxies: dict[str, HostVars] = {}      # entry hosts read for their proxy alone: they front a host shown
@@ -195,7 +195,7 @@ def plan(inv: Inventory, pattern: str, overrides=()) -> tuple[list[HostVars], li
         if entries and not any((name, i) in fronted for i in range(len(hosts[name].ports))):
             entry = proxies.get(entries[0]) or inv.host_vars(entries[0], overrides)
             proxies[entry.name] = entry
-            for backend, member, index in cluster.front_backends(inv, entry, overrides):
+            for backend, member, index in entry.fronted or []:
                 if member.name == name:
                     fronted[(name, index)] = (backend, entry.name)
     rows = []

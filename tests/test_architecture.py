@@ -51,6 +51,18 @@ def test_a_circle_put_back_breaks_the_layers(tmp_path):
     assert "The control plane's layers" in r.stdout and "fleet.facts -> fleet.deploy" in r.stdout, r.stdout
 
 
+def test_a_circle_put_back_for_type_hints_alone_breaks_the_layers(tmp_path):
+    """1. Copy the three parts; 2. make fleet.cluster import fleet.inventory (which calls it) under
+    TYPE_CHECKING only, for a type hint; 3. the layers contract still sees the circle and names it."""
+    root = copy_of_the_parts(tmp_path)
+    cluster = root / "fleet" / "cluster.py"
+    cluster.write_text(cluster.read_text() + "\nfrom typing import TYPE_CHECKING  # noqa: E402\n"
+                       "if TYPE_CHECKING:\n    from .inventory import HostVars  # noqa: F401\n")
+    r = lint_imports(root)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "The control plane's layers" in r.stdout and "fleet.cluster -> fleet.inventory" in r.stdout, r.stdout
+
+
 def test_the_control_plane_imported_on_a_host_breaks_the_independence(tmp_path):
     root = copy_of_the_parts(tmp_path)
     keeper = root / "hostagent" / "keeper.py"

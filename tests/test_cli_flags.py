@@ -9,6 +9,7 @@ import importlib
 import importlib.metadata
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -167,7 +168,7 @@ def test_short_flags_have_one_meaning_on_every_task():
 def test_whole_number_options_are_typed_int_in_help(capsys):
     for name, flags in {"deploy": ["-f INT, --forks=INT"], "logs": ["-n INT, --lines=INT", "--instance=INT"],
                         "stop": ["--instance=INT"], "restart": ["--instance=INT"], "chat": ["--max-tokens=INT"],
-                        "bench": ["--requests=INT"], "status": ["-e, --set", "KEY=VALUE: override an inventory key"]}.items():
+                        "bench": ["--requests=INT"], "status": ["-e KEY=VALUE, --set=KEY=VALUE"]}.items():
         code, out, err = run_cli([name, "--help"], capsys)
         for flag in flags:
             assert flag in out, (name, flag, out)
@@ -359,3 +360,131 @@ def test_render_into_a_closed_output_writes_every_file_and_says_no_error(tmp_pat
     hv.vars["python"] = "python3"
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()) == \
         sorted(f.path for f in sync.host_files(hv))
+
+
+# invoke's core options for invoke's run(), which the tool never calls (it runs commands through
+# subprocess and paramiko): `vllm-fleet --dry deploy` deployed.
+INVOKE_RUN_OPTIONS = ["--dry", "--warn-only", "--prompt-for-sudo-password", "--echo", "--pty", "--hide",
+                      "--command-timeout", "--config", "--write-pyc", "--debug"]
+
+
+def test_the_console_scripts_help_lists_the_tasks_and_no_option_the_tool_does_not_honour(capsys):
+    code, out, err = run_cli(["--help"], capsys)
+    assert code == 0 and err == "", err
+    core, tasks = out.split("Subcommands:")
+    for option in INVOKE_RUN_OPTIONS:
+        assert option not in out, (option, out)
+    for option in ("--help", "--list", "--version", "--print-completion-script"):
+        assert option in core, (option, core)
+    for name in fleet.cli.ns.task_names:
+        assert f"\n  {name} " in tasks, (name, tasks)
+
+
+@pytest.mark.parametrize("argv, flag", [(["--dry", "deploy"], "--dry"), (["-w", "status"], "-w"),
+                                        (["--prompt-for-sudo-password", "stop"], "--prompt-for-sudo-password"),
+                                        (["--echo", "status"], "--echo"), (["-R", "deploy"], "-R")])
+def test_the_console_script_refuses_an_invoke_option_it_does_not_honour(argv, flag, inventory_file, capsys):
+    code, out, err = run_cli([*argv, "-H", "t", "-i", str(inventory_file)], capsys)
+    assert code == 2 and out == "", (out, err)
+    assert one_error_line(err) == (f"error: {flag} is one of invoke's own options, which vllm-fleet does not offer "
+                                   "(it runs its commands itself, not through invoke); drop it.")
+    assert not (inventory_file.parent / "deploy").exists()          # nothing was deployed
+
+
+@pytest.mark.parametrize("options, named", [(["--dry"], "--dry: invoke's own option"),
+                                            (["--warn-only", "--echo"], "--warn-only and --echo: invoke's own options"),
+                                            (["--prompt-for-sudo-password"], "--prompt-for-sudo-password: invoke's")])
+def test_inv_refuses_an_invoke_option_the_tool_does_not_honour_before_the_task_runs(options, named, inventory_file,
+                                                                                     monkeypatch):
+    """`inv --dry deploy` deployed: invoke's options reach the task's config, and the task refuses them in
+    one sentence before it does anything (invoke's own Program offers them: it cannot be told not to)."""
+    from fleet_helpers import inv
+    monkeypatch.setattr("getpass.getpass", lambda prompt="": "secret")   # the sudo prompt asks first
+    r = inv(*options, "deploy", "--host", "t", inventory=inventory_file)
+    assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
+    assert one_error_line(r.stderr).startswith(f"error: {named}"), r.stderr
+    assert r.stderr.rstrip().endswith("which vllm-fleet does not honour (it runs its commands itself, not through "
+                                      "invoke); drop " + ("them" if len(options) > 1 else "it")
+                                      + " (deploy --check shows what a deploy would change).")
+    assert not (inventory_file.parent / "deploy").exists()
+
+
+def test_help_shows_set_taking_key_value_and_the_positional_arguments(capsys):
+    for name, usage, shown in [("trace", "trace [--options] ID [other tasks here ...]", "ID, --ident=ID"),
+                               ("lora", "lora [--options] ACTION [other tasks here ...]", "ACTION, --action=ACTION"),
+                               ("deploy", "deploy [--options] [other tasks here ...]", "-e KEY=VALUE, --set=KEY=VALUE")]:
+        code, out, err = run_cli([name, "-h"], capsys)
+        assert code == 0 and out.startswith(f"Usage: vllm-fleet [--core-opts] {usage}\n"), out
+        assert shown in out and "-e, --set" not in out, out
+    code, out, err = run_cli(["trace", "-h"], capsys)
+    assert "positional (the first word after trace): a trace id" in " ".join(out.split())
+
+
+def test_help_shows_every_options_default(capsys):
+    code, out, err = run_cli(["chat", "-h"], capsys)
+    text = " ".join(out.split())
+    for shown in ("max_tokens of the request (default: 64)", "whose entry port to send to (default: local)",
+                  "the user message (default: Describe a sunrise over the sea in one sentence.)"):
+        assert shown in text, (shown, out)
+    for name in fleet.cli.ns.task_names:        # every task, every option with a default worth saying
+        for arg in fleet.cli.ns[name].get_arguments():
+            if arg.default not in (None, "", False, []):
+                assert "default" in arg.help, (name, arg.name, arg.help)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["deplyo", "-H", "t"], "error: no idea what 'deplyo' is (did you mean deploy?); `vllm-fleet --list` lists the tasks."),
+    (["status", "--hots", "t"],
+     "error: no idea what '--hots' is (did you mean --host?); `vllm-fleet status --help` lists its options."),
+    (["--lsit"], "error: no idea what '--lsit' is (did you mean --list?); `vllm-fleet --list` lists the tasks."),
+    (["status", "-H", "t", "-e", "max_num_seq=3"],
+     "--set: max_num_seq: unknown key (did you mean max_num_seqs?); docs/inventory.md lists every key."),
+])
+def test_an_unknown_task_option_or_key_gets_the_closest_name(argv, message, inventory_file, capsys, monkeypatch):
+    monkeypatch.setenv("FLEET_INVENTORY", str(inventory_file))
+    code, out, err = run_cli(argv, capsys)
+    assert code == 2 and out == "" and message in one_error_line(err), (argv, err)
+
+
+def test_a_yaml_syntax_error_is_one_sentence_naming_the_problem_and_the_line(tmp_path, capsys):
+    path = tmp_path / "hosts.yml"
+    path.write_text("hosts:\n\tt: {}\n")
+    code, out, err = run_cli(["vars", "-H", "t", "-i", str(path)], capsys)
+    assert code == 2 and one_error_line(err).replace(" '\\t' ", " ") == (
+        f"error: {path}: not valid YAML at line 2, column 1 (while scanning for the next token; found character "
+        "that cannot start any token); YAML indents with spaces only: replace the tab with spaces.")
+
+
+def test_the_checkouts_inventory_is_named_when_used_from_another_directory(tmp_path, inventory_file, capsys,
+                                                                          monkeypatch):
+    """1. From a directory without inventory/hosts.yml, a checkout's own file is used: stderr names it
+    (stdout stays the command's); 2. the current directory's file, -i FILE or FLEET_INVENTORY: nothing said."""
+    monkeypatch.delenv("FLEET_INVENTORY", raising=False)
+    checkout = tmp_path / "checkout"
+    (checkout / "inventory").mkdir(parents=True)
+    (checkout / "tasks.py").write_text("")
+    (checkout / "inventory" / "hosts.yml").write_text(inventory_file.read_text())
+    monkeypatch.setattr(fleet.cli, "CHECKOUT", checkout)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    code, out, err = run_cli(["vars", "-H", "t", "--json"], capsys)
+    assert code == 0 and json.loads(out)[0]["host"] == "t", out + err
+    assert err == (f"inventory: {checkout / 'inventory' / 'hosts.yml'} (the checkout's; there is no "
+                   f"inventory/hosts.yml in {elsewhere})\n")
+    code, out, err = run_cli(["bench", "-H", "t"], capsys)       # bench reads the file once: said once
+    assert err.count("inventory: ") == 1 and "t : ok=" in out, out + err     # (nothing deployed to bench)
+    for argv, env in ((["-i", str(inventory_file)], None), ([], str(inventory_file))):
+        if env:
+            monkeypatch.setenv("FLEET_INVENTORY", env)
+        code, out, err = run_cli(["vars", "-H", "t", *argv], capsys)
+        assert code == 0 and err == "", err
+    monkeypatch.delenv("FLEET_INVENTORY")
+    monkeypatch.chdir(checkout)
+    code, out, err = run_cli(["vars", "-H", "t"], capsys)
+    assert code == 0 and err == "" and out.startswith("# t (inventory/hosts.yml)\n"), out + err
+
+
+def test_help_into_a_closed_pipe_ends_without_a_traceback():
+    r = run_proc(["bash", "-c", f"{' '.join(map(shlex.quote, console_script()))} deploy -h | head -1"])
+    assert r.returncode == 0 and r.stdout.startswith("Usage: vllm-fleet") and r.stderr == "", r.stderr

@@ -82,7 +82,15 @@ ERRORS = [
     (("    max_num_seqs: 5", "    max_num_seqs: four"),
      "hosts.a.max_num_seqs: expected an integer from 1 to 65536, got 'four'."),
     (("    max_num_seqs: 5", "    max_num_seq: 5"),
-     "hosts.a.max_num_seq: unknown key; docs/inventory.md lists every key."),
+     "hosts.a.max_num_seq: unknown key (did you mean max_num_seqs?); docs/inventory.md lists every key."),
+    (("    proxy: {port: 9100, admin_port: 9101}", "    proxy: {prot: 9100, admin_port: 9101}"),
+     "hosts.a.proxy.prot: unknown key (did you mean port?); docs/inventory.md lists every key."),
+    (("    hosts: [a]", "    host: [a]"),
+     "groups.lab.host: unknown key (did you mean hosts?); docs/inventory.md lists every key."),
+    (("    max_num_seqs: 5", "    colour: blue"),
+     "hosts.a.colour: unknown key; docs/inventory.md lists every key."),
+    (("groups:", "grups:"),
+     "grups: unknown top-level key (did you mean groups?); use defaults, groups and hosts."),
     (("  max_num_seqs: 2", "  enforce_eager: 'yes'"),
      "defaults.enforce_eager: expected true or false, got 'yes'."),
     (("    max_num_seqs: 3", "    base_port: 70000"),
@@ -135,14 +143,25 @@ def test_set_errors_name_the_key(tmp_path):
         inv.host_vars("a", ["max_num_seqs=lots"])
     with pytest.raises(InventoryError, match=r"^--set nokey: expected key=value"):
         inv.host_vars("a", ["nokey"])
-    with pytest.raises(InventoryError, match=r"^--set: bogus: unknown key"):
+    with pytest.raises(InventoryError, match=r"^--set: bogus: unknown key; docs"):
         inv.host_vars("a", ["bogus=1"])
+    with pytest.raises(InventoryError, match=r"^--set: proxy\.admin_prot: unknown key \(did you mean admin_port\?\); docs"):
+        inv.host_vars("a", ["proxy.admin_prot=1"])
 
 
-def test_yaml_syntax_error_names_line(tmp_path):
-    path = write(tmp_path, "hosts:\n  a: {engine: sim\n")
-    with pytest.raises(InventoryError, match=r"not valid YAML at line \d+"):
+@pytest.mark.parametrize("text, message", [
+    ("hosts:\n\ta: {}\n", "line 2, column 1 (while scanning for the next token; found character that cannot start "
+                          "any token); YAML indents with spaces only: replace the tab with spaces."),
+    ("hosts:\n  a: {engine: sim\n", "line 3, column 1 (while parsing a flow mapping; did not find expected ',' or "
+                                     "'}'); fix the syntax there."),
+    ("hosts:\n  a: b: c\n", "line 2, column 7 (mapping values are not allowed in this context); fix the syntax there."),
+])
+def test_a_yaml_syntax_error_names_the_line_and_the_parsers_words_for_the_problem(tmp_path, text, message):
+    path = write(tmp_path, text)
+    with pytest.raises(InventoryError) as e:
         inventory.load(path)
+    # libyaml (CSafeLoader) says "found character that ...", PyYAML's own parser names it: '\t'
+    assert str(e.value).replace(" '\\t' ", " ") == f"{path}: not valid YAML at {message}"
 
 
 def test_missing_file_says_what_to_do(tmp_path):
@@ -326,3 +345,36 @@ def test_a_rule_across_keys_broken_by_set_says_set_took_part(tmp_path):
         inv.host_vars("a", ["proxy.port=9102"])
     with pytest.raises(InventoryError, match=r"^--set =3: expected key=value"):
         inv.host_vars("a", ["=3"])
+
+
+ENTRY = """
+defaults: {engine: sim, accelerator: sim, accelerators: 2, instances: 2}
+hosts:
+  gw: {fronts: [gw, k1], base_port: 7002, proxy: {port: 7000, admin_port: 7001}}
+  k1: {address: 10.9.0.1, base_port: 7102, proxy: {port: 7100, admin_port: 7101}}
+"""
+
+
+def test_an_entry_host_carries_each_backend_with_the_host_that_runs_it(tmp_path):
+    """An entry host's variables carry its proxy's backends with their host and index (fleet.top reads
+    them instead of working the fronts out again); a plain host carries none."""
+    path = tmp_path / "hosts.yml"
+    path.write_text(ENTRY)
+    loaded = inventory.load(path)
+    gw = loaded.host_vars("gw")
+    assert [(f.backend, f.host.name, f.index) for f in gw.fronted] == [
+        ("127.0.0.1:7002", "gw", 0), ("127.0.0.1:7003", "gw", 1), ("10.9.0.1:7102", "k1", 0), ("10.9.0.1:7103", "k1", 1)]
+    assert gw.fronted[0].host is gw and gw.fronted[2].host["bind"] == "10.9.0.1"
+    assert loaded.host_vars("k1").fronted is None and loaded.fronted_by("k1") == {"gw"}
+
+
+def test_the_fronts_graph_is_checked_at_load_before_any_host_is_built(tmp_path, monkeypatch):
+    """A member that is no host is refused by load itself, before any host's variables are built (the
+    graph is checked once, not by each entry host on its way)."""
+    path = tmp_path / "hosts.yml"
+    path.write_text(ENTRY.replace("[gw, k1]", "[gw, k9]"))
+    built = []
+    monkeypatch.setattr(inventory.Inventory, "host_vars", lambda self, name, overrides=(): built.append(name))
+    with pytest.raises(InventoryError, match=r"hosts\.gw\.fronts: 'k9' is not defined under hosts; add it"):
+        inventory.load(path)
+    assert built == []
