@@ -159,7 +159,9 @@ def deploy_front(conn: Transport, hv: HostVars, found: dict, changed_files: set[
         return
     p = found["proxy"]
     state = facts.proxy_state(p)
-    stale = any(f == layout.PROXY_CONF or f.startswith(layout.PROXY_CODE + "/") for f in changed_files)
+    # A setting an earlier reload could not change (proxy.state.RESTART_ONLY) is still owed a restart.
+    owed = bool((p.get("config") or {}).get("pending_restart"))
+    stale = owed or any(f == layout.PROXY_CONF or f.startswith(layout.PROXY_CODE + "/") for f in changed_files)
     if state == "port-taken":
         report.add("proxy", "failed", f"port {hv['proxy']['port']} is taken by a process that is not this "
                    "deployment's proxy; free it or change proxy.port")
@@ -169,7 +171,7 @@ def deploy_front(conn: Transport, hv: HostVars, found: dict, changed_files: set[
         return
     # Only the config changed, and the running proxy answers on the ports it names: SIGHUP re-reads it
     # without dropping a request. New code, or a proxy that does not answer there, needs a restart.
-    reloadable = (state in ("healthy", "no-backend") and p["backends"] is not None
+    reloadable = (state in ("healthy", "no-backend") and p["backends"] is not None and not owed
                   and not any(f.startswith(layout.PROXY_CODE + "/") for f in changed_files))
     if reloadable:
         if check:
@@ -228,17 +230,14 @@ def _reload_proxy(conn, hv, p, report) -> bool:
     """SIGHUP the running proxy and wait until its admin lists the new backends; False if it did not."""
     conn.run(f"kill -HUP {int(p['pid'])}")
     want = hv.backends
-    px = hv["proxy"]
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         f = facts.probe(conn, hv)["proxy"]
         running = f.get("config") or {}
         if f["alive"] and running.get("backends") == want:
-            # What a running proxy keeps until a restart (its listeners, the body limit, the drain time,
-            # its log's rotation).
-            if (running.get("max_body_mb"), running.get("shutdown_timeout_s"), running.get("log")) != (
-                    float(px["max_body_mb"]), float(px["shutdown_timeout_s"]),
-                    [float(px["log"]["max_mb"]), px["log"]["backups"]]):
+            # The proxy names what the reload could not change (its listeners, the body limit, the drain
+            # time, its log's rotation: proxy.state.RESTART_ONLY); those need a restart.
+            if running.get("pending_restart"):
                 return False
             report.add("proxy", "changed", f"reloaded (SIGHUP), pid {p['pid']}, {len(want)} backends")
             return True

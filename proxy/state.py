@@ -38,13 +38,14 @@ class Proxy:
         self.stop = asyncio.Event()       # SIGTERM or POST /admin/drain-and-exit: drain, then exit
         self.drain_s: float | None = None  # the drain bound asked for (None: shutdown_timeout_s)
         self.drained: asyncio.Future | None = None  # what the drain came to, for /admin/drain-and-exit
+        self.pending_restart: tuple[str, ...] = ()  # RESTART_ONLY settings the config file changed since start
 
     def reload(self) -> bool:
         """Re-read the config file and apply it; an invalid one is refused and the old one stays."""
         try:
             new = load_config(self.config_path)
             keys = load_api_keys(new.api_keys_file)
-            new = self._keep_restart_only(new)
+            new, pending = self._keep_restart_only(new)
             results, spans = None, self.spans
             if new.otlp != self.config.otlp:
                 spans = self._span_export(new)   # refused when the SDK is missing
@@ -75,6 +76,7 @@ class Proxy:
         added, removed = self.router.update(new)
         self._use(new)
         self.api_keys = keys
+        self.pending_restart = pending
         self.check_now.set()
         log.info("reloaded %s: %d backends (added %s, removed %s)%s", self.config_path, len(new.backends),
                  ", ".join(added) or "none", ", ".join(removed) or "none",
@@ -94,15 +96,16 @@ class Proxy:
         self.upstream_timeout = aiohttp.ClientTimeout(total=config.timeout_s,
                                                       sock_connect=config.connect_timeout_s)
 
-    def _keep_restart_only(self, new: ProxyConfig) -> ProxyConfig:
-        """new, with the settings a running proxy cannot change put back to the running ones (logged)."""
+    def _keep_restart_only(self, new: ProxyConfig) -> tuple[ProxyConfig, tuple[str, ...]]:
+        """new, with the settings a running proxy cannot change put back to the running ones (logged),
+        and their names: /admin/config reports them, so a deploy knows a restart is still owed."""
         old = self.config
         fixed = {k: getattr(old, k) for k in RESTART_ONLY if getattr(new, k) != getattr(old, k)}
         if fixed:
             log.warning("reload: %s stay as they are until the proxy restarts (`inv deploy` restarts it "
                         "beside this one, without a gap)", ", ".join(fixed))
             new = dataclasses.replace(new, **fixed)
-        return new
+        return new, tuple(fixed)
 
 
 # The settings a reload cannot change: bound when the listeners and the application are built. The docs

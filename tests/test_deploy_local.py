@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import re
+import urllib.request
 
 import openai
 import pytest
@@ -65,6 +66,24 @@ def test_deploy_then_redeploy_changes_nothing(cluster):
     assert f"reloaded (SIGHUP), pid {proxy_pid}, 3 backends" in third.stdout, third.stdout
     st = status_json(inventory, "--set", "instances=3")
     assert st["proxy"]["pid"] == proxy_pid and len(st["proxy"]["backends"]) == 3
+
+
+def test_a_changed_bind_address_restarts_the_proxy_on_it(cluster):
+    """1. The proxy listens on 127.0.0.1; 2. deploy with proxy.bind 127.0.0.2 (loopback too): a SIGHUP
+    cannot move a listener, so the proxy reports the setting as pending a restart and deploy restarts it
+    beside the old one; 3. the entry port answers on the new address only, and the next deploy has nothing
+    left to do."""
+    inventory, dep, _, _ = cluster
+    port = status_json(inventory)["proxy"]["port"]
+    moved = inv("deploy", "--host", "t", "--set", "proxy.bind=127.0.0.2", inventory=inventory)
+    assert moved.returncode == 0, moved.stdout + moved.stderr
+    assert re.search(r"^changed: proxy: restarted beside the old one", moved.stdout, re.M), moved.stdout
+    with urllib.request.urlopen(f"http://127.0.0.2:{port}/health", timeout=5) as r:
+        assert r.status == 200
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+    again = inv("deploy", "--host", "t", "--set", "proxy.bind=127.0.0.2", inventory=inventory)
+    assert recap(again.stdout)["changed"] == 0, again.stdout
 
 
 @pytest.mark.xdist_group("deploy_local_shared")
