@@ -17,6 +17,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from hostagent import layout
+
 from . import cluster, schema, schema_doc, serving
 from .cluster import backend_name
 from .errors import InventoryError
@@ -432,8 +434,8 @@ def parse_overrides(overrides) -> dict:
 
 
 def local_address(bind: str) -> str:
-    """Where the host itself reaches a port bound to `bind`: loopback for a wildcard."""
-    return {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(bind, bind)
+    """Where the host itself reaches a port bound to `bind`: hostagent.layout's one rule."""
+    return layout.local_address(bind)
 
 
 @dataclass

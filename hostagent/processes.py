@@ -24,7 +24,7 @@ import signal
 import sys
 import time
 
-from hostagent import layout  # in the package, or bundled in front by fleet.hostcode
+from hostagent import files, layout  # in the package, or bundled in front by fleet.hostcode
 
 PROTECTED = (0, 1)
 
@@ -182,10 +182,7 @@ def write_record(path, pid, tag=None):
     line = record_of(pid, tag)
     if line is None:
         return False
-    tmp = "%s.tmp.%d" % (path, os.getpid())
-    with open(tmp, "w") as f:
-        f.write(line)
-    os.replace(tmp, path)
+    files.write_atomic(path, line)
     return True
 
 
@@ -224,14 +221,32 @@ def check_record(rec, tag, proc):
     return None
 
 
+def read_pidfile(path, tag):
+    """The one reader of a pid file of the deployment's part `tag`, identity checked: (proc, record, why).
+    proc: the live process it records while that still is the one (start time, tag), else None; record:
+    what the file holds (None: no file, or unreadable); why: why the file does not count (None when it
+    does, or when there is no file)."""
+    rec, why = read_record_file(path)
+    if rec is None:
+        return None, None, why
+    proc = read_proc(rec["pid"]) if rec["pid"] > 0 else None
+    why = check_record(rec, tag, proc)
+    return (proc if why is None else None), rec, why
+
+
 def verified(path, tag):
-    """The live process a pid file records, when it is still that process; else None.
-    For the host agent's own callers (swap, watcher): a stale file is never acted on."""
+    """The live process a pid file records, when it is still that process; else None: a stale file is
+    never acted on."""
+    return read_pidfile(path, tag)[0]
+
+
+def recorded_session(path):
+    """The session a pid file records (`sid=S`; the seed's `P [G]`: its leader's pid), whether or not its
+    process still runs: its engine children stay in it, renamed or orphaned. None without a record."""
     rec, _ = read_record_file(path)
     if rec is None:
         return None
-    proc = read_proc(rec["pid"]) if rec["pid"] > 0 else None
-    return proc if check_record(rec, tag, proc) is None else None
+    return rec["sid"] if rec["sid"] is not None else rec["pid"]
 
 
 # --- who must never be signalled ----------------------------------------------------------------
