@@ -37,7 +37,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from . import cards, config, exposition, files, httpcall, instances, layout, lock, parts, processes, proxyadmin, restart, watch
+from . import (cards, config, exposition, files, httpcall, instances, layout, lock, parts, processes, proxyadmin,
+               restart, watch)
 from .errors import ConfigError, KeeperError
 from .keeper_decisions import (PROBE_RESULTS, REASONS, Crashloop, Log, MarkReady, Observed, Probe, Restart, Watch,
                                begin_restart, decide, end_restart, lock_refused)

@@ -14,9 +14,10 @@ A live process of this user is the deployment's when
 Never signalled, whatever a file says: pid 0 and 1, this process, its ancestors, and every process in
 its own process group or session; and nothing of another user.
 
-Standard library only, Python 3.6+, no import of the rest of the package but `layout`: the file also runs alone,
-`python3 - stop SPEC_JSON [--instance I | --proxy] [--check]` with this file on standard input, so
-`inv stop` works where deploy never put the code (bin/stop_cluster.sh runs the deployed copy).
+Standard library only, Python 3.6+, no import of the rest of the package but `layout` and `files`: the file
+also runs alone, `python3 - stop SPEC_JSON [--instance I | --proxy] [--check]` with this file (and those two,
+fleet.hostcode) on standard input, so `inv stop` works where deploy never put the code
+(bin/stop_cluster.sh runs the deployed copy).
 """
 import json
 import os

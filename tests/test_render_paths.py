@@ -39,7 +39,8 @@ def deploy_dir_paths(text: str, deploy_dir: str) -> set[str]:
     (`run/...`, `./bin/...`, a layout directory's name then a slash)."""
     marked = text.replace(deploy_dir + "/", "\0").replace("$DEPLOY_DIR/", "\0")
     found = set(re.findall("\0(" + _PATH + ")", marked))
-    tops = "|".join(re.escape(d) for d in (layout.RUN, layout.LOGS, layout.CONF, layout.BIN, layout.LIB, layout.SIM_DEV))
+    tops = "|".join(re.escape(d) for d in (layout.RUN, layout.LOGS, layout.CONF, layout.BIN, layout.LIB,
+                                            layout.SIM_DEV))
     found |= set(re.findall(r"(?:(?<![\w./$-])|(?<=[\s(\"']\./))((?:%s)/%s)" % (tops, _PATH), marked))
     return {p.rstrip(".,;:)/") for p in found}
 
@@ -78,7 +79,8 @@ def test_every_deploy_dir_path_in_the_rendered_files_is_one_layout_names():
 def test_a_path_spelled_by_hand_is_caught():
     """The check itself: a stray `run/...` beside deploy_dir or alone is found and refused."""
     constants, patterns = named_paths()
-    text = 'log="$DEPLOY_DIR/logs/proxy.log"\nx=/srv/d/run/other.pid\n# see run/elsewhere.txt; ./bin/nope.sh\n#!/usr/bin/env'
+    text = ('log="$DEPLOY_DIR/logs/proxy.log"\nx=/srv/d/run/other.pid\n'
+            '# see run/elsewhere.txt; ./bin/nope.sh\n#!/usr/bin/env')
     found = deploy_dir_paths(text, "/srv/d")
     assert found == {"logs/proxy.log", "run/other.pid", "run/elsewhere.txt", "bin/nope.sh"}
     assert [p for p in sorted(found) if not is_named(p, constants, patterns)] == \
