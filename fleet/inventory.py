@@ -18,6 +18,8 @@ from typing import Any, NamedTuple
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from hostagent import layout
+
 from . import cluster, schema, schema_doc, serving
 from .errors import InventoryError
 
@@ -461,8 +463,8 @@ def parse_overrides(overrides) -> dict:
 
 
 def local_address(bind: str) -> str:
-    """Where the host itself reaches a port bound to `bind`: loopback for a wildcard."""
-    return {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(bind, bind)
+    """Where the host itself reaches a port bound to `bind`: hostagent.layout's one rule."""
+    return layout.local_address(bind)
 
 
 class Fronted(NamedTuple):

@@ -1,6 +1,7 @@
 """Rendering: host variables -> the files put on a host. A pure function: no I/O but reading templates."""
 from __future__ import annotations
 
+import posixpath
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +71,7 @@ def environment() -> jinja2.Environment:
     env.filters["nginx_quote"] = nginx_quote
     env.filters["nginx_size"] = nginx_size
     env.filters["nginx_time"] = nginx_time
+    env.filters["basename"] = posixpath.basename      # a layout path's file name, put in another directory
     return env
 
 
@@ -127,7 +129,7 @@ def stop_spec(hv: HostVars) -> dict:
 def _reach(hv: HostVars, bind: str, port: int) -> str:
     """host:port where a port bound to `bind` on hv is scraped: the bind address, or for a wildcard the
     host's address (fleet.cluster.address: how other hosts reach it)."""
-    return backend_name(address(hv) if bind in ("0.0.0.0", "::") else bind, port)
+    return backend_name(address(hv) if layout.local_address(bind) != bind else bind, port)
 
 
 def scrape_targets(hv: HostVars) -> dict[str, list[dict]]:
@@ -155,6 +157,9 @@ def context(hv: HostVars) -> dict:
         "host": hv.name,
         "inventory_path": hv.inventory_path,
         "deployment_id": hv.deployment_id,
+        # Paths under deploy_dir: spelled once, in hostagent.layout (`layout.PROXY_PID`, `at(layout.LOGS)`).
+        "layout": layout,
+        "at": lambda rel: f"{v['deploy_dir']}/{rel}",
         "start_overrides": layout.START_OVERRIDES,
         "ports": hv.ports,
         "backends": hv.backends,

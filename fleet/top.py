@@ -1,8 +1,8 @@
 """`inv top`: a live view of one host, or of an entry host's whole fleet, refreshed every second.
 
 Each host runs a sampler (hostagent/probes/top.py, sent like every probe) that prints a frame a second:
-its instances' states and the lines of their engines' /metrics that the view uses, the proxy's /metrics,
-the front, the keeper's record and, at most every 2 s, the smi's output. This module keeps the last
+its instances' states, the samples of their engines' /metrics that the view uses and the proxy's (numbers,
+parsed on the host), the front, the keeper's record and, at most every 2 s, the smi's output. This module keeps the last
 minute of frames per host and turns them into what the operator reads (`view`, a pure function): per
 instance its state, load, requests and output tokens per second, time to first token p50/p95 over the
 last minute (the engine's own histogram), KV-cache use, prefix-cache hit rate and the keeper's restarts;
@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import select
 import shlex
 import sys
@@ -37,27 +36,18 @@ EVENTS_KEPT = 8       # event lines shown
 QUEUE_FILLING = 0.5   # a queue this full (of proxy.queue.max) is an event
 TURNED_AWAY_EVERY_S = 10.0   # 429/503 events: at most one per host in this time
 RESTART_AFTER_S = 5.0        # a sampler that ended is started again after this
-_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
 # --- what a frame says ------------------------------------------------------------------------------
 
 class Metrics:
-    """The sample lines of a /metrics text: totals and histogram buckets by name and matching labels."""
+    """The samples the sampler read from one /metrics (`[name, labels, value]`, parsed on the host): totals
+    and histogram buckets by name and matching labels."""
 
-    def __init__(self, lines):
+    def __init__(self, samples):
         self.by_name: dict[str, list[tuple[dict, float]]] = {}
-        for line in lines or ():
-            m = _SAMPLE.match(line)
-            if not m:
-                continue
-            try:
-                value = float(m.group(3))
-            except ValueError:
-                continue
-            labels = dict(_LABEL.findall(m.group(2) or ""))
-            self.by_name.setdefault(m.group(1), []).append((labels, value))
+        for name, labels, value in samples or ():
+            self.by_name.setdefault(name, []).append((labels, float(value)))
 
     def total(self, name: str, **match) -> float | None:
         """The sum of name's series whose labels include match; None when it has none."""

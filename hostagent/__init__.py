@@ -16,8 +16,12 @@
 - `keeper`: the loop that observes, decides (keeper_decisions) and acts: restarts dead or stalled
   instances, with backoff, and stops at a crash loop; in nginx mode it also watches /health (`watch`)
   and rotates nginx's access log.
-- `drain`: drain-first stop of the front; `handover`, `host`, `launch`, `upstream`: the zero-gap proxy
-  restart and the port handover between the aiohttp proxy and nginx.
+- `drain`: drain-first stop of the front; `handover`, `launch`, `upstream`: the zero-gap proxy restart
+  and the port handover between the aiohttp proxy and nginx; `nginx_front`: nginx mode (binary, command
+  line, upstream and keys files, the watcher); `entryport`: who answers on the entry port, and binding it;
+  `parts`: the proxy's, nginx's and the keeper's processes (identity-checked) and their group's stop.
+- One spelling each: `httpcall` (the HTTP call), `exposition` (the Prometheus text parser), `files` (the
+  atomic write), `config` (the config files), `errors` (the error tree: one error per part).
 - `probes/`: the scripts that read a host's state (state, holders, doctor, cpu_mem), sent on standard
   input with the modules they import (fleet.hostcode).
 

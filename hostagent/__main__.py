@@ -20,7 +20,8 @@ import json
 import logging
 import sys
 
-from . import drain, handover, host, instances, keeper, lock, lora, restart, watch
+from . import config, drain, handover, instances, keeper, lock, lora, restart, watch
+from .errors import HostAgentError, LockHeld, UsageError
 
 
 def main(argv=None) -> int:
@@ -51,7 +52,7 @@ def main(argv=None) -> int:
     def say(line: str) -> None:
         print(line, flush=True)
     try:
-        cfg = host.load_config(args.config)
+        cfg = config.load_config(args.config)
         if args.command == "watch":
             logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
             watch.run(cfg)
@@ -87,7 +88,7 @@ def main(argv=None) -> int:
             result = handover.reload(cfg, args.config, args.nginx, say)
         print("FLEET_RESULT " + json.dumps({"ok": True, **result}), flush=True)
         return 0
-    except (host.FrontError, lora.LoraError) as e:
+    except HostAgentError as e:
         print("FLEET_RESULT " + json.dumps({"ok": False, "error": str(e)}), flush=True)
         return 1
 
@@ -96,7 +97,7 @@ def _instance(cfg: dict, args) -> int:
     """--instance, checked against the config."""
     n = len(cfg["instances"])
     if args.instance is None or not 0 <= args.instance < n:
-        raise host.FrontError(f"{args.command} needs --instance I, one of 0-{n - 1}.")
+        raise UsageError(f"{args.command} needs --instance I, one of 0-{n - 1}.")
     return args.instance
 
 
@@ -118,7 +119,7 @@ def _wait_healthy(cfg: dict, args, say) -> int:
     except ValueError:
         indexes = [-1]
     if not indexes or not all(0 <= i < n for i in indexes):
-        raise host.FrontError(f"wait-healthy needs --instances I,J,... among 0-{n - 1}.")
+        raise UsageError(f"wait-healthy needs --instances I,J,... among 0-{n - 1}.")
     steps = instances.wait_healthy(cfg, indexes, say)
     for step in list(steps):            # a started instance gets its group's recorded adapters back
         if step["status"] == "changed":
@@ -135,7 +136,7 @@ def _hold(cfg: dict, args, what: str):
     held = lock.try_hold(cfg["deploy_dir"], what)
     if held is None:
         who = lock.holder(cfg["deploy_dir"]) or {}
-        raise host.FrontError(f"{who.get('what') or 'another run'} holds the run lock "
+        raise LockHeld(f"{who.get('what') or 'another run'} holds the run lock "
                               f"(since {who.get('since') or 'an unknown time'}); retry when it is done.")
     return held
 
@@ -148,7 +149,7 @@ def _lora(cfg: dict, args, say) -> int:
         needed = ["--model", "--name"] + (["--path"] if args.action == "add" else [])
         missing = [flag for flag in needed if not getattr(args, flag[2:])]
         if missing:
-            raise host.FrontError(f"lora {args.action} needs {' '.join(f + ' ' + f[2:].upper() for f in needed)} "
+            raise UsageError(f"lora {args.action} needs {' '.join(f + ' ' + f[2:].upper() for f in needed)} "
                                   f"({', '.join(missing)} missing).")
         held = _hold(cfg, args, f"python -m hostagent lora {args.action}")
         try:
@@ -165,9 +166,9 @@ def _restart(cfg: dict, args, say) -> int:
     """restart --instance I or --rolling: the steps go back in the FLEET_RESULT line."""
     n = len(cfg["instances"])
     if (args.instance is None) == (not args.rolling):
-        raise host.FrontError("restart needs either --instance I or --rolling.")
+        raise UsageError("restart needs either --instance I or --rolling.")
     if args.instance is not None and not 0 <= args.instance < n:
-        raise host.FrontError(f"there is no instance {args.instance}; instances are 0-{n - 1}.")
+        raise UsageError(f"there is no instance {args.instance}; instances are 0-{n - 1}.")
     held = _hold(cfg, args, "python -m hostagent restart")
     try:
         steps = restart.restart_all(cfg, say) if args.rolling else restart.restart_instance(cfg, args.instance, say)

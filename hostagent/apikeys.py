@@ -12,7 +12,7 @@ and digits is written as `\\xHH`, so nothing in a key is read by nginx's parser 
 """
 from __future__ import annotations
 
-from . import upstream
+from . import files
 
 VARIABLE = "$fleet_authorized"
 
@@ -62,4 +62,4 @@ def render(keys: list[str]) -> str:
 def write(path: str, keys_file: str) -> bool:
     """Write path (mode 0600, atomically) from keys_file when its text differs; True when it changed.
     KeysError when keys_file cannot be used: the file in place is then left as it was."""
-    return upstream.write(path, render(read_keys(keys_file)), mode=0o600)
+    return files.write_if_changed(path, render(read_keys(keys_file)), mode=0o600)

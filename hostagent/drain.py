@@ -15,10 +15,9 @@ import os
 import signal
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-from . import host, proxyadmin
+from . import exposition, httpcall, nginx_front, parts, proxyadmin
 
 PROGRESS_S = 1.0       # one line of progress a second
 EXIT_WAIT_S = 5.0      # after the drain, how long the front gets to exit before the stop script takes over
@@ -27,11 +26,11 @@ EXIT_WAIT_S = 5.0      # after the drain, how long the front gets to exit before
 def drain(cfg: dict, timeout_s: float, say=print) -> dict:
     """Drain whichever front runs (the proxy, nginx, or both in the middle of a swap)."""
     result: dict = {"changed": False}
-    pid, pgid = host.proxy_pid(cfg)
+    pid, pgid = parts.proxy_pid(cfg)
     if pid:
         result["proxy"] = drain_proxy(cfg, pid, pgid, timeout_s, say)
         result["changed"] = True
-    nginx = host.nginx_pid(cfg)
+    nginx = nginx_front.nginx_pid(cfg)
     if nginx:
         result["nginx"] = drain_nginx(cfg, nginx, timeout_s, say)
         result["changed"] = True
@@ -75,13 +74,13 @@ def drain_proxy(cfg: dict, pid: int, pgid: int, timeout_s: float, say) -> dict:
         # drain for its shutdown_timeout_s. Its requests are counted, not named.
         say(f"drain: proxy pid {pid} has no drain call ({status}); SIGTERM: it stops listening and drains")
         try:
-            host.signal_group(pgid, pid, signal.SIGTERM)
+            parts.signal_group(pgid, pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
         t1 = time.monotonic()
-        _progress(lambda: host.alive(pid), lambda: _count(proxy_in_flight(cfg), "at the proxy"), t1,
+        _progress(lambda: parts.alive(pid), lambda: _count(proxy_in_flight(cfg), "at the proxy"), t1,
                   timeout_s - (t1 - t0), say)
-        left = proxy_in_flight(cfg) if host.alive(pid) else 0
+        left = proxy_in_flight(cfg) if parts.alive(pid) else 0
         if left:
             say(f"drain: {left} request(s) still in flight at the proxy after {timeout_s:g}s; the stop cuts them")
         result = {"pid": pid, "waited_s": round(time.monotonic() - t0, 2), "cut_count": left or 0}
@@ -93,16 +92,16 @@ def drain_proxy(cfg: dict, pid: int, pgid: int, timeout_s: float, say) -> dict:
 
 
 def drain_nginx(cfg: dict, pid: int, timeout_s: float, say) -> dict:
-    if host.stop_watcher(cfg):
+    if nginx_front.stop_watcher(cfg):
         say("drain: /health watcher stopped (it would reload a quitting nginx)")
     t0 = time.monotonic()
     os.kill(pid, signal.SIGQUIT)
     say(f"drain: nginx pid {pid} quits gracefully: no new connections, its requests in flight get up to "
         f"{timeout_s:g}s")
-    _progress(lambda: host.alive(pid), lambda: _count(sum(running_at(cfg).values()), "at the instances"),
+    _progress(lambda: parts.alive(pid), lambda: _count(sum(running_at(cfg).values()), "at the instances"),
               t0, timeout_s, say)
     waited = round(time.monotonic() - t0, 2)
-    if not host.alive(pid):
+    if not parts.alive(pid):
         say(f"drain: nginx finished its requests and exited in {waited}s")
         return {"pid": pid, "waited_s": waited, "cut": [], "cut_count": 0}
     running = {b: n for b, n in running_at(cfg).items() if n}
@@ -116,19 +115,11 @@ def drain_nginx(cfg: dict, pid: int, timeout_s: float, say) -> dict:
 def running_at(cfg: dict) -> dict[str, int]:
     """Backend -> the requests its engine runs or queues now (vLLM's /metrics), 0 when unreadable."""
     def one(backend: str) -> int:
-        try:
-            with urllib.request.urlopen(f"http://{backend}/metrics", timeout=2) as r:
-                text = r.read().decode("utf-8", "replace")
-        except (OSError, ValueError):
+        answer = httpcall.get(f"http://{backend}/metrics", timeout=2)
+        if answer.status != 200:
             return 0
-        total = 0.0
-        for line in text.splitlines():
-            if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
-                try:
-                    total += float(line.rsplit(" ", 1)[1])
-                except (ValueError, IndexError):
-                    pass
-        return int(total)
+        found = exposition.samples(answer.text(), ("vllm:num_requests_running", "vllm:num_requests_waiting"))
+        return int(exposition.total(found, "vllm:num_requests_running", "vllm:num_requests_waiting") or 0)
     with ThreadPoolExecutor(max_workers=min(16, len(cfg["backends"]) or 1)) as pool:
         return dict(zip(cfg["backends"], pool.map(one, cfg["backends"])))
 
@@ -150,5 +141,5 @@ def _progress(going, describe, t0: float, bound_s: float, say, slack_s: float = 
 
 def _wait_gone(pid: int) -> None:
     deadline = time.monotonic() + EXIT_WAIT_S
-    while host.alive(pid) and time.monotonic() < deadline:
+    while parts.alive(pid) and time.monotonic() < deadline:
         time.sleep(0.02)

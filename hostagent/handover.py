@@ -18,8 +18,8 @@ import signal
 import subprocess
 import time
 
-from . import apikeys, host, keeper, layout, processes, proxyadmin
-from .host import FrontError
+from . import apikeys, config, entryport, files, instances, keeper, layout, nginx_front, parts, processes, proxyadmin
+from .errors import FrontError
 
 
 def ms(seconds: float) -> float:
@@ -28,22 +28,22 @@ def ms(seconds: float) -> float:
 
 def preflight(cfg: dict, nginx: str | None = None) -> dict:
     """nginx found, its directories there, the upstream file written, `nginx -t` passing, the port usable."""
-    nginx = nginx or host.find_nginx(cfg)
-    for d in (cfg["temp_dir"], cfg["log_dir"], host.at(cfg, layout.RUN)):
+    nginx = nginx or nginx_front.find_nginx(cfg)
+    for d in (cfg["temp_dir"], cfg["log_dir"], config.at(cfg, layout.RUN)):
         os.makedirs(d, exist_ok=True)
     if not os.path.exists(cfg["upstream_file"]):
-        host.write_upstream(cfg, host.check_health(cfg))
+        nginx_front.write_upstream(cfg, nginx_front.check_health(cfg))
     try:
-        host.write_keys(cfg)           # the API keys, before nginx -t reads the map that holds them
+        nginx_front.write_keys(cfg)           # the API keys, before nginx -t reads the map that holds them
     except apikeys.KeysError as e:
         raise FrontError(str(e)) from None
-    r = subprocess.run(host.nginx_argv(cfg, nginx) + ["-t", "-q"], capture_output=True, text=True,
+    r = subprocess.run(nginx_front.nginx_argv(cfg, nginx) + ["-t", "-q"], capture_output=True, text=True,
                        timeout=30)
     if r.returncode != 0:
         why = " ".join(line for line in r.stderr.splitlines() if "emerg" in line or "failed" in line)
         raise FrontError(f"nginx -t rejects {cfg['conf']}: {why or r.stderr.strip()[-300:]}; "
                          "fix the inventory (or the template) and deploy again.")
-    if not host.nginx_pid(cfg) and not host.proxy_pid(cfg)[0] and not host.port_free(cfg):
+    if not nginx_front.nginx_pid(cfg) and not parts.proxy_pid(cfg)[0] and not entryport.port_free(cfg):
         raise FrontError(_stranger(cfg) + ".")
     return {"nginx": nginx, "version": _version(nginx)}
 
@@ -73,10 +73,10 @@ def _spawn_nginx(cfg: dict, nginx: str, sock) -> int:
     so it gets its own session here and the pid it writes is this child's."""
     fd = sock.fileno()
     os.set_inheritable(fd, True)
-    env = {**host.tagged_env(cfg, "nginx"), "NGINX": f"{fd};"}
+    env = {**parts.tagged_env(cfg, "nginx"), "NGINX": f"{fd};"}
     err = open(cfg["error_log"], "a")
     try:
-        p = subprocess.Popen(host.nginx_argv(cfg, nginx), env=env, pass_fds=(fd,), cwd=cfg["deploy_dir"],
+        p = subprocess.Popen(nginx_front.nginx_argv(cfg, nginx), env=env, pass_fds=(fd,), cwd=cfg["deploy_dir"],
                              stdin=subprocess.DEVNULL, stdout=err, stderr=err, start_new_session=True)
     finally:
         err.close()
@@ -94,7 +94,7 @@ def _start_proxy(cfg: dict, wait_free: str | None = None, beside_s: float | None
         env = {**os.environ, "WAIT_FREE": wait_free}
     elif beside_s is not None:
         env = {**os.environ, "BESIDE_S": f"{beside_s:g}", "FLEET_PROXY_DRAINED": ",".join(drained)}
-    r = subprocess.run([host.at(cfg, layout.START_PROXY)], capture_output=True,
+    r = subprocess.run([config.at(cfg, layout.START_PROXY)], capture_output=True,
                        text=True, timeout=60, env=env)
     if r.returncode != 0:
         raise FrontError(f"{layout.START_PROXY} failed (exit {r.returncode}): {r.stderr.strip()[-300:]}")
@@ -102,9 +102,9 @@ def _start_proxy(cfg: dict, wait_free: str | None = None, beside_s: float | None
 
 def _finish_proxy(cfg: dict, pid: int, pgid: int) -> bool:
     """Wait for the stopped proxy to finish its in-flight requests, then clear its pid file."""
-    clean = host.stop_group(pgid, pid, float(cfg["proxy_drain_s"]), sig=0) if host.alive(pid) else True
+    clean = parts.stop_group(pgid, pid, float(cfg["proxy_drain_s"]), sig=0) if parts.alive(pid) else True
     try:
-        os.remove(host.at(cfg, layout.PROXY_PID))
+        os.remove(config.at(cfg, layout.PROXY_PID))
     except OSError:
         pass
     return clean
@@ -115,14 +115,14 @@ def to_nginx(cfg: dict, config_path: str, nginx: str | None = None, say=print) -
     pre = preflight(cfg, nginx)
     nginx = pre["nginx"]
     result = {"nginx": nginx, "nginx_version": pre["version"], "changed": False}
-    running = host.nginx_pid(cfg)
+    running = nginx_front.nginx_pid(cfg)
     if running:
         result["pid"] = running
         say(f"nginx: already running, pid {running}")
     else:
-        host.write_upstream(cfg, host.check_health(cfg))
-        proxy_pid, proxy_pgid = host.proxy_pid(cfg)
-        sock = host.bind_listener(cfg)
+        nginx_front.write_upstream(cfg, nginx_front.check_health(cfg))
+        proxy_pid, proxy_pgid = parts.proxy_pid(cfg)
+        sock = entryport.bind_listener(cfg)
         overlap = sock is not None and proxy_pid is not None
         t_term = t_last_taken = None
         if sock is None:
@@ -130,11 +130,11 @@ def to_nginx(cfg: dict, config_path: str, nginx: str | None = None, say=print) -
                 raise FrontError(_stranger(cfg) + ".")
             say(f"proxy: SIGTERM to pid {proxy_pid}: it stops accepting and drains its in-flight requests")
             t_term = time.monotonic()
-            host.signal_group(proxy_pgid, proxy_pid, signal.SIGTERM)
+            parts.signal_group(proxy_pgid, proxy_pid, signal.SIGTERM)
             deadline = t_term + 15
             while sock is None and time.monotonic() < deadline:
                 t_last_taken = time.monotonic()
-                sock = host.bind_listener(cfg)
+                sock = entryport.bind_listener(cfg)
                 if sock is None:
                     time.sleep(0.001)
             if sock is None:
@@ -143,19 +143,19 @@ def to_nginx(cfg: dict, config_path: str, nginx: str | None = None, say=print) -
         t_bound = time.monotonic()
         pid = _spawn_nginx(cfg, nginx, sock)
         sock.close()
-        answered = _wait(lambda: not host.alive(pid) or host.front_answer(cfg) == "nginx", 15)
-        if not host.alive(pid) or not answered:
-            if host.alive(pid):
-                host.stop_group(pid, pid, 3)
+        answered = _wait(lambda: not parts.alive(pid) or entryport.front_answer(cfg) == "nginx", 15)
+        if not parts.alive(pid) or not answered:
+            if parts.alive(pid):
+                parts.stop_group(pid, pid, 3)
             if proxy_pid and not overlap:
                 _start_proxy(cfg)
                 say("proxy: started again, nginx did not come up")
-            raise FrontError("nginx did not start: " + host.log_line(cfg["error_log"]) +
+            raise FrontError("nginx did not start: " + instances.log_line(cfg["error_log"]) +
                              "; the proxy keeps the port. Fix what the error log says and retry.")
         t_ready = time.monotonic()
         if overlap:
             say(f"proxy: listener shares the port (SO_REUSEPORT); nginx answers, SIGTERM to pid {proxy_pid}")
-            host.signal_group(proxy_pgid, proxy_pid, signal.SIGTERM)
+            parts.signal_group(proxy_pgid, proxy_pid, signal.SIGTERM)
         result.update(changed=True, pid=pid, overlap=overlap,
                       gap_ms=0.0 if overlap or t_last_taken is None else ms(t_bound - t_last_taken),
                       release_ms=ms(t_bound - t_term) if t_term else None,
@@ -166,25 +166,26 @@ def to_nginx(cfg: dict, config_path: str, nginx: str | None = None, say=print) -
             result["proxy_drained"] = _finish_proxy(cfg, proxy_pid, proxy_pgid)
             say(f"proxy: pid {proxy_pid} " + ("finished its in-flight requests and exited" if
                 result["proxy_drained"] else "was killed after proxy_drain_s"))
-    host.write_atomic(host.at(cfg, layout.MODE), "nginx\n")
+    files.write_atomic(config.at(cfg, layout.MODE), "nginx\n")
     if cfg.get("keeper_watches"):
         _keeper_watches(cfg, result, say)
-    elif not host.ours(cfg, layout.NGINX_WATCH_PID, "nginx-watch"):
-        result["watcher_pid"] = host.start_watcher(cfg, config_path, nginx)
+    elif not parts.ours(cfg, layout.NGINX_WATCH_PID, "nginx-watch"):
+        result["watcher_pid"] = nginx_front.start_watcher(cfg, config_path, nginx)
         result["changed"] = True
         say(f"watcher: pid {result['watcher_pid']} polls {cfg['health_path']} of {len(cfg['backends'])} "
-            f"backends every {cfg['interval_s']}s, log logs/nginx_watch.log")
+            f"backends every {cfg['interval_s']}s, log {layout.NGINX_WATCH_LOG}")
     return result
 
 
 def _keeper_watches(cfg: dict, result: dict, say) -> None:
     """keeper.enabled: the keeper does the /health watching (one agent, not two); started if it is not
     running, and a watcher left from before is stopped."""
-    if host.stop_watcher(cfg):
+    if nginx_front.stop_watcher(cfg):
         say("watcher: stopped, the keeper watches /health now")
-    pid, _ = host.read_pid(host.at(cfg, layout.KEEPER_PID))
-    if not host.alive(pid):
-        pid = keeper.start(host.load_config(host.at(cfg, layout.HOSTAGENT_CONF)), layout.HOSTAGENT_CONF)
+    running = parts.ours(cfg, layout.KEEPER_PID, "keeper")     # identity-checked: a reused pid is no keeper
+    pid = running.pid if running else None
+    if pid is None:
+        pid = keeper.start(config.load_config(config.at(cfg, layout.HOSTAGENT_CONF)), layout.HOSTAGENT_CONF)
         result["changed"] = True
     result["watcher_pid"] = pid
     say(f"keeper: pid {pid} polls {cfg['health_path']} of {len(cfg['backends'])} backends every "
@@ -198,44 +199,44 @@ def to_proxy(cfg: dict, config_path: str, nginx: str | None = None, say=print) -
     only then does nginx get SIGQUIT (it closes its listener at once and finishes in-flight requests),
     so the port refuses connections only for the proxy's last steps of start-up, not all of it."""
     result = {"changed": False}
-    pid = host.nginx_pid(cfg)
-    if pid and not host.proxy_pid(cfg)[0] and host.can_share_port(cfg):
+    pid = nginx_front.nginx_pid(cfg)
+    if pid and not parts.proxy_pid(cfg)[0] and entryport.can_share_port(cfg):
         # nginx's listener and the proxy's both set SO_REUSEPORT: the proxy starts beside nginx, and
         # nginx leaves only once the proxy answers on the port. No moment without a listener.
         _start_proxy(cfg)
-        proxy_pid = host.proxy_pid(cfg)[0]
-        if not _wait(lambda: not host.alive(proxy_pid) or host.front_answer(cfg) == "proxy", 30, 0.01) \
-                or not host.alive(proxy_pid):
-            ppid, ppgid = host.proxy_pid(cfg)
+        proxy_pid = parts.proxy_pid(cfg)[0]
+        if not _wait(lambda: not parts.alive(proxy_pid) or entryport.front_answer(cfg) == "proxy", 30, 0.01) \
+                or not parts.alive(proxy_pid):
+            ppid, ppgid = parts.proxy_pid(cfg)
             if ppid:
-                host.stop_group(ppgid, ppid, 3)
+                parts.stop_group(ppgid, ppid, 3)
             raise FrontError(f"the proxy did not start beside nginx (see {layout.PROXY_LOG}); nginx keeps the port.")
-        if host.stop_watcher(cfg):
+        if nginx_front.stop_watcher(cfg):
             say("watcher: stopped")
         say(f"proxy: pid {proxy_pid} shares the port (SO_REUSEPORT) and answers; SIGQUIT to nginx pid {pid}: "
             "it closes its listener and finishes its in-flight requests")
         os.kill(pid, signal.SIGQUIT)
         result.update(changed=True, overlap=True, gap_ms=0.0, release_ms=0.0)
         say(f"proxy: answers on :{cfg['port']}; port refused connections for at most 0.0 ms")
-    elif pid and not host.proxy_pid(cfg)[0]:
-        ready = host.at(cfg, layout.PROXY_WAITING)
+    elif pid and not parts.proxy_pid(cfg)[0]:
+        ready = config.at(cfg, layout.PROXY_WAITING)
         if os.path.exists(ready):
             os.remove(ready)
         _start_proxy(cfg, wait_free=f"{cfg['bind']}:{cfg['port']}")
-        proxy_pid = host.proxy_pid(cfg)[0]
-        if not _wait(lambda: os.path.exists(ready) or not host.alive(proxy_pid), 60, 0.01) \
-                or not host.alive(proxy_pid):
+        proxy_pid = parts.proxy_pid(cfg)[0]
+        if not _wait(lambda: os.path.exists(ready) or not parts.alive(proxy_pid), 60, 0.01) \
+                or not parts.alive(proxy_pid):
             raise FrontError(f"the proxy did not start (see {layout.PROXY_LOG}); nginx keeps the port.")
         say(f"proxy: pid {proxy_pid} imported, waits for the port; SIGQUIT to nginx pid {pid}: it closes "
             "its listener and finishes its in-flight requests")
-        if host.stop_watcher(cfg):
+        if nginx_front.stop_watcher(cfg):
             say("watcher: stopped")
         t_quit = time.monotonic()
         os.kill(pid, signal.SIGQUIT)
         t_refused = None
         deadline = t_quit + 30
         while True:
-            who = host.front_answer(cfg, timeout=2)
+            who = entryport.front_answer(cfg, timeout=2)
             if who == "proxy" or time.monotonic() > deadline:
                 break
             if who is None and t_refused is None:
@@ -244,10 +245,10 @@ def to_proxy(cfg: dict, config_path: str, nginx: str | None = None, say=print) -
         t_ready = time.monotonic()
         if who != "proxy":
             say("proxy: did not answer; giving the port back to nginx")
-            ppid, ppgid = host.proxy_pid(cfg)
+            ppid, ppgid = parts.proxy_pid(cfg)
             if ppid:
-                host.stop_group(ppgid, ppid, 3)
-            _wait(lambda: not host.alive(pid), 15, 0.05)
+                parts.stop_group(ppgid, ppid, 3)
+            _wait(lambda: not parts.alive(pid), 15, 0.05)
             to_nginx(cfg, config_path, nginx, say)
             raise FrontError(f"the proxy did not answer on the entry port within 30 s (see {layout.PROXY_LOG}); "
                              "nginx is the front again.")
@@ -255,36 +256,36 @@ def to_proxy(cfg: dict, config_path: str, nginx: str | None = None, say=print) -
                       gap_ms=ms(t_ready - t_refused) if t_refused else 0.0)
         say(f"proxy: answers on :{cfg['port']}; port refused connections for at most {result['gap_ms']} ms")
         os.remove(ready)
-    elif not host.proxy_pid(cfg)[0]:
+    elif not parts.proxy_pid(cfg)[0]:
         _start_proxy(cfg)
         result["changed"] = True
-        if not _wait(lambda: host.front_answer(cfg) == "proxy", 30, 0.01):
+        if not _wait(lambda: entryport.front_answer(cfg) == "proxy", 30, 0.01):
             raise FrontError(f"the proxy did not answer on the entry port within 30 s; see {layout.PROXY_LOG}.")
-    if host.stop_watcher(cfg):
+    if nginx_front.stop_watcher(cfg):
         result["changed"] = True
         say("watcher: stopped")
-    host.write_atomic(host.at(cfg, layout.MODE), "proxy\n")
+    files.write_atomic(config.at(cfg, layout.MODE), "proxy\n")
     if pid:
-        gone = _wait(lambda: not host.alive(pid), 10, 0.05)
+        gone = _wait(lambda: not parts.alive(pid), 10, 0.05)
         say(f"nginx: pid {pid} " + ("exited" if gone else "still finishes long requests; it exits when they end"))
     return result
 
 
 def reload(cfg: dict, config_path: str, nginx: str | None = None, say=print) -> dict:
     """After a deploy changed nginx's files: `nginx -t`, rewrite the upstream file, SIGHUP, new watcher."""
-    pid = host.nginx_pid(cfg)
+    pid = nginx_front.nginx_pid(cfg)
     if not pid:
         return to_nginx(cfg, config_path, nginx, say)
     pre = preflight(cfg, nginx)
-    host.write_upstream(cfg, host.check_health(cfg))
+    nginx_front.write_upstream(cfg, nginx_front.check_health(cfg))
     os.kill(pid, signal.SIGHUP)
     say(f"nginx: pid {pid} reloaded its configuration")
-    host.write_atomic(host.at(cfg, layout.MODE), "nginx\n")
+    files.write_atomic(config.at(cfg, layout.MODE), "nginx\n")
     result = {"changed": True, "pid": pid, "nginx": pre["nginx"]}
     if cfg.get("keeper_watches"):
         _keeper_watches(cfg, result, say)
     else:
-        result["watcher_pid"] = host.start_watcher(cfg, config_path, pre["nginx"])
+        result["watcher_pid"] = nginx_front.start_watcher(cfg, config_path, pre["nginx"])
     return result
 
 
@@ -301,38 +302,38 @@ def restart_proxy(cfg: dict, need_healthy: bool, say=print) -> dict:
        (An old proxy without that call gets SIGTERM, to the group recorded in run/proxy.pid.)
     4. run/proxy.next.pid becomes run/proxy.pid, and the new one answers on the admin port.
     """
-    old_pid, old_pgid = host.proxy_pid(cfg)
+    old_pid, old_pgid = parts.proxy_pid(cfg)
     if not old_pid:
         raise FrontError("no proxy runs; `inv deploy` starts one.")
-    if not host.can_share_port(cfg):
+    if not entryport.can_share_port(cfg):
         return _restart_with_gap(cfg, old_pid, old_pgid, say)
-    next_file = host.at(cfg, layout.PROXY_NEXT_PID)
+    next_file = config.at(cfg, layout.PROXY_NEXT_PID)
     drain_s = float(cfg["proxy_shutdown_s"])
     drained = [name for name, b in (proxyadmin.backends(cfg["admin_port"], timeout=2) or {}).items()
                if b.get("drained")]
     if drained:
         say(f"proxy: the new one keeps {', '.join(drained)} drained, as the operator left them")
     _start_proxy(cfg, beside_s=drain_s + 30, drained=drained)
-    new = host.ours(cfg, layout.PROXY_NEXT_PID, "proxy")
+    new = parts.ours(cfg, layout.PROXY_NEXT_PID, "proxy")
     new_pid, new_pgid = (new.pid, new.pgid) if new else (None, None)
     t0 = time.monotonic()
 
     def confirmed():
-        if not host.alive(new_pid):
+        if not parts.alive(new_pid):
             return "exited"
-        status, pid = host.proxy_answer(cfg)
+        status, pid = entryport.proxy_answer(cfg)
         return pid == new_pid and (status == 200 or not need_healthy)
     verdict = _wait(confirmed, 30, 0.02)
     if verdict is not True:
-        if host.alive(new_pid):
-            host.stop_group(new_pgid, new_pid, 3)
+        if parts.alive(new_pid):
+            parts.stop_group(new_pgid, new_pid, 3)
         try:
             os.remove(next_file)
         except OSError:
             pass
         why = "exited" if verdict == "exited" else \
             "did not answer 200 on /health within 30 s" if need_healthy else "did not answer within 30 s"
-        raise FrontError(f"the new proxy {why} ({layout.PROXY_LOG}: {host.log_line(_proxy_log(cfg))}); "
+        raise FrontError(f"the new proxy {why} ({layout.PROXY_LOG}: {instances.log_line(_proxy_log(cfg))}); "
                          f"the running proxy (pid {old_pid}) keeps the port.")
     say(f"proxy: new pid {new_pid} answers on :{cfg['port']} beside pid {old_pid} after "
         f"{time.monotonic() - t0:.1f}s; pid {old_pid} stops accepting and drains (up to {drain_s:g}s)")
@@ -341,15 +342,15 @@ def restart_proxy(cfg: dict, need_healthy: bool, say=print) -> dict:
     result = {"changed": True, "pid": new_pid, "old_pid": old_pid, "overlap": True}
     if status == 200 and isinstance(answer, dict) and answer.get("pid") == old_pid:
         result.update(drained=answer["in_flight_at_start"], waited_s=answer["waited_s"], cut=answer["cut"])
-        gone = _wait(lambda: not host.alive(old_pid), 10, 0.02)
+        gone = _wait(lambda: not parts.alive(old_pid), 10, 0.02)
     else:
         say(f"proxy: pid {old_pid} does not take the drain call on admin port {cfg['admin_port']} ({status}); "
             "SIGTERM: it stops listening and drains")
-        host.signal_group(old_pgid, old_pid, signal.SIGTERM)
-        gone = _wait(lambda: not host.alive(old_pid), drain_s + 10, 0.05)
+        parts.signal_group(old_pgid, old_pid, signal.SIGTERM)
+        gone = _wait(lambda: not parts.alive(old_pid), drain_s + 10, 0.05)
     if not gone:
-        host.stop_group(old_pgid, old_pid, 3)
-    os.replace(next_file, host.at(cfg, layout.PROXY_PID))
+        parts.stop_group(old_pgid, old_pid, 3)
+    os.replace(next_file, config.at(cfg, layout.PROXY_PID))
     for c in result.get("cut", []):
         say(f"proxy: request {c['request_id']} (trace {c['trace_id']}) on {c['backend']} was cut: still in "
             f"flight after {drain_s:g}s")
@@ -367,20 +368,20 @@ def restart_proxy(cfg: dict, need_healthy: bool, say=print) -> dict:
 
 
 def _proxy_log(cfg: dict) -> str:
-    return host.at(cfg, layout.PROXY_LOG)
+    return config.at(cfg, layout.PROXY_LOG)
 
 
 def _restart_with_gap(cfg: dict, old_pid: int, old_pgid: int, say) -> dict:
     """The running proxy's listener does not share its port (listen.reuse_port off): stop it, then start
     the new one the moment the port is free; the port refuses connections in between."""
     say(f"proxy: pid {old_pid} does not share its port (SO_REUSEPORT off); stopping it first")
-    host.stop_group(old_pgid, old_pid, float(cfg["proxy_shutdown_s"]) + 5)
+    parts.stop_group(old_pgid, old_pid, float(cfg["proxy_shutdown_s"]) + 5)
     t_gone = time.monotonic()
     _start_proxy(cfg)
-    new_pid = host.proxy_pid(cfg)[0]
-    if not _wait(lambda: host.proxy_answer(cfg)[1] == new_pid or not host.alive(new_pid), 30, 0.01) \
-            or not host.alive(new_pid):
-        raise FrontError(f"the new proxy did not start: {host.log_line(_proxy_log(cfg))}")
+    new_pid = parts.proxy_pid(cfg)[0]
+    if not _wait(lambda: entryport.proxy_answer(cfg)[1] == new_pid or not parts.alive(new_pid), 30, 0.01) \
+            or not parts.alive(new_pid):
+        raise FrontError(f"the new proxy did not start: {instances.log_line(_proxy_log(cfg))}")
     gap = ms(time.monotonic() - t_gone)
     say(f"proxy: pid {new_pid} answers; the port refused connections for about {gap} ms")
     return {"changed": True, "pid": new_pid, "old_pid": old_pid, "overlap": False, "gap_ms": gap}

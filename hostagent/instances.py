@@ -3,14 +3,11 @@ card, its log, the wait for /health, and `classify`, the one state machine that 
 
 Standard library only, Python 3.6+ (the state probe bundles it and runs with whatever python3 the host has).
 """
-import http.client
 import os
 import socket
 import time
-import urllib.error
-import urllib.request
 
-from hostagent import layout, processes
+from hostagent import httpcall, layout, processes
 
 # `inv status --json` states: an instance's state is one of these (the control node adds `crashloop`
 # from the keeper's record).
@@ -56,19 +53,12 @@ def classify(alive, pidfile, health, was_ready, age_s, health_timeout_s, listeni
 
 def url(inst):
     """Where an instance answers: its bind address (loopback unless another host fronts it) and port."""
-    addr = inst.get("address") or "127.0.0.1"
-    return "http://[%s]:%d" % (addr, inst["port"]) if ":" in addr else "http://%s:%d" % (addr, inst["port"])
+    return httpcall.base_url(inst.get("address") or "127.0.0.1", inst["port"])
 
 
 def health(base_url, timeout=2.0):
     """The status of GET /health on an instance (base_url as `url` makes it), None when nothing answers."""
-    try:
-        with urllib.request.urlopen(base_url + "/health", timeout=timeout) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-    except (OSError, ValueError, http.client.HTTPException):   # a stranger that speaks no HTTP (sshd, redis)
-        return None
+    return httpcall.get(base_url + "/health", timeout).status     # None too for a stranger speaking no HTTP
 
 
 def listening(port, host="127.0.0.1"):
@@ -88,8 +78,7 @@ def recorded_pid(deploy_dir, deployment_id, i):
 
 def recorded_session(deploy_dir, i):
     """The session instance i's pid file records (its engine children stay in it, renamed or orphaned)."""
-    rec, _ = processes.read_record_file(layout.path(deploy_dir, layout.instance_pidfile(i)))
-    return rec.get("sid") if rec else None
+    return processes.recorded_session(layout.path(deploy_dir, layout.instance_pidfile(i)))
 
 
 def members(tag, sid):
@@ -137,6 +126,11 @@ def log_tail(path, n=10):
             return [line.decode("utf-8", "replace") for line in f.read().splitlines()[-n:]]
     except OSError:
         return []
+
+
+def log_line(path, n=5):
+    """The last n lines of a log on one line, for a one-sentence error."""
+    return " | ".join(line.strip() for line in log_tail(path, n)) or "(no log)"
 
 
 def engine_log_tail(deploy_dir, i, n=10):

@@ -34,12 +34,12 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from . import cards, host, instances, layout, lock, processes, proxyadmin, restart, watch
+from . import (cards, config, exposition, files, httpcall, instances, layout, lock, parts, processes, proxyadmin,
+               restart, watch)
+from .errors import ConfigError, KeeperError
 from .keeper_decisions import (PROBE_RESULTS, REASONS, Crashloop, Log, MarkReady, Observed, Probe, Restart, Watch,
                                begin_restart, decide, end_restart, lock_refused)
 
@@ -53,7 +53,7 @@ PROBE_HEADER = "X-Fleet-Probe"
 
 def pidfile_identity(cfg: dict, i: int) -> tuple[str, int] | None:
     """What identifies one start of instance i: its pid file's text and time; None without a pid file."""
-    path = host.at(cfg, layout.instance_pidfile(i))
+    path = config.at(cfg, layout.instance_pidfile(i))
     try:
         with open(path) as f:
             text = f.read().strip()
@@ -64,40 +64,25 @@ def pidfile_identity(cfg: dict, i: int) -> tuple[str, int] | None:
 
 def generated_tokens(url: str) -> float | None:
     """vllm:generation_tokens_total summed over its series, None when /metrics cannot be read."""
-    try:
-        with urllib.request.urlopen(f"{url}/metrics", timeout=2) as r:
-            text = r.read().decode("utf-8", "replace")
-    except (OSError, ValueError):
+    answer = httpcall.get(f"{url}/metrics", timeout=2)
+    if answer.status != 200:
         return None
-    total, seen = 0.0, False
-    for line in text.splitlines():
-        if line.startswith("vllm:generation_tokens_total"):
-            try:
-                total += float(line.rsplit(None, 1)[1])
-                seen = True
-            except (IndexError, ValueError):
-                continue
-    return total if seen else None
+    return exposition.total(exposition.samples(answer.text()), "vllm:generation_tokens_total")
 
 
 def probe(cfg: dict, url: str, model: str | None = None) -> tuple[str, float | None, float | None]:
     """One stall probe of the instance at url serving model (default: the host's served_model_name):
     (answer, generated tokens before, after); answer "ok", "error" (an HTTP error: an answer all the same)
     or "timeout". keeper_decisions.probe_result tells a stall from a busy engine."""
-    body = json.dumps({"model": model or cfg["served_model_name"], "prompt": "ping", "max_tokens": 1,
-                       "user": PROBE_USER, "stream": False}).encode()
-    req = urllib.request.Request(f"{url}/v1/completions", body,
-                                 {"Content-Type": "application/json", PROBE_HEADER: "keeper"})
+    body = {"model": model or cfg["served_model_name"], "prompt": "ping", "max_tokens": 1, "user": PROBE_USER,
+            "stream": False}
     before = generated_tokens(url)
-    try:
-        with urllib.request.urlopen(req, timeout=cfg["keeper"]["probe_timeout_s"]) as r:
-            r.read()
-            return "ok", before, None
-    except urllib.error.HTTPError:
+    answer = httpcall.call(f"{url}/v1/completions", "POST", body, cfg["keeper"]["probe_timeout_s"],
+                           {PROBE_HEADER: "keeper"})
+    if answer.status is not None:
+        return ("ok" if answer.status < 400 else "error"), before, None
+    if not answer.timed_out:
         return "error", before, None
-    except (TimeoutError, OSError) as e:
-        if not isinstance(e, TimeoutError) and "timed out" not in str(e):
-            return "error", before, None
     return "timeout", before, generated_tokens(url)
 
 
@@ -110,7 +95,7 @@ def observe(cfg: dict, i: int, timeout: float) -> Observed:
     return Observed(identity=identity, alive=alive, health=status,
                     listening=identity is not None and not alive and instances.listening(
                         inst["port"], inst.get("address") or "127.0.0.1"),
-                    ready=os.path.exists(host.at(cfg, layout.instance_ready(i))),
+                    ready=os.path.exists(config.at(cfg, layout.instance_ready(i))),
                     age_s=time.time() - identity[1] / 1e9 if identity else 0.0)
 
 
@@ -162,7 +147,7 @@ class Keeper:
     # files
     def _load_state(self) -> dict:
         try:
-            with open(host.at(self.cfg, layout.KEEPER_STATE)) as f:
+            with open(config.at(self.cfg, layout.KEEPER_STATE)) as f:
                 return json.load(f).get("instances", {})
         except (OSError, ValueError, AttributeError):
             return {}
@@ -177,8 +162,8 @@ class Keeper:
         if text == self.written:       # written on change only: a quiet host's deploy_dir stays as it is
             return                     # (the record holds every figure of the metrics: they are unchanged)
         self.metrics = self.metrics_text(state)
-        host.write_atomic(host.at(self.cfg, layout.KEEPER_STATE), text)
-        host.write_atomic(host.at(self.cfg, layout.KEEPER_METRICS), self.metrics)
+        files.write_atomic(config.at(self.cfg, layout.KEEPER_STATE), text)
+        files.write_atomic(config.at(self.cfg, layout.KEEPER_METRICS), self.metrics)
         self.written = text
 
     def metrics_text(self, state: str) -> str:
@@ -253,7 +238,7 @@ class Keeper:
 
     def round(self) -> None:
         """Observe every instance (but the one being restarted), decide, act."""
-        self.mode = _read(host.at(self.cfg, layout.MODE)) or "proxy"
+        self.mode = _read(config.at(self.cfg, layout.MODE)) or "proxy"
         if self.mode == "nginx" and self.nginx_cfg is not None:
             watch.step(self.nginx_cfg)
             watch.rotate_access_log(self.nginx_cfg)
@@ -280,7 +265,7 @@ class Keeper:
             getattr(log, action.level)("%s", action.message)
         elif isinstance(action, MarkReady):
             log.info("instance %d: healthy on :%d", action.index, self.cfg["instances"][action.index]["port"])
-            _touch(host.at(self.cfg, layout.instance_ready(action.index)))   # as `inv status` marks it
+            _touch(config.at(self.cfg, layout.instance_ready(action.index)))   # as `inv status` marks it
         elif isinstance(action, Probe):
             self._start_probe(action.index)
         elif isinstance(action, Crashloop):
@@ -395,12 +380,12 @@ def _touch(path: str) -> None:
 
 def write_pidfile(cfg: dict) -> None:
     """run/keeper.pid: this process's record, `pid=P pgid=G sid=S start=T tag=<id>/keeper`."""
-    processes.write_record(host.at(cfg, layout.KEEPER_PID), os.getpid(), layout.tag(cfg["deployment_id"], "keeper"))
+    processes.write_record(config.at(cfg, layout.KEEPER_PID), os.getpid(), layout.tag(cfg["deployment_id"], "keeper"))
 
 
 def setup_logging(cfg: dict) -> None:
     """logs/keeper.log, rotated at log_max_mb, log_backups kept (as the results log)."""
-    path = host.at(cfg, layout.KEEPER_LOG)
+    path = config.at(cfg, layout.KEEPER_LOG)
     handler = logging.handlers.RotatingFileHandler(path, maxBytes=int(float(cfg["log_max_mb"]) * 1024 * 1024),
                                                    backupCount=int(cfg["log_backups"]))
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
@@ -411,12 +396,12 @@ def setup_logging(cfg: dict) -> None:
 
 def main(cfg: dict) -> int:
     """Run the keeper in this process until SIGTERM or SIGINT (handlers only set a flag)."""
-    os.makedirs(host.at(cfg, layout.LOGS), exist_ok=True)
+    os.makedirs(config.at(cfg, layout.LOGS), exist_ok=True)
     setup_logging(cfg)
     nginx_cfg = None
     try:
-        nginx_cfg = host.load_config(host.at(cfg, cfg["nginx_config"]))
-    except host.FrontError as e:
+        nginx_cfg = config.load_config(config.at(cfg, cfg["nginx_config"]))
+    except ConfigError as e:
         log.warning("nginx mode's /health watching is off: %s", e)
     keeper = Keeper(cfg, nginx_cfg)
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -428,11 +413,11 @@ def main(cfg: dict) -> int:
 
 def stop(cfg: dict) -> int | None:
     """Stop the running keeper (SIGTERM, grace, SIGKILL); its pid, or None when none ran."""
-    pidfile = host.at(cfg, layout.KEEPER_PID)
-    p = host.ours(cfg, layout.KEEPER_PID, "keeper")
+    pidfile = config.at(cfg, layout.KEEPER_PID)
+    p = parts.ours(cfg, layout.KEEPER_PID, "keeper")
     pid = p.pid if p else None
     if p:
-        host.stop_group(p.pgid, p.pid, float(cfg["stop_grace_s"]) + 5)
+        parts.stop_group(p.pgid, p.pid, float(cfg["stop_grace_s"]) + 5)
     if os.path.exists(pidfile):
         os.remove(pidfile)
     return pid
@@ -442,15 +427,15 @@ def start(cfg: dict, config_path: str) -> int:
     """Start the keeper in its own session, tagged <id>/keeper (a running one is stopped first);
     wait until it wrote its pid file."""
     stop(cfg)
-    pidfile = host.at(cfg, layout.KEEPER_PID)
-    out = open(host.at(cfg, layout.KEEPER_OUT), "a")
+    pidfile = config.at(cfg, layout.KEEPER_PID)
+    out = open(config.at(cfg, layout.KEEPER_OUT), "a")
     p = subprocess.Popen([sys.executable, "-m", "hostagent", "keeper", "--config", config_path],
-                         cwd=cfg["deploy_dir"], env=host.tagged_env(cfg, "keeper"), stdin=subprocess.DEVNULL,
+                         cwd=cfg["deploy_dir"], env=parts.tagged_env(cfg, "keeper"), stdin=subprocess.DEVNULL,
                          stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     out.close()
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and p.poll() is None and not os.path.exists(pidfile):
         time.sleep(0.02)
     if not os.path.exists(pidfile):
-        raise host.FrontError("the keeper did not start: " + host.log_line(host.at(cfg, layout.KEEPER_OUT)))
+        raise KeeperError("the keeper did not start: " + instances.log_line(config.at(cfg, layout.KEEPER_OUT)))
     return p.pid

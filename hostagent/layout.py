@@ -10,6 +10,11 @@ front of scripts sent on standard input, and runs beside `processes.py` when tha
     logs/     vllm_<i>.log, proxy.log, req_results.log, keeper.log (+ rotated .1 ...)
     conf/     hostagent.json, proxy.yaml, nginx_front.json, nginx.conf, prometheus.yml
     bin/      start_cluster.sh, start_proxy.sh, stop_cluster.sh
+    lib/      the control plane's modules an engine imports (the sim's fleet.sim)
+    sim-dev/  the sim accelerator's device files
+
+The templates (fleet/templates) take every path from here too: fleet.render gives them this module as
+`layout` and `at(rel)` for rel under deploy_dir; tests/test_render_paths.py holds them to it.
 
 A tag is `FLEET_TAG=<deployment-id>/<instance>`, where instance is an index (`3`) or a part's name
 (`proxy`, `keeper`, `nginx`, `nginx-watch`).
@@ -17,6 +22,7 @@ A tag is `FLEET_TAG=<deployment-id>/<instance>`, where instance is an index (`3`
 import os
 
 RUN, LOGS, CONF, BIN = "run", "logs", "conf", "bin"
+LIB, SIM_DEV = "lib", "sim-dev"
 HOSTAGENT_CODE, PROXY_CODE = "hostagent", "proxy"       # the shipped code's directories
 
 # run/
@@ -32,12 +38,19 @@ MODE = RUN + "/mode"                                  # "proxy" or "nginx": who 
 KEEPER_STATE = RUN + "/keeper.json"
 KEEPER_METRICS = RUN + "/keeper.prom"
 LORA_ADAPTERS = RUN + "/lora_adapters.json"        # the runtime LoRA adapters to load again after a start
+NGINX_UPSTREAM = RUN + "/nginx_upstream.conf"         # nginx's upstream servers, rewritten by the /health watcher
+NGINX_KEYS = RUN + "/nginx_keys.conf"                 # the API keys as nginx's map (mode 0600)
+NGINX_TEMP = RUN + "/nginx"                           # nginx's temporary files, unless nginx.temp_dir
 
 # logs/
 PROXY_LOG = LOGS + "/proxy.log"
 RESULTS_LOG = LOGS + "/req_results.log"
 KEEPER_LOG = LOGS + "/keeper.log"
 KEEPER_OUT = LOGS + "/keeper.out"                     # the keeper's standard output and error
+# nginx mode's logs: here unless nginx.log_dir names another directory (the same file names there)
+NGINX_ERROR_LOG = LOGS + "/nginx_error.log"
+NGINX_ACCESS_LOG = LOGS + "/nginx_access.log"
+NGINX_WATCH_LOG = LOGS + "/nginx_watch.log"
 
 # conf/
 HOSTAGENT_CONF = CONF + "/hostagent.json"
@@ -59,20 +72,27 @@ START_OVERRIDES = ("N", "BASE_PORT", "MAX_LEN", "MAX_SEQS", "EAGER", "BIND", "CP
 _INSTANCE_PID = ("instance_", ".pid")
 
 
+# The per-instance paths take an index, or a shell variable that holds one (`$1` in start_cluster.sh).
+
 def instance_pidfile(i):
     """run/instance_<i>.pid: instance i's identity record."""
-    return "%s/%s%d%s" % (RUN, _INSTANCE_PID[0], i, _INSTANCE_PID[1])
+    return "%s/%s%s%s" % (RUN, _INSTANCE_PID[0], i, _INSTANCE_PID[1])
 
 
 def instance_ready(i):
     """run/instance_<i>.ready: the marker of an instance seen healthy since its start (a later 503 is a
     death, not loading)."""
-    return "%s/instance_%d.ready" % (RUN, i)
+    return "%s/instance_%s.ready" % (RUN, i)
 
 
 def instance_log(i):
     """logs/vllm_<i>.log: instance i's engine log."""
-    return "%s/vllm_%d.log" % (LOGS, i)
+    return "%s/vllm_%s.log" % (LOGS, i)
+
+
+def env_setup_out(pid):
+    """run/env_setup.<pid>.out: what a script's env_setup printed, kept aside (pid: the script's, `$$`)."""
+    return "%s/env_setup.%s.out" % (RUN, pid)
 
 
 def pidfile_instance(name):
@@ -87,6 +107,23 @@ def pidfile_instance(name):
 def path(deploy_dir, rel):
     """rel (one of this module's paths) under deploy_dir."""
     return os.path.join(deploy_dir, *rel.split("/"))
+
+
+# --- where the host reaches its own listeners -----------------------------------------------------
+
+# A bind address that means every address of the host: IPv4's wildcards, then IPv6's.
+WILDCARDS_V4 = ("", "*", "0.0.0.0")
+WILDCARDS_V6 = ("::", "[::]")
+
+
+def local_address(bind):
+    """Where the host itself reaches a port bound to `bind`: loopback for a wildcard (::1 for IPv6's),
+    else bind itself (one address, brackets dropped)."""
+    if bind in WILDCARDS_V4:
+        return "127.0.0.1"
+    if bind in WILDCARDS_V6:
+        return "::1"
+    return bind[1:-1] if bind.startswith("[") and bind.endswith("]") else bind
 
 
 # --- the tag --------------------------------------------------------------------------------------

@@ -18,17 +18,12 @@ Standard library only, Python 3.6+: the state probe bundles it to read the recor
 import json
 import os
 import time
-import urllib.error
-import urllib.request
 
-from hostagent import instances, layout, proxyadmin
+from hostagent import files, httpcall, instances, layout, proxyadmin
+from hostagent.errors import LoraError
 
 LOAD_TIMEOUT_S = 300.0        # a large adapter on a busy engine takes a while
 UNLOAD_TIMEOUT_S = 60.0
-
-
-class LoraError(Exception):
-    """A refusal or a failure, one sentence that says what to do."""
 
 
 # --- the record ------------------------------------------------------------------------------------
@@ -73,10 +68,7 @@ def write_record(deploy_dir, adapters):
     """Replace the record atomically: a temporary file beside it, then a rename."""
     path = record_path(deploy_dir)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = "%s.tmp.%d" % (path, os.getpid())
-    with open(tmp, "w") as f:
-        f.write(json.dumps({"adapters": adapters}, indent=1) + "\n")
-    os.replace(tmp, path)
+    files.write_atomic(path, json.dumps({"adapters": adapters}, indent=1) + "\n")
 
 
 def recorded(adapters, model, name):
@@ -138,15 +130,8 @@ def check_add(cfg, model, name, path, adapters):
 
 def _post(inst, path, body, timeout):
     """(status, text) of one POST to an instance; (None, reason) when it does not answer."""
-    req = urllib.request.Request(instances.url(inst) + path, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read().decode("utf-8", "replace")
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode("utf-8", "replace")
-    except (OSError, ValueError) as e:
-        return None, str(e)
+    answer = httpcall.call(instances.url(inst) + path, "POST", body, timeout)
+    return (answer.status, answer.text()) if answer.status is not None else (None, answer.error)
 
 
 def _message(text):
@@ -204,11 +189,12 @@ def unload(inst, name, timeout=UNLOAD_TIMEOUT_S):
 
 def served(inst, timeout=10.0):
     """The model ids an instance's GET /v1/models lists (its names and adapters), None when it does not answer."""
+    answer = httpcall.get(instances.url(inst) + "/v1/models", timeout)
+    if answer.status != 200:
+        return None
     try:
-        with urllib.request.urlopen(instances.url(inst) + "/v1/models", timeout=timeout) as r:
-            data = json.loads(r.read().decode("utf-8", "replace"))
-        return {m["id"] for m in data.get("data", [])}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {m["id"] for m in answer.json().get("data", [])}
+    except (KeyError, TypeError, AttributeError):
         return None
 
 

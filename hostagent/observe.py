@@ -19,16 +19,14 @@ HEALTH_TIMEOUT_S = 600.0       # health_timeout_s when the spec gives none (the 
 def read_pidfile(path, tag):
     """(pid, pgid, mtime, stale): the process the file records, when it still runs and is ours; stale says
     why the file does not count (None when it does, or when there is no file)."""
-    rec, why = processes.read_record_file(path)
+    proc, rec, why = processes.read_pidfile(path, tag)
     if rec is None:
         return None, None, None, why
-    proc = processes.read_proc(rec["pid"]) if rec["pid"] > 0 else None
-    why = processes.check_record(rec, tag, proc)
     try:
         mtime = os.path.getmtime(path)
     except OSError:
         mtime = None
-    if why is None:
+    if proc is not None:
         return proc.pid, proc.pgid, mtime, None
     return rec["pid"], None, mtime, why if why != "which no longer runs" else None
 

@@ -14,9 +14,10 @@ A live process of this user is the deployment's when
 Never signalled, whatever a file says: pid 0 and 1, this process, its ancestors, and every process in
 its own process group or session; and nothing of another user.
 
-Standard library only, Python 3.6+, no import of the rest of the package but `layout`: the file also runs alone,
-`python3 - stop SPEC_JSON [--instance I | --proxy] [--check]` with this file on standard input, so
-`inv stop` works where deploy never put the code (bin/stop_cluster.sh runs the deployed copy).
+Standard library only, Python 3.6+, no import of the rest of the package but `layout` and `files`: the file
+also runs alone, `python3 - stop SPEC_JSON [--instance I | --proxy] [--check]` with this file (and those two,
+fleet.hostcode) on standard input, so `inv stop` works where deploy never put the code
+(bin/stop_cluster.sh runs the deployed copy).
 """
 import json
 import os
@@ -24,7 +25,7 @@ import signal
 import sys
 import time
 
-from hostagent import layout  # in the package, or bundled in front by fleet.hostcode
+from hostagent import files, layout  # in the package, or bundled in front by fleet.hostcode
 
 PROTECTED = (0, 1)
 
@@ -182,10 +183,7 @@ def write_record(path, pid, tag=None):
     line = record_of(pid, tag)
     if line is None:
         return False
-    tmp = "%s.tmp.%d" % (path, os.getpid())
-    with open(tmp, "w") as f:
-        f.write(line)
-    os.replace(tmp, path)
+    files.write_atomic(path, line)
     return True
 
 
@@ -224,14 +222,32 @@ def check_record(rec, tag, proc):
     return None
 
 
+def read_pidfile(path, tag):
+    """The one reader of a pid file of the deployment's part `tag`, identity checked: (proc, record, why).
+    proc: the live process it records while that still is the one (start time, tag), else None; record:
+    what the file holds (None: no file, or unreadable); why: why the file does not count (None when it
+    does, or when there is no file)."""
+    rec, why = read_record_file(path)
+    if rec is None:
+        return None, None, why
+    proc = read_proc(rec["pid"]) if rec["pid"] > 0 else None
+    why = check_record(rec, tag, proc)
+    return (proc if why is None else None), rec, why
+
+
 def verified(path, tag):
-    """The live process a pid file records, when it is still that process; else None.
-    For the host agent's own callers (swap, watcher): a stale file is never acted on."""
+    """The live process a pid file records, when it is still that process; else None: a stale file is
+    never acted on."""
+    return read_pidfile(path, tag)[0]
+
+
+def recorded_session(path):
+    """The session a pid file records (`sid=S`; the seed's `P [G]`: its leader's pid), whether or not its
+    process still runs: its engine children stay in it, renamed or orphaned. None without a record."""
     rec, _ = read_record_file(path)
     if rec is None:
         return None
-    proc = read_proc(rec["pid"]) if rec["pid"] > 0 else None
-    return proc if check_record(rec, tag, proc) is None else None
+    return rec["sid"] if rec["sid"] is not None else rec["pid"]
 
 
 # --- who must never be signalled ----------------------------------------------------------------

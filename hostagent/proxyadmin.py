@@ -4,27 +4,16 @@
 `GET /admin/config`, `POST /admin/drain-and-exit`, `POST /admin/refresh-models`. Standard library only, Python 3.6+: the state probe
 bundles it.
 """
-import json
-import urllib.error
-import urllib.request
+from hostagent import httpcall
 
 
 def call(admin_port, method, path, body=None, timeout=5.0):
     """(status, decoded JSON or text) of one admin call; (None, reason) when nothing answers."""
-    data = json.dumps(body).encode() if body is not None else (b"" if method == "POST" else None)
-    req = urllib.request.Request("http://127.0.0.1:%d%s" % (admin_port, path), data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            status, raw = r.status, r.read()
-    except urllib.error.HTTPError as e:
-        status, raw = e.code, e.read()
-    except (OSError, ValueError) as e:
-        return None, str(e)
-    try:
-        return status, json.loads(raw.decode("utf-8", "replace"))
-    except ValueError:
-        return status, raw.decode("utf-8", "replace")
+    answer = httpcall.call(httpcall.base_url("127.0.0.1", admin_port) + path, method, body, timeout)
+    if answer.status is None:
+        return None, answer.error
+    decoded = answer.json()
+    return answer.status, decoded if decoded is not None else answer.text()
 
 
 def get_json(admin_port, path, timeout=5.0):

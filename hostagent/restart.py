@@ -41,11 +41,6 @@ def backends(cfg: dict) -> dict[str, dict] | None:
     return proxyadmin.backends(cfg["admin_port"])
 
 
-def instance_pid(cfg: dict, i: int) -> int | None:
-    """The pid instance i's pid file records, while that very process (start time, tag) runs."""
-    return instances.recorded_pid(cfg["deploy_dir"], cfg["deployment_id"], i)
-
-
 def _script(cfg: dict, name: str, args: list[str], env: dict | None, say: Say) -> subprocess.CompletedProcess:
     """Run bin/NAME with its standard output relayed line by line; its standard error kept for a failure."""
     path = layout.path(cfg["deploy_dir"], name)

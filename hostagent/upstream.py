@@ -1,7 +1,7 @@
 """The upstream include file: one `server` line per backend, `down` for those failing /health."""
 from __future__ import annotations
 
-import os
+from . import files
 
 
 def render(backends: list[str], down: set[str] | frozenset = frozenset(), max_fails: int = 1,
@@ -27,17 +27,4 @@ def parse_down(text: str) -> set[str]:
 
 def write(path: str, text: str, mode: int = 0o644) -> bool:
     """Replace the file atomically when its text differs, with mode; True when it changed."""
-    try:
-        with open(path) as f:
-            if f.read() == text:
-                return False
-    except OSError:
-        pass
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)   # born with mode: never readable wider
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(tmp, mode)   # whatever the umask took away
-    os.replace(tmp, path)
-    return True
+    return files.write_if_changed(path, text, mode)

@@ -10,7 +10,7 @@ import os
 import signal
 import threading
 
-from . import apikeys, host, upstream
+from . import apikeys, nginx_front, upstream
 
 log = logging.getLogger("hostagent.watch")
 
@@ -18,9 +18,9 @@ log = logging.getLogger("hostagent.watch")
 def step(cfg: dict) -> tuple[set[str], bool]:
     """One round: check every backend, rewrite the upstream file, reload nginx when it changed.
     Returns (the backends down, whether nginx was reloaded)."""
-    down = host.check_health(cfg)
+    down = nginx_front.check_health(cfg)
     try:
-        keys_changed = host.write_keys(cfg)
+        keys_changed = nginx_front.write_keys(cfg)
         if keys_changed:
             log.warning("api_keys_file changed: nginx's keys rewritten")
     except apikeys.KeysError as e:     # nginx keeps the keys it has: never open the door for a bad file
@@ -31,9 +31,9 @@ def step(cfg: dict) -> tuple[set[str], bool]:
             before = upstream.parse_down(f.read())
     except OSError:
         before = None
-    if not host.write_upstream(cfg, down) and not keys_changed:
+    if not nginx_front.write_upstream(cfg, down) and not keys_changed:
         return down, False
-    pid = host.nginx_pid(cfg)
+    pid = nginx_front.nginx_pid(cfg)
     if before is not None:
         for b in sorted(down - before):
             log.warning("%s: /health failed, marked down", b)
@@ -60,7 +60,7 @@ def rotate_access_log(cfg: dict) -> bool:
             return False
     except OSError:
         return False
-    pid = host.nginx_pid(cfg)
+    pid = nginx_front.nginx_pid(cfg)
     backups = int(cfg["access_log_backups"])
     for k in range(backups - 1, 0, -1):
         if os.path.exists(f"{path}.{k}"):

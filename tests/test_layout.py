@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from fleet import hostcode
+from fleet import inventory as fleet_inventory
 from hostagent import layout
 
 pytestmark = pytest.mark.unit
@@ -50,11 +51,22 @@ def test_layout_is_importable_alone():
 
 
 def test_each_probe_is_bundled_with_what_it_imports_in_dependency_order():
-    assert hostcode.needs("probes.state") == ["layout", "processes", "instances", "proxyadmin", "lora", "observe"]
-    assert hostcode.needs("probes.top") == ["layout", "processes", "instances", "proxyadmin", "observe"]
-    assert hostcode.needs("probes.holders") == ["layout", "processes"]
-    assert hostcode.needs("probes.cpu_mem") == ["layout"]
-    assert hostcode.needs("processes") == ["layout"] and hostcode.needs("lock") == ["layout"]
+    assert hostcode.needs("probes.state") == ["layout", "files", "httpcall", "processes", "instances", "proxyadmin",
+                                              "errors", "lora", "observe"]
+    assert hostcode.needs("probes.top") == ["exposition", "httpcall", "layout", "files", "processes", "instances",
+                                            "proxyadmin", "observe"]
+    assert hostcode.needs("probes.holders") == ["files", "layout", "processes"]
+    assert hostcode.needs("probes.cpu_mem") == ["layout", "files", "processes"]
+    assert hostcode.needs("processes") == ["files", "layout"] and hostcode.needs("lock") == ["layout"]
+
+
+@pytest.mark.parametrize("bind,address", [("", "127.0.0.1"), ("*", "127.0.0.1"), ("0.0.0.0", "127.0.0.1"),
+                                          ("::", "::1"), ("[::]", "::1"), ("10.0.0.5", "10.0.0.5"),
+                                          ("[fd00::5]", "fd00::5"), ("127.0.0.2", "127.0.0.2")])
+def test_a_wildcard_bind_is_reached_on_loopback_and_one_address_on_itself(bind, address):
+    """One rule for both sides: the host agent's entry port checks and the control plane's sampler spec."""
+    assert layout.local_address(bind) == address
+    assert fleet_inventory.local_address(bind) == address
 
 
 @pytest.mark.parametrize("state_spec", [{}, {"health_timeout_s": 30}])

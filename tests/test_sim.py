@@ -604,7 +604,7 @@ def test_lora_modules_refused_like_vllm(value, message):
 # --- in-process: devices, smi, CLI, scheduler ---------------------------------------------------
 
 def test_smi_matches_hy_smi_text(tmp_path):
-    devices.ensure_devices(tmp_path, 2)
+    devices.ensure_card(tmp_path, list(range(2)))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kfd", "renderD128", "renderD129"]
     report = devices.smi_report(tmp_path)
     assert report.splitlines()[2:] == ["HCU[1]          : vram Total Memory (MiB): 65520",
@@ -615,7 +615,7 @@ def test_smi_matches_hy_smi_text(tmp_path):
 
 
 def test_holders_sees_open_files(tmp_path):
-    devices.ensure_devices(tmp_path, 2)
+    devices.ensure_card(tmp_path, list(range(2)))
     with open(tmp_path / "renderD129", "rb"):
         assert devices.holders(tmp_path) == {0: [], 1: [os.getpid()]}
         assert "HCU[1]          : vram Total Used Memory (MiB): 52002" in devices.smi_report(tmp_path)
@@ -623,7 +623,7 @@ def test_holders_sees_open_files(tmp_path):
 
 
 def test_smi_showuse_reads_fresh_files_of_live_writers(tmp_path):
-    devices.ensure_devices(tmp_path, 2)
+    devices.ensure_card(tmp_path, list(range(2)))
     devices.write_use(tmp_path, 0, 50.0)
     devices.use_path(tmp_path, 1).write_text(json.dumps({"pid": os.getpid(), "use": 75, "time": time.time() - 60}))
     out = smi(tmp_path, "--showuse")

@@ -132,7 +132,7 @@ def test_sim_smi_output_parses_with_a_holder(tmp_path, procs):
     """The sim's smi, run for real, reads through the hy-smi parser: a held card is used, the other idle."""
     from fleet.sim import devices
     dev = tmp_path / "sim-dev"
-    devices.ensure_devices(dev, 2)
+    devices.ensure_card(dev, list(range(2)))
     holder = procs.start([PYTHON, "-c", "import sys, time; f = open(sys.argv[1]); print('held', flush=True); "
                           "time.sleep(60)", str(dev / "renderD129")], stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
@@ -185,7 +185,7 @@ def test_read_cards_not_found_names_where_it_looked(tmp_path):
 @pytest.mark.process
 def test_read_cards_sim(tmp_path, procs):
     from fleet.sim import devices
-    devices.ensure_devices(tmp_path / "sim-dev", 3)
+    devices.ensure_card(tmp_path / "sim-dev", list(range(3)))
     cards = smi.read_cards(LocalTransport("h"), _hv(tmp_path, accelerator="sim", accelerators=3, instances=3))
     assert [(c.index, c.used_mib, c.total_mib) for c in cards] == \
         [(i, devices.IDLE_MIB, devices.TOTAL_MIB) for i in range(3)]

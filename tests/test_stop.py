@@ -93,7 +93,7 @@ def kill_pids(pids) -> None:
 def bare_host(tmp_path):
     """A sim host with its device files but nothing deployed, and a short release timeout."""
     inventory = write_inventory(tmp_path, extra="release_timeout_s: 2\n")
-    devices.ensure_devices(tmp_path / "deploy" / "sim-dev", 4)
+    devices.ensure_card(tmp_path / "deploy" / "sim-dev", list(range(4)))
     return inventory, tmp_path / "deploy" / "sim-dev"
 
 

@@ -18,13 +18,18 @@ from conftest import PYTHON, ROOT, require_tool, wait_until
 from fleet import hostcode, top
 from fleet import inventory as fleet_inventory
 from fleet_helpers import deploy_sim_cluster, deployment_id, inv, inv_env, kill_tagged, load, write_inventory
-from hostagent import processes
+from hostagent import exposition, processes
 
 # --- the view on made-up frames -------------------------------------------------------------------------
 
 
+def sent(lines):
+    """What the sampler sends of /metrics lines: their samples, parsed on the host, through JSON."""
+    return json.loads(json.dumps(exposition.samples("\n".join(lines))))
+
+
 def engine_lines(done=0.0, tokens=0.0, kv=0.25, hits=0.0, queries=0.0, ttft=None, running=1.0):
-    """An engine's /metrics lines as the sampler keeps them; ttft: {le: cumulative count}."""
+    """An engine's /metrics samples as the sampler sends them; ttft: {le: cumulative count}."""
     m = 'engine="0",model_name="m"'
     lines = [f"vllm:num_requests_running{{{m}}} {running}", f"vllm:num_requests_waiting{{{m}}} 0.0",
              f"vllm:kv_cache_usage_perc{{{m}}} {kv}", f"vllm:generation_tokens_total{{{m}}} {tokens}",
@@ -33,16 +38,16 @@ def engine_lines(done=0.0, tokens=0.0, kv=0.25, hits=0.0, queries=0.0, ttft=None
              f"vllm:prefix_cache_queries_total{{{m}}} {queries}", f"vllm:prefix_cache_hits_total{{{m}}} {hits}"]
     for le, count in (ttft or {}).items():
         lines.append(f'vllm:time_to_first_token_seconds_bucket{{{m},le="{le}"}} {count}')
-    return lines
+    return sent(lines)
 
 
 def proxy_lines(in_flight=1, slots=4, healthy=1, queue=0, r429=0, backend="127.0.0.1:8002"):
-    return [f'proxy_backend_in_flight{{backend="{backend}"}} {in_flight}',
+    return sent([f'proxy_backend_in_flight{{backend="{backend}"}} {in_flight}',
             f'proxy_backend_slots{{backend="{backend}"}} {slots}',
             f'proxy_backend_healthy{{backend="{backend}"}} {healthy}',
             f'proxy_backend_drained{{backend="{backend}"}} 0', f"proxy_queue_length {queue}",
             f'proxy_requests_total{{backend="{backend}",status="200"}} 10.0',
-            f'proxy_requests_total{{backend="none",status="429"}} {r429}']
+            f'proxy_requests_total{{backend="none",status="429"}} {r429}'])
 
 
 def raw_frame(t, engine, proxy, state="healthy", keeper=None):

@@ -61,12 +61,6 @@ def ensure_card(dev_dir, card: int | list[int]) -> list[Path]:
     return paths
 
 
-def ensure_devices(dev_dir, cards: int) -> None:
-    """Create kfd and renderD128 .. renderD(128+cards-1) under dev_dir."""
-    for card in range(cards):
-        ensure_card(dev_dir, card)
-
-
 def cards(dev_dir) -> list[int]:
     """The cards whose renderD file exists, sorted."""
     try:

@@ -92,9 +92,6 @@ class PrefixCache:
         """Blocks taken: cached ones (held or not) and running requests' own."""
         return len(self.refs) + self.private
 
-    def blocks_needed(self, n_tokens: int) -> int:
-        return -(-n_tokens // self.block_size)
-
     def _hit_blocks(self, hashes: list[bytes], n_tokens: int) -> int:
         limit = min(len(hashes), (n_tokens - 1) // self.block_size)
         n = 0

@@ -1,5 +1,5 @@
 """The memory of each `cpu` instance, read from /proc on the host: where there is no smi, this stands in
-for one. Run there as `python3 -c SOURCE SPEC_JSON` (bundled with hostagent/layout.py by
+for one. Run there as `python3 -c SOURCE SPEC_JSON` (bundled with the host agent modules it imports by
 fleet.hostcode.probe); it prints what `rocm-smi --json` prints (one "card" per instance, MiB), so
 fleet.smi reads it with the same parser and `inv stop` shows the same table.
 
@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from hostagent import layout
+from hostagent import layout, processes
 
 
 def meminfo_mib(key):
@@ -21,20 +21,6 @@ def meminfo_mib(key):
             if line.startswith(key + ":"):
                 return int(line.split()[1]) / 1024.0
     return 0.0
-
-
-def recorded_session(path):
-    """The session of an instance from its pid file: `sid=S` when written, else its leader's pid."""
-    try:
-        with open(path) as f:
-            words = f.read().split()
-    except OSError:
-        return None
-    fields = dict(w.split("=", 1) for w in words if "=" in w)
-    for value in (fields.get("sid"), fields.get("pid"), words[0] if words and "=" not in words[0] else None):
-        if value and value.isdigit():
-            return int(value)
-    return None
 
 
 def process(pid):
@@ -68,7 +54,7 @@ def main():
     n, dep = spec["instances"], spec["deployment_id"]
     sessions = {}
     for i in range(n):
-        sid = recorded_session(layout.path(spec["deploy_dir"], layout.instance_pidfile(i)))
+        sid = processes.recorded_session(layout.path(spec["deploy_dir"], layout.instance_pidfile(i)))
         if sid:
             sessions[sid] = i
     used = [0.0] * n

@@ -2,8 +2,9 @@
 host agent modules it imports, fleet.hostcode): every `interval_s` it prints one JSON line, a frame of
 what the host is doing now, until `count` frames are out (0: until its output is closed).
 
-A frame holds each instance's state (hostagent.instances.classify, as `inv status` reads it) and the lines
-of its engine's /metrics that the view uses, the lines of the proxy's /metrics, which front runs, the
+A frame holds each instance's state (hostagent.instances.classify, as `inv status` reads it) and the samples
+of its engine's /metrics that the view uses, the proxy's samples (each `[name, labels, value]`, parsed
+here by hostagent.exposition: the control plane reads numbers, never exposition text), which front runs, the
 keeper's record, and at most every `smi_every_s` (never under 2 s) what the accelerator's smi printed.
 A source that cannot be read is named in the frame's `errors`; the others are read all the same.
 Standard library only, Python 3.6+; it reads and changes nothing on the host (no ready marker written).
@@ -15,9 +16,8 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-import urllib.request
 
-from hostagent import instances, layout
+from hostagent import exposition, httpcall, instances, layout
 from hostagent.observe import (HEALTH_TIMEOUT_S, alive, instance_facts, keeper_facts, nginx_facts,
                                read_mode, read_pidfile)
 
@@ -31,24 +31,13 @@ MIN_SMI_EVERY_S = 2.0
 METRICS_TIMEOUT_S = 2.0
 
 
-def series(text, names):
-    """The sample lines of a /metrics text whose metric is one of names (no comments, no _created)."""
-    keep = []
-    for line in text.splitlines():
-        if line and line[0] != "#" and line.startswith(names):
-            name = line.split("{", 1)[0].split(" ", 1)[0]
-            if name in names:
-                keep.append(line)
-    return keep
-
-
 def scrape(url, names):
-    """(lines, None) of GET url's /metrics, or (None, why) when it cannot be read."""
-    try:
-        with urllib.request.urlopen(url + "/metrics", timeout=METRICS_TIMEOUT_S) as r:
-            return series(r.read().decode("utf-8", "replace"), names), None
-    except Exception as e:    # noqa: BLE001 -- one source unread must not stop the frame
-        return None, "%s/metrics: %s" % (url, getattr(e, "reason", None) or e)
+    """(samples, None) of GET url's /metrics, the metrics of names only, or (None, why) when it cannot be
+    read."""
+    answer = httpcall.get(url + "/metrics", METRICS_TIMEOUT_S)
+    if answer.status != 200:
+        return None, "%s/metrics: %s" % (url, answer.error or "HTTP %d" % answer.status)
+    return exposition.samples(answer.text(), names), None
 
 
 def read_instance(spec, inst):
