@@ -45,7 +45,7 @@ def probe(conn: Transport, hv: HostVars, files: list[str] = (), readonly: bool =
     hostagent.instances.classify's, the function the keeper uses too."""
     spec = {"deploy_dir": hv["deploy_dir"], "ports": hv.ports, "instance_host": hv.instance_host,
             "proxy_port": hv["proxy"]["port"], "admin_port": hv["proxy"]["admin_port"],
-            "deployment_id": hv.deployment_id, "health_timeout_s": hv["health_timeout_s"],
+            "proxy_address": layout.local_address(hv["proxy"]["bind"]), "deployment_id": hv.deployment_id, "health_timeout_s": hv["health_timeout_s"],
             "files": list(files), "readonly": readonly}
     return agent.run_script(conn, hv, "state", spec, "reading the deployment's state", timeout=60)
 

@@ -97,18 +97,21 @@ def instance_facts(d, dep, index, port, readonly, host="127.0.0.1", health_timeo
     }
 
 
-def proxy_facts(d, dep, port, admin_port):
+def proxy_facts(d, dep, port, admin_port, address="127.0.0.1"):
+    """The proxy's process (run/proxy.pid), its /health on the entry port (at address: where its bind is
+    reached from the host itself) and its admin API's view."""
     pid, pgid, started, stale = read_pidfile(layout.path(d, layout.PROXY_PID), layout.tag(dep, "proxy"))
     is_alive = stale is None and alive(pid)
-    status = health(port) if is_alive or instances.listening(port) else None
+    listening = instances.listening(port, address)
+    status = health(port, address) if is_alive or listening else None
     backends = config = None
     if is_alive:
         backends = proxyadmin.get_json(admin_port, "/admin/backends", timeout=3.0)
         config = proxyadmin.get_json(admin_port, "/admin/config", timeout=3.0)
     return {"pid": pid if is_alive else None, "pgid": pgid if is_alive else None, "pidfile": pid is not None,
-            "alive": is_alive, "stale": stale, "port": port, "listening": is_alive or instances.listening(port),
+            "alive": is_alive, "stale": stale, "port": port, "listening": is_alive or listening,
             "health": status, "backends": backends, "config": config,
-            "stranger": stranger(port, dep, "proxy.port") if not is_alive and instances.listening(port) else None}
+            "stranger": stranger(port, dep, "proxy.port") if not is_alive and listening else None}
 
 
 def nginx_facts(d, dep):

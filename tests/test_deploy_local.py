@@ -82,6 +82,8 @@ def test_a_changed_bind_address_restarts_the_proxy_on_it(cluster):
         assert r.status == 200
     with pytest.raises(OSError):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+    st = status_json(inventory, "--set", "proxy.bind=127.0.0.2")
+    assert st["proxy"]["state"] == "healthy", st    # read where it listens, not at 127.0.0.1
     again = inv("deploy", "--host", "t", "--set", "proxy.bind=127.0.0.2", inventory=inventory)
     assert recap(again.stdout)["changed"] == 0, again.stdout
 

@@ -13,8 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from hostagent import layout, lora
 from hostagent.observe import (HEALTH_TIMEOUT_S, file_mode, instance_facts, keeper_facts, nginx_facts,
-                               read_mode,
-                               proxy_facts, sha256, tagged)
+                               proxy_facts, read_mode, sha256, tagged)
 
 
 def main():
@@ -26,7 +25,8 @@ def main():
         timeout_s = float(spec.get("health_timeout_s", HEALTH_TIMEOUT_S))
         inst = [pool.submit(instance_facts, d, dep, i, p, spec.get("readonly", False), host, timeout_s)
                 for i, p in enumerate(spec["ports"])]
-        prox = pool.submit(proxy_facts, d, dep, spec["proxy_port"], spec["admin_port"])
+        prox = pool.submit(proxy_facts, d, dep, spec["proxy_port"], spec["admin_port"],
+                           spec.get("proxy_address", "127.0.0.1"))
         files = {rel: pool.submit(sha256, os.path.join(d, rel)) for rel in spec.get("files", [])}
         out = {
             "uid": os.getuid(),
