@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hostagent import layout
+
 
 @dataclass(frozen=True)
 class Kind:
@@ -26,6 +28,7 @@ class Kind:
     render_from_sysfs: bool = False
 
 
+_SIM_DEV = "{deploy_dir}/" + layout.SIM_DEV   # the sim accelerator's device files
 _HIP_SMI = ("/opt/hyhal/bin/hy-smi", "/opt/dtk/bin/rocm-smi", "/opt/rocm/bin/rocm-smi", "hy-smi", "rocm-smi")
 
 KINDS = {
@@ -40,8 +43,8 @@ KINDS = {
                    ("/usr/bin/nvidia-smi", "nvidia-smi")),
     # The sim accelerator's device files are plain files under deploy_dir/sim-dev (see fleet.sim);
     # its smi is `python -m fleet.sim smi`, built by fleet.smi.smi_command.
-    "sim": Kind("sim", "SIM_VISIBLE_DEVICES", ("{deploy_dir}/sim-dev/kfd", "{deploy_dir}/sim-dev/renderD*"),
-                ("{deploy_dir}/sim-dev/renderD{render}",), ("fleet.sim",)),
+    "sim": Kind("sim", "SIM_VISIBLE_DEVICES", (_SIM_DEV + "/kfd", _SIM_DEV + "/renderD*"),
+                (_SIM_DEV + "/renderD{render}",), ("fleet.sim",)),
     # vLLM's CPU build: no device files, no smi (memory is read from /proc by hostagent/probes/cpu_mem.py).
     "cpu": Kind("cpu", "", (), (), ()),
 }

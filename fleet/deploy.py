@@ -52,9 +52,9 @@ def _deploy(conn: Transport, hv: HostVars, emit: Emit, check: bool, diff: bool, 
     changed_files = sync.put_files(conn, hv, files, found, report, emit, check, diff)
     if hv["accelerator"] == "sim" and not check:
         # Device files are created once and never replaced: holders keep the inode they opened.
-        devs = " ".join(shlex.quote(f"{d}/sim-dev/{n}") for n in
+        devs = " ".join(shlex.quote(layout.path(d, f"{layout.SIM_DEV}/{n}")) for n in
                         ["kfd"] + [f"renderD{128 + i}" for i in range(hv["accelerators"])])
-        conn.run(f"mkdir -p {shlex.quote(d + '/sim-dev')} && touch {devs}")
+        conn.run(f"mkdir -p {shlex.quote(layout.path(d, layout.SIM_DEV))} && touch {devs}")
 
     # Instances with processes left behind (an API server killed, its EngineCore children still holding
     # the card): those are stopped by group and tag, and their card released, before they start again.

@@ -185,7 +185,7 @@ class LogSettings(Section):
         "Size at which `logs/proxy.log` rotates while the proxy runs (its standard output and error "
         "land there too); a change restarts the proxy at the next deploy.")
     backups: _int(1, 100) = doc(3,
-        "Rotated files of `logs/proxy.log` kept.")
+        "Rotated files of `logs/proxy.log` kept; a change restarts the proxy at the next deploy.")
 
 
 class EngineLogSettings(Section):

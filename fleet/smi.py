@@ -18,6 +18,8 @@ import re
 import shlex
 from dataclasses import dataclass
 
+from hostagent import layout
+
 from . import accelerators, agent, hostcode
 from .errors import FleetError, RemoteError
 
@@ -251,8 +253,8 @@ def smi_command(hv) -> str:
     if hv["accelerator"] == "sim" and not wanted:
         py = hv["python"] or "python3"
         return (f"echo {shlex.quote(MARKER + 'sim')}; "
-                f"PYTHONPATH={shlex.quote(d + '/lib')}${{PYTHONPATH:+:$PYTHONPATH}} "
-                f"exec {shlex.quote(py)} -m fleet.sim smi --dev-dir {shlex.quote(d + '/sim-dev')} --showuse")
+                f"PYTHONPATH={shlex.quote(layout.path(d, layout.LIB))}${{PYTHONPATH:+:$PYTHONPATH}} "
+                f"exec {shlex.quote(py)} -m fleet.sim smi --dev-dir {shlex.quote(layout.path(d, layout.SIM_DEV))} --showuse")
     if hv["accelerator"] == "cpu" and not wanted:
         spec = {"deploy_dir": d, "deployment_id": hv.deployment_id, "instances": hv["instances"]}
         return (f"echo {shlex.quote(MARKER + 'cpu')}\n" + agent.python_command(
