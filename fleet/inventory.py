@@ -126,7 +126,8 @@ class Inventory:
             _merge(merged, layer)
         if merged["connection"] is None:          # not said anywhere: an ssh block means ssh
             merged["connection"] = "ssh" if merged.get("ssh") else "local"
-        fronted = merged["bind"] is None and bool(self.fronted_by(name, overrides))
+        graph = self.fronts_graph(overrides)      # checked first, whatever this host's bind: --set may change it
+        fronted = merged["bind"] is None and bool(graph.get(name))
         try:
             hv = HostVars.build(name, merged, self.path)
         except InventoryError as e:

@@ -200,7 +200,7 @@ def _settle(ex: Exchange, proxy) -> None:
             ex.ttfb = elapsed     # a whole answer: its first byte goes out as the handler returns it
         if ex.ttfb is not None:
             metrics.first_byte_after(label, ex.pool or "", ex.ttfb)
-    _log_attempt(ex, proxy, ex.backend or None, out, final=True)   # a whole answer's body parsed here
+    _log_attempt(ex, proxy, ex.backend if ex.attempts else None, out, final=True)   # a whole answer parsed here
     if out.observer is not None and out.observer.reported_tokens is not None:
         metrics.produced(ex.backend, ex.pool or "", out.observer.reported_tokens)
     if ex.spans is not None:
@@ -272,9 +272,9 @@ async def _forward(ex: Exchange, proxy, pool: Balancer, backend: Backend) -> web
     """With a slot on backend: read the body, try the backends, hand on the answer; the slot (the
     last backend's, after a retry) is released whatever happens."""
     _hold(ex, backend)
-    if ex.route is not None:
-        proxy.metrics.routed(ex.route)
     try:
+        if ex.route is not None:
+            proxy.metrics.routed(ex.route)
         response = None if ex.read else await _read_body(ex, proxy, backend)
         if response is not None:
             return _ended(ex, response)
@@ -412,13 +412,15 @@ async def _wait_for_slot(ex: Exchange, proxy, pool: Balancer) -> Backend | web.R
 
 
 async def _turned_away(ex: Exchange, proxy, response: web.Response) -> web.Response:
-    """A request refused before any slot: its body is read only for the log's trace id."""
+    """A request refused before any slot: its body is read only for the log's trace id (the refusal is
+    its outcome already, should the client leave during that read)."""
+    _ended(ex, response)
     if ex.logged and not ex.read and (ex.request.content_length or 0) <= proxy.config.max_body_bytes:
         try:
             ex.trace_id = trace_id_of(user_value(await ex.request.read()))
         except web.HTTPRequestEntityTooLarge:
             pass
-    return _ended(ex, response)
+    return response
 
 
 def _refused(request: web.Request, proxy, request_id: str) -> web.Response | None:

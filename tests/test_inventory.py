@@ -378,3 +378,17 @@ def test_the_fronts_graph_is_checked_at_load_before_any_host_is_built(tmp_path, 
     with pytest.raises(InventoryError, match=r"hosts\.gw\.fronts: 'k9' is not defined under hosts; add it"):
         inventory.load(path)
     assert built == []
+
+
+@pytest.mark.parametrize("fronts, message", [
+    ("[gw, k1]", r"a cycle: gw fronts k1, k1 fronts gw"),
+    ("[ghost]", r"'ghost' is not defined under hosts"),
+])
+def test_a_fronts_set_on_the_command_line_is_checked_on_a_host_with_its_own_bind(tmp_path, fronts, message):
+    """--set fronts=... changes the graph after load: it is checked before a host is built, also on a host
+    whose explicit bind means no entry host reaches it (a cycle once went round until RecursionError)."""
+    path = tmp_path / "hosts.yml"
+    path.write_text(ENTRY.replace("  k1: {address: 10.9.0.1,", "  k1: {address: 10.9.0.1, bind: 127.0.0.1,"))
+    loaded = inventory.load(path)
+    with pytest.raises(InventoryError, match=message):
+        loaded.host_vars("k1", [f"fronts={fronts}"])

@@ -1,8 +1,8 @@
 """The routing seam: the settings every policy reads, and the interface the balancer calls."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 import asyncio
+from dataclasses import dataclass, field
 from typing import Collection, Protocol, Sequence
 
 
