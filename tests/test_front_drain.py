@@ -60,14 +60,15 @@ def test_proxy_restart_under_load_refuses_nothing(cluster):
     spans, outputs = [], []
     with Load(port, MODEL, clients=12) as fresh, Load(port, MODEL, clients=12, keepalive=True) as kept:
         for sets in (["--set", "proxy.max_body_mb=32"], []):
-            time.sleep(1.0)
+            # each load has 50 answers from the proxy about to be replaced (or the one before it)
+            _answered_more(fresh, kept, 50)
             t0 = time.monotonic()
             r = inv("deploy", "--host", "t", *sets, inventory=inventory)
             spans.append((t0, time.monotonic()))
             assert r.returncode == 0, r.stdout + r.stderr
             outputs.append(r.stdout)
             pids.append(status_json(inventory, *sets)["proxy"]["pid"])
-        time.sleep(1.0)
+        _answered_more(fresh, kept, 50)   # and from the last proxy
     during = [sum(1 for load in (fresh, kept) for t, _ in load.failures if a <= t <= b) for a, b in spans]
     print(f"\nproxy restarts under load: new connections {fresh.total} requests {dict(fresh.outcomes)}; "
           f"kept-alive {kept.total} requests {dict(kept.outcomes)}; failed during the restarts {during}")
@@ -105,7 +106,7 @@ def test_stop_under_load_fails_no_accepted_request(cluster):
     inventory, deploy, st = cluster
     port = st["proxy"]["port"]
     with Load(port, MODEL, 8, max_tokens=100) as fresh, Load(port, MODEL, 8, True, 100) as kept:
-        time.sleep(1.5)
+        wait_until(lambda: sum(_running(i["port"]) for i in st["instances"]) >= 8, what="8 requests running")
         t0 = time.monotonic()
         r = inv("stop", "--host", "t", inventory=inventory)
         took = time.monotonic() - t0
@@ -147,7 +148,7 @@ def test_stop_one_instance_under_load_drains_it_first(cluster):
     with Load(port, MODEL, 8, max_tokens=100) as fresh, Load(port, MODEL, 8, True, 100) as kept:
         wait_until(lambda: _running(st["instances"][0]["port"]) > 0, what="requests running on instance 0")
         r = inv("stop", "--host", "t", "--instance", "0", inventory=inventory)
-        time.sleep(1.0)
+        _answered_more(fresh, kept, 16)   # the others go on answering once it has stopped
     assert r.returncode == 0, r.stdout + r.stderr
     print(f"\nstop --instance 0 under load: {dict(fresh.outcomes)} {dict(kept.outcomes)}")
     assert fresh.failed == 0 and kept.failed == 0, (fresh.outcomes, kept.outcomes)
@@ -220,6 +221,13 @@ def test_stop_in_nginx_mode_lets_streams_finish(cluster):
     assert re.search(r"^t: drain: 4 request\(s\) in flight at the instances, \d+s of 60s$", r.stdout, re.M), r.stdout
     assert re.search(r"^t: drain: nginx finished its requests and exited in [\d.]+s$", r.stdout, re.M), r.stdout
     assert [o for _, o, _ in streams.records] == ["ok nginx"] * 4, streams.records
+
+
+def _answered_more(fresh, kept, n: int) -> None:
+    """Wait until each load has had n more answers (200s) than it had when called."""
+    before = [load.outcomes["ok proxy"] for load in (fresh, kept)]
+    wait_until(lambda: all(load.outcomes["ok proxy"] >= b + n for load, b in zip((fresh, kept), before)),
+               what=f"{n} more answers on each load")
 
 
 def _running(port: int) -> int:

@@ -445,8 +445,9 @@ async def serve(config: SimConfig) -> int:
     try:
         site = web.TCPSite(runner, config.host, config.port)
         await site.start()
+        port = runner.addresses[0][1]   # the port bound: --port 0 takes a free one, said here
         log.info("fleet.sim serving %s as %s on http://%s:%d (pid %d, max_num_seqs %d)", config.model,
-                 ",".join(config.served_model_names), config.host, config.port, os.getpid(),
+                 ",".join(config.served_model_names), config.host, port, os.getpid(),
                  config.max_num_seqs)
         await _first(stop.wait(), engine.exit_now.wait())
         if engine.exit_now.is_set() and not stop.is_set():
