@@ -125,8 +125,9 @@ def test_sigkill_of_a_backend_under_load_fails_only_its_streams(procs, tmp_path)
     # The kill hit a backend with streams running (a count, not a throughput floor: a busy machine
     # serves fewer requests, which says nothing about this test).
     assert at_kill["in_flight"] > 0
-    assert len(failed) <= at_kill["in_flight"], failed
-    assert all(r.start < at_kill["t"] for r in failed), failed
+    # the ones that failed were streams on backend 0 sent before the kill (the in-flight count read just
+    # before the kill can be passed by streams it took in between, so it is no bound)
+    assert all(r.backend == name(ports[0]) and r.start < at_kill["t"] for r in failed), failed
     late = [r for r in results if r.start > at_kill["t"] + 0.05]
     assert late and all(r.status == 200 and r.backend != name(ports[0]) for r in late)
     state = asyncio.run(backends(admin))[name(ports[0])]
