@@ -122,6 +122,9 @@ def golden_engine_argv() -> list[str]:
             f"--served-model-name={value('SERVED_NAME')}", *array("EXTRA_ARGS")]
 
 
+# No cluster: a group of its own (xdist names it real_engine_vllm_parser), so it runs on another worker
+# than the module's deployment, off the suite's longest path.
+@pytest.mark.xdist_group("vllm_parser")
 def test_golden_start_script_is_what_the_real_vllm_parser_reads():
     """The golden k100-01 start script, checked against vLLM's own `vllm serve` parser (not our
     templates): every flag exists, and the argv parses to one served name, the memory fraction, and the
