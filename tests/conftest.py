@@ -159,6 +159,20 @@ def pytest_collection_modifyitems(config, items):
     if unmarked:
         raise pytest.UsageError("these tests have no tier marker (" + ", ".join(TIERS) + "):\n  "
                                 + "\n  ".join(unmarked))
+    if getattr(config.option, "loadgroup", False):   # an xdist worker under --dist loadgroup
+        items.sort(key=_slowest_first)
+
+
+# The groups that bound the suite's time, longest first. Under `--dist loadgroup --no-loadscope-reorder`
+# (scripts/test.sh) xdist hands out groups in collection order, so these start at once, each on its own
+# worker, and everything else fills the workers around them; a group started last would end last.
+SLOWEST_GROUPS = ("real_engine", "real_engine_models", "netns", "load")
+
+
+def _slowest_first(item) -> int:
+    group = item.get_closest_marker("xdist_group")
+    name = (group.args[0] if group.args else group.kwargs.get("name")) if group else None
+    return SLOWEST_GROUPS.index(name) if name in SLOWEST_GROUPS else len(SLOWEST_GROUPS)
 
 
 @pytest.hookimpl(trylast=True)

@@ -265,19 +265,15 @@ def load(port: int, stop: threading.Event, seconds: float = 120) -> None:
 
 def deploy_sim_cluster(tmp_path, instances: int = 2, queue_max: int | None = None,
                        sim: str = "{load_s: 0.2, prefill_ms: 20, token_ms: 4, output_tokens: 8}"):
-    """A local sim cluster through `inv deploy` (again on fresh ports when another session took one):
+    """A local sim cluster through `inv deploy` (on ports of this xdist worker's slice: conftest.free_ports):
     its inventory and host variables. queue_max: the proxy's proxy.queue.max. A deploy that fails
     leaves nothing running."""
     from fleet import inventory as inv_mod
-    for _ in range(2):
-        path = write_inventory(tmp_path, instances=instances, sim=sim)
-        if queue_max is not None:
-            interval = "      health_interval_s: 0.5\n"
-            path.write_text(path.read_text().replace(interval, interval + f"      queue: {{max: {queue_max}}}\n"))
-        r = inv("deploy", "--host", "t", inventory=path)
-        if r.returncode == 0 or not any(w in r.stdout + r.stderr for w in ("in use", "is taken")):
-            break
-        inv("stop", "--host", "t", inventory=path)
+    path = write_inventory(tmp_path, instances=instances, sim=sim)
+    if queue_max is not None:
+        interval = "      health_interval_s: 0.5\n"
+        path.write_text(path.read_text().replace(interval, interval + f"      queue: {{max: {queue_max}}}\n"))
+    r = inv("deploy", "--host", "t", inventory=path)
     if r.returncode != 0:
         inv("stop", "--host", "t", inventory=path)
         kill_tagged(deployment_id(path) + "/")

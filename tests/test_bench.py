@@ -21,18 +21,14 @@ SLOW_SIM = "{load_s: 0.3, overhead_ms: 300, prefill_ms: 0, token_ms: 40, output_
 
 
 def deployed(tmp_path, edit=lambda text: text, **kw):
-    """A deployed sim cluster. The machine is shared: when another session took one of the ports picked
-    free a moment before, deploy once more on fresh ports (twice at most)."""
-    for attempt in range(2):
-        inventory = write_inventory(tmp_path, **kw)
-        inventory.write_text(edit(inventory.read_text()))
-        r = inv("deploy", "--host", "t", inventory=inventory)
-        if r.returncode == 0:
-            return inventory
+    """A deployed sim cluster, on ports of this xdist worker's slice (conftest.free_ports)."""
+    inventory = write_inventory(tmp_path, **kw)
+    inventory.write_text(edit(inventory.read_text()))
+    r = inv("deploy", "--host", "t", inventory=inventory)
+    if r.returncode != 0:
         undeploy(inventory)
-        if "address already in use" not in r.stdout + r.stderr:
-            break
-    raise AssertionError(r.stdout + r.stderr)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return inventory
 
 
 def undeploy(inventory):

@@ -144,7 +144,7 @@ def test_orphans_whose_tag_was_erased_are_found_by_session(host, procs):
 
 
 @pytest.mark.process
-def test_pgid_and_pid_0_and_1_and_this_stops_own_group_are_never_signalled(host, procs):
+def test_a_stop_signals_only_the_real_instance_whatever_its_pid_file_names(host, procs):
     """Pid files naming pgid 0, pid 1, pgid 1, the stopping process itself and a process of its own group
     (with a matching record): a stop whose kill is a recorder signals exactly the real instance."""
     inst, kids = start_instance(procs, host, 0)

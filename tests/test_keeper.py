@@ -90,14 +90,9 @@ def cluster(tmp_path):
     made = []
 
     def deploy(**kw):
-        for attempt in range(2):
-            inventory = keeper_inventory(tmp_path, **kw)
-            made.append(inventory)
-            r = inv("deploy", "--host", "t", inventory=inventory)
-            if r.returncode == 0 or not any(w in r.stdout + r.stderr for w in ("in use", "is taken")):
-                break
-            # Another session on this shared machine took one of the free ports: again on fresh ones.
-            inv("stop", "--host", "t", inventory=inventory)
+        inventory = keeper_inventory(tmp_path, **kw)
+        made.append(inventory)
+        r = inv("deploy", "--host", "t", inventory=inventory)
         assert r.returncode == 0, r.stdout + r.stderr
         st = status_json(inventory)
         assert st["keeper"]["state"] == "running" and st["keeper"]["pid"], st["keeper"]
@@ -139,7 +134,9 @@ def test_sigkill_of_an_api_server_under_load(cluster):
     for t in threads:
         t.start()
     try:
-        time.sleep(1.0)
+        # requests run on instance 1 when it dies
+        wait_until(lambda: any(s == 200 and b == name for _, _, s, b in results[-200:]), 20,
+                   what="answers from instance 1")
         t_kill = time.monotonic()
         os.kill(victim["pid"], signal.SIGKILL)
         began = wait_until(lambda: watch_of(deploy, 1).get("restarts", 0) >= 1 and time.monotonic(), 20,
@@ -149,14 +146,19 @@ def test_sigkill_of_an_api_server_under_load(cluster):
         t_back = wait_until(lambda: any(b == name and t0 > began for t0, _, s, b in results[-200:]
                                         if s == 200) and time.monotonic(), 20,
                             what="the proxy to route to instance 1 again")
-        time.sleep(1.0)
+        # every client sends again after that: a request failing after the death would be among these
+        wait_until(lambda: sum(1 for t0, _, _, _ in results if t0 > t_back) >= 16, 20,
+                   what="16 requests sent after instance 1 was back")
     finally:
         stop.set()
         for t in threads:
             t.join(timeout=60)
 
-    # The keeper waited its backoff (1 s) plus a round or two, not more.
-    assert began - t_kill < 1 + 3 * 0.5 + 1.5, began - t_kill
+    # The keeper waited its backoff (1 s) once (when it notices a death: tests/test_keeper_decisions.py).
+    log = (deploy / "logs" / "keeper.log").read_text()
+    assert [line.split(" in ")[-1] for line in log.splitlines()
+            if "instance 1: dead (exited); restart" in line] == ["1s"], log
+    assert t_kill < began
     failed = [(t0, s) for t0, _, s, _ in results if s != 200]
     print(f"{len(results)} requests, {len(failed)} failed; restart began {began - t_kill:.1f}s after the kill, "
           f"routed again after {t_back - t_kill:.1f}s")
@@ -215,8 +217,7 @@ def test_an_engine_that_exits_at_every_start_ends_in_crashloop(cluster, tmp_path
     wait_until(lambda: watch_of(deploy, 1).get("crashloop"), 60, what="instance 1 to be put in crashloop")
     w = watch_of(deploy, 1)
     assert w["restarts"] == 3 and w["state"] == "crashloop", w
-    time.sleep(4 + 1)     # longer than backoff_max_s: no restart comes
-    assert watch_of(deploy, 1)["restarts"] == 3
+    # (that no restart comes after it, however long: tests/test_keeper_decisions.py, on the decisions)
     log = (deploy / "logs" / "keeper.log").read_text()
     waits = [float(line.split(" in ")[-1].rstrip("s\n")) for line in log.splitlines()
              if "instance 1: dead (exited); restart" in line]
@@ -320,9 +321,9 @@ def test_stop_during_a_restart_leaves_nothing(cluster):
                what="the keeper's restart to start instance 0")
     r = inv("stop", "--host", "t", inventory=inventory)
     assert r.returncode == 0, r.stdout + r.stderr
+    # Nothing can start later: the keeper and every process a restart starts carry the deployment's tag
+    # from their exec (children inherit it), so with none left there is no parent left to start one.
     assert tagged_pids(dep + "/") == []
-    time.sleep(3)
-    assert tagged_pids(dep + "/") == [], "something started after the stop"
     assert not list((deploy / "run").glob("*.pid"))
     log = (deploy / "logs" / "keeper.log").read_text()
     assert "restart cancelled: the keeper is stopping" in log

@@ -151,7 +151,9 @@ def test_stalled_after_probe_failures_timeouts_and_busy_is_not_stalled():
     assert w.probes == {"timeout": 3, "busy": 1, "error": 1}
 
 
-def test_probe_result():
+def test_a_probe_timeout_with_tokens_generated_meanwhile_is_busy_not_stalled():
+    """A probe that timed out while the engine's generated-token counter moved is "busy"; one whose
+    counter stood still, or is unknown, is "timeout"; answers are "ok" or "error" whatever the counter."""
     assert probe_result("ok", None, None) == "ok" and probe_result("error", 1.0, None) == "error"
     assert probe_result("timeout", 1.0, 2.0) == "busy"
     assert probe_result("timeout", 1.0, 1.0) == probe_result("timeout", None, 2.0) == "timeout"

@@ -50,11 +50,10 @@ def test_a_second_run_fails_at_once_naming_the_holder(hv):
     with runlock.held(LocalTransport("t"), hv, "deploy"):
         info = lock.holder(hv["deploy_dir"])
         assert info["what"].startswith("inv deploy by ") and info["pid"] != os.getpid()
-        t0 = time.monotonic()
+        # the holder keeps the lock until this block ends: a second run that waited would never end
         with pytest.raises(runlock.LockedError) as e:
             with runlock.held(LocalTransport("t"), hv, "stop"):
                 pass
-        assert time.monotonic() - t0 < 10
         msg = str(e.value)
         assert msg.startswith(f"t: another run holds {hv['deploy_dir']}/run/fleet.lock: inv deploy by ")
         assert f"(lock holder pid {info['pid']} on the host) since {info['since']}" in msg

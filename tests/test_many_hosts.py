@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -42,12 +41,14 @@ def test_select_and_bounded_parallel_runs(tmp_path):
 
     for forks, most in ((1, 1), (2, 2), (5, 4)):
         lock, active, peak = threading.Lock(), [0], [0]
+        # each action waits until `most` of them run at once: a runner that ran fewer breaks the barrier
+        together = threading.Barrier(most, timeout=30)
 
         def action(conn, hv, emit):
             with lock:
                 active[0] += 1
                 peak[0] = max(peak[0], active[0])
-            time.sleep(0.15)
+            together.wait()
             with lock:
                 active[0] -= 1
             return Report(hv.name)

@@ -244,7 +244,7 @@ def test_deploy_status_chat_stop_across_namespaces(netns_fleet, tmp_path, cleanu
     assert post(entry, timeout=5)[0] is None
 
 
-def test_fixture_removes_everything(tmp_path):
+def test_teardown_removes_every_namespace_link_and_process_of_the_fleet(tmp_path):
     """1. build a fleet of two hosts; they reach each other and the control node reaches them; 2. a
     process left running inside a namespace; 3. teardown kills it and the sshds, and removes the
     namespaces, the veths and the bridge: nothing of the fleet is left on the machine."""

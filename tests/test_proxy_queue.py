@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import urllib.request
 
 import aiohttp
@@ -81,13 +80,17 @@ def test_queue_full_and_no_queue_answer_at_once():
 
 @pytest.mark.unit
 def test_timeout_leaves_the_queue_and_the_next_in_line_moves_up():
+    """A waiter queues until its timeout, then leaves the queue with QueueTimeout; the next one gets the
+    slot once it is freed."""
     async def run():
         b = balancer(n=1)
         b.acquire()
-        t0 = time.monotonic()
+        waiter = asyncio.create_task(b.wait_for_slot(0.2))
+        await asyncio.sleep(0)
+        assert b.queued == 1
         with pytest.raises(QueueTimeout):
-            await b.wait_for_slot(0.2)
-        assert 0.18 < time.monotonic() - t0 < 2 and b.queued == 0
+            await waiter
+        assert b.queued == 0
         later = asyncio.create_task(b.wait_for_slot(5))
         await asyncio.sleep(0)
         b.release(b.backends["b0:1"])
@@ -165,17 +168,16 @@ async def post(session, port, body, **kw):
 
 async def behind_a_busy_slot(port: int, admin: int, long_tokens: int, body: dict):
     """A request of long_tokens takes the slot; once the proxy counts it in flight, body is sent:
-    (long's answer, body's answer, seconds body took)."""
+    (long's answer, body's answer, whether long was still unanswered when body's answer came)."""
     def taken():
         return sum(b["in_flight"] for b in get_json(f"http://127.0.0.1:{admin}/admin/backends")) == 1
 
     async with aiohttp.ClientSession() as s:
         long = asyncio.create_task(post(s, port, chat(long_tokens)))
         await asyncio.to_thread(wait_until, taken, what="the long request on the slot")
-        t0 = time.monotonic()
         second = await post(s, port, body)
-        took = time.monotonic() - t0
-        return await long, second, took
+        long_running = not long.done()
+        return await long, second, long_running
 
 
 def get_json(url: str):
@@ -245,9 +247,10 @@ def test_waiting_too_long_is_503_with_retry_after(procs, tmp_path):
     ports = start_sims(procs, tmp_path, 1, seqs=1, token_ms=100)
     port, admin = start_proxy(procs, tmp_path, ports, slots=1, queue={"max": 8, "timeout_s": 0.5})
 
-    long, late, waited = asyncio.run(behind_a_busy_slot(port, admin, 20, chat(2, user="late")))
+    long, late, long_running = asyncio.run(behind_a_busy_slot(port, admin, 20, chat(2, user="late")))
     assert long[0] == 200
-    assert late[0] == 503 and late[1] == "5" and 0.45 < waited < 1.8, (late, waited)
+    # its wait ended by its timeout, not by the slot coming free (the log line below says after how long)
+    assert late[0] == 503 and late[1] == "5" and long_running, late
     text = metrics(port)
     assert 'proxy_queue_rejected_total{reason="timeout"} 1.0' in text
     assert 'proxy_requests_total{backend="none",status="503"} 1.0' in text
@@ -287,11 +290,8 @@ def test_abandoned_requests_leave_the_queue_and_no_count_behind(procs, tmp_path)
 
     async def fresh():
         async with aiohttp.ClientSession() as s:
-            t0 = time.monotonic()
-            status = (await post(s, port, chat(2)))[0]
-            return status, time.monotonic() - t0
-    status, took = asyncio.run(fresh())
-    assert status == 200 and took < 2
+            return (await post(s, port, chat(2)))[0]
+    assert asyncio.run(fresh()) == 200
 
 
 @pytest.mark.process
@@ -301,8 +301,8 @@ def test_no_queue_at_all_answers_429_at_once(procs, tmp_path):
     ports = start_sims(procs, tmp_path, 1, seqs=1, token_ms=100)
     port, admin = start_proxy(procs, tmp_path, ports, slots=1, queue={"max": 0, "timeout_s": 60})
 
-    long, refused, took = asyncio.run(behind_a_busy_slot(port, admin, 30, chat(2)))
-    assert long[0] == 200 and refused[0] == 429 and took < 1.5
+    long, refused, long_running = asyncio.run(behind_a_busy_slot(port, admin, 30, chat(2)))
+    assert long[0] == 200 and refused[0] == 429 and long_running
 
 
 @pytest.mark.process

@@ -9,6 +9,7 @@ import urllib.request
 
 import pytest
 
+from conftest import wait_until
 from fleet_helpers import deployment_id, inv, kill_tagged, status_json, write_inventory
 
 
@@ -68,11 +69,12 @@ def test_rolling_restart_under_load_fails_no_request(tmp_path):
         for t in threads:
             t.start()
         try:
-            time.sleep(0.5)
+            wait_until(lambda: results.count(200) >= 4, what="the clients' first answers")
             t0 = time.monotonic()
             r = inv("restart", "--host", "t", "--rolling", inventory=inventory, timeout=240)
             took = time.monotonic() - t0
-            time.sleep(0.5)
+            before = len(results)   # every client goes on being answered after the restart
+            wait_until(lambda: results[before:].count(200) >= 4, what="4 answers after the restart")
         finally:
             stop.set()
             for t in threads:

@@ -224,7 +224,9 @@ def test_integer_user_is_refused_like_vllm(api):
     (chat(max_tokens=5000), None, 400, "BadRequestError"),  # over --max-model-len 4096
 ])
 @pytest.mark.xdist_group("sim_api")
-def test_bad_requests(api, body, data, status, err_type):
+def test_malformed_json_unknown_model_and_too_many_tokens_get_vllms_error_answer(api, body, data, status,
+                                                                                 err_type):
+    """Each bad request gets vLLM's status and error body: {"error": {type, code, ...}}."""
     got, reply = request(api.url("/v1/chat/completions"), body, data=data)
     assert got == status and reply["error"]["type"] == err_type and reply["error"]["code"] == status
 
@@ -284,7 +286,6 @@ def test_client_disconnect_frees_the_slot(procs, tmp_path):
     3. The streaming client hangs up: its slot is free at once, long before its answer would end.
     """
     sim = start_sim(procs, tmp_path, "--max-num-seqs", "1", "--sim-token-ms", "10", "--sim-output-tokens", "500")
-    started = time.monotonic()
     streaming = open_stream(sim.port, chat(stream=True))
     try:
         got = b""
@@ -298,8 +299,7 @@ def test_client_disconnect_frees_the_slot(procs, tmp_path):
     finally:
         streaming.close()
     wait_until(lambda: sim.stats()["running"] == 0, timeout=3, what="the slot to be freed")
-    assert sim.stats()["aborted_total"] == 2
-    assert time.monotonic() - started < 4  # the answer would have taken 5 s
+    assert sim.stats()["aborted_total"] == 2   # the stream was cut, not finished (its 500 tokens take 5 s)
     assert request(sim.url("/v1/chat/completions"), chat(max_tokens=2))[0] == 200
 
 
@@ -413,7 +413,8 @@ def test_after_engine_death_api_server_exits_like_vllm_032_or_stays_like_011(pro
     assert http_status(sim.url("/v1/models")) == 200
     wait_until(lambda: not devices.pid_alive(worker), timeout=5, what="the worker to follow its engine")
     if stays:
-        time.sleep(2.5)
+        # the one way the API server ends by itself is the exit its engine's death schedules: none here
+        assert sim.stats()["exit_scheduled"] is False
         assert sim.proc.poll() is None and http_status(sim.url("/health")) == 503
     else:
         assert sim.proc.wait(10) == 1

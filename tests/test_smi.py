@@ -56,7 +56,8 @@ def test_every_fixture_has_a_case():
 
 @pytest.mark.parametrize("name", sorted(FIXTURES))
 @pytest.mark.unit
-def test_fixture(name):
+def test_each_real_smi_output_parses_to_its_cards(name):
+    """A real tool's output (tests/data/smi; SOURCES.md there says where from) parses to the cards it shows."""
     tool, want = FIXTURES[name]
     got = as_tuples(smi.parse(tool, (DATA / name).read_text()))
     assert same(got, want), got

@@ -7,7 +7,6 @@ import pwd
 import re
 import signal
 import subprocess
-import time
 
 import pytest
 
@@ -136,13 +135,11 @@ def test_untagged_holder_is_listed_by_check_and_killed_only_by_force(bare_host, 
                      rf"{holder.pid} .*--force` kills the ones that are yours", r.stderr), r.stderr
     assert holder.poll() is None
 
-    t0 = time.monotonic()
     r = inv("stop", "--host", "t", "--force", inventory=inventory)
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"force: killed pid {holder.pid}" in r.stdout
     assert table_rows(r.stdout) == {c: "released" for c in range(4)}, r.stdout
     assert holder.wait(timeout=5) == -signal.SIGTERM
-    assert time.monotonic() - t0 < 30
 
 
 def ensure_other_user() -> str:

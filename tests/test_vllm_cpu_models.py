@@ -25,7 +25,9 @@ from conftest import ROOT, free_ports, wait_until
 from fleet_helpers import deployment_id, inv, kill_tagged, session_members, status_json
 from test_vllm_cpu import LOAD_TIMEOUT_S, VENV, engine_venv
 
-pytestmark = [pytest.mark.real_engine, pytest.mark.xdist_group("real_engine"), pytest.mark.timeout(1500)]
+# A group of its own: its deployment is its own, so it runs beside test_vllm_cpu.py's on another worker
+# (the two in one group were the suite's floor).
+pytestmark = [pytest.mark.real_engine, pytest.mark.xdist_group("real_engine_models"), pytest.mark.timeout(1500)]
 
 HOST = "two-models"
 A, B = "tiny-a", "tiny-b"

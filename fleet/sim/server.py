@@ -38,6 +38,7 @@ class Engine:
         for m in config.lora_modules:  # checked at startup (SimConfig.startup_error): they load
             self.adapters.load(m.name, m.path, base_model_name=m.base_model_name)
         self.exit_now = asyncio.Event()   # set when the API server must end by itself (engine dead, 0.32)
+        self.exit_scheduled = False       # that end is on its way (what a test reads in /sim/stats)
         # The prefix cache lives in this process: a restart empties it, as vLLM's does.
         self.cache = PrefixCache(config.kv_blocks, config.block_size)
         self.scheduler = Scheduler(config.max_num_seqs, self._load_changed, self.cache)
@@ -97,12 +98,14 @@ class Engine:
             log.error("EngineDeadError: EngineCore encountered an issue; the API server exits in %gs",
                       self.config.exit_delay_s)
             asyncio.get_running_loop().call_later(self.config.exit_delay_s, self.exit_now.set)
+            self.exit_scheduled = True
 
     def stats(self) -> dict:
         s = self.scheduler
         return {"running": s.running, "waiting": s.waiting, "peak_running": s.peak_running,
                 "peak_in_flight": s.peak_in_flight, "requests_total": s.requests_total,
                 "aborted_total": s.aborted_total, "engine_alive": self.alive, "ready": self.ready,
+                "exit_scheduled": self.exit_scheduled,
                 "hung": not self.unhung.is_set(), "engine_pid": self.core.pid,
                 "prefix_cache": self.cache.stats()}
 
@@ -445,8 +448,9 @@ async def serve(config: SimConfig) -> int:
     try:
         site = web.TCPSite(runner, config.host, config.port)
         await site.start()
+        port = runner.addresses[0][1]   # the port bound: --port 0 takes a free one, said here
         log.info("fleet.sim serving %s as %s on http://%s:%d (pid %d, max_num_seqs %d)", config.model,
-                 ",".join(config.served_model_names), config.host, config.port, os.getpid(),
+                 ",".join(config.served_model_names), config.host, port, os.getpid(),
                  config.max_num_seqs)
         await _first(stop.wait(), engine.exit_now.wait())
         if engine.exit_now.is_set() and not stop.is_set():
