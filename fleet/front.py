@@ -227,14 +227,23 @@ def _restart_proxy(conn, hv, state, report, emit) -> None:
 
 
 def _reload_proxy(conn, hv, p, report) -> bool:
-    """SIGHUP the running proxy and wait until its admin lists the new backends; False if it did not."""
+    """SIGHUP the running proxy and wait until it has applied the new config; False when it refused it,
+    kept a setting only a restart changes, or did not answer in time (then the caller restarts it)."""
+    before = (p.get("config") or {}).get("reloads")
+    if before is None:        # a proxy that does not report its reloads: restart it
+        return False
     conn.run(f"kill -HUP {int(p['pid'])}")
     want = hv.backends
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         f = facts.probe(conn, hv)["proxy"]
         running = f.get("config") or {}
-        if f["alive"] and running.get("backends") == want:
+        reloads = running.get("reloads") or before
+        if f["alive"] and reloads["refused"] > before["refused"]:
+            report.add("proxy", "ok", f"pid {p['pid']} refused the new config ({reloads['last_error']}); "
+                       "restarting it")
+            return False
+        if f["alive"] and reloads["applied"] > before["applied"] and running.get("backends") == want:
             # The proxy names what the reload could not change (its listeners, the body limit, the drain
             # time, its log's rotation: proxy.state.RESTART_ONLY); those need a restart.
             if running.get("pending_restart"):

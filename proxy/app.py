@@ -186,7 +186,7 @@ def make_admin_app(proxy: Proxy) -> web.Application:
     async def running_config(request):
         c = proxy.config
         return web.json_response({"pid": PID, "backends": list(c.backends), "listen": [c.listen.host, c.listen.port],
-                                  "pending_restart": list(proxy.pending_restart),
+                                  "pending_restart": list(proxy.pending_restart), "reloads": proxy.reloads,
                                   "admin": [c.admin.host, c.admin.port], "timeout_s": c.timeout_s,
                                   "connect_timeout_s": c.connect_timeout_s, "max_body_mb": c.max_body_mb,
                                   "retries": c.retries, "max_fails": c.max_fails,

@@ -39,6 +39,9 @@ class Proxy:
         self.drain_s: float | None = None  # the drain bound asked for (None: shutdown_timeout_s)
         self.drained: asyncio.Future | None = None  # what the drain came to, for /admin/drain-and-exit
         self.pending_restart: tuple[str, ...] = ()  # RESTART_ONLY settings the config file changed since start
+        # Reloads applied and refused, and why the last one was refused: /admin/config reports them, so a
+        # deploy that sent SIGHUP knows what came of it.
+        self.reloads = {"applied": 0, "refused": 0, "last_error": None}
 
     def reload(self) -> bool:
         """Re-read the config file and apply it; an invalid one is refused and the old one stays."""
@@ -60,11 +63,9 @@ class Proxy:
                         threading.Thread(target=results.stop, name="results-log-stop", daemon=True).start()
                     raise
         except ConfigError as e:
-            log.error("reload refused, the running config stays: %s", e)
-            return False
+            return self._refused(str(e))
         except Exception as e:   # whatever it is, a reload must never take the running proxy down
-            log.error("reload refused, the running config stays: %s: %s", type(e).__name__, e)
-            return False
+            return self._refused(f"{type(e).__name__}: {e}")
         if results is not None:
             self.results, old_results = results, self.results
             # Flushing the old file joins its writer thread: not on the event loop.
@@ -77,11 +78,19 @@ class Proxy:
         self._use(new)
         self.api_keys = keys
         self.pending_restart = pending
+        self.reloads["applied"] += 1
+        self.reloads["last_error"] = None
         self.check_now.set()
         log.info("reloaded %s: %d backends (added %s, removed %s)%s", self.config_path, len(new.backends),
                  ", ".join(added) or "none", ", ".join(removed) or "none",
                  ", API keys on" if keys is not None else "")
         return True
+
+    def _refused(self, why: str) -> bool:
+        log.error("reload refused, the running config stays: %s", why)
+        self.reloads["refused"] += 1
+        self.reloads["last_error"] = why
+        return False
 
     def _span_export(self, config: ProxyConfig) -> SpanExport | None:
         """The span export config.otlp asks for (not started), or None; ConfigError without the SDK (an
