@@ -43,9 +43,7 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    proxy = request.app[PROXY]
-    proxy.metrics.cover(proxy.router.backends)   # a backend added (at start or by a reload) shows its zeros
-    body = generate_latest(proxy.metrics.registry)
+    body = generate_latest(request.app[PROXY].metrics.registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

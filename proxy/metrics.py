@@ -11,8 +11,8 @@ WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120)
 # Time to first byte: the duration buckets, finer below a second (a first token comes in tens of ms).
 TTFB_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TOKEN_BUCKETS = tuple(2 ** k for k in range(16))   # 1 .. 32768 output tokens
-# The label values known before any event: their series are made at start (or when a backend is first
-# seen), so a panel or an increase() over them starts from 0 instead of "no data".
+# The label values known before any event: their series are made at start (or when a reload adds a
+# backend), so a panel or an increase() over them starts from 0 instead of "no data".
 QUEUE_REJECT_REASONS = ("full", "timeout", "gone")
 EJECTION_REASONS = ("connect_timeout", "connect", "5xx")
 UPSTREAM_ERROR_KINDS = ("connect_timeout", "connect", "disconnected", "timeout", "payload", "connection", "other")

@@ -27,6 +27,7 @@ class Proxy:
         self.api_keys = load_api_keys(config.api_keys_file)
         self.router = Router(config)     # the pools: one of every backend, or one per served model
         self.metrics = Metrics(lambda: self.router)
+        self.metrics.cover(self.router.backends)     # each backend's series at 0 from the start
         self.results = ResultsLog(config.results_log, self.metrics.results_dropped.inc)
         self.spans = self._span_export(config)   # None: no export (otlp.endpoint unset)
         self.session: aiohttp.ClientSession | None = None
@@ -75,6 +76,7 @@ class Proxy:
             if old_spans is not None:
                 threading.Thread(target=old_spans.stop, name="otlp-stop", daemon=True).start()
         added, removed = self.router.update(new)
+        self.metrics.cover(added)
         self._use(new)
         self.api_keys = keys
         self.pending_restart = pending
