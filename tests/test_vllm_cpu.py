@@ -524,17 +524,19 @@ def test_prefix_routing_serves_more_of_each_conversation_from_the_engines_cache(
     rounds stay on one instance. (min_match_tokens is scaled to the tiny model's short prompts: the
     proxy reckons 4 bytes a token, the tiny tokenizer about 4.5 bytes on its own words.)"""
     c = cluster
-    r = c.inv("deploy", "--set", "proxy.routing.policy=least_conn")   # prefix is the default
+    # Only the proxy's routing changes: the doctor (the module's first deploy ran it) is skipped.
+    r = c.inv("deploy", "--no-doctor", "--set", "proxy.routing.policy=least_conn")   # prefix is the default
     try:
         assert r.returncode == 0, r.stdout + r.stderr
         least, _ = conversations(c, "least")
-        r = c.inv("deploy", "--set", "proxy.routing.policy=prefix", "--set", "proxy.routing.min_match_tokens=64")
+        r = c.inv("deploy", "--no-doctor", "--set", "proxy.routing.policy=prefix",
+                  "--set", "proxy.routing.min_match_tokens=64")
         assert r.returncode == 0, r.stdout + r.stderr
         with urllib.request.urlopen(f"http://127.0.0.1:{c.admin_port}/admin/config", timeout=5) as resp:
             assert json.loads(resp.read())["routing"]["policy"] == "prefix"
         prefix, homes = conversations(c, "prefix")
     finally:
-        r = c.inv("deploy")          # the inventory's own config again, for the tests that follow
+        r = c.inv("deploy", "--no-doctor")     # the inventory's own config again, for the tests that follow
         assert r.returncode == 0, r.stdout + r.stderr
     c.figures["prefix_cache_hit_share"] = {"least_conn": round(least, 3), "prefix": round(prefix, 3)}
     assert all(len(set(h)) == 1 for h in homes.values()), homes
