@@ -63,7 +63,9 @@ def swap_to_nginx(conn: Transport, hv: HostVars, emit: Emit = lambda line: None,
 def _swap_to_nginx(conn: Transport, hv: HostVars, emit: Emit) -> Report:
     report = Report(hv.name)
     hv, found = _prepare(conn, hv, report, emit)
-    if not any(f["alive"] and f["health"] == 200 for f in found["instances"]):
+    # An entry host's backends are other hosts' instances: its proxy's view says whether one is healthy.
+    if not any(f["alive"] and f["health"] == 200 for f in found["instances"]) and not any(
+            b.get("healthy") for b in found["proxy"].get("backends") or []):
         raise FleetError(f"{hv.name}: no instance is healthy; run `inv deploy` (and check `inv status`) "
                          "before swapping the front.")
     pre = agent.host_command(conn, hv, "check", emit, config=agent.FRONT_CONFIG)
