@@ -127,3 +127,26 @@ def test_a_key_nginx_cannot_check_is_refused_in_one_sentence_without_the_key(tmp
     with pytest.raises(apikeys.KeysError, match="holds no key; put one key per line, or drop the setting"):
         apikeys.read_keys(str(path))
     assert apikeys.pattern("a-b") == '"~^(?i:bearer)[ \\t]+a\\x2db[ \\t]*\\z"'
+
+
+@pytest.mark.unit
+def test_the_host_and_the_proxy_fingerprint_a_key_file_alike(tmp_path):
+    """A deploy compares the key file's digest (the host agent's) with the running proxy's (its
+    /admin/config), so both must agree whatever the file's layout:
+    1. comments, blanks, repeats and order do not change it; 2. a key added or removed does; 3. nginx's
+    map records the same digest; 4. a file that cannot be used is a sentence, not a digest."""
+    from proxy.config import keys_digest, load_api_keys
+    path = tmp_path / "keys"
+    path.write_text("# clients\nsk-b\n\n  sk-a  \nsk-b\n")
+    first = apikeys.file_digest(str(path))
+    assert first == {"digest": keys_digest(load_api_keys(str(path))), "error": None}
+    path.write_text("sk-a\nsk-b\n")
+    assert apikeys.file_digest(str(path)) == first
+    path.write_text("sk-a\nsk-b\nsk-c\n")
+    assert apikeys.file_digest(str(path))["digest"] not in (first["digest"], None)
+    conf = tmp_path / "nginx_keys.conf"
+    apikeys.write(str(conf), str(path))
+    assert apikeys.conf_digest(str(conf)) == keys_digest(load_api_keys(str(path)))
+    path.write_text("# none\n")
+    assert apikeys.file_digest(str(path)) == {
+        "digest": None, "error": f"api_keys_file {path} holds no key; put one key per line, or drop the setting."}
