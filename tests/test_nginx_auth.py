@@ -67,7 +67,10 @@ def test_keys_hold_on_both_fronts_and_a_changed_key_file_is_taken(tmp_path):
     run/nginx_keys.conf (mode 0600), not in conf/nginx.conf;
     3. KEY replaced by NEW_KEY in the file while nginx runs: the watcher rewrites the map and reloads
     nginx, NEW_KEY gets 200 and KEY 401, with no command;
-    4. swap-to-proxy and the key file changed back, SIGHUP to the proxy: it takes it too;
+    4. swap-to-proxy and the key file changed back: `deploy --check` says it would reload the proxy for
+    it, `deploy` reloads it (same pid) and the old key is 401; a second deploy has nothing to do; an
+    emptied file fails the deploy's `api keys` step in one sentence and the proxy keeps its keys; SIGHUP
+    by hand takes a changed file too;
     5. no key appears in any file under logs/."""
     require_tool("nginx")
     keys = tmp_path / "keys"
@@ -101,8 +104,24 @@ def test_keys_hold_on_both_fronts_and_a_changed_key_file_is_taken(tmp_path):
         assert r.returncode == 0, r.stdout + r.stderr
         assert chat(port, NEW_KEY) == 200 and chat(port, KEY) == 401
         keys.write_text(f"{KEY}\n")
-        os.kill(status_json(inventory)["proxy"]["pid"], signal.SIGHUP)
-        wait_until(lambda: chat(port, KEY) == 200 and chat(port, NEW_KEY) == 401, timeout=30,
+        pid = status_json(inventory)["proxy"]["pid"]
+        r = inv("deploy", "--host", "t", "--check", inventory=inventory)
+        assert "would reload (SIGHUP) pid %d with the new config (the key file changed)" % pid in r.stdout, r.stdout
+        r = inv("deploy", "--host", "t", inventory=inventory)
+        assert r.returncode == 0 and "API keys taken from the key file" in r.stdout, r.stdout + r.stderr
+        assert status_json(inventory)["proxy"]["pid"] == pid
+        assert chat(port, KEY) == 200 and chat(port, NEW_KEY) == 401
+        r = inv("deploy", "--host", "t", inventory=inventory)
+        assert "ok: proxy: already running" in r.stdout, r.stdout
+        keys.write_text("# nobody yet\n")
+        r = inv("deploy", "--host", "t", inventory=inventory)
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert (f"failed: api keys: api_keys_file {keys} holds no key; put one key per line, or drop the "
+                "setting. The front keeps the keys it had.") in r.stdout, r.stdout
+        assert chat(port, KEY) == 200
+        keys.write_text(f"{NEW_KEY}\n")
+        os.kill(pid, signal.SIGHUP)        # by hand, as before: a reload reads the file too
+        wait_until(lambda: chat(port, NEW_KEY) == 200 and chat(port, KEY) == 401, timeout=30,
                    what="the proxy takes the changed key file")
     finally:
         inv("stop", "--host", "t", inventory=inventory)
