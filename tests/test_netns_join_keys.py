@@ -11,7 +11,6 @@ import http.client
 import json
 import os
 import re
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -24,7 +23,7 @@ from conftest import require_tool, wait_until
 from fleet_helpers import inv
 from hostagent import apikeys, layout
 from netns import NetnsFleet, netns_fleet  # noqa: F401  (the fixture)
-from test_netns_fleet import BASE, PORT, admin_backends, cleanup, member, recap  # noqa: F401  (a fixture)
+from test_netns_fleet import BASE, PORT, Load, admin_backends, cleanup, member, recap  # noqa: F401  (a fixture)
 
 # Its own group (not "netns", already the longest): this module's fleets run beside that one.
 pytestmark = [pytest.mark.netns, pytest.mark.ssh, pytest.mark.cluster, pytest.mark.xdist_group("netns_join"),
@@ -73,31 +72,16 @@ def post(address: str, key: str, stream: bool, user: str) -> tuple[int | None, s
         return None, None
 
 
-class Clients:
+class Clients(Load):
     """Client threads, each with its API key, sending requests (half streamed) to an entry port until
     stopped, at most max_s: each request's start, end, key, status and backend."""
 
     def __init__(self, address: str, keys: list[str], max_s: float = 300):
-        self.address, self.max_s = address, max_s
-        self.done: list[dict] = []
-        self.lock = threading.Lock()
-        self.stopping = threading.Event()
-        self.threads = [threading.Thread(target=self._run, args=(k, key), daemon=True)
-                        for k, key in enumerate(keys)]
+        self.keys = keys
+        super().__init__(address, threads=len(keys), max_s=max_s)
 
-    def __enter__(self) -> "Clients":
-        self.t0 = time.monotonic()
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stopping.set()
-        for t in self.threads:
-            t.join(timeout=150)
-
-    def _run(self, k: int, key: str) -> None:
-        n = refused = 0
+    def _run(self, k: int) -> None:
+        key, n, refused = self.keys[k], 0, 0
         # a client whose key was refused 3 times in a row gives up, as a real one would
         while not self.stopping.is_set() and time.monotonic() - self.t0 < self.max_s and refused < 3:
             n += 1
@@ -107,10 +91,6 @@ class Clients:
             with self.lock:
                 self.done.append({"start": start, "end": time.monotonic(), "key": key, "status": code,
                                   "backend": backend})
-
-    def count(self, predicate=lambda d: True) -> int:
-        with self.lock:
-            return sum(1 for d in self.done if predicate(d))
 
     def failed(self) -> list[dict]:
         """Requests that did not succeed although their key was valid (every key but a removed one)."""
@@ -202,8 +182,12 @@ def test_hosts_join_and_leave_and_keys_rotate_under_load_with_no_failed_request(
     assert old_clients.failed() == [], old_clients.failed()[:5]
     assert any(d["backend"] == on["m1"] and d["start"] > t_joined for d in served)
     assert not [d for d in served if d["backend"] == on["m1"] and d["start"] > t_left]
+    # requests on m1 while the deploy that removed it ran: each finished (the drain), none failed
+    across = [d for d in served if d["backend"] == on["m1"] and d["start"] < t_left and d["end"] > t_leave]
+    assert across and all(d["status"] == 200 for d in across)
     figures.append(f"{len(served)} requests with OLD through join and leave, "
-                   f"{sum(d['backend'] == on['m2'] for d in served)} on m2, {len(old_clients.failed())} failed")
+                   f"{sum(d['backend'] == on['m2'] for d in served)} on m2, {len(across)} on m1 during the "
+                   f"leave's deploy, {len(old_clients.failed())} failed")
 
     # 4. rotate: OLD -> OLD+NEW -> NEW
     with Clients(entry, [OLD, OLD]) as old_c:
