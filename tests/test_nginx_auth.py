@@ -12,6 +12,7 @@ import stat
 import pytest
 
 from conftest import require_tool, wait_until
+from fleet import inventory
 from fleet_helpers import deployment_id, inv, kill_tagged, status_json, write_inventory
 from hostagent import apikeys
 
@@ -169,3 +170,29 @@ def test_the_host_and_the_proxy_fingerprint_a_key_file_alike(tmp_path):
     path.write_text("# none\n")
     assert apikeys.file_digest(str(path)) == {
         "digest": None, "error": f"api_keys_file {path} holds no key; put one key per line, or drop the setting."}
+
+
+@pytest.mark.unit
+def test_deploy_takes_a_key_file_only_when_the_front_runs_other_keys(tmp_path):
+    """What deploy decides from the probe's facts, on either front: 1. no key file set: nothing to take;
+    2. the file's digest differs from the running proxy's (or from nginx's map): take it; 3. the same:
+    nothing; 4. a file that cannot be used: a failed `api keys` step in one sentence, nothing taken."""
+    from fleet import front
+    from fleet.report import Report
+    path = write_inventory(tmp_path, instances=1)
+    hv = inventory.load(path).host_vars("t")
+    found = {"proxy": {"config": {"api_keys_digest": "aaaa"}}, "api_keys": {"digest": "bbbb", "error": None,
+                                                                           "nginx_digest": "bbbb"}}
+    assert front._keys_to_take(hv, found, Report("t"), "running") is None          # no api_keys_file
+    hv.vars["proxy"]["api_keys_file"] = "keys"
+    assert front._keys_to_take(hv, found, Report("t"), "running") == "bbbb"
+    assert front._keys_to_take(hv, found, Report("t"), "nginx_digest") is None
+    found["proxy"]["config"]["api_keys_digest"] = "bbbb"
+    assert front._keys_to_take(hv, found, Report("t"), "running") is None
+    report = Report("t")
+    found["api_keys"] = {"digest": None, "error": "api_keys_file keys holds no key; put one key per line, or "
+                         "drop the setting.", "nginx_digest": "bbbb"}
+    assert front._keys_to_take(hv, found, report, "nginx_digest") is None
+    assert [(s.name, s.status, s.message) for s in report.steps] == [
+        ("api keys", "failed", "api_keys_file keys holds no key; put one key per line, or drop the setting. "
+                               "The front keeps the keys it had.")]
