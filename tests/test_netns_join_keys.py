@@ -44,7 +44,9 @@ def write_inventory(fleet: NetnsFleet, tmp_path: Path, keys: Path, entries: dict
                     file: str = "hosts.yml", members: tuple[str, ...] = ("m1", "m2")) -> Path:
     """The members (m1 and m2: namespaces 1 and 2, one sim instance each) and each entry host of entries,
     name -> (its namespace, its `fronts`): no instance of its own, the key file."""
-    hosts = {m: member(fleet, i, tmp_path, instances=1, sim=SIM) for i, m in ((1, "m1"), (2, "m2")) if m in members}
+    # m1 answers slower (2 s): requests are still in flight there when the entry lets it go
+    hosts = {m: member(fleet, i, tmp_path, instances=1, sim=sim) for i, m, sim in
+             ((1, "m1", {**SIM, "token_ms": 100}), (2, "m2", SIM)) if m in members}
     for name, (i, fronts) in entries.items():
         hosts[name] = member(fleet, i, tmp_path, instances=0, fronts=fronts, sim=SIM,
                              deploy_dir=str(tmp_path / name), proxy={"api_keys_file": str(keys)})
