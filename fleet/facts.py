@@ -46,7 +46,7 @@ def probe(conn: Transport, hv: HostVars, files: list[str] = (), readonly: bool =
     spec = {"deploy_dir": hv["deploy_dir"], "ports": hv.ports, "instance_host": hv.instance_host,
             "proxy_port": hv["proxy"]["port"], "admin_port": hv["proxy"]["admin_port"],
             "proxy_address": layout.local_address(hv["proxy"]["bind"]), "deployment_id": hv.deployment_id, "health_timeout_s": hv["health_timeout_s"],
-            "files": list(files), "readonly": readonly}
+            "files": list(files), "readonly": readonly, "api_keys_file": hv["proxy"]["api_keys_file"] or None}
     return agent.run_script(conn, hv, "state", spec, "reading the deployment's state", timeout=60)
 
 

@@ -63,7 +63,9 @@ def swap_to_nginx(conn: Transport, hv: HostVars, emit: Emit = lambda line: None,
 def _swap_to_nginx(conn: Transport, hv: HostVars, emit: Emit) -> Report:
     report = Report(hv.name)
     hv, found = _prepare(conn, hv, report, emit)
-    if not any(f["alive"] and f["health"] == 200 for f in found["instances"]):
+    # An entry host's backends are other hosts' instances: its proxy's view says whether one is healthy.
+    if not any(f["alive"] and f["health"] == 200 for f in found["instances"]) and not any(
+            b.get("healthy") for b in found["proxy"].get("backends") or []):
         raise FleetError(f"{hv.name}: no instance is healthy; run `inv deploy` (and check `inv status`) "
                          "before swapping the front.")
     pre = agent.host_command(conn, hv, "check", emit, config=agent.FRONT_CONFIG)
@@ -130,6 +132,8 @@ def deploy_nginx(conn: Transport, hv: HostVars, found: dict, changed_files: set[
         return
     n = found.get("nginx") or {}
     stale = any(f in NGINX_FILES or f.startswith(layout.HOSTAGENT_CODE + "/") for f in changed_files)
+    keys = _keys_to_take(hv, found, report, "nginx_digest")
+    stale = stale or (keys is not None and bool(n.get("alive")))
     # keeper.enabled: the keeper does the /health watching (one agent); else the watcher does.
     watching = (found.get("keeper") or {}).get("alive") if hv["keeper"]["enabled"] else n.get("watcher_alive")
     if n.get("alive") and watching and not stale:
@@ -137,14 +141,23 @@ def deploy_nginx(conn: Transport, hv: HostVars, found: dict, changed_files: set[
         return
     verb = "reload" if n.get("alive") else "start"
     if check:
-        report.add("front", "changed", f"would {verb} nginx on :{hv['proxy']['port']}")
+        report.add("front", "changed", f"would {verb} nginx on :{hv['proxy']['port']}"
+                   + (" (the key file changed)" if keys is not None else ""))
         return
     try:
         r = agent.host_command(conn, hv, "reload" if stale else "to-nginx", emit, config=agent.FRONT_CONFIG)
     except FleetError as e:
         report.add("front", "failed", str(e))
         return
-    report.add("front", "changed", f"nginx {verb}ed, pid {r['pid']}" + (", watcher restarted"
+    drained = ""
+    if r.get("old_workers"):
+        drained = (f"; its old workers finished their requests in {r['drain_ms']} ms" if not r.get("still_draining")
+                   else f"; {r['still_draining']} old worker(s) still finish requests after drain_timeout_s")
+    took = ""
+    if keys is not None:
+        took = (", API keys taken from the key file" if r.get("keys_digest") == keys
+                else ", but its API keys are not the key file's yet (see logs/keeper.log)")
+    report.add("front", "changed", f"nginx {verb}ed, pid {r['pid']}" + took + drained + (", watcher restarted"
                if r.get("watcher_pid") else ""))
 
 
@@ -162,6 +175,10 @@ def deploy_front(conn: Transport, hv: HostVars, found: dict, changed_files: set[
     # A setting an earlier reload could not change (proxy.state.RESTART_ONLY) is still owed a restart.
     owed = bool((p.get("config") or {}).get("pending_restart"))
     stale = owed or any(f == layout.PROXY_CONF or f.startswith(layout.PROXY_CODE + "/") for f in changed_files)
+    # A key file whose keys are not those the running proxy loaded: a reload takes them (by content: the
+    # probe's digest of the file against the one /admin/config reports).
+    keys = _keys_to_take(hv, found, report, "running") if p["alive"] else None
+    stale = stale or keys is not None
     if state == "port-taken":
         report.add("proxy", "failed", f"port {hv['proxy']['port']} is taken by a process that is not this "
                    "deployment's proxy; free it or change proxy.port")
@@ -175,9 +192,10 @@ def deploy_front(conn: Transport, hv: HostVars, found: dict, changed_files: set[
                   and not any(f.startswith(layout.PROXY_CODE + "/") for f in changed_files))
     if reloadable:
         if check:
-            report.add("proxy", "changed", f"would reload (SIGHUP) pid {p['pid']} with the new config")
+            report.add("proxy", "changed", f"would reload (SIGHUP) pid {p['pid']} with the new config"
+                       + (" (the key file changed)" if keys is not None else ""))
             return
-        if _reload_proxy(conn, hv, p, report):
+        if _reload_proxy(conn, hv, p, report, keys):
             return
     verb = "restart" if state in ("healthy", "no-backend") else "start"
     if check:
@@ -226,14 +244,32 @@ def _restart_proxy(conn, hv, state, report, emit) -> None:
                    f"its port, which refused connections for about {r['gap_ms']} ms")
 
 
-def _reload_proxy(conn, hv, p, report) -> bool:
-    """SIGHUP the running proxy and wait until it has applied the new config; False when it refused it,
-    kept a setting only a restart changes, or did not answer in time (then the caller restarts it)."""
+def _keys_to_take(hv: HostVars, found: dict, report: Report, against: str) -> str | None:
+    """The digest of the key file's keys when the running front does not have them yet, else None.
+    against: `running` (the proxy's /admin/config) or `nginx_digest` (nginx's map). A key file that
+    cannot be used is a failed step: the front keeps the keys it has."""
+    if not hv["proxy"]["api_keys_file"]:
+        return None
+    keys = found.get("api_keys") or {}
+    if keys.get("error"):
+        report.add("api keys", "failed", f"{keys['error']} The front keeps the keys it had.")
+        return None
+    running = ((found["proxy"].get("config") or {}).get("api_keys_digest") if against == "running"
+               else keys.get(against))
+    return keys["digest"] if keys.get("digest") and running != keys["digest"] else None
+
+
+def _reload_proxy(conn, hv, p, report, keys: str | None = None) -> bool:
+    """SIGHUP the running proxy and wait until it has applied the new config (keys: the digest of the
+    keys it must then run with); False when it refused it, kept a setting only a restart changes, or did
+    not answer in time (then the caller restarts it). Backends the reload removed are waited for until
+    their requests in flight end (up to drain_timeout_s), so their host can be stopped at once after."""
     before = (p.get("config") or {}).get("reloads")
     if before is None:        # a proxy that does not report its reloads: restart it
         return False
     conn.run(f"kill -HUP {int(p['pid'])}")
     want = hv.backends
+    removed = [b for b in (p.get("config") or {}).get("backends") or [] if b not in want]
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         f = facts.probe(conn, hv)["proxy"]
@@ -243,12 +279,34 @@ def _reload_proxy(conn, hv, p, report) -> bool:
             report.add("proxy", "ok", f"pid {p['pid']} refused the new config ({reloads['last_error']}); "
                        "restarting it")
             return False
-        if f["alive"] and reloads["applied"] > before["applied"] and running.get("backends") == want:
+        if (f["alive"] and reloads["applied"] > before["applied"] and running.get("backends") == want
+                and (keys is None or running.get("api_keys_digest") == keys)):
             # The proxy names what the reload could not change (its listeners, the body limit, the drain
             # time, its log's rotation: proxy.state.RESTART_ONLY); those need a restart.
             if running.get("pending_restart"):
                 return False
-            report.add("proxy", "changed", f"reloaded (SIGHUP), pid {p['pid']}, {len(want)} backends")
+            added = [b for b in want if b not in (p.get("config") or {}).get("backends", want)]
+            report.add("proxy", "changed", f"reloaded (SIGHUP), pid {p['pid']}, {len(want)} backends"
+                       + (f" ({len(added)} added: each takes requests once its /health answers 200)" if added else "")
+                       + (", API keys taken from the key file" if keys is not None else "")
+                       + _drain_removed(conn, hv, removed, running))
             return True
         time.sleep(0.2)
     return False
+
+
+def _drain_removed(conn, hv, removed: list[str], running: dict) -> str:
+    """Wait until the requests in flight on the backends a reload removed have ended (they take no new
+    ones), up to drain_timeout_s; what came of it, for the report."""
+    if not removed:
+        return ""
+    t0 = time.monotonic()
+    leaving = running.get("leaving") or []
+    while leaving and time.monotonic() - t0 < hv["drain_timeout_s"]:
+        time.sleep(0.2)
+        leaving = (facts.probe(conn, hv)["proxy"].get("config") or {}).get("leaving") or []
+    if leaving:
+        held = sum(b["in_flight"] for b in leaving)
+        return (f"; {len(removed)} removed, {held} request(s) still in flight there after drain_timeout_s "
+                f"({hv['drain_timeout_s']:g}s): they finish unless their host stops")
+    return f"; {len(removed)} removed, drained in {time.monotonic() - t0:.1f}s (their requests finished)"

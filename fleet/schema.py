@@ -509,8 +509,9 @@ class HostSettings(Section):
     release_threshold_mib: _number(0, 1e9, "a number of MiB from 0 to 1000000000") = doc(1024.0,
         "A card counts as released at or under this much used memory (an idle K100_AI shows 2-3 MiB).")
     drain_timeout_s: _seconds(off=True) = doc(60.0,
-        "How long a stop waits for the front's requests in flight, and a restart for a drained "
-        "instance's; 0 turns the wait off.")
+        "How long a stop waits for the front's requests in flight, a restart for a drained "
+        "instance's, and a deploy for the requests on the backends of a host that left the entry host's "
+        "`fronts`; 0 turns the wait off.")
     smi: Path | None = doc(None,
         "The smi binary; its arguments follow from its name (`hy-smi --showmeminfo vram --showuse`, "
         "`rocm-smi ... --json`, `nvidia-smi --query-"

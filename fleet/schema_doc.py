@@ -145,6 +145,8 @@ hosts:
   the firewall between the hosts for those ports, and only from the entry host.
 - The entry's proxy counts its own `max_num_seqs` for every backend it fronts (see `proxy.queue.headroom`):
   give it its members' value.
+- A host joins or leaves with a change of `fronts` and a deploy of the entry host, under load without a
+  failed request: [operations.md](operations.md#add-or-remove-a-host).
 
 ## Keys
 

@@ -9,20 +9,40 @@ The file is one `map` from the `Authorization` header to `$fleet_authorized`: ea
 regular expression (nginx's plain map strings match ignoring case, which would weaken a key), the scheme
 `Bearer` in any case followed by blanks, as the proxy accepts it. Every character of a key but letters
 and digits is written as `\\xHH`, so nothing in a key is read by nginx's parser or by PCRE as syntax.
+
+The state probe imports this module (the key file's digest), so it stays Python 3.6 like the probes.
 """
-from __future__ import annotations
+import hashlib
 
 from . import files
 
 VARIABLE = "$fleet_authorized"
+DIGEST_LINE = "# keys digest: "     # then apikeys.digest of the keys in the map: what a deploy compares
 
 
 class KeysError(Exception):
     """The key file cannot serve as nginx's: one sentence saying what to do."""
 
 
-def read_keys(path: str) -> list[str]:
-    """The keys of path, one per line (# comments and blank lines skipped), as the proxy reads them."""
+def read_keys(path: str) -> list:
+    """The keys of path, one per line (# comments and blank lines skipped), as the proxy reads them;
+    KeysError when nginx cannot check one of them."""
+    keys = _in_order(path)
+    for n, k in enumerate(keys, 1):
+        if not all(0x21 <= ord(c) <= 0x7E for c in k):
+            # A Bearer token is printable ASCII without blanks (RFC 6750); nginx compares bytes.
+            raise KeysError("api_keys_file %s: key %d has a character nginx mode cannot check (blanks, "
+                            "control or non-ASCII characters); use printable ASCII keys." % (path, n))
+    return sorted(set(keys))
+
+
+def load(path: str) -> list:
+    """The keys of path, sorted, each once; KeysError (one sentence, no key in it) when there is none or
+    the file cannot be read."""
+    return sorted(set(_in_order(path)))
+
+
+def _in_order(path: str) -> list:
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -37,12 +57,34 @@ def read_keys(path: str) -> list[str]:
     keys = [k for k in keys if k and not k.startswith("#")]
     if not keys:
         raise KeysError("api_keys_file %s holds no key; put one key per line, or drop the setting." % path)
-    for n, k in enumerate(keys, 1):
-        if not all(0x21 <= ord(c) <= 0x7E for c in k):
-            # A Bearer token is printable ASCII without blanks (RFC 6750); nginx compares bytes.
-            raise KeysError("api_keys_file %s: key %d has a character nginx mode cannot check (blanks, "
-                            "control or non-ASCII characters); use printable ASCII keys." % (path, n))
-    return sorted(set(keys))
+    return keys
+
+
+def digest(keys: list) -> str:
+    """The keys' fingerprint, as the proxy reports the digest of those it runs with (proxy.config's
+    keys_digest: the first 16 hex digits of the SHA-256 of the keys sorted, one per line)."""
+    return hashlib.sha256("\n".join(sorted(keys)).encode()).hexdigest()[:16]
+
+
+def file_digest(path: str) -> dict:
+    """What a deploy compares with the running front's keys: {"digest"} of the key file's keys, or
+    {"error"} (one sentence) when it cannot be used."""
+    try:
+        return {"digest": digest(load(path)), "error": None}
+    except KeysError as e:
+        return {"digest": None, "error": str(e)}
+
+
+def conf_digest(path: str) -> "str | None":
+    """The digest of the keys in nginx's map (run/nginx_keys.conf), as render wrote it; None without one."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(DIGEST_LINE):
+                    return line[len(DIGEST_LINE):].strip() or None
+    except OSError:
+        return None
+    return None
 
 
 def pattern(key: str) -> str:
@@ -51,9 +93,10 @@ def pattern(key: str) -> str:
     return '"~^(?i:bearer)[ \\t]+%s[ \\t]*\\z"' % escaped
 
 
-def render(keys: list[str]) -> str:
+def render(keys: list) -> str:
     """The text of run/nginx_keys.conf: the map nginx.conf includes inside `http {}`."""
     lines = ["# Written by hostagent from proxy.api_keys_file: readable by the deployment's user only.",
+             DIGEST_LINE + digest(keys),
              "map $http_authorization %s {" % VARIABLE, "    default 0;"]
     lines += ["    %s 1;" % pattern(k) for k in keys]
     return "\n".join(lines + ["}"]) + "\n"

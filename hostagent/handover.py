@@ -276,12 +276,29 @@ def reload(cfg: dict, config_path: str, nginx: str | None = None, say=print) -> 
     pid = nginx_front.nginx_pid(cfg)
     if not pid:
         return to_nginx(cfg, config_path, nginx, say)
-    pre = preflight(cfg, nginx)
+    if cfg.get("keeper_watches"):
+        # The running keeper still holds the backends of before: one more round of it would write them back
+        # (a host taken out of the fleet would get requests again). It starts again below, on the new list.
+        keeper.stop(config.load_config(config.at(cfg, layout.HOSTAGENT_CONF)))
+    pre = preflight(cfg, nginx)      # the keys' map rewritten from the key file, then nginx -t
+    # A backend joining is written `down` until its /health answers 200: no request reaches it before.
     nginx_front.write_upstream(cfg, nginx_front.check_health(cfg))
+    old_workers = nginx_front.workers(pid)
     os.kill(pid, signal.SIGHUP)
     say(f"nginx: pid {pid} reloaded its configuration")
     files.write_atomic(config.at(cfg, layout.MODE), "nginx\n")
-    result = {"changed": True, "pid": pid, "nginx": pre["nginx"]}
+    result = {"changed": True, "pid": pid, "nginx": pre["nginx"], "keys_digest": apikeys.conf_digest(cfg["keys_conf"])
+              if cfg.get("api_keys_file") else None}
+    # The old workers finish the requests they hold (to a backend that left too) and exit: that is the
+    # drain of a removed backend. Wait for it, bounded, so a host taken out can be stopped right after.
+    t0 = time.monotonic()
+    bound = float(cfg.get("drain_timeout_s", 60))     # 0: do not wait
+    left = _wait(lambda: not (old_workers & nginx_front.workers(pid)), bound, 0.05)
+    result["old_workers"] = len(old_workers)
+    result["drain_ms"] = ms(time.monotonic() - t0)
+    result["still_draining"] = 0 if left else len(old_workers & nginx_front.workers(pid))
+    say(f"nginx: its {len(old_workers)} old worker(s) " + (f"finished their requests in {result['drain_ms']} ms"
+        if left else f"still hold requests after {bound:g}s (drain_timeout_s); they exit when those end"))
     if cfg.get("keeper_watches"):
         _keeper_watches(cfg, result, say)
     else:

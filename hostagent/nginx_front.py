@@ -62,6 +62,17 @@ def nginx_pid(cfg: dict) -> int | None:
     return p.pid if p else None
 
 
+def workers(master: int) -> set[int]:
+    """The live children of nginx's master (its workers, and while they run its cache processes)."""
+    found = set()
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            st = processes.read_stat(int(name))
+            if st is not None and st[1] == master and st[0] not in ("Z", "X"):
+                found.add(int(name))
+    return found
+
+
 def check_health(cfg: dict) -> set[str]:
     """The backends whose /health does not answer 200 right now."""
     timeout = max(0.2, min(2.0, float(cfg["interval_s"])))

@@ -190,6 +190,9 @@ def make_admin_app(proxy: Proxy) -> web.Application:
                                   "retries": c.retries, "max_fails": c.max_fails,
                                   "shutdown_timeout_s": c.shutdown_timeout_s,
                                   "fix_numeric_user": c.fix_numeric_user, "api_keys": c.api_keys_file is not None,
+                                  "api_keys_digest": proxy.api_keys_digest,
+                                  "leaving": [{"name": b.name, "in_flight": b.in_flight}
+                                              for b in proxy.router.leaving()],
                                   "health_interval_s": c.health.interval_s,
                                   "log": [c.log.max_mb, c.log.backups], "slots": c.slots,
                                   "queue": {"max": c.queue.max, "timeout_s": c.queue.timeout_s},

@@ -1,6 +1,7 @@
 """The proxy's configuration: a YAML file loaded and validated into a frozen dataclass."""
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import math
 import urllib.parse
@@ -171,6 +172,15 @@ def load_api_keys(path: str | None) -> frozenset[bytes] | None:
     if not keys:
         raise ConfigError(f"api_keys_file {path} holds no key; put one key per line, or drop the setting.")
     return keys
+
+
+def keys_digest(keys: frozenset[bytes] | None) -> str | None:
+    """A short fingerprint of a set of API keys (None: auth off): the first 16 hex digits of the SHA-256 of
+    the keys sorted, one per line. /admin/config reports the running one; the host agent computes the same
+    from the key file (hostagent.apikeys.digest), so a deploy knows whether the proxy runs the file's keys."""
+    if keys is None:
+        return None
+    return hashlib.sha256(b"\n".join(sorted(keys))).hexdigest()[:16]
 
 
 def parse_config(data: Any, source: str = "config") -> ProxyConfig:

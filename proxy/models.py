@@ -50,6 +50,7 @@ class Router:
         self._pool_of: dict[str, str] = {}       # backend name -> pool name
         self._names: dict[str, str] = {}         # configured name, alias, adapter -> pool name
         self._learned: dict[str, str] | None = None  # names from the backends' /v1/models (None: stale)
+        self._leaving: dict[str, Backend] = {}   # removed by a reload, their requests in flight finishing
         self.update(config)
 
     @property
@@ -66,7 +67,7 @@ class Router:
     def update(self, config: ProxyConfig) -> tuple[list[str], list[str]]:
         """Make the pools those of config, keeping the state of backends that stay in their pool;
         returns the backends (added, removed)."""
-        before = set(self.backends)
+        before = dict(self.backends)
         wanted = ({p.name: (p.backends, p.slots) for p in config.models} if config.models
                   else {NO_MODEL: (config.backends, config.slots)})
         for name in [n for n in self.pools if n not in wanted]:
@@ -81,8 +82,20 @@ class Router:
         self.backends = {b.name: b for pool in self.pools.values() for b in pool.backends.values()}
         self._names = {n: p.name for p in config.models for n in p.names}
         self._learned = None
-        after = set(self.backends)
-        return [b for b in config.backends if b not in before], sorted(before - after)
+        removed = sorted(set(before) - set(self.backends))
+        for name in removed:
+            self._leaving[name] = before[name]
+        for name in list(self._leaving):
+            if name in self.backends:           # back in the config: counted on its new entry from now on
+                del self._leaving[name]
+        return [b for b in config.backends if b not in before], removed
+
+    def leaving(self) -> list[Backend]:
+        """The backends a reload removed that still have requests in flight (they take no new ones): a
+        host leaving the fleet is drained once this is empty. Those that finished are forgotten."""
+        for name in [n for n, b in self._leaving.items() if b.in_flight <= 0]:
+            del self._leaving[name]
+        return list(self._leaving.values())
 
     def pool(self, backend: Backend) -> Balancer:
         """The pool a backend is in."""

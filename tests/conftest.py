@@ -166,7 +166,7 @@ def pytest_collection_modifyitems(config, items):
 # The groups that bound the suite's time, longest first. Under `--dist loadgroup --no-loadscope-reorder`
 # (scripts/test.sh) xdist hands out groups in collection order, so these start at once, each on its own
 # worker, and everything else fills the workers around them; a group started last would end last.
-SLOWEST_GROUPS = ("real_engine", "real_engine_models", "netns", "load")
+SLOWEST_GROUPS = ("real_engine", "real_engine_models", "netns", "netns_join", "load")
 
 
 def _slowest_first(item) -> int:

@@ -12,6 +12,7 @@ import stat
 import pytest
 
 from conftest import require_tool, wait_until
+from fleet import inventory
 from fleet_helpers import deployment_id, inv, kill_tagged, status_json, write_inventory
 from hostagent import apikeys
 
@@ -67,7 +68,10 @@ def test_keys_hold_on_both_fronts_and_a_changed_key_file_is_taken(tmp_path):
     run/nginx_keys.conf (mode 0600), not in conf/nginx.conf;
     3. KEY replaced by NEW_KEY in the file while nginx runs: the watcher rewrites the map and reloads
     nginx, NEW_KEY gets 200 and KEY 401, with no command;
-    4. swap-to-proxy and the key file changed back, SIGHUP to the proxy: it takes it too;
+    4. swap-to-proxy and the key file changed back: `deploy --check` says it would reload the proxy for
+    it, `deploy` reloads it (same pid) and the old key is 401; a second deploy has nothing to do; an
+    emptied file fails the deploy's `api keys` step in one sentence and the proxy keeps its keys; SIGHUP
+    by hand takes a changed file too;
     5. no key appears in any file under logs/."""
     require_tool("nginx")
     keys = tmp_path / "keys"
@@ -101,8 +105,24 @@ def test_keys_hold_on_both_fronts_and_a_changed_key_file_is_taken(tmp_path):
         assert r.returncode == 0, r.stdout + r.stderr
         assert chat(port, NEW_KEY) == 200 and chat(port, KEY) == 401
         keys.write_text(f"{KEY}\n")
-        os.kill(status_json(inventory)["proxy"]["pid"], signal.SIGHUP)
-        wait_until(lambda: chat(port, KEY) == 200 and chat(port, NEW_KEY) == 401, timeout=30,
+        pid = status_json(inventory)["proxy"]["pid"]
+        r = inv("deploy", "--host", "t", "--check", inventory=inventory)
+        assert "would reload (SIGHUP) pid %d with the new config (the key file changed)" % pid in r.stdout, r.stdout
+        r = inv("deploy", "--host", "t", inventory=inventory)
+        assert r.returncode == 0 and "API keys taken from the key file" in r.stdout, r.stdout + r.stderr
+        assert status_json(inventory)["proxy"]["pid"] == pid
+        assert chat(port, KEY) == 200 and chat(port, NEW_KEY) == 401
+        r = inv("deploy", "--host", "t", inventory=inventory)
+        assert "ok: proxy: already running" in r.stdout, r.stdout
+        keys.write_text("# nobody yet\n")
+        r = inv("deploy", "--host", "t", inventory=inventory)
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert (f"failed: api keys: api_keys_file {keys} holds no key; put one key per line, or drop the "
+                "setting. The front keeps the keys it had.") in r.stdout, r.stdout
+        assert chat(port, KEY) == 200
+        keys.write_text(f"{NEW_KEY}\n")
+        os.kill(pid, signal.SIGHUP)        # by hand, as before: a reload reads the file too
+        wait_until(lambda: chat(port, NEW_KEY) == 200 and chat(port, KEY) == 401, timeout=30,
                    what="the proxy takes the changed key file")
     finally:
         inv("stop", "--host", "t", inventory=inventory)
@@ -127,3 +147,52 @@ def test_a_key_nginx_cannot_check_is_refused_in_one_sentence_without_the_key(tmp
     with pytest.raises(apikeys.KeysError, match="holds no key; put one key per line, or drop the setting"):
         apikeys.read_keys(str(path))
     assert apikeys.pattern("a-b") == '"~^(?i:bearer)[ \\t]+a\\x2db[ \\t]*\\z"'
+
+
+@pytest.mark.unit
+def test_the_host_and_the_proxy_fingerprint_a_key_file_alike(tmp_path):
+    """A deploy compares the key file's digest (the host agent's) with the running proxy's (its
+    /admin/config), so both must agree whatever the file's layout:
+    1. comments, blanks, repeats and order do not change it; 2. a key added or removed does; 3. nginx's
+    map records the same digest; 4. a file that cannot be used is a sentence, not a digest."""
+    from proxy.config import keys_digest, load_api_keys
+    path = tmp_path / "keys"
+    path.write_text("# clients\nsk-b\n\n  sk-a  \nsk-b\n")
+    first = apikeys.file_digest(str(path))
+    assert first == {"digest": keys_digest(load_api_keys(str(path))), "error": None}
+    path.write_text("sk-a\nsk-b\n")
+    assert apikeys.file_digest(str(path)) == first
+    path.write_text("sk-a\nsk-b\nsk-c\n")
+    assert apikeys.file_digest(str(path))["digest"] not in (first["digest"], None)
+    conf = tmp_path / "nginx_keys.conf"
+    apikeys.write(str(conf), str(path))
+    assert apikeys.conf_digest(str(conf)) == keys_digest(load_api_keys(str(path)))
+    path.write_text("# none\n")
+    assert apikeys.file_digest(str(path)) == {
+        "digest": None, "error": f"api_keys_file {path} holds no key; put one key per line, or drop the setting."}
+
+
+@pytest.mark.unit
+def test_deploy_takes_a_key_file_only_when_the_front_runs_other_keys(tmp_path):
+    """What deploy decides from the probe's facts, on either front: 1. no key file set: nothing to take;
+    2. the file's digest differs from the running proxy's (or from nginx's map): take it; 3. the same:
+    nothing; 4. a file that cannot be used: a failed `api keys` step in one sentence, nothing taken."""
+    from fleet import front
+    from fleet.report import Report
+    path = write_inventory(tmp_path, instances=1)
+    hv = inventory.load(path).host_vars("t")
+    found = {"proxy": {"config": {"api_keys_digest": "aaaa"}}, "api_keys": {"digest": "bbbb", "error": None,
+                                                                           "nginx_digest": "bbbb"}}
+    assert front._keys_to_take(hv, found, Report("t"), "running") is None          # no api_keys_file
+    hv.vars["proxy"]["api_keys_file"] = "keys"
+    assert front._keys_to_take(hv, found, Report("t"), "running") == "bbbb"
+    assert front._keys_to_take(hv, found, Report("t"), "nginx_digest") is None
+    found["proxy"]["config"]["api_keys_digest"] = "bbbb"
+    assert front._keys_to_take(hv, found, Report("t"), "running") is None
+    report = Report("t")
+    found["api_keys"] = {"digest": None, "error": "api_keys_file keys holds no key; put one key per line, or "
+                         "drop the setting.", "nginx_digest": "bbbb"}
+    assert front._keys_to_take(hv, found, report, "nginx_digest") is None
+    assert [(s.name, s.status, s.message) for s in report.steps] == [
+        ("api keys", "failed", "api_keys_file keys holds no key; put one key per line, or drop the setting. "
+                               "The front keeps the keys it had.")]

@@ -101,6 +101,29 @@ def test_a_reload_keeps_the_backends_that_stay_in_their_pool():
 
 
 @pytest.mark.unit
+def test_a_reload_holds_a_new_backend_until_healthy_and_drains_a_removed_one():
+    """A host joining and one leaving an entry host's fleet, as the proxy's reload sees it:
+    1. a:1 healthy carries two requests; 2. the reload adds b:1 and removes a:1: no new request goes to
+    either (b:1 has not answered /health yet; a:1 is gone), and a:1 is `leaving` with its two requests;
+    3. b:1's first good /health makes it the pick; 4. a:1's requests end: nothing is leaving any more."""
+    r = Router(parse_config({"backends": ["a:1"], "slots": 4}))
+    pool = r.only()
+    a1 = r.backends["a:1"]
+    r.mark(a1, True)
+    held = [pool.acquire(), pool.acquire()]
+    assert held == [a1, a1]
+    added, removed = r.update(parse_config({"backends": ["b:1"], "slots": 4}))
+    assert (added, removed) == (["b:1"], ["a:1"])
+    assert pool.acquire() is None
+    assert [(b.name, b.in_flight) for b in r.leaving()] == [("a:1", 2)]
+    r.mark(r.backends["b:1"], True)
+    assert pool.acquire().name == "b:1"
+    for b in held:
+        pool.release(b)
+    assert r.leaving() == [] and a1.in_flight == 0
+
+
+@pytest.mark.unit
 def test_one_pools_queue_never_holds_up_another():
     r = Router(config(TWO, backends=("a:1", "a:2", "b:1")))
     for b in r.backends.values():

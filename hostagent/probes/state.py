@@ -11,7 +11,7 @@ import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-from hostagent import layout, lora
+from hostagent import apikeys, layout, lora
 from hostagent.observe import (HEALTH_TIMEOUT_S, file_mode, instance_facts, keeper_facts, nginx_facts,
                                proxy_facts, read_mode, sha256, tagged)
 
@@ -41,6 +41,11 @@ def main():
         }
     out["lora_adapters"], out["lora_record_error"] = lora.read_record_quiet(d)
     out["mode"] = read_mode(d)
+    if spec.get("api_keys_file"):
+        # The key file's keys by their digest (never the keys), and the digest of nginx's map of them: a
+        # deploy compares them with what the running front took. A relative path is the proxy's: deploy_dir.
+        out["api_keys"] = apikeys.file_digest(os.path.join(d, os.path.expanduser(spec["api_keys_file"])))
+        out["api_keys"]["nginx_digest"] = apikeys.conf_digest(layout.path(d, layout.NGINX_KEYS))
     json.dump(out, sys.stdout)
 
 
