@@ -11,7 +11,7 @@ import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-from hostagent import layout, lora
+from hostagent import boothook, layout, lora
 from hostagent.observe import (HEALTH_TIMEOUT_S, file_mode, instance_facts, keeper_facts, nginx_facts,
                                proxy_facts, read_mode, sha256, tagged)
 
@@ -41,6 +41,8 @@ def main():
         }
     out["lora_adapters"], out["lora_record_error"] = lora.read_record_quiet(d)
     out["mode"] = read_mode(d)
+    if spec.get("boot"):          # inv status: the installed boot hook (reads the crontab)
+        out["boot"] = boothook.show(dep)
     json.dump(out, sys.stdout)
 
 
