@@ -78,12 +78,13 @@ def deploy(conn, hv: HostVars, report: Report, emit: Emit, check: bool) -> None:
         emit(f"boot hook: {r['missing']}")
 
 
-def remove(conn, hv: HostVars, report: Report, check: bool) -> None:
+def remove(conn, hv: HostVars, report: Report, check: bool, emit: Emit = lambda line: None) -> None:
     """stop's and remove's step: no hook of the deployment is left (a stopped fleet stays stopped)."""
     if check:
         shown = _run(conn, hv, ["show", hv.deployment_id])["boot"]
         if shown:
-            report.add("boot hook", "changed", f"would remove the {shown['kind']} hook ({shown['command']})")
+            step = report.add("boot hook", "changed", f"would remove the {shown['kind']} hook ({shown['command']})")
+            emit(f"boot hook: {step.message}")
         return
     try:
         gone = _run(conn, hv, ["remove", hv.deployment_id])["removed"]
@@ -93,8 +94,9 @@ def remove(conn, hv: HostVars, report: Report, check: bool) -> None:
                    f"`# vllm-fleet boot {hv.deployment_id}`).")
         return
     if gone:
-        report.add("boot hook", "changed", f"removed the {' and '.join(gone)} hook: the deployment stays "
-                   "stopped after a reboot")
+        step = report.add("boot hook", "changed", f"removed the {' and '.join(gone)} hook: the deployment stays "
+                          "stopped after a reboot")
+        emit(f"boot hook: {step.message}")
 
 
 def doctor_check(facts: dict, hv: HostVars) -> tuple[str, str, str]:

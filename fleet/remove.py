@@ -72,8 +72,8 @@ def remove(conn: Transport, hv: HostVars, emit: Emit = lambda line: None, check:
     d = hv["deploy_dir"]
     if not conn.exists(d):
         report = Report(hv.name)
-        boot.remove(conn, hv, report, check)
-        report.add("deploy_dir", "ok", f"{d} does not exist: nothing to delete")
+        boot.remove(conn, hv, report, check, emit)
+        emit(f"deploy_dir: {report.add('deploy_dir', 'ok', f'{d} does not exist: nothing to delete').message}")
         return report
     entries = _prove(conn, hv)
     report = stop(conn, hv, emit, check=check, wait=wait)   # the hook goes first, under stop's lock
@@ -84,12 +84,12 @@ def remove(conn: Transport, hv: HostVars, emit: Emit = lambda line: None, check:
     size = conn.run(f"du -sk {shlex.quote(d)} 2>/dev/null").stdout.split()
     what = f"{d} ({', '.join(sorted(entries))}; {int(size[0]) / 1024:.1f} MiB)" if size else d
     if check:
-        report.add("deploy_dir", "changed", f"would delete {what}")
+        emit(f"deploy_dir: {report.add('deploy_dir', 'changed', f'would delete {what}').message}")
         return report
     r = conn.run(f"rm -rf -- {shlex.quote(d)}")
     if not r.ok or conn.exists(d):
         report.add("deploy_dir", "failed", f"could not delete {d}: {r.stderr.strip()[-300:] or 'it is still there'}")
         return report
-    report.add("deploy_dir", "changed", f"deleted {what}")
+    emit(f"deploy_dir: {report.add('deploy_dir', 'changed', f'deleted {what}').message}")
     report.status = None
     return report

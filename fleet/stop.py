@@ -118,7 +118,7 @@ def _stop(conn: Transport, hv: HostVars, emit: Emit, instance: int | None, check
     if instance is None:
         # First, under the lock: a stopped fleet stays stopped after a reboot, and no watchdog starts
         # the keeper again while the stop runs.
-        boot.remove(conn, hv, report, check)
+        boot.remove(conn, hv, report, check, emit)
     before = facts.probe(conn, hv, readonly=True)
     enable_after = False
     front_up = before["proxy"]["alive"] or (before.get("nginx") or {}).get("alive")
