@@ -172,8 +172,9 @@ def test_boot_script_renders_for_local_and_ssh_hosts_and_parses(tmp_path):
 @GROUP
 @pytest.mark.cluster
 def test_killed_deployment_comes_back_from_the_hook_run_as_cron_runs_it(tmp_path, hook_cleanup):
-    """1. deploy a local sim cluster of 2 instances with the boot hook on: `inv status --json` names it
-    under `boot` (cron, bin/boot.sh) and the crontab gained exactly its two tagged lines;
+    """1. `inv doctor` names the hook deploy will install (cron); deploy a local sim cluster of 2
+    instances with the boot hook on: `inv status --json` names it under `boot` (cron, bin/boot.sh) and
+    the crontab gained exactly its two tagged lines;
     2. the watchdog line, run as cron would, is a no-op while the keeper lives;
     3. every process of the deployment is killed at once (SIGKILL by its tag);
     4. `boot.command` run as cron runs it (env -i, /bin/sh -c, minimal PATH, no terminal) brings the
@@ -184,6 +185,8 @@ def test_killed_deployment_comes_back_from_the_hook_run_as_cron_runs_it(tmp_path
     dep = deployment_id(inventory)
     hook_cleanup.append(dep)
     before = crontab()
+    r = inv("doctor", "--host", "t", inventory=inventory, env=HOOK)
+    assert "boot hook: cron" in r.stdout, r.stdout
     r = inv("deploy", "--host", "t", inventory=inventory, env=HOOK)
     assert r.returncode == 0, r.stdout + r.stderr
     st = status_json(inventory)
