@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import wait_until
+from conftest import require_tool, wait_until
 from fleet import boot as fleet_boot
 from fleet import remove as fleet_remove
 from fleet.render import environment, render_host
@@ -73,6 +73,7 @@ def health(port: int, host: str = "127.0.0.1") -> int | None:
 @pytest.fixture
 def hook_cleanup():
     """Deployment ids whose hook lines are removed at the end, pass or fail, and the crontab as it was."""
+    require_tool("crontab")
     before = crontab()
     deps: list[str] = []
     yield deps
