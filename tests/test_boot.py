@@ -8,6 +8,7 @@ one xdist group, so two of them never edit the crontab at once.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -24,9 +25,10 @@ from conftest import require_tool, wait_until
 from fleet import boot as fleet_boot
 from fleet import remove as fleet_remove
 from fleet.render import environment, render_host
-from fleet_helpers import deployment_id, inv, kill_tagged, status_json, tagged_pids, write_inventory
-from hostagent import boothook, layout
-from netns import netns_fleet  # noqa: F401  (the fixture)
+from fleet_helpers import (deployment_id, inv, kill_tagged, session_members, status_json, tagged_pids,
+                           write_inventory)
+from hostagent import boothook, layout, processes
+from netns import namespace_pids, netns_fleet  # noqa: F401  (the fixture)
 
 HOOK = {"FLEET_BOOT_HOOK": "auto"}
 GROUP = pytest.mark.xdist_group("boot")          # one crontab: these tests run one after the other
@@ -52,13 +54,23 @@ def watchdog_command(dep: str) -> str:
     return line[len("* * * * * "):-len(boothook.mark(dep))].strip()
 
 
-def kill_everything(dep: str) -> int:
-    """SIGKILL every process of the deployment at once (its tag: instances, engines, log writers, proxy,
-    keeper), as a power cut would end them; how many there were."""
-    pids = tagged_pids(dep + "/")
+def kill_everything(dep: str, deploy_dir: Path) -> int:
+    """SIGKILL every process of the deployment at once, as a power cut ends them: those with its tag
+    (instances, engines, log writers, proxy, keeper) and the members of every session its pid files
+    record (nginx renames itself over its environment, tag included); how many there were."""
+    sids = set()
+    for pidfile in (deploy_dir / layout.RUN).glob("*.pid"):
+        record, _ = processes.read_record_file(str(pidfile))
+        if record and record["sid"]:
+            sids.add(record["sid"])
+
+    def members() -> set[int]:
+        return set(tagged_pids(dep + "/")) | set(session_members(sids))
+    pids = members()
     for pid in pids:
-        os.kill(pid, signal.SIGKILL)
-    wait_until(lambda: not tagged_pids(dep + "/"), 10, what="every process of the deployment gone")
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: not members(), 10, what="every process of the deployment gone")
     return len(pids)
 
 
@@ -201,7 +213,7 @@ def test_killed_deployment_comes_back_from_the_hook_run_as_cron_runs_it(tmp_path
     as_cron(watchdog_command(dep))
     assert status_json(inventory)["keeper"]["pid"] == keeper and not log.exists()
 
-    assert kill_everything(dep) >= 6
+    assert kill_everything(dep, tmp_path / "deploy") >= 6
     t0 = time.monotonic()
     r = as_cron(st["boot"]["command"])
     assert r.returncode == 0, r.stderr
@@ -265,6 +277,40 @@ def test_remove_stops_unhooks_and_deletes_only_a_proven_deploy_dir(tmp_path, hoo
     assert (d / "notes.txt").exists() and "Traceback" not in r.stderr
 
 
+@GROUP
+@pytest.mark.cluster
+@pytest.mark.nginx
+def test_host_that_had_nginx_in_front_comes_back_with_nginx(tmp_path, hook_cleanup):
+    """1. deploy a local sim cluster of 1 instance with the boot hook, then `inv swap-to-nginx`;
+    2. every process of the deployment is killed at once (nginx's master and workers by their recorded
+    session); 3. the hook's command, run as cron runs it, starts the instance, then nginx (run/mode says
+    nginx: not the proxy), then the keeper, which watches nginx's backends: the entry port answers
+    /health 200 from nginx; 4. `inv stop` removes the hook."""
+    require_tool("nginx")
+    inventory = write_inventory(tmp_path, instances=1)
+    dep = deployment_id(inventory)
+    hook_cleanup.append(dep)
+    before = crontab()
+    assert inv("deploy", "--host", "t", inventory=inventory, env=HOOK).returncode == 0
+    r = inv("swap-to-nginx", "--host", "t", inventory=inventory)
+    assert r.returncode == 0, r.stdout + r.stderr
+    st = status_json(inventory)
+    assert st["front"] == "nginx" and st["boot"]["kind"] == "cron"
+
+    kill_everything(dep, tmp_path / "deploy")
+    t0 = time.monotonic()
+    assert as_cron(st["boot"]["command"]).returncode == 0
+    wait_until(lambda: health(st["proxy"]["port"]) == 200, 120, interval=0.2,
+               what="nginx's /health 200 after the boot hook")
+    print(f"boot hook to healthy (local, nginx front, 1 sim instance): {time.monotonic() - t0:.1f}s")
+    back = status_json(inventory)
+    assert back["front"] == "nginx" and back["proxy"]["state"] == "stopped", back["proxy"]
+    assert back["keeper"]["state"] == "running" and back["instances"][0]["state"] == "healthy"
+
+    assert inv("stop", "--host", "t", inventory=inventory).returncode == 0
+    assert crontab() == before
+
+
 # --- a host in a network namespace, over SSH ------------------------------------------------------
 
 @pytest.mark.netns
@@ -276,8 +322,8 @@ def test_host_in_a_namespace_comes_back_from_its_hook_over_ssh(netns_fleet, tmp_
     """1. one host in its own network namespace, reached over SSH; deploy a sim cluster of 2 instances
     there with the boot hook on; 2. every process of its deployment is killed at once; 3. the hook's
     command (`boot.command` from `inv status --json`) run inside the namespace as cron runs it brings
-    its proxy and both instances back healthy on the host's address; 4. `inv stop` removes the hook:
-    `boot` is None, and the crontab is as before."""
+    its proxy, both instances and the keeper back; 4. `inv stop` removes the hook: `boot` is None, the
+    crontab is as before, and nothing of the deployment is left in the namespace."""
     from test_netns_fleet import member
     fleet = netns_fleet(1)
     host = fleet.hosts[0]
@@ -291,7 +337,7 @@ def test_host_in_a_namespace_comes_back_from_its_hook_over_ssh(netns_fleet, tmp_
     st = status_json(inventory, host="n1")
     assert st["boot"]["kind"] == "cron", st["boot"]
 
-    kill_everything(dep)
+    kill_everything(dep, tmp_path / "h0")
     t0 = time.monotonic()
     r = as_cron(st["boot"]["command"], wrap=host.exec_argv())
     assert r.returncode == 0, r.stderr
@@ -307,4 +353,6 @@ def test_host_in_a_namespace_comes_back_from_its_hook_over_ssh(netns_fleet, tmp_
     assert r.returncode == 0, r.stdout + r.stderr
     assert status_json(inventory, host="n1")["boot"] is None
     assert crontab() == before and tagged_pids(dep + "/") == []
+    # Only the fixture's sshds are left in the namespace (an SSH session's own sshd ends as it closes).
+    wait_until(lambda: set(namespace_pids(fleet)) <= set(fleet.pids), 10, what="only the sshds left")
 
