@@ -180,6 +180,51 @@ def test_boot_script_renders_for_local_and_ssh_hosts_and_parses(tmp_path):
     assert environment().get_template("boot.sh.j2")
 
 
+def fake_tools(bin_dir: Path, linger: bool) -> Path:
+    """Stand-ins for crontab, loginctl and systemctl in bin_dir: the crontab is a file, systemctl logs its
+    arguments (and answers for the user manager), loginctl says whether lingering is on."""
+    bin_dir.mkdir()
+    tab, calls = bin_dir / "tab", bin_dir / "systemctl.log"
+    scripts = {
+        "crontab": f"""case "$1" in -l) [ -f {tab} ] && exec cat {tab}; echo "no crontab for $USER" >&2; exit 1 ;;
+                   -) cat > {tab} ;; -r) rm -f {tab} ;; esac""",
+        "loginctl": f'echo "Linger={"yes" if linger else "no"}"',
+        "systemctl": f'echo "$*" >> {calls}',
+    }
+    for name, body in scripts.items():
+        (bin_dir / name).write_text("#!/bin/sh\n" + body + "\n")
+        (bin_dir / name).chmod(0o755)
+    return tab
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("linger", [True, False])
+def test_install_picks_systemd_where_lingering_is_on_else_cron_and_remove_leaves_nothing(tmp_path, monkeypatch,
+                                                                                        linger):
+    """On stand-in tools (the real crontab and user manager untouched): 1. with lingering, install writes
+    the user unit and enables it (`systemctl --user enable --now`); without, it adds the two crontab lines
+    after the user's own; 2. a second install changes nothing; 3. `show` names the kind and command;
+    4. remove leaves the user's crontab as it was and no unit."""
+    tab = fake_tools(tmp_path / "bin", linger)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    tab.write_text("MAILTO=me\n")
+    got = boothook.install("/srv/fleet", "h-1", "auto", watchdog=True)
+    kind = "systemd" if linger else "cron"
+    assert got["kind"] == kind and got["changed"], got
+    assert boothook.install("/srv/fleet", "h-1", "auto", watchdog=True)["changed"] is False
+    assert boothook.show("h-1")["kind"] == kind
+    if linger:
+        assert "--user enable --now vllm-fleet-h-1.service" in (tmp_path / "bin" / "systemctl.log").read_text()
+        assert tab.read_text() == "MAILTO=me\n"
+    else:
+        assert tab.read_text() == "MAILTO=me\n" + "".join(
+            line + "\n" for line in boothook.cron_lines("/srv/fleet", "h-1", True))
+    assert boothook.remove("h-1") == {"removed": [kind]}
+    assert tab.read_text() == "MAILTO=me\n" and not Path(boothook.unit_path("h-1")).exists()
+    assert boothook.show("h-1") is None
+
+
 # --- the local host ---------------------------------------------------------------------------------
 
 @GROUP
