@@ -43,12 +43,12 @@ def _run(conn, hv: HostVars, args: list[str]) -> dict:
 def deploy(conn, hv: HostVars, report: Report, emit: Emit, check: bool) -> None:
     """deploy's last step: install the hook (or, with boot_hook off, remove one left installed)."""
     kind = wanted(hv)
-    if kind == "off":
+    if kind == "off":          # the operator's choice: ok, not a skip
         if check:
-            report.add("boot hook", "skipped", "boot_hook is off")
+            report.add("boot hook", "ok", "boot_hook is off")
             return
         gone = _run(conn, hv, ["remove", hv.deployment_id])["removed"]
-        report.add("boot hook", "changed" if gone else "skipped",
+        report.add("boot hook", "changed" if gone else "ok",
                    f"boot_hook is off: removed the {' and '.join(gone)} hook" if gone else
                    "boot_hook is off: nothing brings the deployment back after a reboot")
         return

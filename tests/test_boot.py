@@ -250,6 +250,7 @@ def test_killed_deployment_comes_back_from_the_hook_run_as_cron_runs_it(tmp_path
     st = status_json(inventory)
     script = str(tmp_path / "deploy" / layout.BOOT)
     assert st["boot"] == {"kind": "cron", "command": shlex.quote(script)}
+    assert f"boot    cron: {shlex.quote(script)}" in inv("status", "--host", "t", inventory=inventory).stdout
     ours = [ln for ln in crontab().splitlines() if ln.endswith(boothook.mark(dep))]
     assert len(ours) == 2 and boothook.without(crontab(), dep) == (before or "")
 
