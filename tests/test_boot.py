@@ -337,21 +337,23 @@ def test_host_that_had_nginx_in_front_comes_back_with_nginx(tmp_path, hook_clean
     dep = deployment_id(inventory)
     hook_cleanup.append(dep)
     before = crontab()
-    assert inv("deploy", "--host", "t", inventory=inventory, env=HOOK).returncode == 0
+    r = inv("deploy", "--host", "t", inventory=inventory, env=HOOK)
+    assert r.returncode == 0, r.stdout + r.stderr
     r = inv("swap-to-nginx", "--host", "t", inventory=inventory)
     assert r.returncode == 0, r.stdout + r.stderr
     st = status_json(inventory)
-    assert st["front"] == "nginx" and st["boot"]["kind"] == "cron"
+    assert st["front"] == "nginx" and st["boot"]["kind"] == "cron", st
 
     kill_everything(dep, tmp_path / "deploy")
     t0 = time.monotonic()
-    assert as_cron(st["boot"]["command"]).returncode == 0
+    r = as_cron(st["boot"]["command"])
+    assert r.returncode == 0, r.stderr
     wait_until(lambda: health(st["proxy"]["port"]) == 200, 120, interval=0.2,
                what="nginx's /health 200 after the boot hook")
     print(f"boot hook to healthy (local, nginx front, 1 sim instance): {time.monotonic() - t0:.1f}s")
-    back = status_json(inventory)
-    assert back["front"] == "nginx" and back["proxy"]["state"] == "stopped", back["proxy"]
-    assert back["keeper"]["state"] == "running" and back["instances"][0]["state"] == "healthy"
+    back, said = status_json(inventory), (tmp_path / "deploy" / layout.BOOT_LOG).read_text()
+    assert back["front"] == "nginx" and back["proxy"]["state"] == "stopped", (back["proxy"], said)
+    assert back["keeper"]["state"] == "running" and back["instances"][0]["state"] == "healthy", (back, said)
 
     assert inv("stop", "--host", "t", inventory=inventory).returncode == 0
     assert crontab() == before
