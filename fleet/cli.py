@@ -32,6 +32,7 @@ from . import doctor as doctor_mod
 from . import logs as fleet_logs
 from . import lora as lora_mod
 from . import restart as restart_mod
+from . import remove as fleet_remove
 from . import stop as fleet_stop
 from . import top as top_mod
 from .client import chat as chat_request
@@ -328,6 +329,18 @@ def stop(c, host="", instance=None, check=False, force=False, now=False, set_=No
     _finish(_run(host, inventory_, set_, action, forks, order="entry-first", readonly=check)[1])
 
 
+@command(help=_help("host", "inventory", "set", "forks", "wait",
+                    check="show what would be stopped and deleted, change nothing"))
+def remove(c, host="", check=False, set_=None, inventory_="", forks=5, wait=False):
+    """Stop the deployment, remove its boot hook, then delete its deploy_dir (proven the deployment's first).
+
+    Refused for a deploy_dir that records another deployment's id or none, that holds files deploy did not
+    put there, or while anything of the deployment still runs after the stop."""
+    def action(conn, hv, emit):
+        return fleet_remove.remove(conn, hv, emit, check=check, wait=wait)
+    _finish(_run(host, inventory_, set_, action, forks, order="entry-first", readonly=check)[1])
+
+
 @command(help=_help("host", "inventory", "set", out="directory to write the rendered files into"), name="render")
 def render_(c, host="", out="", set_=None, inventory_=""):
     """Write what deploy would put on a host into a local directory (no host contacted)."""
@@ -603,7 +616,7 @@ class FleetCollection(Collection):
                 for c in super().to_contexts(ignore_unknown_help)]
 
 
-ns = FleetCollection(deploy, status, stop, restart, render_, chat, logs, trace, top, doctor, bench, swap_to_nginx,
+ns = FleetCollection(deploy, status, stop, remove, restart, render_, chat, logs, trace, top, doctor, bench, swap_to_nginx,
                      swap_to_proxy, vars_, lora, version)
 
 

@@ -1,6 +1,6 @@
 """`inv deploy`: the doctor's checks, then put the changed files, start what is not running (staggered by
-start_cluster.sh), wait for each /health, start or update the front, start the keeper. A second deploy on
-a running cluster starts nothing and reports changed=0.
+start_cluster.sh), wait for each /health, start or update the front, start the keeper, install the boot
+hook (fleet.boot). A second deploy on a running cluster starts nothing and reports changed=0.
 """
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import shlex
 
 from hostagent import layout
 
-from . import agent, facts, front, preflight, release, runlock, sync
+from . import agent, boot, facts, front, preflight, release, runlock, sync
 from . import keeper as fleet_keeper
 from .doctor import doctor as run_doctor
 from .errors import RemoteError
@@ -86,10 +86,12 @@ def _deploy(conn: Transport, hv: HostVars, emit: Emit, check: bool, diff: bool, 
     front.deploy_front(conn, hv, found, changed_files, report, emit, check)
     if hv["instances"]:
         fleet_keeper.deploy(conn, hv, found, changed_files, report, emit, check)
+    # Last, once what it would start runs: after a reboot, bin/boot.sh starts it all again.
+    boot.deploy(conn, hv, report, emit, check)
     for step in report.steps:
         if step.message:
             emit(f"{step.status}: {step.name}: {step.message}")
-    report.status = facts.status_of(hv, facts.probe(conn, hv, readonly=check))
+    report.status = facts.status_of(hv, facts.probe(conn, hv, readonly=check, boot=True))
     return report
 
 

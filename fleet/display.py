@@ -21,6 +21,10 @@ def status_table(st: dict) -> str:
     if k:
         lines.append(f"  keeper  pid {k.get('pid') or '-'}  {k.get('state')}"
                      + ("  (NOT RUNNING: dead instances are not restarted)" if k.get("state") == "dead" else ""))
+    if "boot" in st:           # read by status, and at the end of deploy and stop
+        b = st["boot"]
+        lines.append(f"  boot    {b['kind']}: {b['command']}" if b else
+                     "  boot    no hook: after a reboot nothing starts the deployment")
     groups = st.get("models")
     for g in groups or []:
         names = ", ".join([f"alias {a}" for a in g["aliases"]] + [f"adapter {a}" for a in g["adapters"]]

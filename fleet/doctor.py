@@ -3,7 +3,7 @@
 One probe-style script (hostagent/probes/doctor.py) reads the facts on the host after env_setup; the checks
 here judge them: the engine binary runs, the model path exists (and its size), each port is free or
 ours, each card has gpu_memory_utilization x total free (else its holders), smi/fuser/ss are found,
-and there is room for logs.
+which boot hook brings the deployment back after a reboot (or what is missing), and there is room for logs.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from hostagent import layout
 
-from . import agent, facts, release, smi
+from . import agent, boot, facts, release, smi
 from .inventory import HostVars
 from .report import Emit, Report
 
@@ -127,6 +127,7 @@ def checks(conn, hv: HostVars, f: dict) -> list[Check]:
     out.append(Check("fuser", "ok" if tools["fuser"] else "warn", tools["fuser"] or "not found",
                      "" if tools["fuser"] else "install psmisc (stop needs fuser to name and --force the holders "
                      "of the device files)"))
+    out.append(Check("boot hook", *boot.doctor_check(f, hv)))
     # logs
     d = f["disk"]
     if d.get("unwritable"):

@@ -39,14 +39,17 @@ def prepare(conn: Transport, hv: HostVars) -> HostVars:
     return hv
 
 
-def probe(conn: Transport, hv: HostVars, files: list[str] = (), readonly: bool = False) -> dict:
+def probe(conn: Transport, hv: HostVars, files: list[str] = (), readonly: bool = False,
+          boot: bool = False) -> dict:
     """Read the deployment's state on the host (hostagent/probes/state.py); files: paths under deploy_dir
-    whose hash and mode to report; readonly: create nothing on the host. Each instance's `state` is
-    hostagent.instances.classify's, the function the keeper uses too."""
+    whose hash and mode to report; readonly: create nothing on the host; boot: read the installed boot
+    hook too (`boot`: {kind, command} or None). Each instance's `state` is hostagent.instances.classify's,
+    the function the keeper uses too."""
     spec = {"deploy_dir": hv["deploy_dir"], "ports": hv.ports, "instance_host": hv.instance_host,
             "proxy_port": hv["proxy"]["port"], "admin_port": hv["proxy"]["admin_port"],
             "proxy_address": layout.local_address(hv["proxy"]["bind"]), "deployment_id": hv.deployment_id, "health_timeout_s": hv["health_timeout_s"],
-            "files": list(files), "readonly": readonly, "api_keys_file": hv["proxy"]["api_keys_file"] or None}
+            "files": list(files), "readonly": readonly, "api_keys_file": hv["proxy"]["api_keys_file"] or None,
+            "boot": boot}
     return agent.run_script(conn, hv, "state", spec, "reading the deployment's state", timeout=60)
 
 
@@ -93,7 +96,7 @@ def status_of(hv: HostVars, facts: dict) -> dict:
                                               "runtime_lora": g.runtime_lora,
                                               "runtime_adapters": runtime_adapters(facts, g.name)}
                                              for g in hv.groups], "nginx": nginx, "keeper": keeper, "instances": instances,
-            "tagged": facts["tagged"]}
+            "tagged": facts["tagged"], **({"boot": facts["boot"]} if "boot" in facts else {})}
 
 
 def runtime_adapters(facts: dict, model: str) -> list[dict]:
@@ -106,7 +109,7 @@ def status(conn: Transport, hv: HostVars, emit: Emit = lambda line: None) -> Rep
     """Read the host's state; ok unless an instance or the proxy is not serving."""
     hv = prepare(conn, hv)
     report = Report(hv.name)
-    facts = probe(conn, hv)
+    facts = probe(conn, hv, boot=True)
     report.status = st = status_of(hv, facts)
     loud = {name: (status, message) for name, status, message in fleet_keeper.report_lines(st)}
     for inst, f in zip(st["instances"], facts["instances"]):
@@ -115,6 +118,10 @@ def status(conn: Transport, hv: HostVars, emit: Emit = lambda line: None) -> Rep
                                           "failed", _state_and_remedy(hv, inst["state"], f, inst["index"]))))
     for name, (status, message) in loud.items():
         report.add(name, status, message)
+    b = st["boot"]
+    report.add("boot hook", "ok", f"{b['kind']}: {b['command']}" if b else
+               "none: after a reboot nothing starts the deployment (`inv deploy` installs the hook, `inv stop` "
+               "removes it)")
     if facts.get("lora_record_error"):
         report.add("runtime adapters", "failed", facts["lora_record_error"])
     # The entry port is what clients use: a front that should run and does not is a failure.

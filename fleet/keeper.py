@@ -90,6 +90,8 @@ def report_lines(st: dict) -> list[tuple[str, str, str]]:
                         f"{layout.instance_log(inst['index'])}:\n{tail}"))
     keeper = st.get("keeper") or {}
     if keeper.get("state") == "dead":
+        watchdog = ("the boot hook's watchdog starts it within a minute (logs/boot.log says so), or "
+                    if st.get("boot") else "")
         out.append(("keeper", "failed", "the keeper is not running (run/keeper.pid is stale): dead instances "
-                    f"are not restarted; `inv deploy --host {st['host']}` starts it; see logs/keeper.log"))
+                    f"are not restarted; {watchdog}`inv deploy --host {st['host']}` starts it; see logs/keeper.log"))
     return out

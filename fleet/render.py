@@ -80,6 +80,7 @@ FILES = {
     layout.START_CLUSTER: ("start_cluster.sh.j2", 0o755),
     layout.START_PROXY: ("start_proxy.sh.j2", 0o755),
     layout.STOP_CLUSTER: ("stop_cluster.sh.j2", 0o755),
+    layout.BOOT: ("boot.sh.j2", 0o755),
     layout.PROXY_CONF: ("proxy.yaml.j2", 0o644),
     layout.NGINX_CONF: ("nginx.conf.j2", 0o644),
     layout.NGINX_FRONT_CONF: ("nginx_front.json.j2", 0o644),

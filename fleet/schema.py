@@ -518,6 +518,12 @@ class HostSettings(Section):
         "gpu=index,memory.used,memory.total,utilization.gpu --format=csv,noheader,nounits`). Unset: "
         "`/opt/hyhal/bin/hy-smi`, `/opt/dtk/bin/rocm-smi`, `/opt/rocm/bin/rocm-smi`, then the PATH; "
         "nvidia: `nvidia-smi`; sim: `python -m fleet.sim smi`.")
+    boot_hook: Annotated[Literal["auto", "cron", "systemd", "off"],
+                         Field(description="auto, cron, systemd or off")] = doc("auto",
+        "What brings the deployment back after the host reboots, installed by deploy and removed by stop: "
+        "`cron` (an `@reboot` line and a keeper watchdog in the user's crontab), `systemd` (a user unit; "
+        "needs lingering), `auto` (systemd where lingering is on, else cron), `off` (nothing). The "
+        "environment variable `FLEET_BOOT_HOOK` overrides it.")
     engine_log: EngineLogSettings = doc(EngineLogSettings(),
         "Rotation of the engine logs, `logs/vllm_<i>.log`.")
     sim: SimSettings = doc(SimSettings(),

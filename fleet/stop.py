@@ -1,4 +1,4 @@
-"""`inv stop`: the keeper first, then drain the front (or one instance), stop every process of the
+"""`inv stop`: the boot hook and the keeper first, then drain the front (or one instance), stop every process of the
 deployment (each proven the deployment's by its record, session or tag: hostagent/processes.py), sweep
 what carries the tag, and wait until the cards are given back (fleet.release; --force kills your
 processes still holding the devices)."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import shlex
 
-from . import agent, facts, release, runlock
+from . import agent, boot, facts, release, runlock
 from . import keeper as fleet_keeper
 from .errors import FleetError
 from .inventory import HostVars
@@ -115,6 +115,10 @@ def stop(conn: Transport, hv: HostVars, emit: Emit = lambda line: None, instance
 def _stop(conn: Transport, hv: HostVars, emit: Emit, instance: int | None, check: bool, force: bool,
           now: bool) -> Report:
     report = Report(hv.name)
+    if instance is None:
+        # First, under the lock: a stopped fleet stays stopped after a reboot, and no watchdog starts
+        # the keeper again while the stop runs.
+        boot.remove(conn, hv, report, check, emit)
     before = facts.probe(conn, hv, readonly=True)
     enable_after = False
     front_up = before["proxy"]["alive"] or (before.get("nginx") or {}).get("alive")
@@ -131,7 +135,7 @@ def _stop(conn: Transport, hv: HostVars, emit: Emit, instance: int | None, check
     r = stop_processes(conn, hv, args, emit)
     if enable_after:
         _agent_steps(conn, hv, f"enable-instance --instance {instance}", report, emit)
-    after = facts.probe(conn, hv, readonly=True)
+    after = facts.probe(conn, hv, readonly=True, boot=instance is None)
     targets = [f for f in before["instances"] if instance is None or f["index"] == instance]
     for f in targets:
         name = f"instance {f['index']}"

@@ -9,7 +9,7 @@ front of scripts sent on standard input, and runs beside `processes.py` when tha
               the keeper's state, the runtime LoRA adapters' record
     logs/     vllm_<i>.log, proxy.log, req_results.log, keeper.log (+ rotated .1 ...)
     conf/     hostagent.json, proxy.yaml, nginx_front.json, nginx.conf, prometheus.yml
-    bin/      start_cluster.sh, start_proxy.sh, stop_cluster.sh
+    bin/      start_cluster.sh, start_proxy.sh, stop_cluster.sh, boot.sh (what the boot hook runs)
     lib/      the control plane's modules an engine imports (the sim's fleet.sim)
     sim-dev/  the sim accelerator's device files
 
@@ -34,6 +34,7 @@ NGINX_PID = RUN + "/nginx.pid"                        # the record of nginx's ma
 NGINX_MASTER_PID = RUN + "/nginx.master.pid"          # nginx's own pid file (a bare pid)
 NGINX_WATCH_PID = RUN + "/nginx_watch.pid"
 LOCK = RUN + "/fleet.lock"
+BOOT_LOCK = RUN + "/boot.lock"                        # one bin/boot.sh at a time
 MODE = RUN + "/mode"                                  # "proxy" or "nginx": who fronts the instances
 KEEPER_STATE = RUN + "/keeper.json"
 KEEPER_METRICS = RUN + "/keeper.prom"
@@ -47,6 +48,7 @@ PROXY_LOG = LOGS + "/proxy.log"
 RESULTS_LOG = LOGS + "/req_results.log"
 KEEPER_LOG = LOGS + "/keeper.log"
 KEEPER_OUT = LOGS + "/keeper.out"                     # the keeper's standard output and error
+BOOT_LOG = LOGS + "/boot.log"                         # what bin/boot.sh did (at a reboot, and its watchdog)
 # nginx mode's logs: here unless nginx.log_dir names another directory (the same file names there)
 NGINX_ERROR_LOG = LOGS + "/nginx_error.log"
 NGINX_ACCESS_LOG = LOGS + "/nginx_access.log"
@@ -63,6 +65,7 @@ PROMETHEUS_CONF = CONF + "/prometheus.yml"            # scrape jobs for the oper
 START_CLUSTER = BIN + "/start_cluster.sh"
 START_PROXY = BIN + "/start_proxy.sh"
 STOP_CLUSTER = BIN + "/stop_cluster.sh"
+BOOT = BIN + "/boot.sh"                               # the boot hook's script: the deployment back, as deploy starts it
 # start_cluster.sh's environment overrides that change what the proxy and the keeper expect (ports, slots,
 # how many instances, the engine's flags). By hand only: the script refuses them while the keeper runs,
 # and the toolkit's own runs of the script (deploy, the keeper, restart) clear them from its environment.

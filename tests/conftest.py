@@ -17,6 +17,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
+# The suite runs as root, and a deploy installs a boot hook in the user's crontab: no test's deploy may
+# leave a line there. The boot hook's own tests (tests/test_boot.py) set it back to auto, and remove
+# exactly their lines.
+os.environ["FLEET_BOOT_HOOK"] = "off"
 _rng = random.Random()   # seeded from the OS: concurrent runs pick different ports
 
 

@@ -9,7 +9,7 @@ import shutil
 import subprocess
 import sys
 
-from hostagent import instances, processes
+from hostagent import boothook, instances, processes
 
 
 def which(name):
@@ -131,6 +131,7 @@ def main():
         "memory": memory(),
         "cores": cores(),
         "sim_devices": os.path.isdir(os.path.join(spec["deploy_dir"], "sim-dev")),
+        "boot": boothook.detect(),
     }, sys.stdout)
 
 
