@@ -27,7 +27,7 @@ from invoke.parser import Argument, ParserContext
 
 from . import bench as bench_mod
 from . import deploy as fleet_deploy
-from . import display, facts, front, inventory, runner, sync
+from . import display, facts, front, inventory, render, runner, sync
 from . import doctor as doctor_mod
 from . import logs as fleet_logs
 from . import lora as lora_mod
@@ -338,10 +338,7 @@ def render_(c, host="", out="", set_=None, inventory_=""):
         names = inv.select(host)
         for name in names:
             hv = inv.host_vars(name, set_)
-            if hv["deploy_dir"].startswith("~"):
-                hv.vars["deploy_dir"] = "/home/" + ((hv["ssh"] or {}).get("user") or os.environ.get(
-                    "USER", "user")) + hv["deploy_dir"][1:]
-            hv.vars["python"] = hv["python"] or "python3"
+            hv = render.offline(hv, "/home/" + ((hv["ssh"] or {}).get("user") or os.environ.get("USER", "user")))
             target = Path(out) / name if len(names) > 1 else Path(out)
             files = sync.host_files(hv)
             # A path in the way (a file where a directory must go) fails before anything is written.
