@@ -485,12 +485,13 @@ def lora(c, action, host="", model="", name="", path="", set_=None, inventory_="
     _finish(_run(host, inventory_, set_, action_, forks, readonly=action == "list")[1])
 
 
-@command(help=_help("host", "inventory", "set", "forks"))
-def doctor(c, host="", set_=None, inventory_="", forks=5):
+@command(help=_help("host", "inventory", "set", "forks",
+                    deep="also run `vllm --version` (it imports vLLM: seconds idle, minutes beside busy engines)"))
+def doctor(c, host="", set_=None, inventory_="", forks=5, deep=False):
     """Check the host before a deploy: engine, model path, ports, free memory per card, tools, log room."""
 
     def action(conn, hv, emit):
-        return doctor_mod.doctor(conn, hv, emit)
+        return doctor_mod.doctor(conn, hv, emit, deep=deep)
     _finish(_run(host, inventory_, set_, action, forks, readonly=True)[1])
 
 
