@@ -230,6 +230,8 @@ def _run(host, inv_path, overrides, action, forks=5, stream=None, quiet=False, o
                 print(line, file=sys.stderr if quiet else out)
         if not quiet:
             print(file=out)
+        for line in (w for r in reports for w in display.warnings(r)):     # right above the recap lines
+            print(line, file=out if not quiet else sys.stderr)
         for r in reports:
             print(r.recap(), file=out if not quiet else sys.stderr)
         if runner.interrupted() and not ctrl_c_ends:

@@ -106,7 +106,7 @@ def checks(conn, hv: HostVars, f: dict) -> list[Check]:
             out.append(Check(label, "warn", f"held by this deployment's pid {holder['pid']} "
                              f"({holder['cmdline'][:60]}), which its pid file does not name",
                              "`inv deploy` stops it and starts the instance again"))
-    out.append(_entry_port_check(hv))
+    out.append(entry_port_check(hv))
     # cards
     out += _card_checks(conn, hv, f)
     # tools
@@ -158,8 +158,9 @@ def _loopback(address: str) -> bool:
         return address == "localhost"
 
 
-def _entry_port_check(hv: HostVars) -> Check:
-    """The entry port open beyond loopback with no API key: anyone who reaches it may use the engines."""
+def entry_port_check(hv: HostVars) -> Check:
+    """The entry port open beyond loopback with no API key (a warning: anyone who reaches it may use the
+    engines); deploy says it beside its recap too."""
     p = hv["proxy"]
     label = f"entry port {p['port']}"
     if _loopback(p["bind"]):
