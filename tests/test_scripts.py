@@ -53,11 +53,19 @@ VARIANTS = textwrap.dedent("""\
 """)
 
 
+def merged(into: dict, more: dict) -> dict:
+    """into with more laid over it, mappings merged key by key (as the inventory layers them)."""
+    for key, value in more.items():
+        into[key] = merged(dict(into[key]), value) if isinstance(value, dict) and isinstance(
+            into.get(key), dict) else value
+    return into
+
+
 def readme_hosts() -> dict:
-    """The hosts of the README's YAML examples (the NVIDIA server, the DCU server), merged."""
-    hosts = {}
+    """The hosts of the README's YAML examples (the NVIDIA server, the DCU server, the API keys), merged."""
+    hosts: dict = {}
     for block in re.findall(r"```yaml\n(.*?)```", (ROOT / "README.md").read_text(), re.S):
-        hosts.update((yaml.safe_load(block) or {}).get("hosts") or {})
+        merged(hosts, (yaml.safe_load(block) or {}).get("hosts") or {})
     assert {"gpu-01", "k100-01"} <= set(hosts), "the README's examples moved: update readme_hosts"
     return hosts
 
