@@ -68,7 +68,9 @@ def read_facts(conn, hv: HostVars, deep: bool = False) -> dict:
                       "key": "keeper.metrics_port", "pidfiles": [(layout.KEEPER_PID, layout.tag(dep, "keeper"))]})
     engine = {"kind": hv["engine"], "cmd": engine_cmd(hv), "deep": deep}
     spec = {"deploy_dir": hv["deploy_dir"], "deployment_id": dep, "engine": engine, "model": hv["model"],
-            "check_model": hv["engine"] != "sim", "ports": ports, "smi_cmd": smi.smi_command(hv)}
+            "check_model": hv["engine"] != "sim", "ports": ports,
+            # accelerator cpu: no card to read (its check is the cores and RAM); its smi is a Python run
+            "smi_cmd": smi.smi_command(hv) if hv["accelerator"] != "cpu" else None}
     return agent.run_script(conn, hv, "doctor", spec, "the doctor's probe", timeout=300, env_setup=True)
 
 

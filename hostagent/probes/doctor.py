@@ -224,7 +224,7 @@ def main():
     spec = json.loads(sys.argv[1])
     engine = engine_facts(spec["engine"])
     exists, size, files = model_size(spec["model"]) if spec["check_model"] else (None, 0, 0)
-    smi_code, smi_out = run(spec["smi_cmd"], 60, shell=True)
+    smi_code, smi_out = run(spec["smi_cmd"], 60, shell=True) if spec["smi_cmd"] else (None, "")
     where, free = disk(spec["deploy_dir"])
     json.dump({
         "engine": dict(engine, output=engine["output"][-300:]),
