@@ -9,10 +9,10 @@ against accelerators) and hosts (`fronts`, ports shared on one machine) run, all
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 import hashlib
 import os
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
