@@ -27,7 +27,7 @@ from invoke.parser import Argument, ParserContext
 
 from . import bench as bench_mod
 from . import deploy as fleet_deploy
-from . import display, facts, front, inventory, runner, sync
+from . import display, facts, front, inventory, render, runner, sync
 from . import doctor as doctor_mod
 from . import logs as fleet_logs
 from . import lora as lora_mod
@@ -231,6 +231,8 @@ def _run(host, inv_path, overrides, action, forks=5, stream=None, quiet=False, o
                 print(line, file=sys.stderr if quiet else out)
         if not quiet:
             print(file=out)
+        for line in (w for r in reports for w in display.warnings(r)):     # right above the recap lines
+            print(line, file=out if not quiet else sys.stderr)
         for r in reports:
             print(r.recap(), file=out if not quiet else sys.stderr)
         if runner.interrupted() and not ctrl_c_ends:
@@ -351,10 +353,7 @@ def render_(c, host="", out="", set_=None, inventory_=""):
         names = inv.select(host)
         for name in names:
             hv = inv.host_vars(name, set_)
-            if hv["deploy_dir"].startswith("~"):
-                hv.vars["deploy_dir"] = "/home/" + ((hv["ssh"] or {}).get("user") or os.environ.get(
-                    "USER", "user")) + hv["deploy_dir"][1:]
-            hv.vars["python"] = hv["python"] or "python3"
+            hv = render.offline(hv, "/home/" + ((hv["ssh"] or {}).get("user") or os.environ.get("USER", "user")))
             target = Path(out) / name if len(names) > 1 else Path(out)
             files = sync.host_files(hv)
             # A path in the way (a file where a directory must go) fails before anything is written.
@@ -501,12 +500,13 @@ def lora(c, action, host="", model="", name="", path="", set_=None, inventory_="
     _finish(_run(host, inventory_, set_, action_, forks, readonly=action == "list")[1])
 
 
-@command(help=_help("host", "inventory", "set", "forks"))
-def doctor(c, host="", set_=None, inventory_="", forks=5):
+@command(help=_help("host", "inventory", "set", "forks",
+                    deep="also run `vllm --version` (it imports vLLM: seconds idle, minutes beside busy engines)"))
+def doctor(c, host="", set_=None, inventory_="", forks=5, deep=False):
     """Check the host before a deploy: engine, model path, ports, free memory per card, tools, log room."""
 
     def action(conn, hv, emit):
-        return doctor_mod.doctor(conn, hv, emit)
+        return doctor_mod.doctor(conn, hv, emit, deep=deep)
     _finish(_run(host, inventory_, set_, action, forks, readonly=True)[1])
 
 

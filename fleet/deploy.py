@@ -11,6 +11,7 @@ from hostagent import layout
 from . import agent, boot, facts, front, preflight, release, runlock, sync
 from . import keeper as fleet_keeper
 from .doctor import doctor as run_doctor
+from .doctor import entry_port_check
 from .errors import RemoteError
 from .inventory import HostVars
 from .report import Emit, Report
@@ -33,6 +34,9 @@ def deploy(conn: Transport, hv: HostVars, emit: Emit = lambda line: None,
 
 def _deploy(conn: Transport, hv: HostVars, emit: Emit, check: bool, diff: bool, doctor: bool) -> Report:
     report = Report(hv.name)
+    entry = entry_port_check(hv)
+    if entry.status != "ok":         # said beside the recap, doctor or not: it is the inventory's choice
+        report.warn(f"{entry.name}: {entry.message}; {entry.fix}")
     if doctor:
         run_doctor(conn, hv, emit, report)
         if report.failed:

@@ -79,6 +79,11 @@ def failures(report: Report) -> list[str]:
     return lines
 
 
+def warnings(report: Report) -> list[str]:
+    """One line per warning of the run (it failed nothing, but needs the operator's eye)."""
+    return [f"{report.host}: WARNING: {w}" for w in report.warnings]
+
+
 def skips(report: Report) -> list[str]:
     """One line per skipped step, with why: a skip is never silent."""
     return [f"{report.host}: skipped: {s.name}: {s.message or 'no reason given'}"

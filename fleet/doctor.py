@@ -1,9 +1,10 @@
 """`inv doctor`: is this host ready to run the deployment? Each check says ok, warn or fail, with the fix.
 
 One probe-style script (hostagent/probes/doctor.py) reads the facts on the host after env_setup; the checks
-here judge them: the engine binary runs, the model path exists (and its size), each port is free or
-ours, each card has gpu_memory_utilization x total free (else its holders), smi/fuser/ss are found,
-which boot hook brings the deployment back after a reboot (or what is missing), and there is room for logs.
+here judge them: the engine is there (its version from its package metadata; `deep`: it runs), the model
+path exists (and its size), each port is free or ours, each card has gpu_memory_utilization x total free
+(else its holders), smi/fuser/ss are found, which boot hook brings the deployment back after a reboot (or
+what is missing), and there is room for logs.
 """
 from __future__ import annotations
 
@@ -51,8 +52,9 @@ def engine_cmd(hv: HostVars) -> list[str]:
 KEEPER_METRICS = "keeper metrics"
 
 
-def read_facts(conn, hv: HostVars) -> dict:
-    """Run the doctor's probe on the host, after env_setup (so PATH is the engine's)."""
+def read_facts(conn, hv: HostVars, deep: bool = False) -> dict:
+    """Run the doctor's probe on the host, after env_setup (so PATH is the engine's); deep: run the engine's
+    `--version` too (it imports vLLM: seconds idle, minutes beside busy engines)."""
     dep = hv.deployment_id
     ports = [{"port": p, "host": hv.instance_host, "what": f"instance {i}", "key": "base_port",
               "pidfiles": [(layout.instance_pidfile(i), layout.tag(dep, i))]} for i, p in enumerate(hv.ports)]
@@ -65,27 +67,17 @@ def read_facts(conn, hv: HostVars) -> dict:
     if hv["keeper"]["enabled"]:
         ports.append({"port": hv["keeper"]["metrics_port"], "host": hv.instance_host, "what": KEEPER_METRICS,
                       "key": "keeper.metrics_port", "pidfiles": [(layout.KEEPER_PID, layout.tag(dep, "keeper"))]})
-    spec = {"deploy_dir": hv["deploy_dir"], "deployment_id": dep, "engine_cmd": engine_cmd(hv), "model": hv["model"],
-            "check_model": hv["engine"] != "sim", "ports": ports, "smi_cmd": smi.smi_command(hv)}
+    engine = {"kind": hv["engine"], "cmd": engine_cmd(hv), "deep": deep}
+    spec = {"deploy_dir": hv["deploy_dir"], "deployment_id": dep, "engine": engine, "model": hv["model"],
+            "check_model": hv["engine"] != "sim", "ports": ports,
+            # accelerator cpu: no card to read (its check is the cores and RAM); its smi is a Python run
+            "smi_cmd": smi.smi_command(hv) if hv["accelerator"] != "cpu" else None}
     return agent.run_script(conn, hv, "doctor", spec, "the doctor's probe", timeout=300, env_setup=True)
 
 
 def checks(conn, hv: HostVars, f: dict) -> list[Check]:
     """Judge the facts: one Check per line (holders are looked up only for a card that is short)."""
-    out: list[Check] = []
-    # engine
-    e = f["engine"]
-    cmd = " ".join(engine_cmd(hv))
-    if e["exit"] == 0:
-        out.append(Check("engine", "ok", f"`{cmd}` runs" + (f" ({e['output'].strip()})" if e["output"].strip()
-                                                              and hv["engine"] != "sim" else "")))
-    elif hv["engine"] == "sim":
-        out.append(Check("engine", "fail", f"`{cmd}` failed: {e['output'].strip()[-150:]}",
-                         f"install aiohttp for {hv['python']} (or set python to one that has it)"))
-    else:
-        out.append(Check("engine", "fail", f"`{cmd}` " + ("is not found" if e["exit"] is None else
-                                                          f"failed (exit {e['exit']}): {e['output'][-150:]}"),
-                         "install vLLM in the environment env_setup activates, or set vllm_bin"))
+    out: list[Check] = [_engine_check(hv, f["engine"])]
     # model
     m = f["model"]
     if hv["engine"] == "sim":
@@ -117,7 +109,7 @@ def checks(conn, hv: HostVars, f: dict) -> list[Check]:
             out.append(Check(label, "warn", f"held by this deployment's pid {holder['pid']} "
                              f"({holder['cmdline'][:60]}), which its pid file does not name",
                              "`inv deploy` stops it and starts the instance again"))
-    out.append(_entry_port_check(hv))
+    out.append(entry_port_check(hv))
     # cards
     out += _card_checks(conn, hv, f)
     # tools
@@ -139,6 +131,30 @@ def checks(conn, hv: HostVars, f: dict) -> list[Check]:
     return out
 
 
+def _engine_check(hv: HostVars, e: dict) -> Check:
+    """The engine: found and executable with its Python, its version from the package metadata; and when
+    the probe ran it (`--deep`, or no metadata found), whether it ran."""
+    cmd = " ".join(engine_cmd(hv))
+    if hv["engine"] == "sim":
+        if e["exit"] == 0:
+            return Check("engine", "ok", f"`{cmd}` runs")
+        return Check("engine", "fail", f"`{cmd}` failed: {e['output'].strip()[-150:]}",
+                     f"install aiohttp for {hv['python']} (or set python to one that has it)")
+    install = "install vLLM in the environment env_setup activates, or set vllm_bin"
+    if e["exit"] is None:
+        return Check("engine", "fail", f"`{engine_cmd(hv)[0]}` is not found", install)
+    if e["exit"] != 0:
+        what = f"`{e['path']}`: {e['output']}" if not e["ran"] else \
+            f"`{cmd}` failed (exit {e['exit']}): {e['output'][-150:]}"
+        return Check("engine", "fail", what, install)
+    where = e.get("path") or engine_cmd(hv)[0]
+    if e.get("version"):
+        said = f"{where}: vLLM {e['version']} (package metadata, {e['metadata']})"
+        return Check("engine", "ok", said + (f"; `{cmd}` runs" if e["ran"] else ""))
+    return Check("engine", "ok", f"`{cmd}` runs" + (f" ({e['output'].strip()})" if e["output"].strip() else "")
+                 + "; no package metadata of vllm found beside its Python")
+
+
 def _loopback(address: str) -> bool:
     try:
         return ipaddress.ip_address(address).is_loopback
@@ -146,8 +162,9 @@ def _loopback(address: str) -> bool:
         return address == "localhost"
 
 
-def _entry_port_check(hv: HostVars) -> Check:
-    """The entry port open beyond loopback with no API key: anyone who reaches it may use the engines."""
+def entry_port_check(hv: HostVars) -> Check:
+    """The entry port open beyond loopback with no API key (a warning: anyone who reaches it may use the
+    engines); deploy says it beside its recap too."""
     p = hv["proxy"]
     label = f"entry port {p['port']}"
     if _loopback(p["bind"]):
@@ -259,11 +276,13 @@ def _card_checks(conn, hv: HostVars, f: dict) -> list[Check]:
     return out
 
 
-def doctor(conn, hv: HostVars, emit: Emit = lambda line: None, report: Report | None = None) -> Report:
-    """Run every check on the host, emit a line each, and add them to report (a warn counts as ok)."""
+def doctor(conn, hv: HostVars, emit: Emit = lambda line: None, report: Report | None = None,
+           deep: bool = False) -> Report:
+    """Run every check on the host, emit a line each, and add them to report (a warn counts as ok); deep:
+    run the engine's `--version` too (deploy does not: the version from the metadata costs milliseconds)."""
     hv = facts.prepare(conn, hv)
     report = report or Report(hv.name)
-    for c in checks(conn, hv, read_facts(conn, hv)):
+    for c in checks(conn, hv, read_facts(conn, hv, deep)):
         emit(c.line())
         # The line is emitted once, here; a step keeps its message only when it failed (the recap and
         # the failure list show it), so deploy does not print every check twice.

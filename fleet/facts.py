@@ -7,7 +7,6 @@ inventory wants, and only then act.
 """
 from __future__ import annotations
 
-import copy
 import shlex
 import sys
 
@@ -22,17 +21,11 @@ from .transport import Transport
 
 def prepare(conn: Transport, hv: HostVars) -> HostVars:
     """Resolve what depends on the host itself: an absolute deploy_dir and the Python to run."""
-    hv = copy.copy(hv)
-    hv.vars = copy.deepcopy(hv.vars)
+    hv = hv.at_home(conn.home)
     d = hv.vars["deploy_dir"]
-    if d == "~" or d.startswith("~/"):
-        d = conn.home().rstrip("/") + d[1:]
     if not d.startswith("/"):
         d = conn.home().rstrip("/") + "/" + d
     hv.vars["deploy_dir"] = d.rstrip("/") or "/"
-    m = hv.vars["model"]
-    if m == "~" or m.startswith("~/"):      # the engine gets it as one quoted argument: no shell expands it
-        hv.vars["model"] = conn.home().rstrip("/") + m[1:]
     if not hv.vars["python"]:
         # The control node's own interpreter has aiohttp; a remote host's python3 comes from env_setup.
         hv.vars["python"] = sys.executable if hv["connection"] == "local" else "python3"

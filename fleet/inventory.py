@@ -9,11 +9,12 @@ against accelerators) and hosts (`fronts`, ports shared on one machine) run, all
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 import hashlib
 import os
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -496,6 +497,26 @@ class HostVars:
 
     def __getitem__(self, key):
         return self.vars[key]
+
+    def at_home(self, home: Callable[[], str]) -> "HostVars":
+        """A copy with `~` made the host's home (home(), asked only when needed) in deploy_dir and the model
+        paths: the host's, each group's and its adapters'. The engine gets a path as one quoted argument,
+        which no shell expands."""
+        known: list[str] = []
+
+        def expand(path: str) -> str:
+            if path != "~" and not path.startswith("~/"):
+                return path
+            known[:] = known or [home().rstrip("/")]
+            return known[0] + path[1:]
+        hv = copy.copy(self)
+        hv.vars = copy.deepcopy(self.vars)
+        for key in ("deploy_dir", "model"):
+            hv.vars[key] = expand(hv.vars[key])
+        hv.groups = [dataclasses.replace(g, model=expand(g.model),
+                                         lora_modules={k: expand(v) for k, v in g.lora_modules.items()})
+                     for g in self.groups]
+        return hv
 
     @classmethod
     def build(cls, name: str, merged: dict, path: str) -> "HostVars":

@@ -186,6 +186,14 @@ def context(hv: HostVars) -> dict:
     }
 
 
+def offline(hv: HostVars, home: str) -> HostVars:
+    """hv as `inv render` writes it without contacting the host: `~` in deploy_dir and the model paths
+    becomes home, and python defaults to `python3` (deploy resolves them on the host: fleet.facts.prepare)."""
+    hv = hv.at_home(lambda: home)
+    hv.vars["python"] = hv.vars["python"] or "python3"
+    return hv
+
+
 def render_host(hv: HostVars) -> list[RenderedFile]:
     """Every file the host needs, rendered from its variables (deploy_dir and python already resolved)."""
     env = environment()

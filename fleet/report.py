@@ -25,11 +25,17 @@ class Report:
     unreachable: str | None = None
     status: dict | None = None
     data: dict = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)   # said beside the recap; they fail nothing
 
     def add(self, name: str, status: str, message: str = "") -> Step:
         step = Step(name, status, message)
         self.steps.append(step)
         return step
+
+    def warn(self, message: str) -> None:
+        """Something the run did not fail on, but the operator must know: a line beside the recap."""
+        if message not in self.warnings:
+            self.warnings.append(message)
 
     def count(self, status: str) -> int:
         return sum(1 for s in self.steps if s.status == status)

@@ -273,7 +273,8 @@ class ProxySettings(Section):
     admin_port: Port = doc(8001,
         "The proxy's admin listener, bound to 127.0.0.1 only.")
     bind: Address = doc("0.0.0.0",
-        "The entry port's address (nginx mode's too).")
+        "The entry port's address (nginx mode's too). The demo host `local` sets 127.0.0.1; beyond "
+        "loopback, set `proxy.api_keys_file` too.")
     health_interval_s: _seconds() = doc(5.0,
         "The period of the proxy's active `/health` checks, of nginx mode's watcher, and of the "
         "keeper's rounds (at most 5 s for the keeper).")
@@ -299,7 +300,8 @@ class ProxySettings(Section):
     api_keys_file: Path = doc("",
         "A file of client API keys on the host, one per line; then `/v1/*` needs `Authorization: Bearer "
         "KEY` (401 otherwise) at the proxy and in nginx mode alike, while `/health` and `/metrics` stay "
-        "open. Empty: no key needed (`inv doctor` warns when the entry port listens beyond loopback).")
+        "open. Empty: no key needed (`inv deploy`, beside its recap, and `inv doctor` warn when the entry port "
+        "listens beyond loopback).")
     results_log: ResultsLogSettings = doc(ResultsLogSettings(),
         "Rotation of the results log, `logs/req_results.log`.")
     log: LogSettings = doc(LogSettings(),

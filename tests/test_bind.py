@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 import yaml
 
-from conftest import free_ports, http_status
+from conftest import ROOT, free_ports, http_status
 from fleet import inventory, render
 from fleet_helpers import deployment_id, inv, kill_tagged, status_json, write_inventory
 
@@ -85,6 +85,7 @@ def test_instances_listen_on_loopback_and_the_key_is_the_only_door(tmp_path):
         assert post(proxy_port, "sk-test-1") == 200
         doctor = inv("doctor", "--host", "t", inventory=path)
         assert "instance 0" in doctor.stdout + doctor.stderr
+        assert "WARNING" not in r.stdout + r.stderr       # open beyond loopback, with keys: no warning
     finally:
         inv("stop", "--host", "t", inventory=path)
         kill_tagged(dep + "/")
@@ -159,3 +160,50 @@ def test_the_host_agent_reaches_its_own_instances_where_they_listen(tmp_path):
     assert loaded.host_vars("e").backends[:2] == ["10.20.0.12:18002", "10.20.0.12:18003"]   # m's first
     assert [i["backend"] for i in e["instances"]] == [f"{e['instances'][0]['address']}:19002",
                                                       f"{e['instances'][0]['address']}:19003"]
+
+
+def test_the_demo_host_listens_on_loopback_and_an_open_entry_port_without_keys_is_warned_in_the_recap(tmp_path):
+    """1. The `local` demo host as inventory/hosts.yml defines it (ports and deploy_dir moved for the test),
+       deployed: its entry port answers on 127.0.0.1 and takes no connection on this machine's outside
+       address; no warning.
+    2. Deployed again with proxy.bind 0.0.0.0 and no key file: the entry port is open outside, and one
+       `local: WARNING: entry port ...` line stands right above the recap.
+    3. With proxy.api_keys_file set, `deploy --check` warns of nothing."""
+    outside = outside_address()
+    shipped = yaml.safe_load((ROOT / "inventory" / "hosts.yml").read_text())
+    demo = shipped["hosts"]["local"]
+    assert demo["proxy"]["bind"] == "127.0.0.1"
+    base = free_ports(5)
+    demo.update(instances=1, base_port=base, deploy_dir=str(tmp_path / "deploy"), sim={"load_s": 0.3},
+                proxy={**demo["proxy"], "port": base + 1, "admin_port": base + 2, "health_interval_s": 0.5},
+                keeper={"metrics_port": base + 3})
+    path = tmp_path / "hosts.yml"
+    path.write_text(yaml.safe_dump({"defaults": shipped["defaults"], "hosts": {"local": demo}}))
+    dep, entry = deployment_id(path, "local"), base + 1
+    keys = tmp_path / "keys"
+    keys.write_text("sk-test-1\n")
+    try:
+        r = inv("deploy", "--host", "local", inventory=path)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert http_status(f"http://127.0.0.1:{entry}/health") == 200
+        assert not reachable(outside, entry), f"the demo's entry port {entry} is open on {outside}"
+        assert "WARNING" not in r.stdout + r.stderr
+
+        inv("stop", "--host", "local", inventory=path)     # a new bind is a new proxy: start it afresh
+        r = inv("deploy", "--host", "local", "--set", "proxy.bind=0.0.0.0", inventory=path)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert reachable(outside, entry)
+        lines = r.stdout.splitlines()
+        recap = next(i for i, line in enumerate(lines) if line.startswith("local : ok="))
+        assert lines[recap - 1] == (
+            f"local: WARNING: entry port {entry}: listens on 0.0.0.0 with no API key: whoever reaches it may use "
+            "the engines; set proxy.api_keys_file (one key per line; both fronts check it), or proxy.bind: "
+            "127.0.0.1 behind your own gateway"), r.stdout
+        assert (r.stdout + r.stderr).count("WARNING") == 1
+
+        r = inv("deploy", "--host", "local", "--check", "--set", "proxy.bind=0.0.0.0", "--set",
+                f"proxy.api_keys_file={keys}", inventory=path)
+        assert r.returncode == 0 and "WARNING" not in r.stdout + r.stderr, r.stdout + r.stderr
+    finally:
+        inv("stop", "--host", "local", inventory=path)
+        kill_tagged(dep + "/")

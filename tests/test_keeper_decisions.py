@@ -455,7 +455,8 @@ def test_the_stall_probe_tells_a_stall_from_a_busy_engine(hang_s, busy, expected
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, args=(0.02,), daemon=True).start()
     try:
-        cfg = {"served_model_name": "m", "keeper": {"probe_timeout_s": 0.2}}
+        # A hang is longer than the timeout, whatever the machine's load; an answer has time to come.
+        cfg = {"served_model_name": "m", "keeper": {"probe_timeout_s": 0.2 if hang_s else 30.0}}
         outcome = keeper.probe(cfg, f"http://127.0.0.1:{server.server_address[1]}")
         assert probe_result(*outcome) == expected, outcome
     finally:

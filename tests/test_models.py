@@ -44,7 +44,7 @@ def test_the_example_host_hands_out_cards_in_order_and_renders_pools():
     script = out["bin/start_cluster.sh"]
     assert "#   instance 6 (port 8008): Qwen2.5-32B-Instruct, cards 6,7 (tensor parallel 2)" in script
     assert "#   instance 0 (port 8002): MiniCPM-V-4_5, card 0" in script
-    assert "CARDS_OF=(0 1 2 3 4 5 6,7)" in script and 'HIP_VISIBLE_DEVICES="${CARDS_OF[$i]}"' in script
+    assert 'CARDS_OF=("0" "1" "2" "3" "4" "5" "6,7")' in script and 'HIP_VISIBLE_DEVICES="${CARDS_OF[$i]}"' in script
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
     proxy = yaml.safe_load(out["conf/proxy.yaml"])
     assert proxy["models"] == [
@@ -80,7 +80,7 @@ def test_tensor_parallel_on_a_minimal_nvidia_host_lists_every_card(tmp_path):
     hv = inv.host_vars("gpu")
     assert hv.cards == [(0, 1), (2, 3), (4, 5), (6, 7)]
     script = files(hv)["bin/start_cluster.sh"]
-    assert 'CUDA_VISIBLE_DEVICES="${CARDS_OF[$i]}"' in script and "CARDS_OF=(0,1 2,3 4,5 6,7)" in script
+    assert 'CUDA_VISIBLE_DEVICES="${CARDS_OF[$i]}"' in script and 'CARDS_OF=("0,1" "2,3" "4,5" "6,7")' in script
     assert "GROUP_ARGS=(--tensor-parallel-size 2)" in script
     # the nvidia card files of both cards count for the instance's release check
     agent = json.loads(files(hv)["conf/hostagent.json"])

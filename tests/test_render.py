@@ -268,3 +268,25 @@ def test_cpu_instances_get_disjoint_cores_and_their_kv_cache(tmp_path):
     assert too_many.returncode == 3 and "started" not in too_many.stdout
     assert too_many.stderr.strip() == (f"2 instance(s) x {len(cores)} core(s) do not fit the {len(cores)} "
                                        "core(s) of this host; lower instances or cpus_per_instance.")
+
+
+@pytest.mark.unit
+def test_a_models_group_path_with_a_tilde_reaches_the_engine_under_the_hosts_home(tmp_path):
+    """1. A models group's `model` and a LoRA adapter's path start with `~/`.
+    2. Rendered for a host whose home is /home/ops, the engine command and --lora-modules name
+       /home/ops/...: the script quotes each argument, so no shell would expand the tilde."""
+    inv_path = tmp_path / "hosts.yml"
+    inv_path.write_text(textwrap.dedent("""\
+        hosts:
+          h:
+            connection: local
+            accelerator: nvidia
+            accelerators: 2
+            models:
+              - {name: a, model: ~/models/a, lora_modules: {ocr: ~/lora/ocr}}
+              - {name: b, model: /data/b}
+        """))
+    hv = render.offline(inventory.load(inv_path).host_vars("h", []), "/home/ops")
+    script = rendered(hv)["bin/start_cluster.sh"].content
+    assert "ENGINE=(vllm serve /home/ops/models/a)" in script and "ENGINE=(vllm serve /data/b)" in script
+    assert "ocr=/home/ops/lora/ocr" in script and "~/" not in script

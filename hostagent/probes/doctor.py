@@ -3,8 +3,10 @@ with this file on standard input (bundled with the host agent modules it imports
 it prints one JSON object. Standard library only, Python 3.6+, no side effects. The control node turns
 these facts into ok/warn/fail lines (fleet/doctor.py).
 """
+import glob
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -30,6 +32,109 @@ def run(argv, timeout, shell=False):
         return 126, "not executable"
     except subprocess.TimeoutExpired:
         return 124, "no answer within %ds" % timeout
+
+
+def script_python(path):
+    """The Python a console script (pip's `vllm`) runs with, from its #! line alone: a path, `env NAME`
+    looked up on PATH, or the one pip's sh wrapper execs when the path is too long for a #! line; None
+    when the file is no Python script."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1024).decode("utf-8", "replace").splitlines()
+    except OSError:
+        return None
+    if not head or not head[0].startswith("#!"):
+        return None
+    words = head[0][2:].split()
+    if words and os.path.basename(words[0]) == "env":
+        words = [w for w in words[1:] if not w.startswith("-")]
+        return shutil.which(words[0]) if words else None
+    if words and os.path.basename(words[0]) == "sh" and len(head) > 1:
+        m = re.match(r"""'''exec' "?([^"\s]+)"?""", head[1])
+        return m.group(1) if m else None
+    return words[0] if words and "python" in os.path.basename(words[0]) else None
+
+
+def site_dirs(python):
+    """Where a Python's packages are, from its path alone (running it costs a second under load): a venv's
+    own site-packages (pyvenv.cfg beside bin/) and its base's when it includes them; otherwise the
+    installation's (conda, /usr, /usr/local) and the user's ~/.local."""
+    prefix = os.path.dirname(os.path.dirname(python))
+    prefixes, cfg = [prefix], {}
+    try:
+        with open(os.path.join(prefix, "pyvenv.cfg")) as f:
+            cfg = dict((k.strip(), v.strip()) for k, _, v in (line.partition("=") for line in f) if k.strip())
+    except OSError:
+        pass
+    version = ".".join(cfg.get("version", cfg.get("version_info", "")).split(".")[:2]) or None
+    if cfg:
+        if cfg.get("include-system-site-packages", "").lower() == "true" and cfg.get("home"):
+            prefixes.append(os.path.dirname(cfg["home"].rstrip("/")))
+    else:
+        real = os.path.dirname(os.path.dirname(os.path.realpath(python)))
+        prefixes += [real] if real != prefix else []
+        prefixes.append(os.path.expanduser("~/.local"))
+    m = re.search(r"python(\d+\.\d+)$", os.path.basename(python))
+    version = version or (m.group(1) if m else None)
+    out = []
+    for p in prefixes:
+        for pattern in ("lib/python3*/site-packages", "lib64/python3*/site-packages", "lib/python3*/dist-packages",
+                        "local/lib/python3*/dist-packages"):
+            for d in sorted(glob.glob(os.path.join(p, pattern))):
+                if version is None or "/python3/" in d or "/python%s/" % version in d:
+                    out.append(d)
+    return out
+
+
+def dist_version(dirs, name):
+    """(version, metadata file) of the installed distribution `name` in the first of dirs that has it."""
+    want = re.sub(r"[-_.]+", "-", name).lower()
+    for d in dirs:
+        for meta in sorted(glob.glob(os.path.join(d, name + "-*.dist-info", "METADATA")) +
+                           glob.glob(os.path.join(d, name + "-*.egg-info", "PKG-INFO"))):
+            fields = {}
+            try:
+                with open(meta, encoding="utf-8", errors="replace") as f:
+                    for line in f:
+                        if not line.strip():
+                            break
+                        key, _, value = line.partition(":")
+                        fields.setdefault(key.strip().lower(), value.strip())
+            except OSError:
+                continue
+            if re.sub(r"[-_.]+", "-", fields.get("name", "")).lower() == want and fields.get("version"):
+                return fields["version"], meta
+    return None, None
+
+
+def engine_facts(spec):
+    """Is the engine there, and which version. vLLM: the `vllm` command found after env_setup (or
+    vllm_bin) and executable, the Python of its #! line there and executable, and the version of the
+    distribution `vllm` read from that Python's package metadata, without importing vLLM (10 s of CPU
+    idle, minutes beside busy engines). With `deep`, or when no metadata is found, it runs `vllm
+    --version` too. The sim: its Python imports aiohttp."""
+    cmd, out = spec["cmd"], {"ran": False}
+    if spec["kind"] == "sim":
+        out["exit"], out["output"] = run(cmd, 180)
+        out["ran"] = True
+        return out
+    path = shutil.which(os.path.expanduser(cmd[0]))
+    out["path"] = path
+    if path is None:
+        bare = os.path.expanduser(cmd[0])
+        out["exit"], out["output"] = (126, "not executable") if os.path.isfile(bare) else (None, "not found")
+        return out
+    python = script_python(path)
+    out["python"] = python
+    if python and not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        out["exit"], out["output"] = 127, "its Python %s is missing or not executable" % python
+        return out
+    out["version"], out["metadata"] = dist_version(site_dirs(python), "vllm") if python else (None, None)
+    out["exit"], out["output"] = 0, ""
+    if spec["deep"] or not out["version"]:
+        out["exit"], out["output"] = run(cmd, 180)
+        out["ran"] = True
+    return out
 
 
 def model_size(path):
@@ -117,12 +222,12 @@ def cores():
 
 def main():
     spec = json.loads(sys.argv[1])
-    engine_code, engine_out = run(spec["engine_cmd"], 180)
+    engine = engine_facts(spec["engine"])
     exists, size, files = model_size(spec["model"]) if spec["check_model"] else (None, 0, 0)
-    smi_code, smi_out = run(spec["smi_cmd"], 60, shell=True)
+    smi_code, smi_out = run(spec["smi_cmd"], 60, shell=True) if spec["smi_cmd"] else (None, "")
     where, free = disk(spec["deploy_dir"])
     json.dump({
-        "engine": {"exit": engine_code, "output": engine_out[-300:]},
+        "engine": dict(engine, output=engine["output"][-300:]),
         "model": {"exists": exists, "bytes": size, "files": files},
         "ports": port_facts(spec),
         "smi": {"exit": smi_code, "output": smi_out},

@@ -36,7 +36,7 @@ for name in N BASE_PORT MAX_LEN MAX_SEQS EAGER BIND CPUS_PER_INSTANCE KVCACHE_GI
     [ -n "${!name:-}" ] && overrides+=("$name=${!name}")
 done
 if [ -n "${overrides[*]-}" ] && keeper=$(keeper_running); then
-    echo "${overrides[*]} refused: this deployment's keeper (pid $keeper) runs, and it and the proxy follow the inventory, not the environment. To debug with it, stop the keeper first (./bin/stop_cluster.sh --keeper); to keep it, change the inventory and run inv deploy." >&2
+    echo "${overrides[*]-} refused: this deployment's keeper (pid $keeper) runs, and it and the proxy follow the inventory, not the environment. To debug with it, stop the keeper first (./bin/stop_cluster.sh --keeper); to keep it, change the inventory and run inv deploy." >&2
     exit 5
 fi
 
@@ -58,6 +58,8 @@ ONLY="${ONLY:-}"
 mkdir -p "$DEPLOY_DIR/run" || exit 1
 env_setup_out="$DEPLOY_DIR/run/env_setup.$$.out"
 set +u
+# env_setup's paths are the host's (often ~/...): shellcheck cannot follow them.
+# shellcheck disable=SC1090,SC1091
 {
 source /opt/dtk/env.sh && source ~/miniconda3/bin/activate vllm-serve
 } >"$env_setup_out" 2>&1 </dev/null
@@ -134,7 +136,7 @@ start_instance() {
     # SPT_NOENV=1: vLLM renames EngineCore and Worker with setproctitle, which otherwise overwrites
     # the environment /proc/PID/environ shows, FLEET_TAG included.
     FLEET_TAG="$FLEET_ID/$i" SPT_NOENV=1 HIP_VISIBLE_DEVICES="$i" \
-        setsid "${ENGINE[@]}" "${args[@]}" "${EXTRA_ARGS[@]}" > >(log_writer "$i" "$log") 2>&1 </dev/null &
+        setsid "${ENGINE[@]}" "${args[@]}" ${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"} > >(log_writer "$i" "$log") 2>&1 </dev/null &
     local pid=$!
     record_identity "$pidfile" "$pid" "$FLEET_ID/$i"
     echo "instance $i: started pid $pid on port $port, accelerator $i, log $log"

@@ -29,6 +29,8 @@ else
 mkdir -p "$DEPLOY_DIR/run" || exit 1
 env_setup_out="$DEPLOY_DIR/run/env_setup.$$.out"
 set +u
+# env_setup's paths are the host's (often ~/...): shellcheck cannot follow them.
+# shellcheck disable=SC1090,SC1091
 {
 source /opt/dtk/env.sh && source ~/miniconda3/bin/activate vllm-serve
 } >"$env_setup_out" 2>&1 </dev/null
@@ -42,5 +44,5 @@ if [ "$env_setup_rc" -ne 0 ]; then
 fi
 rm -f "$env_setup_out"
 fi
-cd "$DEPLOY_DIR"
+cd "$DEPLOY_DIR" || exit 1
 exec "$PYTHON" -m hostagent.processes stop "$SPEC" "$@"
