@@ -8,9 +8,20 @@ from . import httpcall, layout
 from .errors import FrontError
 
 
-def health(cfg: dict, timeout: float = 1.0) -> httpcall.Answer:
-    """GET /health on the entry port, where this host reaches it, on a new connection."""
-    return httpcall.get(httpcall.base_url(layout.local_address(cfg["bind"]), cfg["port"]) + "/health", timeout)
+def health(cfg: dict, timeout: float = 1.0, address: str | None = None) -> httpcall.Answer:
+    """GET /health on the entry port, where this host reaches it (or at address), on a new connection."""
+    where = address or layout.local_address(cfg["bind"])
+    return httpcall.get(httpcall.base_url(where, cfg["port"]) + "/health", timeout)
+
+
+def address_of_new(cfg: dict, old_host: str | None) -> str:
+    """Where only a new listener on bind is reached while the old one still listens on old_host: for a
+    wildcard bind replacing 127.0.0.1 that is another loopback address (the kernel hands 127.0.0.1's
+    connections to the more specific old socket, 127.0.0.2's to the wildcard)."""
+    address = layout.local_address(cfg["bind"])
+    if cfg["bind"] in layout.WILDCARDS_V4 and old_host == address:
+        return "127.0.0.2"
+    return address
 
 
 def front_answer(cfg: dict, timeout: float = 1.0) -> str | None:
@@ -21,10 +32,10 @@ def front_answer(cfg: dict, timeout: float = 1.0) -> str | None:
     return "nginx" if answer.headers.get("X-Front") == "nginx" else "proxy"
 
 
-def proxy_answer(cfg: dict, timeout: float = 1.0) -> tuple[int | None, int | None]:
+def proxy_answer(cfg: dict, timeout: float = 1.0, address: str | None = None) -> tuple[int | None, int | None]:
     """(status, pid) of the proxy answering GET /health on the entry port, on a new connection (with
     two proxies on the port, the kernel picks one per connection); (None, None) when none answers."""
-    answer = health(cfg, timeout)
+    answer = health(cfg, timeout, address)
     body = answer.json()
     try:
         return answer.status, int(body["pid"])

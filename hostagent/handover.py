@@ -330,6 +330,10 @@ def restart_proxy(cfg: dict, need_healthy: bool, say=print) -> dict:
                if b.get("drained")]
     if drained:
         say(f"proxy: the new one keeps {', '.join(drained)} drained, as the operator left them")
+    running = proxyadmin.get_json(cfg["admin_port"], "/admin/config", timeout=2)
+    old_host = running["listen"][0] if isinstance(running, dict) and running.get("listen") else None
+    # A changed bind (127.0.0.1 -> 0.0.0.0): the new one is asked where the old one does not listen.
+    address = entryport.address_of_new(cfg, old_host)
     _start_proxy(cfg, beside_s=drain_s + 30, drained=drained)
     new = parts.ours(cfg, layout.PROXY_NEXT_PID, "proxy")
     new_pid, new_pgid = (new.pid, new.pgid) if new else (None, None)
@@ -338,7 +342,7 @@ def restart_proxy(cfg: dict, need_healthy: bool, say=print) -> dict:
     def confirmed():
         if not parts.alive(new_pid):
             return "exited"
-        status, pid = entryport.proxy_answer(cfg)
+        status, pid = entryport.proxy_answer(cfg, address=address)
         return pid == new_pid and (status == 200 or not need_healthy)
     verdict = _wait(confirmed, 30, 0.02)
     if verdict is not True:

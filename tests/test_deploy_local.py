@@ -69,21 +69,36 @@ def test_deploy_then_redeploy_changes_nothing(cluster):
 
 
 def test_a_changed_bind_address_restarts_the_proxy_on_it(cluster):
-    """1. The proxy listens on 127.0.0.1; 2. deploy with proxy.bind 127.0.0.2 (loopback too): a SIGHUP
-    cannot move a listener, so the proxy reports the setting as pending a restart and deploy restarts it
-    beside the old one; 3. the entry port answers on the new address only, and the next deploy has nothing
-    left to do."""
+    """1. deploy with proxy.bind 127.0.0.1 (the test inventory's proxy listens on every address);
+    2. deploy with proxy.bind 0.0.0.0 (the port opened to the network): a SIGHUP cannot move a listener, so the proxy reports the setting as pending a restart and
+    deploy restarts it beside the old one, confirming the new one where the old does not listen (the
+    kernel gives 127.0.0.1's connections to the more specific old socket until it leaves); 3. then to
+    127.0.0.2 the same way; 4. the entry port answers on the new address only, and the next deploy has
+    nothing left to do."""
     inventory, dep, _, _ = cluster
     port = status_json(inventory)["proxy"]["port"]
+
+    def answering(address: str) -> int:
+        with urllib.request.urlopen(f"http://{address}:{port}/health", timeout=5) as r:
+            assert r.status == 200
+            return json.loads(r.read())["pid"]
+    closed = inv("deploy", "--host", "t", "--set", "proxy.bind=127.0.0.1", inventory=inventory)
+    assert closed.returncode == 0, closed.stdout + closed.stderr
+    assert answering("127.0.0.1") == status_json(inventory, "--set", "proxy.bind=127.0.0.1")["proxy"]["pid"]
+    opened = inv("deploy", "--host", "t", "--set", "proxy.bind=0.0.0.0", inventory=inventory)
+    assert opened.returncode == 0, opened.stdout + opened.stderr
+    assert re.search(r"^changed: proxy: restarted beside the old one", opened.stdout, re.M), opened.stdout
+    pid = status_json(inventory, "--set", "proxy.bind=0.0.0.0")["proxy"]["pid"]
+    assert answering("127.0.0.1") == pid and answering("127.0.0.2") == pid
+
     moved = inv("deploy", "--host", "t", "--set", "proxy.bind=127.0.0.2", inventory=inventory)
     assert moved.returncode == 0, moved.stdout + moved.stderr
     assert re.search(r"^changed: proxy: restarted beside the old one", moved.stdout, re.M), moved.stdout
-    with urllib.request.urlopen(f"http://127.0.0.2:{port}/health", timeout=5) as r:
-        assert r.status == 200
-    with pytest.raises(OSError):
-        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
     st = status_json(inventory, "--set", "proxy.bind=127.0.0.2")
     assert st["proxy"]["state"] == "healthy", st    # read where it listens, not at 127.0.0.1
+    assert answering("127.0.0.2") == st["proxy"]["pid"]
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
     again = inv("deploy", "--host", "t", "--set", "proxy.bind=127.0.0.2", inventory=inventory)
     assert recap(again.stdout)["changed"] == 0, again.stdout
 
