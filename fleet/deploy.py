@@ -1,14 +1,16 @@
 """`inv deploy`: the doctor's checks, then put the changed files, start what is not running (staggered by
-start_cluster.sh), wait for each /health, start or update the front, start the keeper. A second deploy on
-a running cluster starts nothing and reports changed=0.
+start_cluster.sh), wait for each /health, roll each running instance whose launch differs from the wanted
+one (fleet/launch.py) through the host agent's one restart, one at a time, start or update the front,
+start the keeper. A second deploy on a running cluster starts nothing and reports changed=0.
 """
 from __future__ import annotations
 
+import copy
 import shlex
 
 from hostagent import layout
 
-from . import agent, facts, front, preflight, release, runlock, sync
+from . import agent, facts, front, launch, preflight, release, render, runlock, sync
 from . import keeper as fleet_keeper
 from .doctor import doctor as run_doctor
 from .errors import RemoteError
@@ -19,19 +21,24 @@ from .transport import Transport
 
 
 def deploy(conn: Transport, hv: HostVars, emit: Emit = lambda line: None,
-           check: bool = False, diff: bool = False, doctor: bool = True, wait: bool = False) -> Report:
-    """Put changed files, start what is not running, wait for /health, start the proxy.
+           check: bool = False, diff: bool = False, doctor: bool = True, wait: bool = False,
+           restart: bool = True) -> Report:
+    """Put changed files, start what is not running, wait for /health, roll what runs a stale launch,
+    start the proxy.
 
     doctor: run fleet.doctor's checks first; a failed check stops the deploy before it changes anything.
     wait: when another run holds the deployment's lock, wait for it instead of failing at once.
+    restart: roll each healthy instance whose recorded launch differs from the wanted one (False: leave
+    it running as it is, and say so).
     """
     hv = facts.prepare(conn, hv)
     preflight.check(conn, hv, "deploy")   # the tools every step needs: one sentence naming what is missing
     with runlock.held_unless(check, conn, hv, "deploy", emit, wait):
-        return _deploy(conn, hv, emit, check, diff, doctor)
+        return _deploy(conn, hv, emit, check, diff, doctor, restart)
 
 
-def _deploy(conn: Transport, hv: HostVars, emit: Emit, check: bool, diff: bool, doctor: bool) -> Report:
+def _deploy(conn: Transport, hv: HostVars, emit: Emit, check: bool, diff: bool, doctor: bool,
+            restart: bool = True) -> Report:
     report = Report(hv.name)
     if doctor:
         run_doctor(conn, hv, emit, report)
@@ -59,13 +66,30 @@ def _deploy(conn: Transport, hv: HostVars, emit: Emit, check: bool, diff: bool, 
     # Instances with processes left behind (an API server killed, its EngineCore children still holding
     # the card): those are stopped by group and tag, and their card released, before they start again.
     leftovers = {t["tag"].rpartition("/")[2] for t in found.get("tagged", [])}
-    to_start = []
+    to_start, to_roll = [], []
+    plan = {p["index"]: p for p in launch.plan(hv, found)}
     for f, state in ((f, f["state"]) for f in found["instances"]):
         name = f"instance {f['index']}"
+        p = plan[f["index"]]
         if state in ("healthy", "loading"):
-            note = "" if layout.START_CLUSTER not in changed_files else \
-                " (runs with the previous settings; `inv restart --rolling` applies the new ones)"
-            report.add(name, "ok", f"already {state} on :{f['port']}, pid {f['pid']}{note}")
+            changes = ", ".join(p["changes"] or [])
+            if launch.stale(p) and check:
+                report.add(name, "changed", f"would restart ({changes})" if state == "healthy" else
+                           f"runs stale settings ({changes}); still loading: a deploy once it is healthy "
+                           "restarts it")
+            elif launch.stale(p) and restart and state == "healthy":
+                to_roll.append(p)
+            elif launch.stale(p):
+                report.add(name, "ok", f"already {state} on :{f['port']}, pid {f['pid']}; left running stale "
+                           f"settings ({changes}): `inv deploy --host {hv.name}` "
+                           + ("restarts it" if state == "healthy" else "restarts it once it is healthy"))
+            elif launch.unrecorded(p):
+                report.add(name, "ok", f"already {state} on :{f['port']}, pid {f['pid']}; its launch is not "
+                           "recorded (started by an older version), so deploy cannot tell whether it runs the "
+                           f"current settings: `inv restart --host {hv.name} --instance {f['index']}` restarts "
+                           "it with them, and records them")
+            else:
+                report.add(name, "ok", f"already {state} on :{f['port']}, pid {f['pid']}")
         elif state == "port-taken":
             # Strangers were refused above: this holder carries the instance's tag, but its pid file is
             # lost or stale. It is stopped (tag and session) and the instance started again.
@@ -82,6 +106,9 @@ def _deploy(conn: Transport, hv: HostVars, emit: Emit, check: bool, diff: bool, 
             report.add(f"instance {f['index']}", "changed", f"would {verb} on :{f['port']}")
     elif to_start:
         _start_instances(conn, hv, to_start, report, emit)
+    if to_roll:
+        changed_files |= _roll(conn, hv, found, to_roll, report, emit)
+        found = facts.probe(conn, hv, readonly=check)     # the proxy's reload count, for the front step
 
     front.deploy_front(conn, hv, found, changed_files, report, emit, check)
     if hv["instances"]:
@@ -117,3 +144,64 @@ def _start_instances(conn, hv, to_start, report, emit):
         raise RemoteError(f"{hv.name}: start_cluster.sh failed (exit {r.exited}): {r.stderr.strip()[-300:]}")
     # The host agent's /health wait (the one the keeper's restarts use): a line per instance as it comes up.
     agent.steps(conn, hv, "wait-healthy --instances " + ",".join(str(f["index"]) for f in to_start), report, emit)
+
+
+def _roll(conn, hv: HostVars, found: dict, to_roll: list[dict], report: Report, emit: Emit) -> set[str]:
+    """Restart each stale instance through the host agent's one restart (drain, stop by identity, wait for
+    the card, start, /health, enable), one at a time, under the run lock this deploy holds; stops at the
+    first that fails. While a smaller max_num_seqs rolls, the proxy runs with it already, so it never
+    gives an engine more slots than it has; a larger one reaches the proxy after the roll (the front
+    step). The paths put here, for the front step."""
+    put: set[str] = set()
+    interim = _interim_proxy_conf(hv, to_roll)
+    if interim is not None and found.get("mode") != "nginx" and facts.proxy_state(found["proxy"]) == "healthy":
+        conn.put(layout.path(hv["deploy_dir"], layout.PROXY_CONF), interim.encode(), 0o644)
+        put.add(layout.PROXY_CONF)
+        scratch = Report(hv.name)
+        if front._reload_proxy(conn, hv, found["proxy"], scratch):
+            report.add("proxy slots", "changed", "reloaded with the smaller max_num_seqs before the roll")
+        else:
+            report.add("proxy slots", "failed", "the proxy did not take the smaller max_num_seqs; nothing was "
+                       "restarted: `inv logs --host " + hv.name + " --proxy` says why")
+            return put
+    for n, p in enumerate(to_roll):
+        i = p["index"]
+        emit(f"instance {i}: rolling ({', '.join(p['changes'])})")
+        failed = report.count("failed")
+        agent.steps(conn, hv, f"restart --instance {i} --locked", report, emit)
+        if report.count("failed") > failed:
+            left = [q["index"] for q in to_roll[n + 1:]]
+            if left:
+                report.add("rolling", "failed", f"stopped after instance {i}; instance(s) "
+                           f"{', '.join(map(str, left))} still run their previous settings")
+            break
+    if interim is not None:
+        final = next(f for f in render.render_host(hv) if f.path == layout.PROXY_CONF)
+        if final.content != interim:
+            conn.put(layout.path(hv["deploy_dir"], layout.PROXY_CONF), final.content.encode(), final.mode)
+    return put
+
+
+def _interim_proxy_conf(hv: HostVars, to_roll: list[dict]) -> str | None:
+    """conf/proxy.yaml with each rolled group's slots at min(what its instances ran, what it wants), when
+    some group's max_num_seqs goes down (None otherwise: the running config already gives every engine at
+    most what it has until the front step applies the larger value)."""
+    caps: dict[str, int] = {}
+    down = False
+    for p in to_roll:
+        g = hv.group_of(p["index"])
+        was = p.get("was_seqs")
+        if isinstance(was, int):
+            caps[g.name] = min(caps.get(g.name, g.max_num_seqs), was, g.max_num_seqs)
+            down = down or was > g.max_num_seqs
+    if not down:
+        return None
+    during = copy.copy(hv)
+    during.vars = copy.deepcopy(hv.vars)
+    if len(hv.groups) == 1 and hv.groups[0].name in caps:
+        during.vars["max_num_seqs"] = caps[hv.groups[0].name]
+    if hv.pools:
+        headroom = hv["proxy"]["queue"]["headroom"]
+        during.pools = [dict(pool, slots=min(pool["slots"], caps[pool["name"]] + headroom))
+                        if pool["name"] in caps else pool for pool in hv.pools]
+    return next(f.content for f in render.render_host(during) if f.path == layout.PROXY_CONF)

@@ -13,7 +13,7 @@ import sys
 
 from hostagent import layout
 
-from . import agent
+from . import agent, launch
 from . import keeper as fleet_keeper
 from .inventory import HostVars
 from .report import Emit, Report
@@ -69,9 +69,16 @@ def status_of(hv: HostVars, facts: dict) -> dict:
                   "pid": f["pid"], "pgid": f["pgid"], "state": f["state"],
                   **fleet_keeper.instance_fields(keeper, f["index"])}
                  for f in facts["instances"]]
+    plan = {p["index"]: p for p in launch.plan(hv, facts)}
     for inst in instances:
         if inst["crashloop"] and inst["state"] in ("dead", "stopped"):
             inst["state"] = "crashloop"
+        # The launch it runs against the inventory's: current, stale (stale_settings says how), unrecorded
+        # (started by an older version); None when it does not run.
+        p = plan[inst["index"]]
+        inst["launch"] = (None if not p["running"] else "unrecorded" if launch.unrecorded(p)
+                          else "stale" if launch.stale(p) else "current")
+        inst["stale_settings"] = p["changes"] if launch.stale(p) else []
     p = facts["proxy"]
     proxy = {"pid": p["pid"], "port": p["port"], "state": proxy_state(p), "backends": p["backends"]}
     mode = facts.get("mode") or "proxy"
@@ -111,8 +118,12 @@ def status(conn: Transport, hv: HostVars, emit: Emit = lambda line: None) -> Rep
     loud = {name: (status, message) for name, status, message in fleet_keeper.report_lines(st)}
     for inst, f in zip(st["instances"], facts["instances"]):
         name = f"instance {inst['index']}"
-        report.add(name, *loud.pop(name, ("ok" if inst["state"] in ("healthy", "loading", "stopped") else
-                                          "failed", _state_and_remedy(hv, inst["state"], f, inst["index"]))))
+        status, message = loud.pop(name, ("ok" if inst["state"] in ("healthy", "loading", "stopped") else
+                                          "failed", _state_and_remedy(hv, inst["state"], f, inst["index"])))
+        if inst["launch"] == "stale":
+            message += (f"; runs stale settings ({', '.join(inst['stale_settings'])}): `inv deploy --host "
+                        f"{hv.name}` restarts it with the inventory's")
+        report.add(name, status, message)
     for name, (status, message) in loud.items():
         report.add(name, status, message)
     if facts.get("lora_record_error"):

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from hostagent import layout, lora
 from hostagent.observe import (HEALTH_TIMEOUT_S, file_mode, instance_facts, keeper_facts, nginx_facts,
-                               proxy_facts, read_mode, sha256, tagged)
+                               proxy_facts, read_launch, read_mode, sha256, tagged)
 
 
 def main():
@@ -32,6 +32,7 @@ def main():
             "uid": os.getuid(),
             "deploy_dir_exists": os.path.isdir(d),
             "instances": [f.result() for f in inst],
+            "launches": [read_launch(d, i) for i in range(len(spec["ports"]))],
             "proxy": prox.result(),
             "nginx": nginx_facts(d, dep),
             "keeper": keeper_facts(d, dep),
