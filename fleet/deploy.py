@@ -106,11 +106,30 @@ def _deploy(conn: Transport, hv: HostVars, emit: Emit, check: bool, diff: bool, 
             report.add(f"instance {f['index']}", "changed", f"would {verb} on :{f['port']}")
     elif to_start:
         _start_instances(conn, hv, to_start, report, emit)
-    if to_roll:
-        changed_files |= _roll(conn, hv, found, to_roll, report, emit)
+    retired = found.get("retired") or []
+    if check:
+        for f in retired:
+            report.add(f"instance {f['index']}", "changed", f"would remove (the inventory no longer has it): "
+                       f"out of the proxy, then stopped once its requests finished, pid {f['pid']} on :{f['port']}")
+    # Names move with the roll (an alias from one group to another, an instance from one group to another):
+    # an instance keeps every name the running proxy routes to it or is rolled after the proxy's reload,
+    # so the proxy never sends a request to an engine that does not serve its model.
+    before, held, after = _phases(to_roll)
+    if before or held:
+        changed_files |= _roll(conn, hv, found, before + held, report, emit, held={p["index"] for p in held},
+                               slots_first=True)
         found = facts.probe(conn, hv, readonly=check)     # the proxy's reload count, for the front step
-
     front.deploy_front(conn, hv, found, changed_files, report, emit, check)
+    if not check:
+        for p in held:
+            agent.steps(conn, hv, f"enable-instance --instance {p['index']}", report, emit)
+        if after and not report.failed:
+            _roll(conn, hv, found, after, report, emit)
+        elif after:
+            report.add("rolling", "failed", f"instance(s) {', '.join(str(p['index']) for p in after)} not "
+                       "restarted after the failure above; they still run their previous settings")
+        for f in retired:
+            agent.steps(conn, hv, f"retire --instance {f['index']} --port {f['port']} --locked", report, emit)
     if hv["instances"]:
         fleet_keeper.deploy(conn, hv, found, changed_files, report, emit, check)
     for step in report.steps:
@@ -146,19 +165,32 @@ def _start_instances(conn, hv, to_start, report, emit):
     agent.steps(conn, hv, "wait-healthy --instances " + ",".join(str(f["index"]) for f in to_start), report, emit)
 
 
-def _roll(conn, hv: HostVars, found: dict, to_roll: list[dict], report: Report, emit: Emit) -> set[str]:
+def _phases(to_roll: list[dict]) -> tuple[list[dict], list[dict], list[dict]]:
+    """The stale instances in three lots, by the names their engine serves (before the roll: the names the
+    running proxy routes to it): those that keep every name roll before the proxy's reload; those that
+    lose one but gain none roll after it (the old names still serve the new config); those that lose one
+    and gain one roll before it and stay drained until the reload."""
+    before, held, after = [], [], []
+    for p in to_roll:
+        old, new = set(p["names"][0]), set(p["names"][1])
+        (before if old <= new else after if new <= old else held).append(p)
+    return before, held, after
+
+
+def _roll(conn, hv: HostVars, found: dict, to_roll: list[dict], report: Report, emit: Emit,
+          held: set[int] = frozenset(), slots_first: bool = False) -> set[str]:
     """Restart each stale instance through the host agent's one restart (drain, stop by identity, wait for
     the card, start, /health, enable), one at a time, under the run lock this deploy holds; stops at the
-    first that fails. While a smaller max_num_seqs rolls, the proxy runs with it already, so it never
-    gives an engine more slots than it has; a larger one reaches the proxy after the roll (the front
-    step). The paths put here, for the front step."""
+    first that fails. held: instances left drained (deploy enables them after the proxy's reload).
+    slots_first: while a smaller max_num_seqs rolls, the proxy runs with it already, so it never gives an
+    engine more slots than it has; a larger one reaches the proxy after the roll (the front step). The
+    paths put here, for the front step."""
     put: set[str] = set()
-    interim = _interim_proxy_conf(hv, to_roll)
+    interim = _interim_proxy_conf(hv, to_roll) if slots_first else None
     if interim is not None and found.get("mode") != "nginx" and facts.proxy_state(found["proxy"]) == "healthy":
         conn.put(layout.path(hv["deploy_dir"], layout.PROXY_CONF), interim.encode(), 0o644)
         put.add(layout.PROXY_CONF)
-        scratch = Report(hv.name)
-        if front._reload_proxy(conn, hv, found["proxy"], scratch):
+        if front._reload_proxy(conn, hv, found["proxy"], Report(hv.name)):
             report.add("proxy slots", "changed", "reloaded with the smaller max_num_seqs before the roll")
         else:
             report.add("proxy slots", "failed", "the proxy did not take the smaller max_num_seqs; nothing was "
@@ -168,7 +200,8 @@ def _roll(conn, hv: HostVars, found: dict, to_roll: list[dict], report: Report, 
         i = p["index"]
         emit(f"instance {i}: rolling ({', '.join(p['changes'])})")
         failed = report.count("failed")
-        agent.steps(conn, hv, f"restart --instance {i} --locked", report, emit)
+        agent.steps(conn, hv, f"restart --instance {i} --locked" + (" --no-enable" if i in held else ""),
+                    report, emit)
         if report.count("failed") > failed:
             left = [q["index"] for q in to_roll[n + 1:]]
             if left:
@@ -185,9 +218,12 @@ def _roll(conn, hv: HostVars, found: dict, to_roll: list[dict], report: Report, 
 def _interim_proxy_conf(hv: HostVars, to_roll: list[dict]) -> str | None:
     """conf/proxy.yaml with each rolled group's slots at min(what its instances ran, what it wants), when
     some group's max_num_seqs goes down (None otherwise: the running config already gives every engine at
-    most what it has until the front step applies the larger value)."""
+    most what it has until the front step applies the larger value). Not when names move too: that
+    config would route the new names before their engines serve them."""
     caps: dict[str, int] = {}
     down = False
+    if any(set(p["names"][0]) != set(p["names"][1]) for p in to_roll):
+        return None      # names move: the new routing waits for the front step (see _phases)
     for p in to_roll:
         g = hv.group_of(p["index"])
         was = p.get("was_seqs")

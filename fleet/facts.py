@@ -43,7 +43,8 @@ def probe(conn: Transport, hv: HostVars, files: list[str] = (), readonly: bool =
     """Read the deployment's state on the host (hostagent/probes/state.py); files: paths under deploy_dir
     whose hash and mode to report; readonly: create nothing on the host. Each instance's `state` is
     hostagent.instances.classify's, the function the keeper uses too."""
-    spec = {"deploy_dir": hv["deploy_dir"], "ports": hv.ports, "instance_host": hv.instance_host,
+    spec = {"deploy_dir": hv["deploy_dir"], "ports": hv.ports, "base_port": hv["base_port"],
+            "instance_host": hv.instance_host,
             "proxy_port": hv["proxy"]["port"], "admin_port": hv["proxy"]["admin_port"],
             "proxy_address": layout.local_address(hv["proxy"]["bind"]), "deployment_id": hv.deployment_id, "health_timeout_s": hv["health_timeout_s"],
             "files": list(files), "readonly": readonly}

@@ -47,7 +47,10 @@ def plan(hv: HostVars, found: dict) -> list[dict]:
         out.append({"index": i, "state": f["state"], "port": f["port"], "running": running,
                     "recorded": rec is not None,
                     "changes": differences(rec, want[i]) if running and i < len(want) else None,
-                    "was_seqs": _seqs(rec) if running else None})
+                    "was_seqs": _seqs(rec) if running else None,
+                    # (the names its engine serves now, those it will serve): the proxy routes by them
+                    "names": (((rec or {}).get("launch") or {}).get("served_names") or [],
+                              want[i]["launch"]["served_names"] if i < len(want) else [])})
     return out
 
 

@@ -22,15 +22,18 @@ from fleet_helpers import deployment_id, inv, kill_tagged, status_json, write_in
 pytestmark = pytest.mark.xdist_group("converge")
 
 
-def chat(port: int, stream: bool) -> bool:
-    """One chat request through the proxy; True when it was answered whole (200, and [DONE] when streamed)."""
-    body = {"model": "Test-Model", "max_tokens": 8, "stream": stream,
+def chat(port: int, stream: bool, model: str = "Test-Model", seen: set | None = None) -> bool:
+    """One chat request through the proxy; True when it was answered whole (200, and [DONE] when streamed).
+    seen: gets the model each answer names."""
+    body = {"model": model, "max_tokens": 8, "stream": stream,
             "messages": [{"role": "user", "content": "hello " * 20}]}
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             text = r.read().decode()
+            if seen is not None:
+                seen.update(re.findall(r'"model": ?"([^"]+)"', text))
             return r.status == 200 and (not stream or "data: [DONE]" in text)
     except (urllib.error.URLError, OSError):
         return False
@@ -48,17 +51,19 @@ class Load:
     """Clients sending streamed and non-streamed requests through the proxy without pause, and a monitor
     reading every engine's /sim/stats (its max_num_seqs and the most requests it has held at once)."""
 
-    def __init__(self, proxy_port: int, engine_ports: list[int], clients: int = 6):
+    def __init__(self, proxy_port: int, engine_ports: list[int], clients: int = 6, model: str = "Test-Model"):
         self.stop = threading.Event()
+        self.model = model
         self.results: list[bool] = []
         self.samples: list[dict] = []
+        self.models: set[str] = set()      # the models the answers named
         self.threads = [threading.Thread(target=self._client, args=(proxy_port, n % 2 == 0))
                         for n in range(clients)]
         self.threads.append(threading.Thread(target=self._monitor, args=(engine_ports,)))
 
     def _client(self, port, stream):
         while not self.stop.is_set():
-            self.results.append(chat(port, stream))
+            self.results.append(chat(port, stream, self.model, self.models))
 
     def _monitor(self, ports):
         while not self.stop.is_set():
@@ -153,26 +158,18 @@ def test_recorded_launch_is_the_engines_command_line_and_a_second_deploy_restart
         assert inst["launch"] == "current" and inst["stale_settings"] == []
     r = inv("deploy", "--host", "t", "--check", inventory=fleet["path"])
     assert r.returncode == 0 and "would restart" not in r.stdout, r.stdout
-    assert len(launch.plan(hv, {"instances": [], "launches": []})) == 0
 
 
 @pytest.mark.cluster
 def test_a_smaller_max_num_seqs_is_named_by_check_then_rolled_under_load_without_a_failed_request(fleet):
     """1. max_num_seqs 4 -> 2 in the inventory; 2. `deploy --check` names both instances and the setting;
-    3. `deploy --no-restart` leaves them running 4 and says so, and status marks them stale; 4. `inv deploy`
-    under load (streamed and not): both rolled one at a time, 0 failed requests, no engine ever held more
-    requests than its max_num_seqs (the proxy took the smaller value before the roll), every engine runs
-    2; 5. the keeper, which never acts while deploy holds the run lock, restarted nothing."""
+    3. `inv deploy` under load (streamed and not): the proxy takes 2 slots first, then both instances are
+    rolled one at a time: 0 failed requests, no engine ever held more requests than its max_num_seqs, every
+    engine runs 2; 4. the keeper, which never acts while deploy holds the run lock, restarted nothing."""
     change(fleet["path"], "max_num_seqs: 4", "max_num_seqs: 2")
     r = inv("deploy", "--host", "t", "--check", inventory=fleet["path"])
     for i in (0, 1):
         assert f"changed: instance {i}: would restart (max_num_seqs 4 -> 2" in r.stdout, r.stdout
-    r = inv("deploy", "--host", "t", "--no-restart", inventory=fleet["path"])
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "left running stale settings (max_num_seqs 4 -> 2" in r.stdout and "STALE: max_num_seqs" in r.stdout
-    st = status_json(fleet["path"])
-    assert [i["launch"] for i in st["instances"]] == ["stale", "stale"]
-    assert st["instances"][0]["stale_settings"][0].startswith("max_num_seqs 4 -> 2")
 
     r, load, took = converge_under_load(fleet)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -180,6 +177,7 @@ def test_a_smaller_max_num_seqs_is_named_by_check_then_rolled_under_load_without
           f"{load.failed} failed")
     assert load.failed == 0 and len(load.results) > 20
     assert_never_over(load)
+    assert "changed: proxy slots: reloaded with the smaller max_num_seqs before the roll" in r.stdout
     assert r.stdout.index("instance 0: back in the proxy") < r.stdout.index("instance 1: drained")
     for e in engines(fleet):
         assert e["stats"]["max_num_seqs"] == 2 and e["argv"][e["argv"].index("--max-num-seqs") + 1] == "2"
@@ -202,10 +200,20 @@ def test_a_larger_max_num_seqs_reaches_the_proxy_only_after_the_engines(fleet):
 
 
 @pytest.mark.cluster
-def test_changed_extra_args_roll_under_load(fleet):
-    """1. extra_args gains `--seed 7`; 2. `inv deploy` under load names the change and rolls both
-    instances: 0 failed requests; 3. both engines' command lines end with it."""
+def test_changed_extra_args_left_stale_by_no_restart_then_rolled_under_load(fleet):
+    """1. extra_args gains `--seed 7`; 2. `deploy --no-restart` leaves both instances as they run and says
+    so, and `inv status` (table and --json) marks them stale with the setting; 3. `inv deploy` under load
+    names the change and rolls both: 0 failed requests; 4. both engines' command lines end with it."""
     change(fleet["path"], "    stagger_s: 0\n", "    stagger_s: 0\n    extra_args: [--seed, '7']\n")
+    r = inv("deploy", "--host", "t", "--no-restart", inventory=fleet["path"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert 'left running stale settings (extra_args [] -> ["--seed","7"])' in r.stdout, r.stdout
+    r = inv("status", "--host", "t", inventory=fleet["path"])
+    assert 'STALE: extra_args [] -> ["--seed","7"]' in r.stdout, r.stdout
+    st = status_json(fleet["path"])
+    assert [i["launch"] for i in st["instances"]] == ["stale", "stale"]
+    assert st["instances"][1]["stale_settings"] == ['extra_args [] -> ["--seed","7"]']
+
     r, load, _ = converge_under_load(fleet)
     assert r.returncode == 0, r.stdout + r.stderr
     assert 'instance 0: rolling (extra_args [] -> ["--seed","7"]' in r.stdout, r.stdout
@@ -241,3 +249,63 @@ def test_differences_name_each_changed_setting_and_overrides_by_hand(tmp_path):
     assert launch.differences(rec, want) == ["MAX_SEQS=1 set by hand"]
     assert launch.differences(None, want) is None
     assert re.fullmatch(r"[0-9a-f]{16}", want["digest"])
+
+
+BLUE = """\
+models:
+  - {name: Test-Model, model: /models/Test-Model, instances: 1, aliases: [chat]}
+"""
+GREEN = "      - {name: Test-Model-v2, model: /models/Test-Model-v2, instances: 1}\n"
+
+
+@pytest.mark.cluster
+def test_blue_green_add_the_new_group_move_the_alias_remove_the_old_group_under_load(tmp_path):
+    """Blue/green upgrade through three deploys, while clients ask for the alias `chat` (streamed and not):
+    1. blue (Test-Model, alias chat) on instance 0; 2. add green (Test-Model-v2) as a second group: its
+    instance 1 starts, blue is not restarted; 3. move the alias to green: green rolls first, the proxy
+    takes the new config, then blue rolls; answers now name Test-Model-v2; 4. remove blue: instance 0
+    rolls to green (drained until the proxy routes green to it), instance 1 is out of the proxy, then
+    stopped once idle. 0 failed requests in every step; at the end one instance, green, and nothing of
+    instance 1 left running."""
+    path = write_inventory(tmp_path, instances=2, max_num_seqs=4, extra="release_timeout_s: 20\n" + BLUE,
+                           sim="{load_s: 0.2, prefill_ms: 10, token_ms: 5, output_tokens: 8}")
+    dep = deployment_id(path)
+    try:
+        r = inv("deploy", "--host", "t", inventory=path)
+        assert r.returncode == 0, r.stdout + r.stderr
+        st = status_json(path)
+        fl = {"path": path, "proxy": st["proxy"]["port"], "ports": [i["port"] for i in st["instances"]]}
+        blue_pid = st["instances"][0]["pid"]
+
+        def step(what: str):
+            with Load(fl["proxy"], fl["ports"], clients=4, model="chat") as load:
+                r = inv("deploy", "--host", "t", inventory=path, timeout=240)
+            assert r.returncode == 0, r.stdout + r.stderr
+            print(f"blue/green, {what}: {len(load.results)} requests, {load.failed} failed")
+            assert load.failed == 0, (what, r.stdout)
+            return r, load
+
+        path.write_text(path.read_text() + GREEN)                                   # 1. add green
+        r, load = step("add green")
+        st = status_json(path)
+        assert [i["model"] for i in st["instances"]] == ["Test-Model", "Test-Model-v2"]
+        assert st["instances"][0]["pid"] == blue_pid and load.models == {"Test-Model"}
+
+        change(path, "instances: 1, aliases: [chat]}", "instances: 1}")          # 2. move the alias
+        change(path, "Test-Model-v2, instances: 1}", "Test-Model-v2, instances: 1, aliases: [chat]}")
+        r, load = step("move the alias")
+        assert r.stdout.index("instance 1: rolling") < r.stdout.index("instance 0: rolling"), r.stdout
+        assert "Test-Model-v2" in load.models
+        seen: set[str] = set()
+        assert all(chat(fl["proxy"], False, "chat", seen) for _ in range(4)) and seen == {"Test-Model-v2"}
+
+        change(path, "      - {name: Test-Model, model: /models/Test-Model, instances: 1}\n", "")  # 3. remove blue
+        r, load = step("remove blue")
+        assert "instance 1: no request left" in r.stdout and "changed: instance 1: removed" in r.stdout, r.stdout
+        st = status_json(path)
+        assert [(i["model"], i["state"], i["launch"]) for i in st["instances"]] == \
+            [("Test-Model-v2", "healthy", "current")]
+        assert [t for t in st["tagged"] if t["tag"] == f"{dep}/1"] == []
+    finally:
+        inv("stop", "--host", "t", inventory=path)
+        kill_tagged(dep + "/")

@@ -16,6 +16,15 @@ from hostagent.observe import (HEALTH_TIMEOUT_S, file_mode, instance_facts, keep
                                proxy_facts, read_launch, read_mode, sha256, tagged)
 
 
+def _past(d, n):
+    """The instance indexes at or past n that have a pid file under run/."""
+    try:
+        names = os.listdir(layout.path(d, layout.RUN))
+    except OSError:
+        return []
+    return sorted(i for i in map(layout.pidfile_instance, names) if i is not None and i >= n)
+
+
 def main():
     spec = json.loads(sys.argv[1])
     d = spec["deploy_dir"]
@@ -33,6 +42,10 @@ def main():
             "deploy_dir_exists": os.path.isdir(d),
             "instances": [f.result() for f in inst],
             "launches": [read_launch(d, i) for i in range(len(spec["ports"]))],
+            # Instances past the inventory's that still run (their group removed, fewer instances): deploy
+            # retires them once the proxy no longer routes to them.
+            "retired": [f for f in (instance_facts(d, dep, i, spec["base_port"] + i, True, host, timeout_s)
+                                    for i in _past(d, len(spec["ports"])) if "base_port" in spec) if f["alive"]],
             "proxy": prox.result(),
             "nginx": nginx_facts(d, dep),
             "keeper": keeper_facts(d, dep),
