@@ -98,6 +98,15 @@ def cmdline(pid: int) -> list[str]:
     return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
 
 
+def deployed(path: Path) -> dict:
+    """`inv deploy` of the inventory at path; its proxy's port, its instances' ports, its deploy_dir."""
+    r = inv("deploy", "--host", "t", inventory=path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    st = status_json(path)
+    return {"path": path, "proxy": st["proxy"]["port"], "ports": [i["port"] for i in st["instances"]],
+            "deploy_dir": Path(st["deploy_dir"])}
+
+
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     """Two sim instances with max_num_seqs 4 behind the proxy, the keeper running."""
@@ -106,11 +115,7 @@ def fleet(tmp_path_factory):
                            sim="{load_s: 0.2, prefill_ms: 10, token_ms: 5, output_tokens: 8}")
     dep = deployment_id(path)
     try:
-        r = inv("deploy", "--host", "t", inventory=path)
-        assert r.returncode == 0, r.stdout + r.stderr
-        st = status_json(path)
-        yield {"path": path, "proxy": st["proxy"]["port"], "ports": [i["port"] for i in st["instances"]],
-               "deploy_dir": Path(st["deploy_dir"])}
+        yield deployed(path)
     finally:
         inv("stop", "--host", "t", inventory=path)
         kill_tagged(dep + "/")
@@ -271,11 +276,8 @@ def test_blue_green_add_the_new_group_move_the_alias_remove_the_old_group_under_
                            sim="{load_s: 0.2, prefill_ms: 10, token_ms: 5, output_tokens: 8}")
     dep = deployment_id(path)
     try:
-        r = inv("deploy", "--host", "t", inventory=path)
-        assert r.returncode == 0, r.stdout + r.stderr
-        st = status_json(path)
-        fl = {"path": path, "proxy": st["proxy"]["port"], "ports": [i["port"] for i in st["instances"]]}
-        blue_pid = st["instances"][0]["pid"]
+        fl = deployed(path)
+        blue_pid = status_json(path)["instances"][0]["pid"]
 
         def step(what: str):
             with Load(fl["proxy"], fl["ports"], clients=4, model="chat") as load:
