@@ -5,7 +5,6 @@ start the keeper. A second deploy on a running cluster starts nothing and report
 """
 from __future__ import annotations
 
-import copy
 import shlex
 
 from hostagent import layout
@@ -13,6 +12,7 @@ from hostagent import layout
 from . import agent, facts, front, launch, preflight, release, render, runlock, sync
 from . import keeper as fleet_keeper
 from .doctor import doctor as run_doctor
+from .cluster import backend_name
 from .errors import RemoteError
 from .inventory import HostVars
 from .report import Emit, Report
@@ -109,27 +109,11 @@ def _deploy(conn: Transport, hv: HostVars, emit: Emit, check: bool, diff: bool, 
     retired = found.get("retired") or []
     if check:
         for f in retired:
-            report.add(f"instance {f['index']}", "changed", f"would remove (the inventory no longer has it): "
-                       f"out of the proxy, then stopped once its requests finished, pid {f['pid']} on :{f['port']}")
-    # Names move with the roll (an alias from one group to another, an instance from one group to another):
-    # an instance keeps every name the running proxy routes to it or is rolled after the proxy's reload,
-    # so the proxy never sends a request to an engine that does not serve its model.
-    before, held, after = _phases(to_roll)
-    if before or held:
-        changed_files |= _roll(conn, hv, found, before + held, report, emit, held={p["index"] for p in held},
-                               slots_first=True)
-        found = facts.probe(conn, hv, readonly=check)     # the proxy's reload count, for the front step
-    front.deploy_front(conn, hv, found, changed_files, report, emit, check)
-    if not check:
-        for p in held:
-            agent.steps(conn, hv, f"enable-instance --instance {p['index']}", report, emit)
-        if after and not report.failed:
-            _roll(conn, hv, found, after, report, emit)
-        elif after:
-            report.add("rolling", "failed", f"instance(s) {', '.join(str(p['index']) for p in after)} not "
-                       "restarted after the failure above; they still run their previous settings")
-        for f in retired:
-            agent.steps(conn, hv, f"retire --instance {f['index']} --port {f['port']} --locked", report, emit)
+            report.add(f"instance {f['index']}", "changed", "would remove (the inventory no longer has it): "
+                       f"drained, out of the proxy, then stopped; pid {f['pid']} on :{f['port']}")
+        front.deploy_front(conn, hv, found, changed_files, report, emit, check)
+    else:
+        changed_files, found = _converge(conn, hv, found, to_roll, retired, changed_files, report, emit)
     if hv["instances"]:
         fleet_keeper.deploy(conn, hv, found, changed_files, report, emit, check)
     for step in report.steps:
@@ -163,6 +147,71 @@ def _start_instances(conn, hv, to_start, report, emit):
         raise RemoteError(f"{hv.name}: start_cluster.sh failed (exit {r.exited}): {r.stderr.strip()[-300:]}")
     # The host agent's /health wait (the one the keeper's restarts use): a line per instance as it comes up.
     agent.steps(conn, hv, "wait-healthy --instances " + ",".join(str(f["index"]) for f in to_start), report, emit)
+
+
+def _converge(conn, hv: HostVars, found: dict, to_roll: list[dict], retired: list[dict], changed_files: set[str],
+              report: Report, emit: Emit) -> tuple[set[str], dict]:
+    """Roll the stale instances, bring the front to the new config, retire the instances the inventory no
+    longer has; the proxy never routes a name to an engine that does not serve it, nor gives an engine
+    more slots than it runs:
+
+    1. the instances that keep their names roll (a smaller max_num_seqs reaches the proxy first), and
+       those that lose a name and gain one roll too but stay drained;
+    2. when some are held or retired: the proxy takes the new config with the retired instances still in
+       their pools; the held ones are enabled;
+    3. the retired instances are drained in the proxy (their requests finish);
+    4. the front takes the new config (the front step), and the instances that only lose names roll;
+    5. the retired instances are stopped by identity.
+    """
+    before, held, after = _phases(to_roll)
+    if before or held:
+        changed_files |= _roll(conn, hv, found, before + held, report, emit, held={p["index"] for p in held},
+                               slots_first=True)
+        found = facts.probe(conn, hv)     # the proxy's reload count, for the next reload
+    keep = _kept(hv, retired)
+    proxy_up = found.get("mode") != "nginx" and facts.proxy_state(found["proxy"]) == "healthy"
+    if (held or keep) and proxy_up:
+        conf = layout.path(hv["deploy_dir"], layout.PROXY_CONF)
+        conn.put(conf, render.proxy_config(hv, keep=keep).encode(), 0o644)
+        changed_files.add(layout.PROXY_CONF)
+        if front._reload_proxy(conn, hv, found["proxy"], Report(hv.name), want=list(hv.backends) +
+                               [b for b in keep if b not in hv.backends]):
+            report.add("proxy", "changed", "reloaded with the new config, the removed instances still in it "
+                       "until they are drained")
+        found = facts.probe(conn, hv)
+        final = next(f for f in render.render_host(hv) if f.path == layout.PROXY_CONF)
+        conn.put(conf, final.content.encode(), final.mode)
+    for p in held:
+        agent.steps(conn, hv, f"enable-instance --instance {p['index']}", report, emit)
+    for f in retired:
+        name = backend_name(hv.instance_host, f["port"])
+        agent.steps(conn, hv, f"drain-retired --instance {f['index']} --port {f['port']} --backend "
+                    f"{shlex.quote(name)} --locked", report, emit)
+    front.deploy_front(conn, hv, found, changed_files, report, emit, False)
+    if after and not report.failed:
+        _roll(conn, hv, found, after, report, emit)
+    elif after:
+        report.add("rolling", "failed", f"instance(s) {', '.join(str(p['index']) for p in after)} not "
+                   "restarted after the failure above; they still run their previous settings")
+    for f in retired:
+        stop_processes(conn, hv, ["--instance", str(f["index"])], emit)
+        conn.run("rm -f " + " ".join(shlex.quote(layout.path(hv["deploy_dir"], rel)) for rel in
+                                     (layout.instance_launch(f["index"]), layout.instance_ready(f["index"]))))
+        report.add(f"instance {f['index']}", "changed", "removed (the inventory no longer has it): drained, "
+                   "out of the proxy, stopped by identity")
+    return changed_files, found
+
+
+def _kept(hv: HostVars, retired: list[dict]) -> dict[str, str | None]:
+    """The retired instances the proxy keeps until they are drained: backend name -> the pool that keeps
+    it (the group it ran, when the new config still has that pool; None on a host without pools)."""
+    pools = {p["name"] for p in hv.pools or []}
+    keep = {}
+    for f in retired:
+        group = ((f.get("launch") or {}).get("launch") or {}).get("group")
+        if not hv.pools or group in pools:
+            keep[backend_name(hv.instance_host, f["port"])] = group if hv.pools else None
+    return keep
 
 
 def _phases(to_roll: list[dict]) -> tuple[list[dict], list[dict], list[dict]]:
@@ -230,14 +279,4 @@ def _interim_proxy_conf(hv: HostVars, to_roll: list[dict]) -> str | None:
         if isinstance(was, int):
             caps[g.name] = min(caps.get(g.name, g.max_num_seqs), was, g.max_num_seqs)
             down = down or was > g.max_num_seqs
-    if not down:
-        return None
-    during = copy.copy(hv)
-    during.vars = copy.deepcopy(hv.vars)
-    if len(hv.groups) == 1 and hv.groups[0].name in caps:
-        during.vars["max_num_seqs"] = caps[hv.groups[0].name]
-    if hv.pools:
-        headroom = hv["proxy"]["queue"]["headroom"]
-        during.pools = [dict(pool, slots=min(pool["slots"], caps[pool["name"]] + headroom))
-                        if pool["name"] in caps else pool for pool in hv.pools]
-    return next(f.content for f in render.render_host(during) if f.path == layout.PROXY_CONF)
+    return render.proxy_config(hv, slots=caps) if down else None

@@ -226,14 +226,15 @@ def _restart_proxy(conn, hv, state, report, emit) -> None:
                    f"its port, which refused connections for about {r['gap_ms']} ms")
 
 
-def _reload_proxy(conn, hv, p, report) -> bool:
-    """SIGHUP the running proxy and wait until it has applied the new config; False when it refused it,
-    kept a setting only a restart changes, or did not answer in time (then the caller restarts it)."""
+def _reload_proxy(conn, hv, p, report, want: list[str] | None = None) -> bool:
+    """SIGHUP the running proxy and wait until it has applied the new config (want: the backends it names,
+    the inventory's unless given); False when it refused it, kept a setting only a restart changes, or did
+    not answer in time (then the caller restarts it)."""
     before = (p.get("config") or {}).get("reloads")
     if before is None:        # a proxy that does not report its reloads: restart it
         return False
     conn.run(f"kill -HUP {int(p['pid'])}")
-    want = hv.backends
+    want = hv.backends if want is None else want
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         f = facts.probe(conn, hv)["proxy"]

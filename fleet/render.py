@@ -257,6 +257,24 @@ def context(hv: HostVars) -> dict:
     }
 
 
+def proxy_config(hv: HostVars, slots: dict[str, int] | None = None,
+                 keep: dict[str, str | None] | None = None) -> str:
+    """conf/proxy.yaml for a step of a roll: slots caps a group's max_num_seqs (group name -> value);
+    keep adds backends the inventory no longer has (name -> the group whose pool keeps it, None on a
+    host without pools), so that they leave the proxy only once drained."""
+    ctx = context(hv)
+    slots, keep = slots or {}, keep or {}
+    headroom = hv["proxy"]["queue"]["headroom"]
+    if len(hv.groups) == 1 and hv.groups[0].name in slots:
+        ctx["max_num_seqs"] = min(ctx["max_num_seqs"], slots[hv.groups[0].name])
+    ctx["backends"] = list(hv.backends) + [b for b in keep if b not in hv.backends]
+    if hv.pools:
+        ctx["pools"] = [dict(pool, slots=min(pool["slots"], slots.get(pool["name"], pool["slots"]) + headroom),
+                             backends=list(pool["backends"]) + [b for b, g in keep.items() if g == pool["name"]])
+                        for pool in hv.pools]
+    return environment().get_template(FILES[layout.PROXY_CONF][0]).render(ctx)
+
+
 def render_host(hv: HostVars) -> list[RenderedFile]:
     """Every file the host needs, rendered from its variables (deploy_dir and python already resolved)."""
     env = environment()

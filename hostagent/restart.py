@@ -119,38 +119,29 @@ def restart_instance(cfg: dict, i: int, say: Say = print, cancelled: Callable[[]
     return steps
 
 
-def retire_instance(cfg: dict, i: int, port: int, say: Say = print) -> Steps:
-    """Stop instance i, which the inventory no longer has (its group removed, fewer instances), once its
-    engine holds no request: the proxy's new config already sends it nothing, and those in flight finish
-    (its /metrics: vllm:num_requests_running and _waiting both 0, at most drain_timeout_s). Then stop it
-    by identity (bin/stop_cluster.sh --instance I finds it by its pid file, session and tag)."""
+def drain_retired(cfg: dict, i: int, port: int, backend: str, say: Say = print) -> Steps:
+    """Drain instance i, which the inventory no longer has (its group removed, fewer instances), before
+    deploy drops it from the proxy and stops it: drain its backend in the proxy when the proxy has it,
+    then wait until its engine holds no request (its /metrics: vllm:num_requests_running and _waiting),
+    at most drain_timeout_s in all."""
     steps = Steps()
-    address = (cfg["instances"][0]["address"] if cfg["instances"] else "127.0.0.1")
+    known = backends(cfg)
+    if known is not None and backend in known:
+        _drain(cfg, i, backend, steps, say, lambda: False)
+    address = cfg["instances"][0]["address"] if cfg["instances"] else "127.0.0.1"
     url = httpcall.base_url(address, port) + "/metrics"
     t0 = time.monotonic()
     while True:
         busy = _engine_busy(httpcall.get(url, timeout=2.0))
         if not busy:
-            say(f"instance {i}: no request left on :{port} after {time.monotonic() - t0:.1f}s")
-            steps.add(f"instance {i} drain", "changed", "out of the proxy's config; its requests finished")
-            break
+            say(f"instance {i}: no request left on :{port}")
+            return steps
         if time.monotonic() - t0 > cfg["drain_timeout_s"]:
-            say(f"instance {i}: {busy} request(s) still on :{port} after {cfg['drain_timeout_s']:g}s; stopping anyway")
+            say(f"instance {i}: {busy} request(s) still on :{port} after {cfg['drain_timeout_s']:g}s; "
+                "stopping anyway")
             steps.add(f"instance {i} drain", "changed", f"{busy} request(s) cut after drain_timeout_s")
-            break
+            return steps
         time.sleep(0.1)
-    r = _script(cfg, layout.STOP_CLUSTER, ["--instance", str(i)], None, say)
-    if r.returncode != 0:
-        steps.add(f"instance {i} stop", "failed", f"stop_cluster.sh --instance {i} exited {r.returncode} "
-                  f"({r.stderr.strip()[-200:]}); see `inv stop --host {cfg['host']} --instance {i} --check`")
-        return steps
-    for rel in (layout.instance_launch(i), layout.instance_ready(i)):
-        try:
-            os.remove(layout.path(cfg["deploy_dir"], rel))
-        except OSError:
-            pass
-    steps.add(f"instance {i}", "changed", "removed: the inventory no longer has it; stopped by identity")
-    return steps
 
 
 def _engine_busy(answer) -> int:

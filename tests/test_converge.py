@@ -22,9 +22,10 @@ from fleet_helpers import deployment_id, inv, kill_tagged, status_json, write_in
 pytestmark = pytest.mark.xdist_group("converge")
 
 
-def chat(port: int, stream: bool, model: str = "Test-Model", seen: set | None = None) -> bool:
+def chat(port: int, stream: bool, model: str = "Test-Model", seen: set | None = None,
+         errors: list | None = None) -> bool:
     """One chat request through the proxy; True when it was answered whole (200, and [DONE] when streamed).
-    seen: gets the model each answer names."""
+    seen: gets the model each answer names; errors: gets what a failed one got."""
     body = {"model": model, "max_tokens": 8, "stream": stream,
             "messages": [{"role": "user", "content": "hello " * 20}]}
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps(body).encode(),
@@ -34,8 +35,17 @@ def chat(port: int, stream: bool, model: str = "Test-Model", seen: set | None = 
             text = r.read().decode()
             if seen is not None:
                 seen.update(re.findall(r'"model": ?"([^"]+)"', text))
-            return r.status == 200 and (not stream or "data: [DONE]" in text)
-    except (urllib.error.URLError, OSError):
+            ok = r.status == 200 and (not stream or "data: [DONE]" in text)
+            if not ok and errors is not None:
+                errors.append(text[-300:])
+            return ok
+    except urllib.error.HTTPError as e:
+        if errors is not None:
+            errors.append(f"{e.code} {e.read()[:300]!r}")
+        return False
+    except (urllib.error.URLError, OSError) as e:
+        if errors is not None:
+            errors.append(str(e))
         return False
 
 
@@ -57,13 +67,14 @@ class Load:
         self.results: list[bool] = []
         self.samples: list[dict] = []
         self.models: set[str] = set()      # the models the answers named
+        self.errors: list[str] = []        # what the failed requests got
         self.threads = [threading.Thread(target=self._client, args=(proxy_port, n % 2 == 0))
                         for n in range(clients)]
         self.threads.append(threading.Thread(target=self._monitor, args=(engine_ports,)))
 
     def _client(self, port, stream):
         while not self.stop.is_set():
-            self.results.append(chat(port, stream, self.model, self.models))
+            self.results.append(chat(port, stream, self.model, self.models, self.errors))
 
     def _monitor(self, ports):
         while not self.stop.is_set():
@@ -264,6 +275,7 @@ GREEN = "      - {name: Test-Model-v2, model: /models/Test-Model-v2, instances: 
 
 
 @pytest.mark.cluster
+@pytest.mark.xdist_group("converge_blue_green")     # its own deployment: beside the module's, not after it
 def test_blue_green_add_the_new_group_move_the_alias_remove_the_old_group_under_load(tmp_path):
     """Blue/green upgrade through three deploys, while clients ask for the alias `chat` (streamed and not):
     1. blue (Test-Model, alias chat) on instance 0; 2. add green (Test-Model-v2) as a second group: its
@@ -284,7 +296,7 @@ def test_blue_green_add_the_new_group_move_the_alias_remove_the_old_group_under_
                 r = inv("deploy", "--host", "t", inventory=path, timeout=240)
             assert r.returncode == 0, r.stdout + r.stderr
             print(f"blue/green, {what}: {len(load.results)} requests, {load.failed} failed")
-            assert load.failed == 0, (what, r.stdout)
+            assert load.failed == 0, (what, load.errors, r.stdout)
             return r, load
 
         path.write_text(path.read_text() + GREEN)                                   # 1. add green

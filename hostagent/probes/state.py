@@ -44,8 +44,9 @@ def main():
             "launches": [read_launch(d, i) for i in range(len(spec["ports"]))],
             # Instances past the inventory's that still run (their group removed, fewer instances): deploy
             # retires them once the proxy no longer routes to them.
-            "retired": [f for f in (instance_facts(d, dep, i, spec["base_port"] + i, True, host, timeout_s)
-                                    for i in _past(d, len(spec["ports"])) if "base_port" in spec) if f["alive"]],
+            "retired": [dict(f, launch=read_launch(d, f["index"])) for f in (
+                instance_facts(d, dep, i, spec["base_port"] + i, True, host, timeout_s)
+                for i in _past(d, len(spec["ports"])) if "base_port" in spec) if f["alive"]],
             "proxy": prox.result(),
             "nginx": nginx_facts(d, dep),
             "keeper": keeper_facts(d, dep),
