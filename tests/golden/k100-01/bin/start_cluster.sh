@@ -129,12 +129,12 @@ log_writer() {
 # record_launch I FILE: instance I's launch record, {"digest", "overrides", "launch"}: the overrides are
 # the ones set when this script started (NAME=value), each value escaped for JSON (backslash, double quote).
 record_launch() {
-    local set value o=()
-    for set in ${overrides[@]+"${overrides[@]}"}; do
-        value=${set#*=}
+    local pair value o=()
+    for pair in ${overrides[@]+"${overrides[@]}"}; do
+        value=${pair#*=}
         value=${value//\\/\\\\}
         value=${value//\"/\\\"}
-        o+=("\"${set%%=*}\":\"$value\"")
+        o+=("\"${pair%%=*}\":\"$value\"")
     done
     local IFS=,
     printf '{"digest":"%s","overrides":{%s},"launch":%s}\n' "${DIGEST_OF[$1]-none}" "${o[*]-}" \
