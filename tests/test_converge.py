@@ -165,7 +165,9 @@ def assert_never_over(load: Load) -> None:
 def test_recorded_launch_is_the_engines_command_line_and_a_second_deploy_restarts_nothing(fleet):
     """1. The module's deploy recorded each instance's launch beside its pid file; 2. its argv is exactly the
     engine's command line (/proc/PID/cmdline), so the wanted launch and the script agree; 3. `inv deploy
-    --check` finds nothing to restart and status marks every instance current."""
+    --check` finds nothing to restart and status marks every instance current; 4. without its record
+    (started by an older version) an instance is `unrecorded`: deploy names it and how to restart it, and
+    would not restart it."""
     hv = inv_mod.load(fleet["path"]).host_vars("t")
     for inst in status_json(fleet["path"])["instances"]:
         rec = json.loads((fleet["deploy_dir"] / f"run/instance_{inst['index']}.launch").read_text())
@@ -174,6 +176,17 @@ def test_recorded_launch_is_the_engines_command_line_and_a_second_deploy_restart
         assert inst["launch"] == "current" and inst["stale_settings"] == []
     r = inv("deploy", "--host", "t", "--check", inventory=fleet["path"])
     assert r.returncode == 0 and "would restart" not in r.stdout, r.stdout
+
+    record = fleet["deploy_dir"] / "run/instance_0.launch"
+    kept = record.read_text()
+    record.unlink()                   # as if started by an older version
+    try:
+        assert status_json(fleet["path"])["instances"][0]["launch"] == "unrecorded"
+        r = inv("deploy", "--host", "t", "--check", inventory=fleet["path"])
+        assert "its launch is not recorded (started by an older version)" in r.stdout, r.stdout
+        assert "`inv restart --host t --instance 0` restarts it" in r.stdout and "would restart" not in r.stdout
+    finally:
+        record.write_text(kept)
 
 
 @pytest.mark.cluster
