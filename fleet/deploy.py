@@ -170,24 +170,32 @@ def _converge(conn, hv: HostVars, found: dict, to_roll: list[dict], retired: lis
         found = facts.probe(conn, hv)     # the proxy's reload count, for the next reload
     keep = _kept(hv, retired)
     proxy_up = found.get("mode") != "nginx" and facts.proxy_state(found["proxy"]) == "healthy"
+    reloaded = False
     if (held or keep) and proxy_up:
         conf = layout.path(hv["deploy_dir"], layout.PROXY_CONF)
         conn.put(conf, render.proxy_config(hv, keep=keep).encode(), 0o644)
         changed_files.add(layout.PROXY_CONF)
-        if front._reload_proxy(conn, hv, found["proxy"], Report(hv.name), want=list(hv.backends) +
-                               [b for b in keep if b not in hv.backends]):
+        reloaded = front._reload_proxy(conn, hv, found["proxy"], Report(hv.name),
+                                       want=list(hv.backends) + [b for b in keep if b not in hv.backends])
+        if reloaded:
             report.add("proxy", "changed", "reloaded with the new config, the removed instances still in it "
                        "until they are drained")
         found = facts.probe(conn, hv)
         final = next(f for f in render.render_host(hv) if f.path == layout.PROXY_CONF)
         conn.put(conf, final.content.encode(), final.mode)
-    for p in held:
-        agent.steps(conn, hv, f"enable-instance --instance {p['index']}", report, emit)
+
+    def enable_held():
+        for p in held:
+            agent.steps(conn, hv, f"enable-instance --instance {p['index']}", report, emit)
+    if reloaded:
+        enable_held()
     for f in retired:
         name = backend_name(hv.instance_host, f["port"])
         agent.steps(conn, hv, f"drain-retired --instance {f['index']} --port {f['port']} --backend "
                     f"{shlex.quote(name)} --locked", report, emit)
     front.deploy_front(conn, hv, found, changed_files, report, emit, False)
+    if not reloaded:
+        enable_held()      # the proxy had no reload to take (restarted, or not running): after the front step
     if after and not report.failed:
         _roll(conn, hv, found, after, report, emit)
     elif after:
