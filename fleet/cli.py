@@ -281,11 +281,16 @@ def _instance_number(instance):
 
 @command(help=_help("host", "inventory", "set", "forks", "wait", check="show what would change, change nothing",
                     diff="show a unified diff of every rendered file against the host's copy",
-                    doctor="run the doctor's checks first and stop on a failure (default; --no-doctor skips)"))
-def deploy(c, host="", check=False, diff=False, set_=None, inventory_="", forks=5, doctor=True, wait=False):
-    """Render, put changed files, start the instances (staggered) and the proxy, wait for /health."""
+                    doctor="run the doctor's checks first and stop on a failure (default; --no-doctor skips)",
+                    restart="restart each instance whose launch differs from the inventory's, one at a time "
+                            "(default; --no-restart leaves them running their previous settings, and says which)"))
+def deploy(c, host="", check=False, diff=False, set_=None, inventory_="", forks=5, doctor=True, wait=False,
+           restart=True):
+    """Render, put changed files, start the instances (staggered), roll those whose launch changed, start
+    the proxy, wait for /health."""
     def action(conn, hv, emit):
-        report = fleet_deploy.deploy(conn, hv, emit, check=check, diff=diff, doctor=doctor, wait=wait)
+        report = fleet_deploy.deploy(conn, hv, emit, check=check, diff=diff, doctor=doctor, wait=wait,
+                                     restart=restart)
         if report.status and not check:
             emit(display.status_table(report.status))
         return report

@@ -1,6 +1,8 @@
 """`inv deploy`: the doctor's checks, then put the changed files, start what is not running (staggered by
-start_cluster.sh), wait for each /health, start or update the front, start the keeper, install the boot
-hook (fleet.boot). A second deploy on a running cluster starts nothing and reports changed=0.
+start_cluster.sh), wait for each /health, roll each running instance whose launch differs from the wanted
+one (fleet/launch.py) through the host agent's one restart, one at a time, start or update the front,
+start the keeper, install the boot hook (fleet.boot). A second deploy on a running cluster starts nothing
+and reports changed=0.
 """
 from __future__ import annotations
 
@@ -8,8 +10,9 @@ import shlex
 
 from hostagent import layout
 
-from . import agent, boot, facts, front, preflight, release, runlock, sync
+from . import agent, boot, facts, front, launch, preflight, release, render, runlock, sync
 from . import keeper as fleet_keeper
+from .cluster import backend_name
 from .doctor import doctor as run_doctor
 from .doctor import entry_port_check
 from .errors import RemoteError
@@ -20,19 +23,24 @@ from .transport import Transport
 
 
 def deploy(conn: Transport, hv: HostVars, emit: Emit = lambda line: None,
-           check: bool = False, diff: bool = False, doctor: bool = True, wait: bool = False) -> Report:
-    """Put changed files, start what is not running, wait for /health, start the proxy.
+           check: bool = False, diff: bool = False, doctor: bool = True, wait: bool = False,
+           restart: bool = True) -> Report:
+    """Put changed files, start what is not running, wait for /health, roll what runs a stale launch,
+    start the proxy.
 
     doctor: run fleet.doctor's checks first; a failed check stops the deploy before it changes anything.
     wait: when another run holds the deployment's lock, wait for it instead of failing at once.
+    restart: roll each healthy instance whose recorded launch differs from the wanted one (False: leave
+    it running as it is, and say so).
     """
     hv = facts.prepare(conn, hv)
     preflight.check(conn, hv, "deploy")   # the tools every step needs: one sentence naming what is missing
     with runlock.held_unless(check, conn, hv, "deploy", emit, wait):
-        return _deploy(conn, hv, emit, check, diff, doctor)
+        return _deploy(conn, hv, emit, check, diff, doctor, restart)
 
 
-def _deploy(conn: Transport, hv: HostVars, emit: Emit, check: bool, diff: bool, doctor: bool) -> Report:
+def _deploy(conn: Transport, hv: HostVars, emit: Emit, check: bool, diff: bool, doctor: bool,
+            restart: bool = True) -> Report:
     report = Report(hv.name)
     entry = entry_port_check(hv)
     if entry.status != "ok":         # said beside the recap, doctor or not: it is the inventory's choice
@@ -63,13 +71,30 @@ def _deploy(conn: Transport, hv: HostVars, emit: Emit, check: bool, diff: bool, 
     # Instances with processes left behind (an API server killed, its EngineCore children still holding
     # the card): those are stopped by group and tag, and their card released, before they start again.
     leftovers = {t["tag"].rpartition("/")[2] for t in found.get("tagged", [])}
-    to_start = []
+    to_start, to_roll = [], []
+    plan = {p["index"]: p for p in launch.plan(hv, found)}
     for f, state in ((f, f["state"]) for f in found["instances"]):
         name = f"instance {f['index']}"
+        p = plan[f["index"]]
         if state in ("healthy", "loading"):
-            note = "" if layout.START_CLUSTER not in changed_files else \
-                " (runs with the previous settings; `inv restart --rolling` applies the new ones)"
-            report.add(name, "ok", f"already {state} on :{f['port']}, pid {f['pid']}{note}")
+            changes = ", ".join(p["changes"] or [])
+            if launch.stale(p) and check:
+                report.add(name, "changed", f"would restart ({changes})" if state == "healthy" else
+                           f"runs stale settings ({changes}); still loading: a deploy once it is healthy "
+                           "restarts it")
+            elif launch.stale(p) and restart and state == "healthy":
+                to_roll.append(p)
+            elif launch.stale(p):
+                report.add(name, "ok", f"already {state} on :{f['port']}, pid {f['pid']}; left running stale "
+                           f"settings ({changes}): `inv deploy --host {hv.name}` "
+                           + ("restarts it" if state == "healthy" else "restarts it once it is healthy"))
+            elif launch.unrecorded(p):
+                report.add(name, "ok", f"already {state} on :{f['port']}, pid {f['pid']}; its launch is not "
+                           "recorded (started by an older version), so deploy cannot tell whether it runs the "
+                           f"current settings: `inv restart --host {hv.name} --instance {f['index']}` restarts "
+                           "it with them, and records them")
+            else:
+                report.add(name, "ok", f"already {state} on :{f['port']}, pid {f['pid']}")
         elif state == "port-taken":
             # Strangers were refused above: this holder carries the instance's tag, but its pid file is
             # lost or stale. It is stopped (tag and session) and the instance started again.
@@ -86,8 +111,14 @@ def _deploy(conn: Transport, hv: HostVars, emit: Emit, check: bool, diff: bool, 
             report.add(f"instance {f['index']}", "changed", f"would {verb} on :{f['port']}")
     elif to_start:
         _start_instances(conn, hv, to_start, report, emit)
-
-    front.deploy_front(conn, hv, found, changed_files, report, emit, check)
+    retired = found.get("retired") or []
+    if check:
+        for f in retired:
+            report.add(f"instance {f['index']}", "changed", "would remove (the inventory no longer has it): "
+                       f"drained, out of the proxy, then stopped; pid {f['pid']} on :{f['port']}")
+        front.deploy_front(conn, hv, found, changed_files, report, emit, check)
+    else:
+        changed_files, found = _converge(conn, hv, found, to_roll, retired, changed_files, report, emit)
     if hv["instances"]:
         fleet_keeper.deploy(conn, hv, found, changed_files, report, emit, check)
     # Last, once what it would start runs: after a reboot, bin/boot.sh starts it all again.
@@ -123,3 +154,144 @@ def _start_instances(conn, hv, to_start, report, emit):
         raise RemoteError(f"{hv.name}: start_cluster.sh failed (exit {r.exited}): {r.stderr.strip()[-300:]}")
     # The host agent's /health wait (the one the keeper's restarts use): a line per instance as it comes up.
     agent.steps(conn, hv, "wait-healthy --instances " + ",".join(str(f["index"]) for f in to_start), report, emit)
+
+
+def _converge(conn, hv: HostVars, found: dict, to_roll: list[dict], retired: list[dict], changed_files: set[str],
+              report: Report, emit: Emit) -> tuple[set[str], dict]:
+    """Roll the stale instances, bring the front to the new config, retire the instances the inventory no
+    longer has; the proxy never routes a name to an engine that does not serve it, nor gives an engine
+    more slots than it runs:
+
+    1. the instances that keep their names roll (a smaller max_num_seqs reaches the proxy first), and
+       those that lose a name and gain one roll too but stay drained;
+    2. when some are held or retired: the proxy takes the new config with the retired instances still in
+       their pools; the held ones are enabled;
+    3. the retired instances are drained in the proxy (their requests finish);
+    4. the front takes the new config (the front step), and the instances that only lose names roll;
+    5. the retired instances are stopped by identity.
+    """
+    before, held, after = _phases(to_roll)
+    if before or held:
+        changed_files |= _roll(conn, hv, found, before + held, report, emit, held={p["index"] for p in held},
+                               slots_first=True)
+        found = facts.probe(conn, hv)     # the proxy's reload count, for the next reload
+    keep = _kept(hv, retired)
+    proxy_up = found.get("mode") != "nginx" and facts.proxy_state(found["proxy"]) == "healthy"
+    reloaded = False
+    if (held or keep) and proxy_up:
+        conf = layout.path(hv["deploy_dir"], layout.PROXY_CONF)
+        conn.put(conf, render.proxy_config(hv, keep=keep).encode(), 0o644)
+        changed_files.add(layout.PROXY_CONF)
+        reloaded = front._reload_proxy(conn, hv, found["proxy"], Report(hv.name),
+                                       want=list(hv.backends) + [b for b in keep if b not in hv.backends])
+        if reloaded:
+            report.add("proxy", "changed", "reloaded with the new config, the removed instances still in it "
+                       "until they are drained")
+        found = facts.probe(conn, hv)
+        final = next(f for f in render.render_host(hv) if f.path == layout.PROXY_CONF)
+        conn.put(conf, final.content.encode(), final.mode)
+
+    def enable_held():
+        for p in held:
+            agent.steps(conn, hv, f"enable-instance --instance {p['index']}", report, emit)
+    if reloaded:
+        enable_held()
+    for f in retired:
+        name = backend_name(hv.instance_host, f["port"])
+        agent.steps(conn, hv, f"drain-retired --instance {f['index']} --port {f['port']} --backend "
+                    f"{shlex.quote(name)} --locked", report, emit)
+    front.deploy_front(conn, hv, found, changed_files, report, emit, False)
+    if not reloaded:
+        enable_held()      # the proxy had no reload to take (restarted, or not running): after the front step
+    if after and not report.failed:
+        _roll(conn, hv, found, after, report, emit)
+    elif after:
+        report.add("rolling", "failed", f"instance(s) {', '.join(str(p['index']) for p in after)} not "
+                   "restarted after the failure above; they still run their previous settings")
+    for f in retired:
+        stop_processes(conn, hv, ["--instance", str(f["index"])], emit)
+        conn.run("rm -f " + " ".join(shlex.quote(layout.path(hv["deploy_dir"], rel)) for rel in
+                                     (layout.instance_launch(f["index"]), layout.instance_ready(f["index"]))))
+        report.add(f"instance {f['index']}", "changed", "removed (the inventory no longer has it): drained, "
+                   "out of the proxy, stopped by identity")
+    return changed_files, found
+
+
+def _kept(hv: HostVars, retired: list[dict]) -> dict[str, str | None]:
+    """The retired instances the proxy keeps until they are drained: backend name -> the pool that keeps
+    it (the group it ran, when the new config still has that pool; None on a host without pools)."""
+    pools = {p["name"] for p in hv.pools or []}
+    keep = {}
+    for f in retired:
+        group = ((f.get("launch") or {}).get("launch") or {}).get("group")
+        if not hv.pools or group in pools:
+            keep[backend_name(hv.instance_host, f["port"])] = group if hv.pools else None
+    return keep
+
+
+def _phases(to_roll: list[dict]) -> tuple[list[dict], list[dict], list[dict]]:
+    """The stale instances in three lots, by the names their engine serves (before the roll: the names the
+    running proxy routes to it): those that keep every name roll before the proxy's reload; those that
+    lose one but gain none roll after it (the old names still serve the new config); those that lose one
+    and gain one roll before it and stay drained until the reload."""
+    before, held, after = [], [], []
+    for p in to_roll:
+        old, new = set(p["names"][0]), set(p["names"][1])
+        (before if old <= new else after if new <= old else held).append(p)
+    return before, held, after
+
+
+def _roll(conn, hv: HostVars, found: dict, to_roll: list[dict], report: Report, emit: Emit,
+          held: set[int] = frozenset(), slots_first: bool = False) -> set[str]:
+    """Restart each stale instance through the host agent's one restart (drain, stop by identity, wait for
+    the card, start, /health, enable), one at a time, under the run lock this deploy holds; stops at the
+    first that fails. held: instances left drained (deploy enables them after the proxy's reload).
+    slots_first: while a smaller max_num_seqs rolls, the proxy runs with it already, so it never gives an
+    engine more slots than it has; a larger one reaches the proxy after the roll (the front step). The
+    paths put here, for the front step."""
+    put: set[str] = set()
+    interim = _interim_proxy_conf(hv, to_roll) if slots_first else None
+    if interim is not None and found.get("mode") != "nginx" and facts.proxy_state(found["proxy"]) == "healthy":
+        conn.put(layout.path(hv["deploy_dir"], layout.PROXY_CONF), interim.encode(), 0o644)
+        put.add(layout.PROXY_CONF)
+        if front._reload_proxy(conn, hv, found["proxy"], Report(hv.name)):
+            report.add("proxy slots", "changed", "reloaded with the smaller max_num_seqs before the roll")
+        else:
+            report.add("proxy slots", "failed", "the proxy did not take the smaller max_num_seqs; nothing was "
+                       "restarted: `inv logs --host " + hv.name + " --proxy` says why")
+            return put
+    for n, p in enumerate(to_roll):
+        i = p["index"]
+        emit(f"instance {i}: rolling ({', '.join(p['changes'])})")
+        failed = report.count("failed")
+        agent.steps(conn, hv, f"restart --instance {i} --locked" + (" --no-enable" if i in held else ""),
+                    report, emit)
+        if report.count("failed") > failed:
+            left = [q["index"] for q in to_roll[n + 1:]]
+            if left:
+                report.add("rolling", "failed", f"stopped after instance {i}; instance(s) "
+                           f"{', '.join(map(str, left))} still run their previous settings")
+            break
+    if interim is not None:
+        final = next(f for f in render.render_host(hv) if f.path == layout.PROXY_CONF)
+        if final.content != interim:
+            conn.put(layout.path(hv["deploy_dir"], layout.PROXY_CONF), final.content.encode(), final.mode)
+    return put
+
+
+def _interim_proxy_conf(hv: HostVars, to_roll: list[dict]) -> str | None:
+    """conf/proxy.yaml with each rolled group's slots at min(what its instances ran, what it wants), when
+    some group's max_num_seqs goes down (None otherwise: the running config already gives every engine at
+    most what it has until the front step applies the larger value). Not when names move too: that
+    config would route the new names before their engines serve them."""
+    caps: dict[str, int] = {}
+    down = False
+    if any(set(p["names"][0]) != set(p["names"][1]) for p in to_roll):
+        return None      # names move: the new routing waits for the front step (see _phases)
+    for p in to_roll:
+        g = hv.group_of(p["index"])
+        was = p.get("was_seqs")
+        if isinstance(was, int):
+            caps[g.name] = min(caps.get(g.name, g.max_num_seqs), was, g.max_num_seqs)
+            down = down or was > g.max_num_seqs
+    return render.proxy_config(hv, slots=caps) if down else None

@@ -40,6 +40,8 @@ def status_table(st: dict) -> str:
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(i["last_restart_at"]))
             last = f" (last: {i['last_restart_reason']} at {when}: {i.get('last_restart_result') or '...'})"
         state = i["state"].upper() if i["state"] == "crashloop" else i["state"]
+        if i.get("launch") == "stale":
+            last += f"  STALE: {', '.join(i['stale_settings'])}"
         where = f"{i['model']:<{model_col}}{','.join(map(str, i['cards'])):<7}" if groups else f"{i['accelerator']:<7}"
         lines.append(f"  {i['index']:<9}{i['port']:<7}{where}{i['pid'] or '-':<9}"
                      f"{i['pgid'] or '-':<9}{state:<12}{i.get('restarts', 0)}{last}")

@@ -12,7 +12,7 @@ import sys
 
 from hostagent import layout
 
-from . import agent
+from . import agent, launch
 from . import keeper as fleet_keeper
 from .inventory import HostVars
 from .report import Emit, Report
@@ -38,7 +38,8 @@ def probe(conn: Transport, hv: HostVars, files: list[str] = (), readonly: bool =
     whose hash and mode to report; readonly: create nothing on the host; boot: read the installed boot
     hook too (`boot`: {kind, command} or None). Each instance's `state` is hostagent.instances.classify's,
     the function the keeper uses too."""
-    spec = {"deploy_dir": hv["deploy_dir"], "ports": hv.ports, "instance_host": hv.instance_host,
+    spec = {"deploy_dir": hv["deploy_dir"], "ports": hv.ports, "base_port": hv["base_port"],
+            "instance_host": hv.instance_host,
             "proxy_port": hv["proxy"]["port"], "admin_port": hv["proxy"]["admin_port"],
             "proxy_address": layout.local_address(hv["proxy"]["bind"]), "deployment_id": hv.deployment_id, "health_timeout_s": hv["health_timeout_s"],
             "files": list(files), "readonly": readonly, "api_keys_file": hv["proxy"]["api_keys_file"] or None,
@@ -65,9 +66,16 @@ def status_of(hv: HostVars, facts: dict) -> dict:
                   "pid": f["pid"], "pgid": f["pgid"], "state": f["state"],
                   **fleet_keeper.instance_fields(keeper, f["index"])}
                  for f in facts["instances"]]
+    plan = {p["index"]: p for p in launch.plan(hv, facts)}
     for inst in instances:
         if inst["crashloop"] and inst["state"] in ("dead", "stopped"):
             inst["state"] = "crashloop"
+        # The launch it runs against the inventory's: current, stale (stale_settings says how), unrecorded
+        # (started by an older version); None when it does not run.
+        p = plan[inst["index"]]
+        inst["launch"] = (None if not p["running"] else "unrecorded" if launch.unrecorded(p)
+                          else "stale" if launch.stale(p) else "current")
+        inst["stale_settings"] = p["changes"] if launch.stale(p) else []
     p = facts["proxy"]
     proxy = {"pid": p["pid"], "port": p["port"], "state": proxy_state(p), "backends": p["backends"]}
     mode = facts.get("mode") or "proxy"
@@ -107,8 +115,12 @@ def status(conn: Transport, hv: HostVars, emit: Emit = lambda line: None) -> Rep
     loud = {name: (status, message) for name, status, message in fleet_keeper.report_lines(st)}
     for inst, f in zip(st["instances"], facts["instances"]):
         name = f"instance {inst['index']}"
-        report.add(name, *loud.pop(name, ("ok" if inst["state"] in ("healthy", "loading", "stopped") else
-                                          "failed", _state_and_remedy(hv, inst["state"], f, inst["index"]))))
+        status, message = loud.pop(name, ("ok" if inst["state"] in ("healthy", "loading", "stopped") else
+                                          "failed", _state_and_remedy(hv, inst["state"], f, inst["index"])))
+        if inst["launch"] == "stale":
+            message += (f"; runs stale settings ({', '.join(inst['stale_settings'])}): `inv deploy --host "
+                        f"{hv.name}` restarts it with the inventory's")
+        report.add(name, status, message)
     for name, (status, message) in loud.items():
         report.add(name, status, message)
     b = st["boot"]

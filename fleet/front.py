@@ -259,16 +259,16 @@ def _keys_to_take(hv: HostVars, found: dict, report: Report, against: str) -> st
     return keys["digest"] if keys.get("digest") and running != keys["digest"] else None
 
 
-def _reload_proxy(conn, hv, p, report, keys: str | None = None) -> bool:
+def _reload_proxy(conn, hv, p, report, keys: str | None = None, want: list[str] | None = None) -> bool:
     """SIGHUP the running proxy and wait until it has applied the new config (keys: the digest of the
-    keys it must then run with); False when it refused it, kept a setting only a restart changes, or did
+    keys it must then run with; want: the backends it names, the inventory's unless given); False when it refused it, kept a setting only a restart changes, or did
     not answer in time (then the caller restarts it). Backends the reload removed are waited for until
     their requests in flight end (up to drain_timeout_s), so their host can be stopped at once after."""
     before = (p.get("config") or {}).get("reloads")
     if before is None:        # a proxy that does not report its reloads: restart it
         return False
     conn.run(f"kill -HUP {int(p['pid'])}")
-    want = hv.backends
+    want = hv.backends if want is None else want
     removed = [b for b in (p.get("config") or {}).get("backends") or [] if b not in want]
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:

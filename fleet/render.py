@@ -1,6 +1,8 @@
 """Rendering: host variables -> the files put on a host. A pure function: no I/O but reading templates."""
 from __future__ import annotations
 
+import hashlib
+import json
 import posixpath
 import shlex
 from dataclasses import dataclass
@@ -120,6 +122,74 @@ def _num(x) -> str:
     return f"{x:g}" if isinstance(x, float) else str(x)
 
 
+# --- the launch of each instance (fleet/launch.py compares it with the recorded one) ------------------
+
+# The settings a difference is named by, in the order a report names them; argv holds them all, so a
+# difference elsewhere (the engine's own command, the sim's timings) reads as "engine command".
+NAMED = ("model", "served_names", "max_num_seqs", "max_model_len", "enforce_eager", "gpu_memory_utilization",
+         "extra_args", "engine_flags", "cards", "env", "env_setup", "bind", "port")
+
+
+def describe_launch(hv: HostVars, i: int) -> dict:
+    """Instance i's launch as start_cluster.sh runs it (without its overrides): the same argv, in the same
+    order, as the script builds (tests/test_converge.py reads it back from the engine's command line)."""
+    v = hv.vars
+    g = hv.group_of(i)
+    port = hv.ports[i]
+    cpu = v["accelerator"] == "cpu"
+    if hv.plain:
+        flags = ["--host", v["bind"], "--port", str(port), "--max-num-seqs", str(g.max_num_seqs),
+                 "--max-model-len", str(g.max_model_len)]
+        if not cpu:
+            flags += ["--gpu-memory-utilization", _num(g.gpu_memory_utilization)]
+        flags.append(f"--served-model-name={g.name}")
+        if g.enforce_eager:
+            flags.append("--enforce-eager")
+        extra_env = {}
+    else:
+        flags = ["--served-model-name", *g.served_names, "--host", v["bind"], "--port", str(port),
+                 "--max-num-seqs", str(g.max_num_seqs), "--max-model-len", str(g.max_model_len)]
+        if not cpu:
+            flags += ["--gpu-memory-utilization", _num(g.gpu_memory_utilization)]
+        if g.enforce_eager:
+            flags.append("--enforce-eager")
+        flags += g.engine_flags()
+        extra_env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} if g.runtime_lora else {}
+    engine = engine_argv(hv, g.model)
+    if cpu:
+        env = {"VLLM_CPU_KVCACHE_SPACE": _num(v["cpu_kvcache_gib"]),
+               "cpus_per_instance": str(v["cpus_per_instance"])}
+    else:
+        cards = ",".join(map(str, hv.cards[i])) if not hv.plain else str(i)
+        env = {accelerators.kind(v["accelerator"]).visibility_var: cards}
+    env.update(extra_env)
+    return {"model": g.model, "served_names": list(g.served_names), "max_num_seqs": g.max_num_seqs,
+            "max_model_len": g.max_model_len, "enforce_eager": g.enforce_eager,
+            "gpu_memory_utilization": None if cpu else g.gpu_memory_utilization,
+            "extra_args": list(g.extra_args), "engine_flags": g.engine_flags(), "cards": list(hv.cards[i]),
+            "env": env, "env_setup": v["env_setup"] or "", "bind": v["bind"], "port": port, "group": g.name,
+            "argv": engine + flags + list(g.extra_args)}
+
+
+def launch_digest(description: dict) -> str:
+    """The launch's digest: a hash of its canonical JSON."""
+    return hashlib.sha256(encode_launch(description).encode()).hexdigest()[:16]
+
+
+def encode_launch(description: dict) -> str:
+    """The canonical one-line JSON of a description (as rendered into start_cluster.sh)."""
+    return json.dumps(description, sort_keys=True, separators=(",", ":"))
+
+
+def wanted_launches(hv: HostVars) -> list[dict]:
+    """Each instance's wanted launch: {"digest", "launch"}."""
+    out = []
+    for i in range(hv["instances"]):
+        d = describe_launch(hv, i)
+        out.append({"digest": launch_digest(d), "launch": d})
+    return out
+
+
 def stop_spec(hv: HostVars) -> dict:
     """What hostagent/processes.py needs to stop the deployment (bin/stop_cluster.sh and `inv stop`)."""
     v = hv.vars
@@ -183,6 +253,8 @@ def context(hv: HostVars) -> dict:
         "pools": hv.pools,
         "scrape_targets": scrape_targets(hv),
         "smi_candidates": accelerators.kind(v["accelerator"]).smi_candidates,
+        # Each instance's launch and its digest: start_cluster.sh records them (fleet.launch).
+        "launches": [{"digest": w["digest"], "json": encode_launch(w["launch"])} for w in wanted_launches(hv)],
     }
 
 
@@ -192,6 +264,24 @@ def offline(hv: HostVars, home: str) -> HostVars:
     hv = hv.at_home(lambda: home)
     hv.vars["python"] = hv.vars["python"] or "python3"
     return hv
+
+
+def proxy_config(hv: HostVars, slots: dict[str, int] | None = None,
+                 keep: dict[str, str | None] | None = None) -> str:
+    """conf/proxy.yaml for a step of a roll: slots caps a group's max_num_seqs (group name -> value);
+    keep adds backends the inventory no longer has (name -> the group whose pool keeps it, None on a
+    host without pools), so that they leave the proxy only once drained."""
+    ctx = context(hv)
+    slots, keep = slots or {}, keep or {}
+    headroom = hv["proxy"]["queue"]["headroom"]
+    if len(hv.groups) == 1 and hv.groups[0].name in slots:
+        ctx["max_num_seqs"] = min(ctx["max_num_seqs"], slots[hv.groups[0].name])
+    ctx["backends"] = list(hv.backends) + [b for b in keep if b not in hv.backends]
+    if hv.pools:
+        ctx["pools"] = [dict(pool, slots=min(pool["slots"], slots.get(pool["name"], pool["slots"]) + headroom),
+                             backends=list(pool["backends"]) + [b for b, g in keep.items() if g == pool["name"]])
+                        for pool in hv.pools]
+    return environment().get_template(FILES[layout.PROXY_CONF][0]).render(ctx)
 
 
 def render_host(hv: HostVars) -> list[RenderedFile]:

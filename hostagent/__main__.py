@@ -4,7 +4,9 @@ nginx front (--config conf/nginx_front.json): check (preflight), to-nginx, to-pr
 Instances (--config conf/hostagent.json): restart --instance I | --rolling; keeper (runs it here),
 keeper-start (in its own session, a running one stopped first), keeper-stop; drain-instance --instance I
 and enable-instance --instance I (before and after `inv stop --instance I`); wait-healthy --instances 0,1
-(after a start: each instance's /health 200, at most health_timeout_s, one step per instance).
+(after a start: each instance's /health 200, at most health_timeout_s, one step per instance);
+drain-retired --instance I --port P --backend NAME --locked (deploy: an instance the inventory no longer
+has, drained in the proxy, then until its engine holds no request; deploy then stops it).
 Runtime LoRA adapters (--config conf/hostagent.json): lora add --model GROUP --name N --path P,
 lora remove --model GROUP --name N, lora list (hostagent/lora.py; add and remove take the run lock
 unless --locked).
@@ -28,13 +30,19 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hostagent", description=__doc__)
     parser.add_argument("command", choices=["check", "to-nginx", "to-proxy", "reload", "watch", "restart",
                                             "keeper", "keeper-start", "keeper-stop", "restart-proxy", "drain",
-                                            "drain-instance", "enable-instance", "wait-healthy", "lora"])
+                                            "drain-instance", "enable-instance", "wait-healthy", "lora",
+                                            "drain-retired"])
     parser.add_argument("action", nargs="?", choices=["add", "remove", "list"], help="lora: what to do")
     parser.add_argument("--config", required=True)
     parser.add_argument("--nginx", default=None, help="the nginx binary (default: found as check does)")
     parser.add_argument("--instance", type=int, default=None, help="restart, drain-instance, enable-instance: the instance")
     parser.add_argument("--instances", default=None, help="wait-healthy: the instances, a comma list")
     parser.add_argument("--rolling", action="store_true", help="restart: every instance in turn")
+    parser.add_argument("--no-enable", action="store_true",
+                        help="restart --instance I: leave it drained (deploy enables it once the proxy has the "
+                             "new config)")
+    parser.add_argument("--port", type=int, default=None, help="drain-retired: the instance's port")
+    parser.add_argument("--backend", default=None, help="drain-retired: the instance's backend in the proxy")
     parser.add_argument("--locked", action="store_true",
                         help="restart, lora add/remove: the caller holds the run lock (inv restart, inv lora); "
                              "else it is taken here")
@@ -70,6 +78,8 @@ def main(argv=None) -> int:
             return _restart(cfg, args, say)
         if args.command in ("drain-instance", "enable-instance"):
             return _one_instance(cfg, args, say)
+        if args.command == "drain-retired":
+            return _drain_retired(cfg, args, say)
         if args.command == "wait-healthy":
             return _wait_healthy(cfg, args, say)
         if args.command == "lora":
@@ -171,10 +181,24 @@ def _restart(cfg: dict, args, say) -> int:
         raise UsageError(f"there is no instance {args.instance}; instances are 0-{n - 1}.")
     held = _hold(cfg, args, "python -m hostagent restart")
     try:
-        steps = restart.restart_all(cfg, say) if args.rolling else restart.restart_instance(cfg, args.instance, say)
+        steps = (restart.restart_all(cfg, say) if args.rolling else
+                 restart.restart_instance(cfg, args.instance, say, enable=not args.no_enable))
     finally:
         if held is not None:
             held.release()
+    ok = not any(s["status"] == "failed" for s in steps)
+    print("FLEET_RESULT " + json.dumps({"ok": ok, "steps": steps}), flush=True)
+    return 0 if ok else 1
+
+
+def _drain_retired(cfg: dict, args, say) -> int:
+    """drain-retired --instance I --port P --backend NAME --locked: an instance the inventory no longer has."""
+    if args.instance is None or args.port is None or not args.backend or args.instance < len(cfg["instances"]):
+        raise UsageError("drain-retired needs --instance I --port P --backend NAME, I past the configured "
+                         "instances.")
+    if not args.locked:
+        raise UsageError("drain-retired runs inside deploy, which holds the run lock: pass --locked.")
+    steps = restart.drain_retired(cfg, args.instance, args.port, args.backend, say)
     ok = not any(s["status"] == "failed" for s in steps)
     print("FLEET_RESULT " + json.dumps({"ok": ok, "steps": steps}), flush=True)
     return 0 if ok else 1

@@ -5,7 +5,8 @@ this module: the host agent, the probes and the control plane (the one host agen
 import). Standard library only, Python 3.6+, and no import of the rest of the package: it is bundled in
 front of scripts sent on standard input, and runs beside `processes.py` when that runs as a script.
 
-    run/      pid files (instance_<i>.pid, proxy.pid, keeper.pid, nginx.pid, ...), the run lock, mode,
+    run/      pid files (instance_<i>.pid, proxy.pid, keeper.pid, nginx.pid, ...), the launch each
+              instance runs (instance_<i>.launch), the run lock, mode,
               the keeper's state, the runtime LoRA adapters' record
     logs/     vllm_<i>.log, proxy.log, req_results.log, keeper.log (+ rotated .1 ...)
     conf/     hostagent.json, proxy.yaml, nginx_front.json, nginx.conf, prometheus.yml
@@ -86,6 +87,13 @@ def instance_ready(i):
     """run/instance_<i>.ready: the marker of an instance seen healthy since its start (a later 503 is a
     death, not loading)."""
     return "%s/instance_%s.ready" % (RUN, i)
+
+
+def instance_launch(i):
+    """run/instance_<i>.launch: the launch instance i was started with (JSON: its description as deploy
+    rendered it, that description's digest, and the start_cluster.sh overrides set by hand), written by
+    start_cluster.sh beside the pid file; deploy compares it with the launch it wants."""
+    return "%s/instance_%s.launch" % (RUN, i)
 
 
 def instance_log(i):

@@ -97,6 +97,17 @@ def instance_facts(d, dep, index, port, readonly, host="127.0.0.1", health_timeo
     }
 
 
+def read_launch(d, index):
+    """Instance index's launch record (run/instance_<i>.launch, written by start_cluster.sh), None when
+    there is none or it cannot be read."""
+    try:
+        with open(layout.path(d, layout.instance_launch(index))) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
 def proxy_facts(d, dep, port, admin_port, address="127.0.0.1"):
     """The proxy's process (run/proxy.pid), its /health on the entry port (at address: where its bind is
     reached from the host itself) and its admin API's view."""

@@ -28,7 +28,7 @@ import tempfile
 import time
 from typing import Callable
 
-from . import instances, layout, lora, proxyadmin
+from . import httpcall, instances, layout, lora, proxyadmin
 
 Say = Callable[[str], None]
 
@@ -66,11 +66,13 @@ class Steps(list):
 
 
 def restart_instance(cfg: dict, i: int, say: Say = print, cancelled: Callable[[], bool] = lambda: False,
-                     drain: bool = True) -> Steps:
+                     drain: bool = True, enable: bool = True) -> Steps:
     """Restart instance i (steps in the module's docstring); the steps, the last failed when it failed.
 
     cancelled is asked between steps and while waiting: when it says True, Cancelled is raised before
-    anything more is started. drain False skips the proxy (nothing is drained or enabled).
+    anything more is started. drain False skips the proxy (nothing is drained or enabled). enable False
+    leaves it drained once healthy: deploy enables it after the proxy has taken the config that routes
+    the instance's new names to it.
     """
     inst = cfg["instances"][i]
     name, what = inst["backend"], f"instance {i}"
@@ -109,9 +111,51 @@ def restart_instance(cfg: dict, i: int, say: Say = print, cancelled: Callable[[]
     steps += restored
     if any(s["status"] == "changed" for s in restored):
         lora.refresh_proxy(cfg, say)
-    if drained:
+    if drained and enable:
         _enable(cfg, i, name, steps, say, cancelled)
+    elif drained:
+        say(f"instance {i}: healthy, left drained until the proxy takes the new config")
+        steps.add(f"instance {i} enable", "skipped", "left drained until the proxy takes the new config")
     return steps
+
+
+def drain_retired(cfg: dict, i: int, port: int, backend: str, say: Say = print) -> Steps:
+    """Drain instance i, which the inventory no longer has (its group removed, fewer instances), before
+    deploy drops it from the proxy and stops it: drain its backend in the proxy when the proxy has it,
+    then wait until its engine holds no request (its /metrics: vllm:num_requests_running and _waiting),
+    at most drain_timeout_s in all."""
+    steps = Steps()
+    known = backends(cfg)
+    if known is not None and backend in known:
+        _drain(cfg, i, backend, steps, say, lambda: False)
+    address = cfg["instances"][0]["address"] if cfg["instances"] else "127.0.0.1"
+    url = httpcall.base_url(address, port) + "/metrics"
+    t0 = time.monotonic()
+    while True:
+        busy = _engine_busy(httpcall.get(url, timeout=2.0))
+        if not busy:
+            say(f"instance {i}: no request left on :{port}")
+            return steps
+        if time.monotonic() - t0 > cfg["drain_timeout_s"]:
+            say(f"instance {i}: {busy} request(s) still on :{port} after {cfg['drain_timeout_s']:g}s; "
+                "stopping anyway")
+            steps.add(f"instance {i} drain", "changed", f"{busy} request(s) cut after drain_timeout_s")
+            return steps
+        time.sleep(0.1)
+
+
+def _engine_busy(answer) -> int:
+    """Requests an engine holds, from its /metrics text (running + waiting); 0 when it does not answer."""
+    if answer.status != 200:
+        return 0
+    total = 0.0
+    for line in answer.text().splitlines():
+        if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
+            try:
+                total += float(line.rsplit(" ", 1)[1])
+            except (IndexError, ValueError):
+                pass
+    return int(total)
 
 
 def restart_all(cfg: dict, say: Say = print) -> Steps:

@@ -30,7 +30,8 @@ def named_paths():
     constants = {value for key, value in vars(layout).items()
                  if key.isupper() and isinstance(value, str) and key not in ("TAG_VAR",)}
     patterns = [re.compile(re.escape(f("XINDEXX")).replace("XINDEXX", INDEX) + "$")
-                for f in (layout.instance_pidfile, layout.instance_ready, layout.instance_log, layout.env_setup_out)]
+                for f in (layout.instance_pidfile, layout.instance_ready, layout.instance_launch, layout.instance_log,
+                          layout.env_setup_out)]
     return constants, patterns
 
 

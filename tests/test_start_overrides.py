@@ -31,7 +31,9 @@ def test_overrides_are_refused_while_the_keeper_runs_and_never_reach_deploy(tmp_
     3. instance 0 stopped, `inv deploy` run with MAX_SEQS=1 N=0 in its environment starts it with the
        inventory's values (--max-num-seqs 4): deploy does not pass them on;
     4. with the keeper stopped (bin/stop_cluster.sh --keeper), the same override runs (the instance's port
-       listens, so it is skipped, exit 0)."""
+       listens, so it is skipped, exit 0);
+    5. instance 0 stopped and started by hand with MAX_SEQS=1: status marks it stale ("MAX_SEQS=1 set by
+       hand"), and `inv deploy` rolls it back to the inventory's 4."""
     inventory = write_inventory(tmp_path, instances=1)
     deploy = tmp_path / "deploy"
     try:
@@ -64,6 +66,20 @@ def test_overrides_are_refused_while_the_keeper_runs_and_never_reach_deploy(tmp_
                    what="the keeper stopped")
         r = _script(deploy, {"MAX_SEQS": "1"})
         assert r.returncode == 0 and "instance 0: port" in r.stdout and "skipped" in r.stdout, r.stdout + r.stderr
+
+        stop = subprocess.run([str(deploy / "bin" / "stop_cluster.sh"), "--instance", "0"], capture_output=True,
+                              text=True, timeout=120)
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+        r = _script(deploy, {"MAX_SEQS": "1"})
+        assert r.returncode == 0 and "instance 0: started" in r.stdout, r.stdout + r.stderr
+        wait_until(lambda: status_json(inventory)["instances"][0]["state"] == "healthy", what="instance 0 healthy")
+        inst = status_json(inventory)["instances"][0]
+        assert inst["launch"] == "stale" and inst["stale_settings"] == ["MAX_SEQS=1 set by hand"], inst
+        r = inv("deploy", "--host", "t", inventory=inventory)
+        assert r.returncode == 0 and "instance 0: rolling (MAX_SEQS=1 set by hand)" in r.stdout, r.stdout
+        argv = _engine_argv(deploy, 0)
+        assert argv[argv.index("--max-num-seqs") + 1] == "4", argv
+        assert status_json(inventory)["instances"][0]["launch"] == "current"
     finally:
         inv("stop", "--host", "t", inventory=inventory)
         kill_tagged(deployment_id(inventory) + "/")

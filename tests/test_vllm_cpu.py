@@ -595,6 +595,52 @@ def test_top_shows_the_real_engines_at_work(cluster):
     assert re.search(r"\d+ms|\d\.\d\ds", frames[-1].split("TTFT")[1]), frames[-1]
 
 
+def test_changed_max_num_seqs_rolls_both_engines_under_light_load(cluster):
+    """1. max_num_seqs 4 -> 3 in the inventory; 2. `inv deploy` while two clients (one streamed, one not)
+    send short requests through the proxy: it rolls instance 0 then 1 (drain, stop, start, /health,
+    enable); 3. no request failed, both engines' command lines say --max-num-seqs 3, status marks both
+    current."""
+    import threading
+    text = cluster.inventory.read_text()
+    cluster.inventory.write_text(text.replace("max_num_seqs: 4", "max_num_seqs: 3"))
+    stop, results = threading.Event(), []
+
+    def client(stream: bool):
+        c = cluster.client()
+        while not stop.is_set():
+            try:
+                r = c.chat.completions.create(model=NAME, max_tokens=4, stream=stream,
+                                              messages=[{"role": "user", "content": "hi"}])
+                if stream:
+                    r = list(r)
+                results.append(bool(r))
+            except openai.OpenAIError:
+                results.append(False)
+    threads = [threading.Thread(target=client, args=(s,)) for s in (True, False)]
+    for t in threads:
+        t.start()
+    try:
+        wait_until(lambda: results.count(True) >= 2, timeout=120, what="the clients' first answers")
+        t0 = time.monotonic()
+        r = cluster.inv("deploy")
+        cluster.figures["converge_s"] = round(time.monotonic() - t0, 1)
+        before = len(results)
+        wait_until(lambda: results[before:].count(True) >= 2, timeout=120, what="answers after the deploy")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "instance 0: rolling (max_num_seqs 4 -> 3" in r.stdout and "instance 1: back in the proxy" in r.stdout
+    cluster.figures["converge_requests"], cluster.figures["converge_failed"] = len(results), results.count(False)
+    assert results.count(False) == 0, cluster.figures
+    st = cluster.status()
+    for inst in st["instances"]:
+        assert inst["state"] == "healthy" and inst["launch"] == "current", inst
+        argv = Path(f"/proc/{inst['pid']}/cmdline").read_bytes().decode().split("\0")
+        assert argv[argv.index("--max-num-seqs") + 1] == "3", argv
+
+
 def gone(pids) -> bool:
     return not [p for p in pids if alive(p)]
 

@@ -102,7 +102,7 @@ class Engine:
 
     def stats(self) -> dict:
         s = self.scheduler
-        return {"running": s.running, "waiting": s.waiting, "peak_running": s.peak_running,
+        return {"running": s.running, "waiting": s.waiting, "max_num_seqs": s.max_num_seqs, "peak_running": s.peak_running,
                 "peak_in_flight": s.peak_in_flight, "requests_total": s.requests_total,
                 "aborted_total": s.aborted_total, "engine_alive": self.alive, "ready": self.ready,
                 "exit_scheduled": self.exit_scheduled,

@@ -13,7 +13,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 from hostagent import apikeys, boothook, layout, lora
 from hostagent.observe import (HEALTH_TIMEOUT_S, file_mode, instance_facts, keeper_facts, nginx_facts,
-                               proxy_facts, read_mode, sha256, tagged)
+                               proxy_facts, read_launch, read_mode, sha256, tagged)
+
+
+def _past(d, n):
+    """The instance indexes at or past n that have a pid file under run/."""
+    try:
+        names = os.listdir(layout.path(d, layout.RUN))
+    except OSError:
+        return []
+    return sorted(i for i in map(layout.pidfile_instance, names) if i is not None and i >= n)
 
 
 def main():
@@ -32,6 +41,12 @@ def main():
             "uid": os.getuid(),
             "deploy_dir_exists": os.path.isdir(d),
             "instances": [f.result() for f in inst],
+            "launches": [read_launch(d, i) for i in range(len(spec["ports"]))],
+            # Instances past the inventory's that still run (their group removed, fewer instances): deploy
+            # retires them once the proxy no longer routes to them.
+            "retired": [dict(f, launch=read_launch(d, f["index"])) for f in (
+                instance_facts(d, dep, i, spec["base_port"] + i, True, host, timeout_s)
+                for i in _past(d, len(spec["ports"])) if "base_port" in spec) if f["alive"]],
             "proxy": prox.result(),
             "nginx": nginx_facts(d, dep),
             "keeper": keeper_facts(d, dep),

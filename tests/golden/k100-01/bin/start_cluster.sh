@@ -78,6 +78,21 @@ EXTRA_ARGS=(--trust-remote-code --limit-mm-per-prompt '{"image": 4}' --dtype bfl
 SERVED_NAME=MiniCPM-V-4_5
 GPU_MEMORY_UTILIZATION=0.9
 
+# Each instance's launch as the inventory wants it, and its digest (fleet/launch.py): copied to the
+# instance's launch record (beside its pid file) when it starts, with the overrides above that were set,
+# so deploy sees what it runs and rolls a difference.
+LAUNCH_OF=(
+    '{"argv":["vllm","serve","/data/models/MiniCPM-V-4_5","--host","127.0.0.1","--port","8002","--max-num-seqs","4","--max-model-len","8192","--gpu-memory-utilization","0.9","--served-model-name=MiniCPM-V-4_5","--trust-remote-code","--limit-mm-per-prompt","{\"image\": 4}","--dtype","bfloat16"],"bind":"127.0.0.1","cards":[0],"enforce_eager":false,"engine_flags":[],"env":{"HIP_VISIBLE_DEVICES":"0"},"env_setup":"source /opt/dtk/env.sh && source ~/miniconda3/bin/activate vllm-serve","extra_args":["--trust-remote-code","--limit-mm-per-prompt","{\"image\": 4}","--dtype","bfloat16"],"gpu_memory_utilization":0.9,"group":"MiniCPM-V-4_5","max_model_len":8192,"max_num_seqs":4,"model":"/data/models/MiniCPM-V-4_5","port":8002,"served_names":["MiniCPM-V-4_5"]}'
+    '{"argv":["vllm","serve","/data/models/MiniCPM-V-4_5","--host","127.0.0.1","--port","8003","--max-num-seqs","4","--max-model-len","8192","--gpu-memory-utilization","0.9","--served-model-name=MiniCPM-V-4_5","--trust-remote-code","--limit-mm-per-prompt","{\"image\": 4}","--dtype","bfloat16"],"bind":"127.0.0.1","cards":[1],"enforce_eager":false,"engine_flags":[],"env":{"HIP_VISIBLE_DEVICES":"1"},"env_setup":"source /opt/dtk/env.sh && source ~/miniconda3/bin/activate vllm-serve","extra_args":["--trust-remote-code","--limit-mm-per-prompt","{\"image\": 4}","--dtype","bfloat16"],"gpu_memory_utilization":0.9,"group":"MiniCPM-V-4_5","max_model_len":8192,"max_num_seqs":4,"model":"/data/models/MiniCPM-V-4_5","port":8003,"served_names":["MiniCPM-V-4_5"]}'
+    '{"argv":["vllm","serve","/data/models/MiniCPM-V-4_5","--host","127.0.0.1","--port","8004","--max-num-seqs","4","--max-model-len","8192","--gpu-memory-utilization","0.9","--served-model-name=MiniCPM-V-4_5","--trust-remote-code","--limit-mm-per-prompt","{\"image\": 4}","--dtype","bfloat16"],"bind":"127.0.0.1","cards":[2],"enforce_eager":false,"engine_flags":[],"env":{"HIP_VISIBLE_DEVICES":"2"},"env_setup":"source /opt/dtk/env.sh && source ~/miniconda3/bin/activate vllm-serve","extra_args":["--trust-remote-code","--limit-mm-per-prompt","{\"image\": 4}","--dtype","bfloat16"],"gpu_memory_utilization":0.9,"group":"MiniCPM-V-4_5","max_model_len":8192,"max_num_seqs":4,"model":"/data/models/MiniCPM-V-4_5","port":8004,"served_names":["MiniCPM-V-4_5"]}'
+    '{"argv":["vllm","serve","/data/models/MiniCPM-V-4_5","--host","127.0.0.1","--port","8005","--max-num-seqs","4","--max-model-len","8192","--gpu-memory-utilization","0.9","--served-model-name=MiniCPM-V-4_5","--trust-remote-code","--limit-mm-per-prompt","{\"image\": 4}","--dtype","bfloat16"],"bind":"127.0.0.1","cards":[3],"enforce_eager":false,"engine_flags":[],"env":{"HIP_VISIBLE_DEVICES":"3"},"env_setup":"source /opt/dtk/env.sh && source ~/miniconda3/bin/activate vllm-serve","extra_args":["--trust-remote-code","--limit-mm-per-prompt","{\"image\": 4}","--dtype","bfloat16"],"gpu_memory_utilization":0.9,"group":"MiniCPM-V-4_5","max_model_len":8192,"max_num_seqs":4,"model":"/data/models/MiniCPM-V-4_5","port":8005,"served_names":["MiniCPM-V-4_5"]}'
+    '{"argv":["vllm","serve","/data/models/MiniCPM-V-4_5","--host","127.0.0.1","--port","8006","--max-num-seqs","4","--max-model-len","8192","--gpu-memory-utilization","0.9","--served-model-name=MiniCPM-V-4_5","--trust-remote-code","--limit-mm-per-prompt","{\"image\": 4}","--dtype","bfloat16"],"bind":"127.0.0.1","cards":[4],"enforce_eager":false,"engine_flags":[],"env":{"HIP_VISIBLE_DEVICES":"4"},"env_setup":"source /opt/dtk/env.sh && source ~/miniconda3/bin/activate vllm-serve","extra_args":["--trust-remote-code","--limit-mm-per-prompt","{\"image\": 4}","--dtype","bfloat16"],"gpu_memory_utilization":0.9,"group":"MiniCPM-V-4_5","max_model_len":8192,"max_num_seqs":4,"model":"/data/models/MiniCPM-V-4_5","port":8006,"served_names":["MiniCPM-V-4_5"]}'
+    '{"argv":["vllm","serve","/data/models/MiniCPM-V-4_5","--host","127.0.0.1","--port","8007","--max-num-seqs","4","--max-model-len","8192","--gpu-memory-utilization","0.9","--served-model-name=MiniCPM-V-4_5","--trust-remote-code","--limit-mm-per-prompt","{\"image\": 4}","--dtype","bfloat16"],"bind":"127.0.0.1","cards":[5],"enforce_eager":false,"engine_flags":[],"env":{"HIP_VISIBLE_DEVICES":"5"},"env_setup":"source /opt/dtk/env.sh && source ~/miniconda3/bin/activate vllm-serve","extra_args":["--trust-remote-code","--limit-mm-per-prompt","{\"image\": 4}","--dtype","bfloat16"],"gpu_memory_utilization":0.9,"group":"MiniCPM-V-4_5","max_model_len":8192,"max_num_seqs":4,"model":"/data/models/MiniCPM-V-4_5","port":8007,"served_names":["MiniCPM-V-4_5"]}'
+    '{"argv":["vllm","serve","/data/models/MiniCPM-V-4_5","--host","127.0.0.1","--port","8008","--max-num-seqs","4","--max-model-len","8192","--gpu-memory-utilization","0.9","--served-model-name=MiniCPM-V-4_5","--trust-remote-code","--limit-mm-per-prompt","{\"image\": 4}","--dtype","bfloat16"],"bind":"127.0.0.1","cards":[6],"enforce_eager":false,"engine_flags":[],"env":{"HIP_VISIBLE_DEVICES":"6"},"env_setup":"source /opt/dtk/env.sh && source ~/miniconda3/bin/activate vllm-serve","extra_args":["--trust-remote-code","--limit-mm-per-prompt","{\"image\": 4}","--dtype","bfloat16"],"gpu_memory_utilization":0.9,"group":"MiniCPM-V-4_5","max_model_len":8192,"max_num_seqs":4,"model":"/data/models/MiniCPM-V-4_5","port":8008,"served_names":["MiniCPM-V-4_5"]}'
+    '{"argv":["vllm","serve","/data/models/MiniCPM-V-4_5","--host","127.0.0.1","--port","8009","--max-num-seqs","4","--max-model-len","8192","--gpu-memory-utilization","0.9","--served-model-name=MiniCPM-V-4_5","--trust-remote-code","--limit-mm-per-prompt","{\"image\": 4}","--dtype","bfloat16"],"bind":"127.0.0.1","cards":[7],"enforce_eager":false,"engine_flags":[],"env":{"HIP_VISIBLE_DEVICES":"7"},"env_setup":"source /opt/dtk/env.sh && source ~/miniconda3/bin/activate vllm-serve","extra_args":["--trust-remote-code","--limit-mm-per-prompt","{\"image\": 4}","--dtype","bfloat16"],"gpu_memory_utilization":0.9,"group":"MiniCPM-V-4_5","max_model_len":8192,"max_num_seqs":4,"model":"/data/models/MiniCPM-V-4_5","port":8009,"served_names":["MiniCPM-V-4_5"]}'
+)
+DIGEST_OF=(90745ae701e2c29f f56c9d10a3a1cf5b 1f2fd4f4a3b4e6b1 9f4c08fb1849eaa1 19a206c2bbf31580 1207fcaf9b9e5097 e452a733dace11b8 23b454b3782a4375)
+
 mkdir -p "$DEPLOY_DIR/run" "$DEPLOY_DIR/logs" || exit 1
 command -v ss >/dev/null || { echo "ss not found: install iproute2" >&2; exit 3; }
 command -v setsid >/dev/null || { echo "setsid not found: install util-linux" >&2; exit 3; }
@@ -113,6 +128,21 @@ log_writer() {
         --max-bytes "$LOG_MAX_BYTES" --backups "$LOG_BACKUPS" --rotate-first >/dev/null 2>&1
 }
 
+# record_launch I FILE: instance I's launch record, {"digest", "overrides", "launch"}: the overrides are
+# the ones set when this script started (NAME=value), each value escaped for JSON (backslash, double quote).
+record_launch() {
+    local pair value o=()
+    for pair in ${overrides[@]+"${overrides[@]}"}; do
+        value=${pair#*=}
+        value=${value//\\/\\\\}
+        value=${value//\"/\\\"}
+        o+=("\"${pair%%=*}\":\"$value\"")
+    done
+    local IFS=,
+    printf '{"digest":"%s","overrides":{%s},"launch":%s}\n' "${DIGEST_OF[$1]-none}" "${o[*]-}" \
+        "${LAUNCH_OF[$1]-null}" >"$2.tmp" && mv -f "$2.tmp" "$2"
+}
+
 port_listening() {
     ss -ltnH 2>/dev/null | awk '{print $4}' | grep -Eq "[:.]$1\$"
 }
@@ -139,6 +169,7 @@ start_instance() {
         setsid "${ENGINE[@]}" "${args[@]}" ${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"} > >(log_writer "$i" "$log") 2>&1 </dev/null &
     local pid=$!
     record_identity "$pidfile" "$pid" "$FLEET_ID/$i"
+    record_launch "$i" "$DEPLOY_DIR/run/instance_$i.launch"
     echo "instance $i: started pid $pid on port $port, accelerator $i, log $log"
     return 0
 }
