@@ -597,9 +597,9 @@ def test_top_shows_the_real_engines_at_work(cluster):
 
 def test_changed_max_num_seqs_rolls_both_engines_under_light_load(cluster):
     """1. max_num_seqs 4 -> 3 in the inventory; 2. `inv deploy` while two clients (one streamed, one not)
-    send short requests through the proxy: it rolls instance 0 then 1 (drain, stop, start, /health,
-    enable); 3. no request failed, both engines' command lines say --max-num-seqs 3, status marks both
-    current."""
+    send short requests through the proxy, each a moment apart (a light load: the two cores stay free
+    for the engines' restarts): it rolls instance 0 then 1 (drain, stop, start, /health, enable); 3. no
+    request failed, both engines' command lines say --max-num-seqs 3, status marks both current."""
     import threading
     text = cluster.inventory.read_text()
     cluster.inventory.write_text(text.replace("max_num_seqs: 4", "max_num_seqs: 3"))
@@ -616,6 +616,7 @@ def test_changed_max_num_seqs_rolls_both_engines_under_light_load(cluster):
                 results.append(bool(r))
             except openai.OpenAIError:
                 results.append(False)
+            stop.wait(0.5)
     threads = [threading.Thread(target=client, args=(s,)) for s in (True, False)]
     for t in threads:
         t.start()
