@@ -145,8 +145,8 @@ def test_deploy_status_stop_over_ssh(sshd, tmp_path, cleanup):
 @pytest.mark.cluster
 def test_check_and_diff_change_nothing(sshd, tmp_path, cleanup):
     """1. deploy, then stop instance 1 and edit conf/proxy.yaml on the host; 2. deploy --check --diff
-    with a changed setting: it lists the files it would put (with their diffs) and the instance it would
-    start, and the host's file tree and processes are exactly as before; 3. a host never deployed stays
+    with a changed setting: it lists the files it would put (with their diffs), the instance it would
+    start and the one it would roll to the new setting, and the host's file tree and processes are exactly as before; 3. a host never deployed stays
     untouched by --check; 4. deploy --diff then puts the files back and shows the edited line."""
     inventory = write(tmp_path, {"c1": ssh_host(sshd, tmp_path, "c1"),
                                  "fresh": ssh_host(sshd, tmp_path, "fresh")})
@@ -166,7 +166,8 @@ def test_check_and_diff_change_nothing(sshd, tmp_path, cleanup):
     assert "c1 | changed: file bin/start_cluster.sh: would put (content changed)" in out
     assert "c1 | changed: file conf/proxy.yaml: would put (content changed)" in out
     assert re.search(r"^c1 \| changed: instance 1: would start on :\d+$", out, re.M), out
-    assert re.search(r"^c1 \| ok: instance 0: already healthy", out, re.M), out
+    # The running instance 0 was started with max_num_seqs 4: deploy would roll it to 3.
+    assert re.search(r"^c1 \| changed: instance 0: would restart \(max_num_seqs 4 -> 3\)", out, re.M), out
     # Only its config changed: the running proxy would re-read it (SIGHUP), not restart.
     assert re.search(r"^c1 \| changed: proxy: would reload \(SIGHUP\) pid \d+", out, re.M), out
     assert "c1 | --- c1:bin/start_cluster.sh" in out and "c1 | +++ rendered:bin/start_cluster.sh" in out

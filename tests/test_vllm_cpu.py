@@ -107,7 +107,7 @@ def golden_engine_argv() -> list[str]:
     for line in ['local args=(--host "$BIND" --port "$port" --max-num-seqs "$MAX_SEQS" --max-model-len "$MAX_LEN")',
                  'args+=(--gpu-memory-utilization "$GPU_MEMORY_UTILIZATION")',
                  'args+=("--served-model-name=$SERVED_NAME")',
-                 'setsid "${ENGINE[@]}" "${args[@]}" "${EXTRA_ARGS[@]}"']:
+                 'setsid "${ENGINE[@]}" "${args[@]}" ${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"}']:
         assert line in text, line
 
     def value(name):
