@@ -188,8 +188,7 @@ def _converge(conn, hv: HostVars, found: dict, to_roll: list[dict], retired: lis
             report.add("proxy", "changed", "reloaded with the new config, the removed instances still in it "
                        "until they are drained")
         found = facts.probe(conn, hv)
-        final = next(f for f in render.render_host(hv) if f.path == layout.PROXY_CONF)
-        conn.put(conf, final.content.encode(), final.mode)
+        conn.put(conf, render.proxy_config(hv).encode(), 0o644)
 
     def enable_held():
         for p in held:
@@ -273,9 +272,9 @@ def _roll(conn, hv: HostVars, found: dict, to_roll: list[dict], report: Report, 
                            f"{', '.join(map(str, left))} still run their previous settings")
             break
     if interim is not None:
-        final = next(f for f in render.render_host(hv) if f.path == layout.PROXY_CONF)
-        if final.content != interim:
-            conn.put(layout.path(hv["deploy_dir"], layout.PROXY_CONF), final.content.encode(), final.mode)
+        final = render.proxy_config(hv)
+        if final != interim:
+            conn.put(layout.path(hv["deploy_dir"], layout.PROXY_CONF), final.encode(), 0o644)
     return put
 
 

@@ -183,11 +183,8 @@ def encode_launch(description: dict) -> str:
 
 def wanted_launches(hv: HostVars) -> list[dict]:
     """Each instance's wanted launch: {"digest", "launch"}."""
-    out = []
-    for i in range(hv["instances"]):
-        d = describe_launch(hv, i)
-        out.append({"digest": launch_digest(d), "launch": d})
-    return out
+    return [{"digest": launch_digest(d), "launch": d}
+            for d in (describe_launch(hv, i) for i in range(hv["instances"]))]
 
 
 def stop_spec(hv: HostVars) -> dict:

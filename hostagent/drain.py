@@ -112,16 +112,19 @@ def drain_nginx(cfg: dict, pid: int, timeout_s: float, say) -> dict:
     return {"pid": pid, "waited_s": waited, "cut": cut, "cut_count": sum(running.values())}
 
 
+def engine_requests(base_url: str) -> int:
+    """The requests the engine at base_url runs or queues now (vLLM's /metrics), 0 when unreadable."""
+    answer = httpcall.get(base_url + "/metrics", timeout=2)
+    if answer.status != 200:
+        return 0
+    found = exposition.samples(answer.text(), ("vllm:num_requests_running", "vllm:num_requests_waiting"))
+    return int(exposition.total(found, "vllm:num_requests_running", "vllm:num_requests_waiting") or 0)
+
+
 def running_at(cfg: dict) -> dict[str, int]:
-    """Backend -> the requests its engine runs or queues now (vLLM's /metrics), 0 when unreadable."""
-    def one(backend: str) -> int:
-        answer = httpcall.get(f"http://{backend}/metrics", timeout=2)
-        if answer.status != 200:
-            return 0
-        found = exposition.samples(answer.text(), ("vllm:num_requests_running", "vllm:num_requests_waiting"))
-        return int(exposition.total(found, "vllm:num_requests_running", "vllm:num_requests_waiting") or 0)
+    """Backend -> the requests its engine runs or queues now, 0 when unreadable."""
     with ThreadPoolExecutor(max_workers=min(16, len(cfg["backends"]) or 1)) as pool:
-        return dict(zip(cfg["backends"], pool.map(one, cfg["backends"])))
+        return dict(zip(cfg["backends"], pool.map(lambda b: engine_requests(f"http://{b}"), cfg["backends"])))
 
 
 def _count(n: int | None, where: str) -> str:

@@ -28,7 +28,7 @@ import tempfile
 import time
 from typing import Callable
 
-from . import httpcall, instances, layout, lora, proxyadmin
+from . import drain, httpcall, instances, layout, lora, proxyadmin
 
 Say = Callable[[str], None]
 
@@ -129,10 +129,10 @@ def drain_retired(cfg: dict, i: int, port: int, backend: str, say: Say = print) 
     if known is not None and backend in known:
         _drain(cfg, i, backend, steps, say, lambda: False)
     address = cfg["instances"][0]["address"] if cfg["instances"] else "127.0.0.1"
-    url = httpcall.base_url(address, port) + "/metrics"
+    url = httpcall.base_url(address, port)
     t0 = time.monotonic()
     while True:
-        busy = _engine_busy(httpcall.get(url, timeout=2.0))
+        busy = drain.engine_requests(url)
         if not busy:
             say(f"instance {i}: no request left on :{port}")
             return steps
@@ -142,20 +142,6 @@ def drain_retired(cfg: dict, i: int, port: int, backend: str, say: Say = print) 
             steps.add(f"instance {i} drain", "changed", f"{busy} request(s) cut after drain_timeout_s")
             return steps
         time.sleep(0.1)
-
-
-def _engine_busy(answer) -> int:
-    """Requests an engine holds, from its /metrics text (running + waiting); 0 when it does not answer."""
-    if answer.status != 200:
-        return 0
-    total = 0.0
-    for line in answer.text().splitlines():
-        if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
-            try:
-                total += float(line.rsplit(" ", 1)[1])
-            except (IndexError, ValueError):
-                pass
-    return int(total)
 
 
 def restart_all(cfg: dict, say: Say = print) -> Steps:

@@ -13,7 +13,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .balancer import Backend
-from .config import ProxyConfig
+from .config import ProxyConfig, keys_digest
 from .forward import TRACE_ID, json_error, list_models, proxy_handler
 from .models import entries_of
 from .state import PROXY, Proxy
@@ -190,7 +190,7 @@ def make_admin_app(proxy: Proxy) -> web.Application:
                                   "retries": c.retries, "max_fails": c.max_fails,
                                   "shutdown_timeout_s": c.shutdown_timeout_s,
                                   "fix_numeric_user": c.fix_numeric_user, "api_keys": c.api_keys_file is not None,
-                                  "api_keys_digest": proxy.api_keys_digest,
+                                  "api_keys_digest": keys_digest(proxy.api_keys),
                                   "leaving": [{"name": b.name, "in_flight": b.in_flight}
                                               for b in proxy.router.leaving()],
                                   "health_interval_s": c.health.interval_s,

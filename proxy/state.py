@@ -9,7 +9,7 @@ import threading
 import aiohttp
 from aiohttp import web
 
-from .config import ConfigError, ProxyConfig, keys_digest, load_api_keys, load_config
+from .config import ConfigError, ProxyConfig, load_api_keys, load_config
 from .metrics import Metrics
 from .models import Router
 from .otlp import SpanExport
@@ -25,7 +25,6 @@ class Proxy:
         self._use(config)
         self.config_path = config_path
         self.api_keys = load_api_keys(config.api_keys_file)
-        self.api_keys_digest = keys_digest(self.api_keys)
         self.router = Router(config)     # the pools: one of every backend, or one per served model
         self.metrics = Metrics(lambda: self.router)
         self.metrics.cover(self.router.backends)     # each backend's series at 0 from the start
@@ -80,7 +79,6 @@ class Proxy:
         self.metrics.cover(added)
         self._use(new)
         self.api_keys = keys
-        self.api_keys_digest = keys_digest(keys)
         self.pending_restart = pending
         self.reloads["applied"] += 1
         self.reloads["last_error"] = None

@@ -46,7 +46,7 @@ def main():
             # retires them once the proxy no longer routes to them.
             "retired": [dict(f, launch=read_launch(d, f["index"])) for f in (
                 instance_facts(d, dep, i, spec["base_port"] + i, True, host, timeout_s)
-                for i in _past(d, len(spec["ports"])) if "base_port" in spec) if f["alive"]],
+                for i in _past(d, len(spec["ports"]))) if f["alive"]],
             "proxy": prox.result(),
             "nginx": nginx_facts(d, dep),
             "keeper": keeper_facts(d, dep),
