@@ -18,10 +18,32 @@ PYTHON=python3
 LOG_MAX_BYTES=104857600
 LOG_BACKUPS=3
 
-# The keeper its pid file records runs when that pid has the recorded start time (and is not a zombie).
-keeper_running() {
+
+# record_identity FILE PID TAG: wait (briefly: setsid runs in the child) until PID leads its own session,
+# then write its identity record, which every later signal is checked against: pid, process group,
+# session, start time (field 22 of /proc/PID/stat: a reused pid has another) and FLEET_TAG.
+record_identity() {
+    local file=$1 pid=$2 tag=$3 tries=0 stat="" f=()
+    while [ $tries -lt 100 ]; do
+        { read -r stat <"/proc/$pid/stat"; } 2>/dev/null || stat=""
+        [ -n "$stat" ] || break
+        read -r -a f <<<"${stat##*) }"            # f[0] is field 3 (state), f[3] field 6 (session)
+        [ "${f[3]}" = "$pid" ] && break
+        tries=$((tries + 1)); sleep 0.02
+    done
+    if [ ${#f[@]} -ge 20 ]; then
+        echo "pid=$pid pgid=${f[2]} sid=${f[3]} start=${f[19]} tag=$tag" >"$file.tmp"
+    else
+        echo "pid=$pid tag=$tag" >"$file.tmp"       # it exited already: nothing left to prove
+    fi
+    mv -f "$file.tmp" "$file"
+}
+
+# recorded_alive FILE: the pid FILE records, when it still runs: that pid has the recorded start time (a
+# reused pid has another) and is not a zombie; nothing (and false) otherwise.
+recorded_alive() {
     local rec pid start stat f=()
-    { read -r rec <"$DEPLOY_DIR/run/keeper.pid"; } 2>/dev/null || return 1
+    { read -r rec <"$1"; } 2>/dev/null || return 1
     case "$rec" in
         pid=*) pid=${rec#pid=}; pid=${pid%% *}
                start=$(grep -o 'start=[0-9]*' <<<"$rec" | cut -d= -f2) ;;
@@ -31,11 +53,12 @@ keeper_running() {
     read -r -a f <<<"${stat##*) }"
     [ "${f[0]}" != Z ] && [ "${f[0]}" != X ] && [ -n "$start" ] && [ "${f[19]}" = "$start" ] && echo "$pid"
 }
+
 overrides=()
 for name in N BASE_PORT MAX_LEN MAX_SEQS EAGER BIND CPUS_PER_INSTANCE KVCACHE_GIB; do
     [ -n "${!name:-}" ] && overrides+=("$name=${!name}")
 done
-if [ -n "${overrides[*]-}" ] && keeper=$(keeper_running); then
+if [ -n "${overrides[*]-}" ] && keeper=$(recorded_alive "$DEPLOY_DIR/run/keeper.pid"); then
     echo "${overrides[*]-} refused: this deployment's keeper (pid $keeper) runs, and it and the proxy follow the inventory, not the environment. To debug with it, stop the keeper first (./bin/stop_cluster.sh --keeper); to keep it, change the inventory and run inv deploy." >&2
     exit 5
 fi
@@ -97,26 +120,6 @@ mkdir -p "$DEPLOY_DIR/run" "$DEPLOY_DIR/logs" || exit 1
 command -v ss >/dev/null || { echo "ss not found: install iproute2" >&2; exit 3; }
 command -v setsid >/dev/null || { echo "setsid not found: install util-linux" >&2; exit 3; }
 
-
-# record_identity FILE PID TAG: wait (briefly: setsid runs in the child) until PID leads its own session,
-# then write its identity record, which every later signal is checked against: pid, process group,
-# session, start time (field 22 of /proc/PID/stat: a reused pid has another) and FLEET_TAG.
-record_identity() {
-    local file=$1 pid=$2 tag=$3 tries=0 stat="" f=()
-    while [ $tries -lt 100 ]; do
-        { read -r stat <"/proc/$pid/stat"; } 2>/dev/null || stat=""
-        [ -n "$stat" ] || break
-        read -r -a f <<<"${stat##*) }"            # f[0] is field 3 (state), f[3] field 6 (session)
-        [ "${f[3]}" = "$pid" ] && break
-        tries=$((tries + 1)); sleep 0.02
-    done
-    if [ ${#f[@]} -ge 20 ]; then
-        echo "pid=$pid pgid=${f[2]} sid=${f[3]} start=${f[19]} tag=$tag" >"$file.tmp"
-    else
-        echo "pid=$pid tag=$tag" >"$file.tmp"       # it exited already: nothing left to prove
-    fi
-    mv -f "$file.tmp" "$file"
-}
 
 # Instance $1's output, piped through the rotating writer into $2: the previous run's log becomes .1, and
 # the file rotates at LOG_MAX_BYTES while the engine runs. Its own session (no stop of whoever ran this
