@@ -210,7 +210,7 @@ def _inventory(path):
 
 
 def _run(host, inv_path, overrides, action, forks=5, stream=None, quiet=False, order=None, readonly=False,
-         ctrl_c_ends=False):
+         ctrl_c_ends=False, entry_first=None):
     """Run an action on the selected hosts, print failures and recap lines, exit with the contract's code.
     readonly: the action changes nothing on a host, so Ctrl-C (or a closed output) stops it at once;
     ctrl_c_ends: Ctrl-C is how the action ends (logs --follow), not an interruption."""
@@ -220,7 +220,7 @@ def _run(host, inv_path, overrides, action, forks=5, stream=None, quiet=False, o
     try:
         inv = _inventory(inv_path)
         reports = runner.run_hosts(inv, host, action, overrides, forks=_number(forks, '--forks', minimum=1),
-                                   stream=out, order=order, readonly=readonly)
+                                   stream=out, order=order, readonly=readonly, entry_first=entry_first)
     except FleetError as e:
         raise _error(str(e))
     try:
@@ -294,7 +294,10 @@ def deploy(c, host="", check=False, diff=False, set_=None, inventory_="", forks=
         if report.status and not check:
             emit(display.status_table(report.status))
         return report
-    _finish(_run(host, inventory_, set_, action, forks, order="entry-last", readonly=check)[1])
+    def entry_first(conn, hv, emit):
+        return fleet_deploy.entry_slots_first(conn, hv, emit, check=check, wait=wait)
+    _finish(_run(host, inventory_, set_, action, forks, order="entry-last", readonly=check,
+                 entry_first=entry_first)[1])
 
 
 @command(help=_help("host", "inventory", "set", "forks",

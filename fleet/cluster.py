@@ -101,9 +101,8 @@ def front_backends(where: str, members: list[Member]) -> list[tuple[str, str, in
 def pools(headroom: int, served: list[Served], where: str) -> list[dict] | None:
     """The proxy's pools by model (conf/proxy.yaml's `models:`), one per served name over every backend,
     each backend's slots its own group's max_num_seqs + this proxy's headroom; None when the proxy need
-    not route by model (every backend serves one plain group of one name)."""
-    if len({s.group.name for s in served}) <= 1 and all(s.plain for s in served):
-        return None
+    not route by model (every backend serves one plain group of one name). Either way one model has one
+    max_num_seqs on every host that serves it: the proxy gives each backend of it the same slots."""
     out: dict[str, dict] = {}
     route: dict[str, str] = {}
     for backend, host, _, group in served:
@@ -120,6 +119,8 @@ def pools(headroom: int, served: list[Served], where: str) -> list[dict] | None:
             if route.setdefault(n, group.name) != group.name:
                 raise InventoryError(f"{where}: the name {n!r} reaches both {route[n]} and {group.name} "
                                      f"(on {host}); each name must route to one model: rename one.")
+    if len(out) <= 1 and all(s.plain for s in served):
+        return None
     return list(out.values())
 
 

@@ -10,7 +10,7 @@ import shlex
 
 from hostagent import layout
 
-from . import agent, boot, facts, front, launch, preflight, release, render, runlock, sync
+from . import agent, boot, entries, facts, front, launch, preflight, release, render, runlock, sync
 from . import keeper as fleet_keeper
 from .cluster import backend_name
 from .doctor import doctor as run_doctor
@@ -37,6 +37,65 @@ def deploy(conn: Transport, hv: HostVars, emit: Emit = lambda line: None,
     preflight.check(conn, hv, "deploy")   # the tools every step needs: one sentence naming what is missing
     with runlock.held_unless(check, conn, hv, "deploy", emit, wait):
         return _deploy(conn, hv, emit, check, diff, doctor, restart)
+
+
+def entry_slots_first(conn: Transport, hv: HostVars, emit: Emit = lambda line: None, check: bool = False,
+                      wait: bool = False) -> Report:
+    """Before the members of an entry host roll (a deploy of several hosts: fleet.runner's entry_first),
+    a fronted model whose max_num_seqs goes down takes its smaller slot count in the entry's running proxy,
+    so that no member's engine is given more requests than it runs while its host rolls; the entry's own
+    deploy, after its members', applies the rest. Nothing when no slot count goes down, the front is
+    nginx (it counts no slots) or not running, or the backends or models change too (the new routing then
+    waits for the entry's own deploy, as a roll's does)."""
+    report = Report(hv.name)
+    if not hv["fronts"]:
+        return report
+    hv = facts.prepare(conn, hv)
+    with runlock.held_unless(check, conn, hv, "deploy", emit, wait):
+        found = facts.probe(conn, hv, readonly=check)
+        running = found["proxy"].get("config") or {}
+        if found.get("mode") == "nginx" or facts.proxy_state(found["proxy"]) != "healthy":
+            return report
+        caps = _running_caps(hv, running)
+        if not caps:
+            return report
+        lower = ", ".join(f"{name} {was} -> {now}" for name, (was, now) in caps.items() if now < was)
+        if check:
+            emit(report.add("proxy slots", "changed", f"would take fewer slots before the members roll "
+                                                      f"({lower})").line())
+            return report
+        headroom = hv["proxy"]["queue"]["headroom"]
+        conf = render.proxy_config(hv, slots={name: min(was, now) - headroom for name, (was, now) in caps.items()})
+        conn.put(layout.path(hv["deploy_dir"], layout.PROXY_CONF), conf.encode(), 0o644)
+        if front._reload_proxy(conn, hv, found["proxy"], Report(hv.name)):
+            step = report.add("proxy slots", "changed", f"reloaded with fewer slots before the members roll "
+                                                        f"({lower})")
+        else:
+            step = report.add("proxy slots", "failed", f"the proxy did not take fewer slots ({lower}); no host "
+                              f"of this run was deployed: `inv logs --host {hv.name} --proxy` says why")
+        emit(step.line())
+    return report
+
+
+def _running_caps(hv: HostVars, running: dict) -> dict[str, tuple[int, int]]:
+    """Each model's slots in the running proxy and in the inventory (name -> (running, wanted)), when one
+    goes down and the proxy routes the same backends and models as the inventory would ({} otherwise)."""
+    if sorted(running.get("backends") or []) != sorted(hv.backends):
+        return {}
+    if hv.pools is None:
+        if running.get("models"):
+            return {}
+        headroom = hv["proxy"]["queue"]["headroom"]
+        pairs = {hv["served_model_name"]: (running.get("slots"), hv.served_max_num_seqs + headroom)}
+    else:
+        was = {m["name"]: m for m in running.get("models") or []}
+        if set(was) != {p["name"] for p in hv.pools} or any(
+                sorted(was[p["name"]]["backends"]) != sorted(p["backends"]) for p in hv.pools):
+            return {}
+        pairs = {p["name"]: (was[p["name"]]["slots"], p["slots"]) for p in hv.pools}
+    if not all(isinstance(w, int) for w, _ in pairs.values()) or all(now >= w for w, now in pairs.values()):
+        return {}
+    return pairs
 
 
 def _deploy(conn: Transport, hv: HostVars, emit: Emit, check: bool, diff: bool, doctor: bool,
@@ -125,7 +184,7 @@ def _deploy(conn: Transport, hv: HostVars, emit: Emit, check: bool, diff: bool, 
     boot.deploy(conn, hv, report, emit, check)
     for step in report.steps:
         if step.message:
-            emit(f"{step.status}: {step.name}: {step.message}")
+            emit(step.line())
     report.status = facts.status_of(hv, facts.probe(conn, hv, readonly=check, boot=True))
     return report
 
@@ -263,8 +322,9 @@ def _roll(conn, hv: HostVars, found: dict, to_roll: list[dict], report: Report, 
         i = p["index"]
         emit(f"instance {i}: rolling ({', '.join(p['changes'])})")
         failed = report.count("failed")
-        agent.steps(conn, hv, f"restart --instance {i} --locked" + (" --no-enable" if i in held else ""),
-                    report, emit)
+        with entries.drained(hv, i, report, emit):
+            agent.steps(conn, hv, f"restart --instance {i} --locked" + (" --no-enable" if i in held else ""),
+                        report, emit)
         if report.count("failed") > failed:
             left = [q["index"] for q in to_roll[n + 1:]]
             if left:

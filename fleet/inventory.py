@@ -136,6 +136,8 @@ class Inventory:
                 raise
             # A rule across keys names the file's key path; the value may be --set's, so say it took part.
             raise InventoryError(f"{str(e).rstrip('.')} (with --set {' '.join(overrides)}).") from None
+        entries = sorted(e for e in graph.get(name, ()) if e != name)
+        hv.entry_hosts = lambda: [self.host_vars(e, overrides) for e in entries]
         if fronted:                              # another host's proxy reaches these instances
             hv.vars["bind"] = cluster.address(hv)
         where = f"{self.path}: hosts.{name}"
@@ -154,6 +156,7 @@ class Inventory:
         own = hv.fronted if hv.fronted is not None else [Fronted(b, hv, i) for i, b in enumerate(hv.backends)]
         hv.pools = cluster.pools(hv["proxy"]["queue"]["headroom"], [
             cluster.Served(f.backend, f.host.name, f.host.plain, f.host.group_of(f.index)) for f in own], where)
+        hv.served_max_num_seqs = own[0].host.group_of(own[0].index).max_num_seqs if own else hv["max_num_seqs"]
         if not hv["served_model_name"] and own:    # an entry host without a model: its members' first
             hv.vars["served_model_name"] = own[0].host.group_of(own[0].index).name
         return hv
@@ -494,6 +497,12 @@ class HostVars:
     plain: bool = True                         # one group on one card per instance: no model routing
     # The proxy's pools by model, on an entry host across its members (fleet.cluster.pools); None: plain.
     pools: list[dict] | None = None
+    # Plain (pools None): the max_num_seqs of what the proxy serves, the slots it gives each backend less its
+    # headroom; on an entry host its members' (one value on every member: fleet.cluster.pools), not its own.
+    served_max_num_seqs: int = 0
+    # The other hosts whose proxies route to this host's instances (their `fronts` name it), resolved when
+    # asked: a member's restart drains its instance in them too (fleet.entries).
+    entry_hosts: Callable[[], list["HostVars"]] = lambda: []
 
     def __getitem__(self, key):
         return self.vars[key]
@@ -599,7 +608,7 @@ class HostVars:
         instances (on an entry host, across the fronted hosts) and their max_num_seqs."""
         if self.pools is None:
             return [{"name": self.vars["served_model_name"], "instances": len(self.backends),
-                     "max_num_seqs": self.vars["max_num_seqs"]}]
+                     "max_num_seqs": self.served_max_num_seqs or self.vars["max_num_seqs"]}]
         headroom = self.vars["proxy"]["queue"]["headroom"]
         return [{"name": p["name"], "instances": len(p["backends"]), "max_num_seqs": p["slots"] - headroom}
                 for p in self.pools]

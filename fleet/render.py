@@ -248,6 +248,8 @@ def context(hv: HostVars) -> dict:
         "group_argv": [engine_argv(hv, g.model) for g in hv.groups],
         "cards": hv.cards,
         "pools": hv.pools,
+        # Plain: the slots the proxy gives each backend (what it serves runs max_num_seqs, plus headroom).
+        "proxy_slots": (hv.served_max_num_seqs or v["max_num_seqs"]) + v["proxy"]["queue"]["headroom"],
         "scrape_targets": scrape_targets(hv),
         "smi_candidates": accelerators.kind(v["accelerator"]).smi_candidates,
         # Each instance's launch and its digest: start_cluster.sh records them (fleet.launch).
@@ -271,8 +273,8 @@ def proxy_config(hv: HostVars, slots: dict[str, int] | None = None,
     ctx = context(hv)
     slots, keep = slots or {}, keep or {}
     headroom = hv["proxy"]["queue"]["headroom"]
-    if len(hv.groups) == 1 and hv.groups[0].name in slots:
-        ctx["max_num_seqs"] = min(ctx["max_num_seqs"], slots[hv.groups[0].name])
+    if not hv.pools and slots:      # plain: one model, whatever its group is named
+        ctx["proxy_slots"] = min(ctx["proxy_slots"], min(slots.values()) + headroom)
     ctx["backends"] = list(hv.backends) + [b for b in keep if b not in hv.backends]
     if hv.pools:
         ctx["pools"] = [dict(pool, slots=min(pool["slots"], slots.get(pool["name"], pool["slots"]) + headroom),

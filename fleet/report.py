@@ -15,6 +15,10 @@ class Step:
     status: str
     message: str = ""
 
+    def line(self) -> str:
+        """The step as a run's output says it: `changed: proxy: reloaded ...`."""
+        return f"{self.status}: {self.name}: {self.message}"
+
 
 @dataclass
 class Report:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from hostagent import layout
 
-from . import agent, facts, runlock, sync
+from . import agent, entries, facts, runlock, sync
 from .errors import FleetError
 from .inventory import HostVars
 from .report import Emit, Report
@@ -37,7 +37,18 @@ def _restart(conn, hv: HostVars, emit: Emit, instance: int | None) -> Report:
                          f"`inv deploy --host {hv.name}` first.")
     # The instance starts with the current inventory: put what changed (the proxy keeps running as is).
     sync.put_files(conn, hv, files, found, report, emit)
-    what = "--rolling" if instance is None else f"--instance {int(instance)}"
-    agent.steps(conn, hv, f"restart {what} --locked", report, emit)
+    if not hv.entry_hosts():
+        what = "--rolling" if instance is None else f"--instance {int(instance)}"
+        agent.steps(conn, hv, f"restart {what} --locked", report, emit)
+    else:      # one at a time from here, each out of the entry hosts' proxies too (fleet.entries)
+        for i in range(hv["instances"]) if instance is None else [int(instance)]:
+            with entries.drained(hv, i, report, emit):
+                agent.steps(conn, hv, f"restart --instance {i} --locked", report, emit)
+            if report.failed:
+                left = list(range(i + 1, hv["instances"])) if instance is None else []
+                if left:
+                    report.add("rolling", "failed", f"stopped after instance {i}; instance(s) "
+                               f"{', '.join(map(str, left))} were not restarted")
+                break
     report.status = facts.status_of(hv, facts.probe(conn, hv))
     return report

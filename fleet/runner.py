@@ -58,10 +58,14 @@ def interrupted_help(host: str = "H") -> str:
 
 
 def run_hosts(inv: Inventory, pattern: str, action: Action, overrides=(), forks: int = 5,
-              stream=None, order: str | None = None, readonly: bool = False) -> list[Report]:
+              stream=None, order: str | None = None, readonly: bool = False,
+              entry_first: Action | None = None) -> list[Report]:
     """Resolve --host, then run action on each host, at most `forks` at once; reports come back in
     inventory order. order "entry-last" (deploy) or "entry-first" (stop) runs the entry hosts of a
-    cluster across hosts after, or before, the others (see fleet.cluster).
+    cluster across hosts after, or before, the others (see fleet.cluster). entry_first, with "entry-last":
+    a step each entry host takes before the others run (deploy: a smaller max_num_seqs reaches the entry's
+    proxy before its members roll); its steps lead the host's report, and a failed one skips every host's
+    action (a member rolled after it would be given more requests than it runs).
 
     Ctrl-C: a read-only run (readonly) stops at once, cutting its commands; a run that changes hosts
     starts no new command after the first Ctrl-C (each host finishes the command under way, so no step
@@ -70,7 +74,7 @@ def run_hosts(inv: Inventory, pattern: str, action: Action, overrides=(), forks:
     host_vars = [inv.host_vars(n, overrides) for n in names]   # every host validated before any runs
     many = len(names) > 1
 
-    def one(hv: HostVars) -> Report:
+    def one(hv: HostVars, action: Action = action) -> Report:
         if interrupted():
             report = Report(hv.name)
             report.add("run", "skipped", "not started: the run was interrupted (Ctrl-C)")
@@ -102,17 +106,34 @@ def run_hosts(inv: Inventory, pattern: str, action: Action, overrides=(), forks:
             except Exception:
                 pass
 
+    def run_batch(batch: list[HostVars], act: Action) -> list[Report]:
+        with ThreadPoolExecutor(max_workers=max(1, forks)) as pool:
+            futures = [pool.submit(one, hv, act) for hv in batch]
+            # Python runs a signal's handler in the main thread only when that thread runs: the
+            # kernel may hand SIGINT to a host's thread, so the main one must not sleep in one wait.
+            while wait(futures, timeout=0.2).not_done:
+                pass
+            return [future.result() for future in futures]
+
     reports: dict[str, Report] = {}
+    early: dict[str, Report] = {}
     with _ctrl_c_raises_the_interrupt(readonly):
-        for batch in cluster.phases(host_vars, order):
-            with ThreadPoolExecutor(max_workers=max(1, forks)) as pool:
-                futures = [pool.submit(one, hv) for hv in batch]
-                # Python runs a signal's handler in the main thread only when that thread runs: the
-                # kernel may hand SIGINT to a host's thread, so the main one must not sleep in one wait.
-                while wait(futures, timeout=0.2).not_done:
-                    pass
-                for hv, future in zip(batch, futures):
-                    reports[hv.name] = future.result()
+        batches = cluster.phases(host_vars, order)
+        if entry_first is not None and order == "entry-last" and len(batches) == 2:
+            early = {r.host: r for r in run_batch(batches[1], entry_first)}
+        for batch in batches if not any(r.failed for r in early.values()) else []:
+            for hv, report in zip(batch, run_batch(batch, action)):
+                reports[hv.name] = report
+        for hv in host_vars:
+            if hv.name not in reports and hv.name not in early:
+                reports[hv.name] = Report(hv.name)
+                reports[hv.name].add("run", "skipped", "not started: an entry host's first step failed (above)")
+    for name, first in early.items():
+        if name in reports:
+            first.steps += reports[name].steps
+            first.unreachable, first.status = reports[name].unreachable, reports[name].status
+            first.data, first.warnings = reports[name].data, first.warnings + reports[name].warnings
+        reports[name] = first
     return [reports[hv.name] for hv in host_vars]
 
 

@@ -210,8 +210,7 @@ class QueueSettings(Section):
     headroom: _int(0, 65536) = doc(0,
         "Requests a backend gets beyond its `max_num_seqs` (its slots are `max_num_seqs + headroom`):"
         " a little headroom keeps the engine's own scheduler fed between two requests. An entry host "
-        "(`fronts`) counts its own `max_num_seqs` for every backend it fronts: give it its members' "
-        "value.")
+        "(`fronts`) gives each backend its member's `max_num_seqs` plus the entry's own headroom.")
 
 
 # The proxy's routing policies (proxy/routing/: its POLICIES registry); nginx mode does least_conn alone.

@@ -143,8 +143,10 @@ hosts:
 - A member's engines listen on its `address` (the one the entry's proxy uses), every other host's engines
   on 127.0.0.1 only (see `bind`). The members' instance ports must be reachable from the entry host: open
   the firewall between the hosts for those ports, and only from the entry host.
-- The entry's proxy counts its own `max_num_seqs` for every backend it fronts (see `proxy.queue.headroom`):
-  give it its members' value.
+- The entry's proxy gives each backend its member's `max_num_seqs` (one value per model on every member;
+  plus the entry's `proxy.queue.headroom`). A deploy of the entry with its members that lowers it gives
+  the entry's proxy the smaller count before the members roll, and each member's restart (a roll,
+  `inv restart`) drains the instance in the entry's proxy too: [operations.md](operations.md#change-a-setting).
 - A host joins or leaves with a change of `fronts` and a deploy of the entry host, under load without a
   failed request: [operations.md](operations.md#add-or-remove-a-host).
 

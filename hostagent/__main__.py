@@ -7,6 +7,8 @@ and enable-instance --instance I (before and after `inv stop --instance I`); wai
 (after a start: each instance's /health 200, at most health_timeout_s, one step per instance);
 drain-retired --instance I --port P --backend NAME --locked (deploy: an instance the inventory no longer
 has, drained in the proxy, then until its engine holds no request; deploy then stops it).
+On an entry host: drain-member --backend NAME and enable-member --backend NAME (around a member's restart
+of the instance this host's proxy names NAME).
 Runtime LoRA adapters (--config conf/hostagent.json): lora add --model GROUP --name N --path P,
 lora remove --model GROUP --name N, lora list (hostagent/lora.py; add and remove take the run lock
 unless --locked).
@@ -31,7 +33,7 @@ def main(argv=None) -> int:
     parser.add_argument("command", choices=["check", "to-nginx", "to-proxy", "reload", "watch", "restart",
                                             "keeper", "keeper-start", "keeper-stop", "restart-proxy", "drain",
                                             "drain-instance", "enable-instance", "wait-healthy", "lora",
-                                            "drain-retired"])
+                                            "drain-retired", "drain-member", "enable-member"])
     parser.add_argument("action", nargs="?", choices=["add", "remove", "list"], help="lora: what to do")
     parser.add_argument("--config", required=True)
     parser.add_argument("--nginx", default=None, help="the nginx binary (default: found as check does)")
@@ -42,7 +44,8 @@ def main(argv=None) -> int:
                         help="restart --instance I: leave it drained (deploy enables it once the proxy has the "
                              "new config)")
     parser.add_argument("--port", type=int, default=None, help="drain-retired: the instance's port")
-    parser.add_argument("--backend", default=None, help="drain-retired: the instance's backend in the proxy")
+    parser.add_argument("--backend", default=None,
+                        help="drain-retired, drain-member, enable-member: the instance's backend in the proxy")
     parser.add_argument("--locked", action="store_true",
                         help="restart, lora add/remove: the caller holds the run lock (inv restart, inv lora); "
                              "else it is taken here")
@@ -80,6 +83,14 @@ def main(argv=None) -> int:
             return _one_instance(cfg, args, say)
         if args.command == "drain-retired":
             return _drain_retired(cfg, args, say)
+        if args.command in ("drain-member", "enable-member"):
+            if not args.backend:
+                raise UsageError(f"{args.command} needs --backend HOST:PORT.")
+            steps = (restart.drain_member if args.command == "drain-member" else restart.enable_member)(
+                cfg, args.backend, say)
+            ok = not any(s["status"] == "failed" for s in steps)
+            print("FLEET_RESULT " + json.dumps({"ok": ok, "steps": steps}), flush=True)
+            return 0 if ok else 1
         if args.command == "wait-healthy":
             return _wait_healthy(cfg, args, say)
         if args.command == "lora":

@@ -81,7 +81,7 @@ def restart_instance(cfg: dict, i: int, say: Say = print, cancelled: Callable[[]
     if drain and not proxy_up:
         say(f"{what}: the proxy does not answer on its admin port; restarting without drain")
         steps.add(f"{what} drain", "skipped", "the proxy does not answer on its admin port")
-    drained = proxy_up and _drain(cfg, i, name, steps, say, cancelled)
+    drained = proxy_up and _drain(cfg, what, name, steps, say, cancelled)
     if proxy_up and not drained:
         return steps
     if cancelled():
@@ -112,7 +112,7 @@ def restart_instance(cfg: dict, i: int, say: Say = print, cancelled: Callable[[]
     if any(s["status"] == "changed" for s in restored):
         lora.refresh_proxy(cfg, say)
     if drained and enable:
-        _enable(cfg, i, name, steps, say, cancelled)
+        _enable(cfg, what, name, steps, say, cancelled)
     elif drained:
         say(f"instance {i}: healthy, left drained until the proxy takes the new config")
         steps.add(f"instance {i} enable", "skipped", "left drained until the proxy takes the new config")
@@ -127,7 +127,7 @@ def drain_retired(cfg: dict, i: int, port: int, backend: str, say: Say = print) 
     steps = Steps()
     known = backends(cfg)
     if known is not None and backend in known:
-        _drain(cfg, i, backend, steps, say, lambda: False)
+        _drain(cfg, f"instance {i}", backend, steps, say, lambda: False)
     address = cfg["instances"][0]["address"] if cfg["instances"] else "127.0.0.1"
     url = httpcall.base_url(address, port)
     t0 = time.monotonic()
@@ -142,6 +142,34 @@ def drain_retired(cfg: dict, i: int, port: int, backend: str, say: Say = print) 
             steps.add(f"instance {i} drain", "changed", f"{busy} request(s) cut after drain_timeout_s")
             return steps
         time.sleep(0.1)
+
+
+def drain_member(cfg: dict, backend: str, say: Say = print) -> Steps:
+    """On an entry host, before a member restarts the instance this host's proxy names backend: drain it
+    here and wait for its requests in flight (drain_timeout_s); skipped when the proxy does not answer or
+    does not route to it."""
+    steps = Steps()
+    known = backends(cfg)
+    if known is None or backend not in known:
+        why = ("the proxy does not answer on its admin port" if known is None
+               else f"the proxy has no backend {backend}")
+        steps.add(f"entry proxy {backend} drain", "skipped", f"{why}: nothing to drain")
+        return steps
+    _drain(cfg, f"entry proxy {backend}", backend, steps, say, lambda: False)
+    return steps
+
+
+def enable_member(cfg: dict, backend: str, say: Say = print) -> Steps:
+    """On an entry host, after a member restarted it: enable backend again and wait until this proxy's
+    health check routes to it (skipped as drain_member is)."""
+    steps = Steps()
+    known = backends(cfg)
+    if known is None or backend not in known:
+        steps.add(f"entry proxy {backend} enable", "skipped", "the proxy does not answer on its admin port" if known is None
+                  else f"the proxy has no backend {backend}")
+        return steps
+    _enable(cfg, f"entry proxy {backend}", backend, steps, say, lambda: False)
+    return steps
 
 
 def restart_all(cfg: dict, say: Say = print) -> Steps:
@@ -173,7 +201,7 @@ def drain_for_stop(cfg: dict, i: int, say: Say = print) -> dict:
         steps.add(f"instance {i} drain", "skipped", f"{why}: stopped at once")
         return {"steps": steps, "enable_after": False}
     was_drained = bool(known[name].get("drained"))
-    drained = _drain(cfg, i, name, steps, say, lambda: False)
+    drained = _drain(cfg, f"instance {i}", name, steps, say, lambda: False)
     return {"steps": steps, "enable_after": drained and not was_drained}
 
 
@@ -192,21 +220,23 @@ def enable_after_stop(cfg: dict, i: int, say: Say = print) -> dict:
     return {"steps": steps}
 
 
-def _drain(cfg, i, name, steps, say, cancelled) -> bool:
+def _drain(cfg, what, name, steps, say, cancelled) -> bool:
+    """Drain backend name in the proxy and wait for its requests in flight (drain_timeout_s); what names
+    it in the steps and lines (`instance 2`)."""
     status, body = proxyadmin.drain(cfg["admin_port"], name)
     if status != 200:
-        return steps.add(f"instance {i} drain", "failed", f"the proxy refused to drain {name} "
+        return steps.add(f"{what} drain", "failed", f"the proxy refused to drain {name} "
                          f"({status}: {str(body)[:100]})")
     t0 = time.monotonic()
     while True:
         left = ((backends(cfg) or {}).get(name) or {}).get("in_flight", 0)
         if not left:
-            say(f"instance {i}: drained {name} in {time.monotonic() - t0:.1f}s")
-            return steps.add(f"instance {i} drain", "changed", f"drained {name}")
+            say(f"{what}: drained {name} in {time.monotonic() - t0:.1f}s")
+            return steps.add(f"{what} drain", "changed", f"drained {name}")
         if time.monotonic() - t0 > cfg["drain_timeout_s"]:
-            say(f"instance {i}: {left} request(s) still in flight after {cfg['drain_timeout_s']:g}s; "
+            say(f"{what}: {left} request(s) still in flight after {cfg['drain_timeout_s']:g}s; "
                 "stopping anyway")
-            return steps.add(f"instance {i} drain", "changed", f"drained {name}; {left} request(s) in flight "
+            return steps.add(f"{what} drain", "changed", f"drained {name}; {left} request(s) in flight "
                              "were cut after drain_timeout_s")
         instances.sleep(0.1, cancelled)
 
@@ -245,11 +275,11 @@ def _give_back(cfg, i, name, drained, steps, say) -> Steps:
     return steps
 
 
-def _enable(cfg, i, name, steps, say, cancelled) -> bool:
+def _enable(cfg, what, name, steps, say, cancelled) -> bool:
     """Enable the backend and wait until the proxy's own /health check sees it healthy again."""
     status, body = proxyadmin.enable(cfg["admin_port"], name)
     if status != 200:
-        return steps.add(f"instance {i} enable", "failed", f"the proxy refused to enable {name} ({status}: "
+        return steps.add(f"{what} enable", "failed", f"the proxy refused to enable {name} ({status}: "
                          f"{str(body)[:100]}); enable it by hand: POST /admin/backends/{name}/enable on the "
                          "admin port")
     limit = max(10.0, 4 * cfg["health_interval_s"] + 5)
@@ -257,8 +287,8 @@ def _enable(cfg, i, name, steps, say, cancelled) -> bool:
     while time.monotonic() - t0 < limit:
         b = (backends(cfg) or {}).get(name, {})
         if b.get("healthy") and not b.get("drained"):
-            say(f"instance {i}: back in the proxy after {time.monotonic() - t0:.1f}s")
-            return steps.add(f"instance {i} enable", "changed", f"{name} enabled and healthy in the proxy")
+            say(f"{what}: back in the proxy after {time.monotonic() - t0:.1f}s")
+            return steps.add(f"{what} enable", "changed", f"{name} enabled and healthy in the proxy")
         instances.sleep(0.1, cancelled)
-    return steps.add(f"instance {i} enable", "failed", f"{name} enabled but the proxy has not seen it healthy "
+    return steps.add(f"{what} enable", "failed", f"{name} enabled but the proxy has not seen it healthy "
                      f"after {limit:g}s; see logs/proxy.log")

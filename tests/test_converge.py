@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import textwrap
 import threading
 import time
 import urllib.error
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import wait_until
+from conftest import free_ports, wait_until
 from fleet import launch, render
 from fleet import inventory as inv_mod
 from fleet_helpers import deployment_id, inv, kill_tagged, status_json, write_inventory
@@ -336,3 +337,60 @@ def test_blue_green_add_the_new_group_move_the_alias_remove_the_old_group_under_
     finally:
         inv("stop", "--host", "t", inventory=path)
         kill_tagged(dep + "/")
+
+
+@pytest.mark.cluster
+def test_a_member_behind_an_entry_leaves_the_entry_proxy_before_it_restarts_and_its_smaller_slots_come_first(tmp_path):
+    """1. An entry host fronting a member of two sim instances (max_num_seqs 3), both local, deployed; the
+    entry's proxy gives each backend 3 slots (the member's max_num_seqs, not the entry's own 4);
+    2. the member's max_num_seqs 3 -> 1; `deploy --check` of both hosts says the entry's proxy would take
+    fewer slots first; 3. `inv deploy` of both hosts under load through the entry: the entry's proxy takes
+    1 slot before the member rolls (its step leads the entry's lines), 0 failed requests, and no engine ever
+    held more requests than its max_num_seqs; 4. `inv restart --rolling` of the member under load: each
+    instance is drained in the entry's proxy too before it stops: 0 failed requests."""
+    path = write_inventory(tmp_path, instances=2, max_num_seqs=3,
+                           sim="{load_s: 0.2, prefill_ms: 10, token_ms: 5, output_tokens: 8}")
+    entry_port = free_ports(2)
+    entry_admin = entry_port + 1
+    path.write_text(path.read_text() + textwrap.indent(textwrap.dedent(f"""\
+          entry:
+            connection: local
+            engine: sim
+            accelerator: sim
+            model: /models/Test-Model
+            fronts: [t]
+            deploy_dir: {tmp_path / 'entry'}
+            proxy: {{port: {entry_port}, admin_port: {entry_admin}, health_interval_s: 0.5}}
+        """), "  "))
+    deps = [deployment_id(path), deployment_id(path, "entry")]
+    try:
+        r = inv("deploy", "--host", "t,entry", inventory=path, timeout=240)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "slots: 3" in (tmp_path / "entry/conf/proxy.yaml").read_text()
+        ports = [i["port"] for i in status_json(path)["instances"]]
+
+        change(path, "max_num_seqs: 3", "max_num_seqs: 1")
+        r = inv("deploy", "--host", "t,entry", "--check", inventory=path)
+        assert "changed: proxy slots: would take fewer slots before the members roll (Test-Model 3 -> 1)" \
+            in r.stdout, r.stdout
+        with Load(entry_port, ports) as load:
+            r = inv("deploy", "--host", "t,entry", inventory=path, timeout=240)
+        assert r.returncode == 0, r.stdout + r.stderr
+        print(f"member max_num_seqs 3 -> 1 behind an entry: {len(load.results)} requests, {load.failed} failed")
+        lowered = r.stdout.index("proxy slots: reloaded with fewer slots before the members roll")
+        assert lowered < r.stdout.index("instance 0: rolling"), r.stdout
+        assert load.failed == 0, load.errors[:3]
+        assert_never_over(load)
+        assert "slots: 1" in (tmp_path / "entry/conf/proxy.yaml").read_text()
+
+        with Load(entry_port, ports) as load:
+            r = inv("restart", "--host", "t", "--rolling", inventory=path, timeout=240)
+        assert r.returncode == 0, r.stdout + r.stderr
+        print(f"member rolling restart behind an entry: {len(load.results)} requests, {load.failed} failed")
+        for i in (0, 1):
+            assert f"instance {i}: draining 127.0.0.1:{ports[i]} in entry host entry's proxy" in r.stdout, r.stdout
+        assert load.failed == 0, load.errors[:3]
+    finally:
+        inv("stop", "--host", "t,entry", inventory=path)
+        for dep in deps:
+            kill_tagged(dep + "/")

@@ -112,6 +112,49 @@ def test_entry_host_backends_and_order(tmp_path):
             inventory.load(write(tmp_path, broken))
 
 
+def test_an_entry_gives_each_backend_its_members_max_num_seqs_and_an_entry_first_step_leads_the_run(tmp_path):
+    """1. An entry (max_num_seqs 4 by default) fronting members that run 2: its proxy gives each backend 2
+    slots (plus its headroom), and status says 2; 2. members that disagree are refused in one sentence;
+    3. with entry_first, the runner runs it on the entry before the members, its steps lead the entry's
+    report; a failed one runs no host's action and says so."""
+    hosts = {"gw": {**sim_host(30000), "fronts": ["k1", "k2"], "proxy": {"port": 30010, "admin_port": 30011,
+                                                                          "queue": {"headroom": 1}}},
+             "k1": sim_host(31000, address="10.1.0.1", max_num_seqs=2),
+             "k2": sim_host(32000, address="10.1.0.2", max_num_seqs=2)}
+    inv_ = inventory.load(write(tmp_path, hosts))
+    gw = inv_.host_vars("gw")
+    from fleet.render import proxy_config
+    assert yaml.safe_load(proxy_config(gw))["slots"] == 3 and gw.served_model()["max_num_seqs"] == 2
+    assert yaml.safe_load(proxy_config(gw, slots={"any": 1}))["slots"] == 2
+    assert [h.name for h in inv_.host_vars("k1").entry_hosts()] == ["gw"] and gw.entry_hosts() == []
+    with pytest.raises(InventoryError, match=re.escape("k2 serves sim-model with max_num_seqs 4, another "
+                                                       "fronted host with 2; give the model one max_num_seqs")):
+        inventory.load(write(tmp_path, {**hosts, "k2": sim_host(32000, address="10.1.0.2")}))
+
+    order: list[str] = []
+
+    def first(conn, hv, emit, fail=False):
+        order.append(f"first {hv.name}")
+        r = Report(hv.name)
+        r.add("proxy slots", "failed" if fail else "changed")
+        return r
+
+    def action(conn, hv, emit):
+        order.append(hv.name)
+        r = Report(hv.name)
+        r.add("deploy", "ok")
+        return r
+    inv_ = inventory.load(write(tmp_path, hosts))
+    reports = runner.run_hosts(inv_, "all", action, forks=1, order="entry-last", entry_first=first)
+    assert order == ["first gw", "k1", "k2", "gw"]
+    assert [s.name for s in reports[0].steps] == ["proxy slots", "deploy"]
+    order.clear()
+    reports = runner.run_hosts(inv_, "all", action, forks=1, order="entry-last",
+                               entry_first=lambda c, h, e: first(c, h, e, fail=True))
+    assert order == ["first gw"] and reports[0].failed
+    assert [s.status for r in reports[1:] for s in r.steps] == ["skipped", "skipped"]
+
+
 def test_check_and_diff_on_a_local_host(tmp_path):
     """deploy --check --diff on a local host never deployed: the diff of every file against /dev/null,
     what would start, and nothing written or started."""

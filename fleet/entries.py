@@ -1,0 +1,50 @@
+"""A member's instance out of its entry hosts' proxies while it restarts. An entry host's proxy sends
+requests straight to its members' engines and counts them itself: a member's own drain empties only its
+own proxy's share. So around each restart of a fronted instance (a deploy's roll, `inv restart`), every
+entry host whose `fronts` name the member drains the instance's backend in its proxy and waits for its
+requests in flight (`python -m hostagent drain-member` on the entry), and enables it once it is back.
+"""
+from __future__ import annotations
+
+import shlex
+from contextlib import contextmanager
+from typing import Iterator
+
+from . import agent, facts
+from .errors import FleetError
+from .inventory import HostVars
+from .report import Emit, Report
+from .transport import connect
+
+
+@contextmanager
+def drained(hv: HostVars, index: int, report: Report, emit: Emit) -> Iterator[None]:
+    """Instance index of member hv out of every entry host's proxy for the block (steps into report); an
+    entry that cannot be reached, or whose proxy does not run, is said and passed over."""
+    held = []
+    try:
+        for entry in hv.entry_hosts():
+            backend = next((f.backend for f in entry.fronted or [] if f.host.name == hv.name and f.index == index),
+                           None)
+            if backend is None:
+                continue
+            try:
+                conn = connect(entry)
+                prepared = facts.prepare(conn, entry)
+            except FleetError as e:
+                report.add(f"entry {entry.name}", "skipped", f"not reached ({e}); its proxy may still send "
+                           f"requests to instance {index} while it restarts")
+                continue
+            if facts.proxy_state(facts.probe(conn, prepared, readonly=True)["proxy"]) != "healthy":
+                conn.close()
+                continue      # no proxy running there (not deployed yet, stopped, or nginx): nothing to drain
+            emit(f"instance {index}: draining {backend} in entry host {entry.name}'s proxy")
+            held.append((conn, prepared, backend))
+            agent.steps(conn, prepared, f"drain-member --backend {shlex.quote(backend)}", report, emit)
+        yield
+    finally:
+        for conn, prepared, backend in held:
+            try:
+                agent.steps(conn, prepared, f"enable-member --backend {shlex.quote(backend)}", report, emit)
+            finally:
+                conn.close()
