@@ -322,7 +322,7 @@ def _roll(conn, hv: HostVars, found: dict, to_roll: list[dict], report: Report, 
         i = p["index"]
         emit(f"instance {i}: rolling ({', '.join(p['changes'])})")
         failed = report.count("failed")
-        with entries.drained(hv, i, report, emit):
+        with entries.drained(hv, [i], report, emit):
             agent.steps(conn, hv, f"restart --instance {i} --locked" + (" --no-enable" if i in held else ""),
                         report, emit)
         if report.count("failed") > failed:

@@ -18,33 +18,38 @@ from .transport import connect
 
 
 @contextmanager
-def drained(hv: HostVars, index: int, report: Report, emit: Emit) -> Iterator[None]:
-    """Instance index of member hv out of every entry host's proxy for the block (steps into report); an
-    entry that cannot be reached, or whose proxy does not run, is said and passed over."""
+def drained(hv: HostVars, indexes: list[int], report: Report, emit: Emit, stopped: bool = False) -> Iterator[None]:
+    """Member hv's instances (indexes) out of every entry host's proxy for the block (steps into report),
+    then given back: waited for until healthy there, or (stopped: the block stopped them) handed to that
+    proxy's health check at once. An entry that cannot be reached, or whose proxy does not run, is said
+    and passed over."""
     held = []
     try:
         for entry in hv.entry_hosts():
-            backend = next((f.backend for f in entry.fronted or [] if f.host.name == hv.name and f.index == index),
-                           None)
-            if backend is None:
+            names = [f.backend for f in entry.fronted or [] if f.host.name == hv.name and f.index in indexes]
+            if not names:
                 continue
             try:
                 conn = connect(entry)
                 prepared = facts.prepare(conn, entry)
             except FleetError as e:
                 report.add(f"entry {entry.name}", "skipped", f"not reached ({e}); its proxy may still send "
-                           f"requests to instance {index} while it restarts")
+                           f"requests to {', '.join(names)} while they are out")
                 continue
             if facts.proxy_state(facts.probe(conn, prepared, readonly=True)["proxy"]) != "healthy":
                 conn.close()
                 continue      # no proxy running there (not deployed yet, stopped, or nginx): nothing to drain
-            emit(f"instance {index}: draining {backend} in entry host {entry.name}'s proxy")
-            held.append((conn, prepared, backend))
-            agent.steps(conn, prepared, f"drain-member --backend {shlex.quote(backend)}", report, emit)
+            held.append((conn, prepared, names))
+            for backend in names:
+                index = next(f.index for f in entry.fronted if f.backend == backend)
+                emit(f"instance {index}: draining {backend} in entry host {entry.name}'s proxy")
+                agent.steps(conn, prepared, f"drain-member --backend {shlex.quote(backend)}", report, emit)
         yield
     finally:
-        for conn, prepared, backend in held:
+        for conn, prepared, names in held:
             try:
-                agent.steps(conn, prepared, f"enable-member --backend {shlex.quote(backend)}", report, emit)
+                for backend in names:
+                    agent.steps(conn, prepared, f"enable-member --backend {shlex.quote(backend)}"
+                                + (" --stopped" if stopped else ""), report, emit)
             finally:
                 conn.close()

@@ -42,7 +42,7 @@ def _restart(conn, hv: HostVars, emit: Emit, instance: int | None) -> Report:
         agent.steps(conn, hv, f"restart {what} --locked", report, emit)
     else:      # one at a time from here, each out of the entry hosts' proxies too (fleet.entries)
         for i in range(hv["instances"]) if instance is None else [int(instance)]:
-            with entries.drained(hv, i, report, emit):
+            with entries.drained(hv, [i], report, emit):
                 agent.steps(conn, hv, f"restart --instance {i} --locked", report, emit)
             if report.failed:
                 left = list(range(i + 1, hv["instances"])) if instance is None else []

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import shlex
 
-from . import agent, boot, facts, release, runlock
+from . import agent, boot, entries, facts, release, runlock
 from . import keeper as fleet_keeper
 from .errors import FleetError
 from .inventory import HostVars
@@ -120,6 +120,16 @@ def _stop(conn: Transport, hv: HostVars, emit: Emit, instance: int | None, check
         # the keeper again while the stop runs.
         boot.remove(conn, hv, report, check, emit)
     before = facts.probe(conn, hv, readonly=True)
+    # An entry host's proxy sends to these instances too: drained there first (fleet.entries).
+    alive = [f["index"] for f in before["instances"] if f["alive"] and instance in (None, f["index"])]
+    with entries.drained(hv, alive if not (now or check) else [], report, emit, stopped=True):
+        return _stop_drained(conn, hv, before, instance, check, force, now, report, emit)
+
+
+def _stop_drained(conn: Transport, hv: HostVars, before: dict, instance: int | None, check: bool, force: bool,
+                  now: bool, report: Report, emit: Emit) -> Report:
+    """The stop once the entry hosts' proxies send these instances nothing more: drain, stop by identity,
+    the cards' release."""
     enable_after = False
     front_up = before["proxy"]["alive"] or (before.get("nginx") or {}).get("alive")
     if now:

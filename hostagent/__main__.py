@@ -7,8 +7,8 @@ and enable-instance --instance I (before and after `inv stop --instance I`); wai
 (after a start: each instance's /health 200, at most health_timeout_s, one step per instance);
 drain-retired --instance I --port P --backend NAME --locked (deploy: an instance the inventory no longer
 has, drained in the proxy, then until its engine holds no request; deploy then stops it).
-On an entry host: drain-member --backend NAME and enable-member --backend NAME (around a member's restart
-of the instance this host's proxy names NAME).
+On an entry host: drain-member --backend NAME and enable-member --backend NAME [--stopped] (around a
+member's restart or stop of the instance this host's proxy names NAME).
 Runtime LoRA adapters (--config conf/hostagent.json): lora add --model GROUP --name N --path P,
 lora remove --model GROUP --name N, lora list (hostagent/lora.py; add and remove take the run lock
 unless --locked).
@@ -46,6 +46,8 @@ def main(argv=None) -> int:
     parser.add_argument("--port", type=int, default=None, help="drain-retired: the instance's port")
     parser.add_argument("--backend", default=None,
                         help="drain-retired, drain-member, enable-member: the instance's backend in the proxy")
+    parser.add_argument("--stopped", action="store_true",
+                        help="enable-member: the member stopped the instance; enable it without waiting for it")
     parser.add_argument("--locked", action="store_true",
                         help="restart, lora add/remove: the caller holds the run lock (inv restart, inv lora); "
                              "else it is taken here")
@@ -86,8 +88,8 @@ def main(argv=None) -> int:
         if args.command in ("drain-member", "enable-member"):
             if not args.backend:
                 raise UsageError(f"{args.command} needs --backend HOST:PORT.")
-            steps = (restart.drain_member if args.command == "drain-member" else restart.enable_member)(
-                cfg, args.backend, say)
+            steps = (restart.drain_member(cfg, args.backend, say) if args.command == "drain-member" else
+                     restart.enable_member(cfg, args.backend, say, stopped=args.stopped))
             ok = not any(s["status"] == "failed" for s in steps)
             print("FLEET_RESULT " + json.dumps({"ok": ok, "steps": steps}), flush=True)
             return 0 if ok else 1

@@ -159,16 +159,24 @@ def drain_member(cfg: dict, backend: str, say: Say = print) -> Steps:
     return steps
 
 
-def enable_member(cfg: dict, backend: str, say: Say = print) -> Steps:
+def enable_member(cfg: dict, backend: str, say: Say = print, stopped: bool = False) -> Steps:
     """On an entry host, after a member restarted it: enable backend again and wait until this proxy's
-    health check routes to it (skipped as drain_member is)."""
+    health check routes to it (skipped as drain_member is). stopped: the member stopped it; enabled
+    without a wait, this proxy's health check keeps it out until it runs again."""
     steps = Steps()
     known = backends(cfg)
     if known is None or backend not in known:
         steps.add(f"entry proxy {backend} enable", "skipped", "the proxy does not answer on its admin port" if known is None
                   else f"the proxy has no backend {backend}")
         return steps
-    _enable(cfg, f"entry proxy {backend}", backend, steps, say, lambda: False)
+    if not stopped:
+        _enable(cfg, f"entry proxy {backend}", backend, steps, say, lambda: False)
+        return steps
+    status, body = proxyadmin.enable(cfg["admin_port"], backend)
+    steps.add(f"entry proxy {backend} enable", "ok" if status == 200 else "failed",
+              "enabled again; the proxy's health check keeps it out while it is stopped" if status == 200 else
+              f"the proxy refused to enable it ({status}: {str(body)[:100]}); POST /admin/backends/{backend}/enable "
+              "on the entry's admin port once it runs again")
     return steps
 
 

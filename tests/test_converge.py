@@ -347,7 +347,9 @@ def test_a_member_behind_an_entry_leaves_the_entry_proxy_before_it_restarts_and_
     fewer slots first; 3. `inv deploy` of both hosts under load through the entry: the entry's proxy takes
     1 slot before the member rolls (its step leads the entry's lines), 0 failed requests, and no engine ever
     held more requests than its max_num_seqs; 4. `inv restart --rolling` of the member under load: each
-    instance is drained in the entry's proxy too before it stops: 0 failed requests."""
+    instance is drained in the entry's proxy too before it stops: 0 failed requests; 5. `inv stop --instance
+    0` of the member under load: drained in the entry's proxy first, 0 failed, then handed back to the
+    entry's health check (not left drained)."""
     path = write_inventory(tmp_path, instances=2, max_num_seqs=3,
                            sim="{load_s: 0.2, prefill_ms: 10, token_ms: 5, output_tokens: 8}")
     entry_port = free_ports(2)
@@ -390,6 +392,17 @@ def test_a_member_behind_an_entry_leaves_the_entry_proxy_before_it_restarts_and_
         for i in (0, 1):
             assert f"instance {i}: draining 127.0.0.1:{ports[i]} in entry host entry's proxy" in r.stdout, r.stdout
         assert load.failed == 0, load.errors[:3]
+
+        with Load(entry_port, ports) as load:
+            r = inv("stop", "--host", "t", "--instance", "0", inventory=path, timeout=240)
+        assert r.returncode == 0, r.stdout + r.stderr
+        print(f"member's instance stopped behind an entry: {len(load.results)} requests, {load.failed} failed")
+        assert f"instance 0: draining 127.0.0.1:{ports[0]} in entry host entry's proxy" in r.stdout, r.stdout
+        assert load.failed == 0, load.errors[:3]
+        entry_backends = json.loads(urllib.request.urlopen(
+            f"http://127.0.0.1:{entry_admin}/admin/backends", timeout=5).read())
+        stopped = next(b for b in entry_backends if b["name"] == f"127.0.0.1:{ports[0]}")
+        assert not stopped["drained"], stopped      # the entry's health check keeps it out, not a drain
     finally:
         inv("stop", "--host", "t,entry", inventory=path)
         for dep in deps:
