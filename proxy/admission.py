@@ -187,7 +187,7 @@ class FairQueue:
     """
 
     def __init__(self, cost: str = "tokens"):
-        self.cost = cost
+        self.cost_unit = cost
         self._fifos: dict[str, deque] = {}
         self._tenant: dict[str, Tenant] = {}
         self._vt: dict[str, float] = {}     # tenant -> service counted so far / weight
@@ -201,12 +201,16 @@ class FairQueue:
     def __bool__(self) -> bool:
         return self._len > 0
 
+    def cost(self, tokens: int, route=None) -> float:
+        """What getting a slot costs a request's tenant, before its weight: 1 counting requests; counting
+        tokens, its prompt's (tokens as admission reckoned them, else its route's), at least 1."""
+        if self.cost_unit == "requests":
+            return 1.0
+        return float(max(1, tokens or (route.prompt_tokens if route is not None else 0)))
+
     def charge_of(self, waiter) -> float:
         """What getting a slot costs a waiter's tenant, before its weight."""
-        if self.cost == "requests":
-            return 1.0
-        route = waiter.route
-        return float(max(1, getattr(waiter, "tokens", 0) or (route.prompt_tokens if route is not None else 0)))
+        return self.cost(getattr(waiter, "tokens", 0), waiter.route)
 
     def append(self, waiter) -> None:
         """Queue a waiter behind its tenant's earlier ones."""
@@ -239,6 +243,19 @@ class FairQueue:
                 step = self.charge_of(w) / self._tenant[name].weight
                 heapq.heappush(heap, (vt + step, fifo[at + 1].seq, name, at + 1))
 
+    def crowding(self, tenant: Tenant | None):
+        """When the queue is full and tenant's request arrives: the newest waiter of the tenant holding
+        the most of the queue for its weight, if that is more than tenant would hold with this request;
+        else None. Turning it away keeps a flood from one tenant from filling the queue against the others."""
+        tenant = tenant or _DEFAULT_TENANT
+        mine = len(self._fifos.get(tenant.name, ())) + 1
+        name = max(self._fifos, key=lambda n: len(self._fifos[n]) / self._tenant[n].weight, default=None)
+        if name is None or name == tenant.name:
+            return None
+        if len(self._fifos[name]) / self._tenant[name].weight <= mine / tenant.weight:
+            return None
+        return self._fifos[name][-1]
+
     def remove(self, waiter) -> None:
         """Take a waiter out without serving it (it timed out or left)."""
         name = (waiter.tenant or _DEFAULT_TENANT).name
@@ -254,12 +271,15 @@ class FairQueue:
         if not fifo:
             del self._fifos[name]
 
-    def served(self, waiter) -> None:
-        """Take a waiter out as it gets a slot, charging its tenant."""
-        name = (waiter.tenant or _DEFAULT_TENANT).name
-        self._now = max(self._now, self._vt.get(name, 0.0))
+    def served(self, waiter, charge: bool = False) -> None:
+        """Take a waiter out as it gets a slot (the balancer's acquire charged its tenant already; charge:
+        here, when nothing else does)."""
+        tenant = waiter.tenant or _DEFAULT_TENANT
+        start = self._vt.get(tenant.name, 0.0) - (0.0 if charge else self.charge_of(waiter) / tenant.weight)
+        self._now = max(self._now, start)      # the queue's present: where its tenant's time stood
         self.remove(waiter)
-        self.charge(waiter.tenant, self.charge_of(waiter))
+        if charge:
+            self.charge(waiter.tenant, self.charge_of(waiter))
 
     def charge(self, tenant: Tenant | None, amount: float) -> None:
         """Count amount (tokens, or requests) of service to tenant in this pool."""
@@ -268,10 +288,5 @@ class FairQueue:
 
     def ended(self, tenant: Tenant | None, output_tokens: int) -> None:
         """A request of tenant's ended with output_tokens (from usage): counted when the cost is tokens."""
-        if self.cost == "tokens" and output_tokens > 0:
+        if self.cost_unit == "tokens" and output_tokens > 0:
             self.charge(tenant, output_tokens)
-
-    def forget_idle(self) -> None:
-        """Drop the virtual time of tenants with nothing queued at or below the present (bounded memory)."""
-        for name in [n for n, vt in self._vt.items() if n not in self._fifos and vt <= self._now]:
-            del self._vt[name]

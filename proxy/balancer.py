@@ -141,11 +141,12 @@ class Balancer:
         return added, removed
 
     def acquire(self, exclude: Collection[Backend] = (), over: bool = False,
-                route: Route | None = None, tenant: Tenant | None = None) -> Backend | None:
+                route: Route | None = None, tenant: Tenant | None = None, tokens: int = 0) -> Backend | None:
         """Pick a backend with a free slot (not one of exclude) and count the request on it at once,
         or None. over: when no slot is free, the least loaded available backend all the same (a retry,
         which already held a slot elsewhere). route: what the policy made of the request (its
-        route_of); the policy writes its decision into it. tenant: counted too (a retry's is already).
+        route_of); the policy writes its decision into it. tenant: counted too (a retry's is already), and
+        charged the request's prompt (tokens, or the route's) in the fair queue's count of its service.
 
         Pick and count are one step with no await between them: counting later (the seed counted
         after reading the body) lets many requests see the same backend as idlest.
@@ -169,6 +170,7 @@ class Balancer:
             best.peak_in_flight = best.in_flight
         if tenant is not None:
             tenant.in_flight += 1
+            self._queue.charge(tenant, self._queue.cost(tokens, route))
         return best
 
     def may_take(self, tenant: Tenant | None = None) -> bool:
@@ -182,19 +184,25 @@ class Balancer:
         serves before it have theirs (the caller tried `acquire` first when it could). None when no
         backend is available at all.
 
-        Raises QueueFull (nobody may wait, or queue_max wait already), TenantFull (its tenant's
+        Raises QueueFull (nobody may wait, or queue_max wait already and its tenant holds no less of
+        the queue than any other, by weight; else the newest waiter of the tenant that holds the most
+        gets QueueFull in its place), TenantFull (its tenant's
         max_queued wait already) or QueueTimeout (timeout_s waited). A caller cancelled while waiting
         (its client left) leaves the queue; a slot handed to it in that instant goes on to the next in
         line, so no count is ever lost.
         """
         if self.may_take(tenant):
-            backend = self.acquire(route=route, tenant=tenant)   # a slot may have come free since
+            backend = self.acquire(route=route, tenant=tenant, tokens=tokens)   # a slot may have come free since
             if backend is not None:
                 return backend
         if not self.available_count():
             return None
         if len(self._queue) >= self.queue_max:
-            raise QueueFull()
+            crowding = self._queue.crowding(tenant)   # the full queue's biggest share gives way, newest first
+            if crowding is None:
+                raise QueueFull()
+            self._queue.remove(crowding)
+            crowding.future.set_exception(QueueFull())
         if tenant is not None and (why := tenant.queue_refusal()) is not None:
             raise TenantFull(*why)
         loop = asyncio.get_running_loop()
@@ -230,7 +238,7 @@ class Balancer:
                 self._queue.remove(head)
                 continue
             chosen = self.policy.waiter(self._queue, self._order) or head
-            backend = self.acquire(route=chosen.route, tenant=chosen.tenant)
+            backend = self.acquire(route=chosen.route, tenant=chosen.tenant, tokens=chosen.tokens)
             if backend is None:
                 return
             if chosen is not head:

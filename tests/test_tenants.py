@@ -120,7 +120,7 @@ def waiters(b: Balancer) -> list:
 @pytest.mark.unit
 def test_two_tenants_of_equal_weight_alternate_and_each_keeps_its_own_order():
     """1. one slot is taken; 2. batch queues 6, then app queues 3; 3. the freed slots alternate between
-    them (app first: batch was served last) until app has none left, then batch's rest; 4. each
+    them (app first: batch's request on the slot was counted) until app has none left, then batch's rest; 4. each
     tenant's requests are served in their arrival order."""
     async def run():
         b = balancer(n=1)
@@ -135,7 +135,7 @@ def test_two_tenants_of_equal_weight_alternate_and_each_keeps_its_own_order():
             b.release(held, next(t for t in (app, batch) if t.in_flight))
             await asyncio.sleep(0)
             got.append("app" if sum(t.done() for t in t_app) > got.count("app") else "batch")
-        assert got == ["batch", "app", "batch", "app", "batch", "app", "batch", "batch", "batch"]
+        assert got == ["app", "batch", "app", "batch", "app", "batch", "batch", "batch", "batch"]
         assert [t.done() for t in t_batch + t_app] == [True] * 9
         assert b.queued == 0 and app.queued == batch.queued == 0
     asyncio.run(run())
@@ -234,8 +234,9 @@ class Recorder(Policy):
 
 @pytest.mark.unit
 def test_the_routing_policy_reads_the_waiters_in_the_fair_order_and_its_choice_counts_as_overtaking():
-    """1. a queued a1 a2 a3 then b1 (equal weights): the fair order is a1 b1 a2 a3; 2. the policy sees that
-    order and takes its third, a2; 3. a1 and b1, passed over, each count one overtaking."""
+    """1. a holds the slot and queues a1 a2 a3, then b queues b1 (equal weights): the fair order is b1 a1 a2 a3
+    (a's request on the slot was counted); 2. the policy sees that order and takes its third, a2; 3. b1 and
+    a1, passed over, each count one overtaking."""
     async def run():
         b = balancer(n=1)
         b.policy = rec = Recorder()
@@ -244,11 +245,11 @@ def test_the_routing_policy_reads_the_waiters_in_the_fair_order_and_its_choice_c
         ta = await queue_up(b, a, 3)
         tb = await queue_up(b, bt, 1)
         queue = b._queue
-        assert [w.tenant.name for w in queue] == ["a", "b", "a", "a"]
+        assert [w.tenant.name for w in queue] == ["b", "a", "a", "a"]
         ws = list(queue)
         b.release(b.backends["b0:1"], a)
         await asyncio.sleep(0)
-        assert rec.seen[0] == ["a", "b", "a"]
+        assert rec.seen[0] == ["b", "a", "a"]
         assert ta[1].done() and not ta[0].done() and not tb[0].done()
         assert [w.overtaken for w in ws[:2]] == [1, 1]
         for t in ta + tb:
@@ -274,7 +275,7 @@ def test_token_cost_serves_tokens_in_proportion_and_request_cost_serves_requests
         served = []
         for _ in range(22):
             w = next(iter(q))
-            q.served(w)
+            q.served(w, charge=True)
             served.append(w.tenant.name)
         assert served.count("short") == want * served.count("long"), (cost, served)
 
@@ -325,3 +326,30 @@ def test_nginx_refuses_a_host_with_tenants_saying_what_to_keep():
     assert why == ("k100-01: nginx cannot be the front here: it cannot share the slots fairly among the tenants "
                    "app, batch nor keep their limits; keep the proxy as the front, or drop `proxy.tenants` to use "
                    "nginx.")
+
+
+@pytest.mark.unit
+def test_a_full_queue_turns_away_the_flooding_tenants_newest_not_the_newcomer():
+    """1. one slot, queue max 4, all 4 waiting are batch's; 2. app's request arrives: batch's newest waiter
+    gets QueueFull (429) and app waits in its place; 3. another of batch's is refused itself (batch holds 3
+    of 4, app 1); 4. the freed slot goes to app (its share), then batch's in order."""
+    from proxy.balancer import QueueFull
+
+    async def run():
+        b = balancer(n=1, queue_max=4)
+        app, batch = Tenant("app"), Tenant("batch")
+        b.acquire(tenant=batch)
+        tb = await queue_up(b, batch, 4)
+        ta = await queue_up(b, app, 1)
+        await asyncio.sleep(0)
+        assert tb[3].done() and isinstance(tb[3].exception(), QueueFull)
+        assert b.queued == 4 and app.queued == 1 and batch.queued == 3
+        with pytest.raises(QueueFull):
+            await b.wait_for_slot(30, tenant=batch)
+        b.release(b.backends["b0:1"], batch)
+        await asyncio.sleep(0)
+        assert ta[0].done() and not any(t.done() for t in tb[:3])
+        for t in tb[:3]:
+            t.cancel()
+        await asyncio.sleep(0)
+    asyncio.run(run())
