@@ -4,7 +4,7 @@ misbehaving tenant among four, on the sim fleet; every front side by side in one
     .venv/bin/python bench/bench_tenants.py [--seconds 6] [--fronts proxy,proxy-tenants,nginx] [--out FILE.json]
 
 The fleet: 4 sims x max_num_seqs 4 (16 slots), 200 ms to the first token (bench_saturation.py's prefill)
-and 20 ms a token; a request asks for 32 tokens, streamed, so it holds a slot about 0.84 s and the fleet's
+and 20 ms a token; a request asks for 32 tokens (the interactive tenants) or 16 to 48 (the others), streamed, so it holds a slot about 0.84 s and the fleet's
 capacity is about 19 requests/s. A request that finds every slot taken waits for the next one freed: about
 0.84 s / 16 = 50 ms on average, a floor under any front's TTFT at saturation.
 Each tenant sends its own API key (`Authorization: Bearer sk-NAME`); `proxy-tenants` (keys naming app and
@@ -52,6 +52,7 @@ CAPACITY = BACKENDS * MAX_NUM_SEQS / SERVICE_S        # requests/s the fleet ser
 QUEUE_MAX = 64
 TIMEOUT_S = 20.0
 DEFAULT_FRONTS = "proxy,proxy-tenants,nginx,vllm-router,smg"
+INTERACTIVE = ("app", "a", "b", "c")
 TENANTS = {"app": {}, "batch": {}, "gold": {"weight": 3}, "lead": {}, "a": {}, "b": {}, "c": {}, "d": {}}
 
 
@@ -105,6 +106,12 @@ async def drive(url: str, plan: dict[str, tuple[str, float]], seconds: float, se
         t0 = time.perf_counter()
         tasks = []
 
+        def tokens_of(tenant: str) -> int:
+            """The interactive tenants ask for TOKENS; the others from TOKENS/2 to 3*TOKENS/2 (mean TOKENS),
+            so the slots come free at scattered times (with one length for all, a saturated fleet's slots
+            stay in lockstep and free in bursts)."""
+            return TOKENS if tenant in INTERACTIVE else rng.randint(TOKENS // 2, 3 * TOKENS // 2)
+
         async def open_loop(tenant: str, rate: float):
             at = 0.0
             while True:
@@ -112,11 +119,11 @@ async def drive(url: str, plan: dict[str, tuple[str, float]], seconds: float, se
                 if at >= seconds:
                     return
                 await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
-                tasks.append(asyncio.create_task(one(s, url, tenant, TOKENS, loads[tenant], t0)))
+                tasks.append(asyncio.create_task(one(s, url, tenant, tokens_of(tenant), loads[tenant], t0)))
 
         async def closed_loop(tenant: str):
             while time.perf_counter() - t0 < seconds:
-                await one(s, url, tenant, TOKENS, loads[tenant], t0)
+                await one(s, url, tenant, tokens_of(tenant), loads[tenant], t0)
                 if loads[tenant].status.get(429):
                     await asyncio.sleep(0.2)
         senders = []
