@@ -13,6 +13,9 @@ tenants), nginx has no queue of its own (the engines queue). vllm-router and smg
 (no per-key share or limit; their users ask for them), and are left out when bench/setup_routers.sh did
 not install them.
 
+A flooding tenant's client runs in a process of its own (as it would on another machine), so the
+measured tenants' client is not slowed by it; the flood's own cost to the proxy and the engines stays.
+
 1. flood: app alone, open loop (Poisson) at 20% of capacity, for --seconds: its time to first token
    (TTFT) p50 and p99; then the same while batch floods at 5x capacity (open loop; the proxies answer
    429 past queue.max, which stands at 64 here so each run drains in seconds): app's TTFT against alone
@@ -34,11 +37,13 @@ import argparse
 import asyncio
 import heapq
 import json
+import multiprocessing
 import random
 import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -95,14 +100,36 @@ async def one(session, url: str, tenant: str, tokens: int, load: Load, t0: float
         load.done.append((time.perf_counter() - t0, chunks))
 
 
-async def drive(url: str, plan: dict[str, tuple[str, float]], seconds: float, seed: int = 29) -> tuple[dict, float]:
-    """Run every tenant's load at once for `seconds`: plan is tenant -> ("open", rate) or ("closed", clients).
-    Returns (tenant -> Load, seconds until the last answer)."""
+def run(url: str, plan: dict[str, tuple[str, float]], seconds: float, apart: tuple[str, ...] = ()) -> tuple[dict, float]:
+    """Run every tenant's load at once for `seconds` (see drive); the tenants in `apart` (the floods) from a
+    client process of their own, so the measured tenants' client is not slowed by the flood's."""
+    if not any(t in plan for t in apart):
+        return asyncio.run(drive(url, plan, seconds))
+    here = {t: p for t, p in plan.items() if t not in apart}
+    there = {t: p for t, p in plan.items() if t in apart}
+    start_at = time.time() + 2.0        # both clients start together, once the other process is up
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        other = pool.submit(_drive_in_process, url, there, seconds, start_at)
+        loads, took = asyncio.run(drive(url, here, seconds, start_at=start_at))
+        more, took_there = other.result()
+    return {**loads, **more}, max(took, took_there)
+
+
+def _drive_in_process(url: str, plan: dict, seconds: float, start_at: float) -> tuple[dict, float]:
+    return asyncio.run(drive(url, plan, seconds, seed=31, start_at=start_at))
+
+
+async def drive(url: str, plan: dict[str, tuple[str, float]], seconds: float, seed: int = 29,
+                start_at: float | None = None) -> tuple[dict, float]:
+    """Run every tenant's load at once for `seconds`: plan is tenant -> ("open", rate) or ("closed", clients);
+    start_at: a time.time() to begin at. Returns (tenant -> Load, seconds until the last answer)."""
     import aiohttp
     loads = {t: Load() for t in plan}
     rng = random.Random(seed)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                      timeout=aiohttp.ClientTimeout(total=TIMEOUT_S)) as s:
+        if start_at is not None:
+            await asyncio.sleep(max(0.0, start_at - time.time()))
         t0 = time.perf_counter()
         tasks = []
 
@@ -142,15 +169,15 @@ def ttft(load: Load) -> dict:
 
 
 def flood(url: str, seconds: float) -> dict:
-    alone, _ = asyncio.run(drive(url, {"app": ("open", 0.2 * CAPACITY)}, seconds))
-    both, took = asyncio.run(drive(url, {"app": ("open", 0.2 * CAPACITY), "batch": ("open", 5 * CAPACITY)}, seconds))
+    alone, _ = run(url, {"app": ("open", 0.2 * CAPACITY)}, seconds)
+    both, took = run(url, {"app": ("open", 0.2 * CAPACITY), "batch": ("open", 5 * CAPACITY)}, seconds, apart=("batch",))
     tokens = sum(n for load in both.values() for _, n in load.done)
     return {"alone": ttft(alone["app"]), "flood": ttft(both["app"]), "batch": ttft(both["batch"]),
             "goodput_tokens_s": tokens / took, "took_s": took}
 
 
 def shares(url: str, seconds: float) -> dict:
-    loads, _ = asyncio.run(drive(url, {"gold": ("closed", 32), "lead": ("closed", 32)}, seconds))
+    loads, _ = run(url, {"gold": ("closed", 32), "lead": ("closed", 32)}, seconds)
     # The served tokens of answers completed after the first second (the queues full) up to the end of sending.
     served = {t: sum(n for at, n in load.done if 1.0 <= at <= seconds) for t, load in loads.items()}
     total = sum(served.values()) or 1
@@ -160,8 +187,8 @@ def shares(url: str, seconds: float) -> dict:
 
 def misbehaving(url: str, seconds: float) -> dict:
     calm = {t: ("open", 0.1 * CAPACITY) for t in ("a", "b", "c")}
-    alone, _ = asyncio.run(drive(url, calm, seconds))
-    loud, _ = asyncio.run(drive(url, {**calm, "d": ("open", 5 * CAPACITY)}, seconds))
+    alone, _ = run(url, calm, seconds)
+    loud, _ = run(url, {**calm, "d": ("open", 5 * CAPACITY)}, seconds, apart=("d",))
     return {t: {"alone": ttft(alone[t]), "with_d": ttft(loud[t])} for t in calm} | {"d": ttft(loud["d"])}
 
 

@@ -17,6 +17,7 @@ from proxy.balancer import Balancer, TenantFull
 from proxy.config import ConfigError, load_api_keys, parse_config
 from proxy.routing.base import Policy
 from test_render import k100
+from test_routing_contract import schema_bounds
 
 PROXY_FIELDS = {f.name: f for f in dataclasses.fields(TenantConfig)}
 
@@ -29,20 +30,12 @@ def balancer(n=2, slots=1, queue_max=64) -> Balancer:
     return b
 
 
-def schema_bounds(name: str) -> tuple:
-    lo = hi = None
-    for c in schema.TenantSettings.model_fields[name].metadata:
-        lo = getattr(c, "ge", lo)
-        hi = getattr(c, "le", hi)
-    return lo, hi
-
-
 @pytest.mark.unit
 def test_the_schema_and_the_proxy_name_the_same_tenant_keys_defaults_and_bounds():
     assert list(schema.TenantSettings.model_fields) == list(PROXY_FIELDS)
     assert schema.TenantSettings().model_dump() == dataclasses.asdict(TenantConfig())
     for name, f in PROXY_FIELDS.items():
-        assert schema_bounds(name) == f.metadata["bounds"], name
+        assert schema_bounds(name, schema.TenantSettings) == f.metadata["bounds"], name
     assert schema.TENANT_NAME.pattern == __import__("proxy.config").config.TENANT_NAME.pattern
 
 
