@@ -176,7 +176,9 @@ class Balancer:
     def may_take(self, tenant: Tenant | None = None) -> bool:
         """Whether a new request may try `acquire` at once: nobody the fair order would serve first
         waits, and its tenant is below its max_in_flight."""
-        return (tenant is None or tenant.may_run) and next(iter(self._queue), None) is None
+        if tenant is not None and not tenant.may_run:
+            return False
+        return not self._queue or next(iter(self._queue), None) is None   # no fair order to build when empty
 
     async def wait_for_slot(self, timeout_s: float, route: Route | None = None,
                             tenant: Tenant | None = None, tokens: int = 0) -> Backend | None:
