@@ -142,6 +142,13 @@ class Tenant:
         if self.tokens is not None:
             self.tokens.take(tokens)
 
+    def refunded(self, tokens: int) -> None:
+        """Give back what admitted took: the request was turned away before it got a slot."""
+        if self.requests is not None:
+            self.requests.take(-1)
+        if self.tokens is not None:
+            self.tokens.take(-tokens)
+
     def used(self, estimate: int, actual: int) -> None:
         """Correct the token bucket once the answer's `usage` told what the request really took."""
         if self.tokens is not None:

@@ -123,6 +123,7 @@ class Exchange:
     wall_ns: int = 0               # time.time_ns() at arrival, when spans are exported
     tenant: Tenant | None = None   # whose request it is (its API key's tenant), once the key is checked
     tokens: int = 0                # its prompt's tokens as admission reckoned them (the token bucket's take)
+    admitted: bool = False         # taken from its tenant's buckets (given back if it never gets a slot)
     balancer: Balancer | None = None  # the pool that counts its tenant's service (the fair queue)
 
     def __post_init__(self) -> None:
@@ -222,7 +223,9 @@ def _tenant_settled(ex: Exchange, proxy, out: Outcome) -> None:
     prompt = observer.prompt_tokens if observer is not None and observer.prompt_tokens is not None else None
     output = observer.reported_tokens if observer is not None and observer.reported_tokens is not None else 0
     proxy.metrics.tenant_answered(ex.tenant.name, out.status, prompt or 0, output)
-    if ex.tokens or prompt is not None:
+    if ex.admitted and ex.slot is None:
+        ex.tenant.refunded(ex.tokens)     # turned away by the queue: it used nothing of the fleet
+    elif ex.admitted:
         ex.tenant.used(ex.tokens, (ex.tokens if prompt is None else prompt) + output)
     if ex.balancer is not None and ex.slot is not None:
         ex.balancer.ended(ex.tenant, output)
@@ -291,6 +294,7 @@ def _rate_limited(ex: Exchange, proxy) -> web.Response | None:
     why = tenant.refusal()
     if why is None:
         tenant.admitted(ex.tokens)
+        ex.admitted = True
         return None
     limit, message, wait = why
     return _limit_error(ex, proxy, limit, message, max(1, math.ceil(wait)))

@@ -346,3 +346,16 @@ def test_a_full_queue_turns_away_the_flooding_tenants_newest_not_the_newcomer():
             t.cancel()
         await asyncio.sleep(0)
     asyncio.run(run())
+
+
+@pytest.mark.unit
+def test_a_request_turned_away_by_the_queue_gives_back_what_its_buckets_gave():
+    """A request admitted by its tenant's buckets, then refused by the queue (full), took nothing of the
+    fleet: its request and its tokens go back, so the limits count only what was served."""
+    now = [0.0]
+    t = Tenant("app", TenantConfig(requests_per_minute=1, tokens_per_minute=100))
+    t.requests, t.tokens = Bucket(1, lambda: now[0]), Bucket(100, lambda: now[0])
+    t.admitted(80)
+    assert t.refusal()[0] == "requests_per_minute"
+    t.refunded(80)
+    assert t.refusal() is None and t.tokens.level == 100
