@@ -29,6 +29,10 @@ every request's message is N characters of text (the prefix policy hashes every 
 has no whole block), and the report adds its requests/s, p50, p99 and CPU per request as ratios to
 `proxy` (least_conn), round by round.
 
+Tenants: `proxy-tenants` is the proxy with API keys naming two tenants (`app`, `batch`) and `proxy.tenants`
+set; every front is sent `app`'s key (the others ignore it), so `--fronts proxy,proxy-tenants --chat-only`
+gives the cost of tenants on (key lookup, buckets, the fair queue's bookkeeping) as ratios round by round.
+
 Tracing: `proxy-otel` is the proxy exporting every request's spans (proxy.otlp) to a local sink that
 discards them, `proxy-otel-down` the same with its collector down; `proxy-base` (with --baseline DIR, a checkout of the code before a change, such as the
 main branch's worktree) is that checkout's proxy on the same config: `--fronts proxy,proxy-otel,proxy-base
@@ -82,8 +86,10 @@ def wrk(wrk_bin: str, url: str, body: dict, connections: int, seconds: float, wo
     """One wrk run: requests/s, p50 and p99 in ms, errors. With body2: requests alternate body, body2."""
     script = work / ("mix.lua" if body2 else "post.lua")
     if not script.exists():
+        # Every front gets proxy-tenants' key of `app` (the others ignore it): the same request for all.
         script.write_text(MIX_LUA if body2 else "wrk.method = 'POST'\nwrk.headers['Content-Type'] = "
-                          "'application/json'\nwrk.body = os.getenv('BENCH_BODY')\n")
+                          "'application/json'\nwrk.headers['Authorization'] = 'Bearer sk-app'\n"
+                          "wrk.body = os.getenv('BENCH_BODY')\n")
     out = subprocess.run([wrk_bin, f"-t{threads}", f"-c{connections}", f"-d{seconds:g}s", "--latency", "-s", str(script),
                           url], capture_output=True, text=True, timeout=seconds + 30,
                          env={**os.environ, "BENCH_BODY": json.dumps(body),
@@ -246,7 +252,7 @@ def report(f: dict) -> None:
                               "p99_by_round": p99, "p99_median": statistics.median(p99)}
         print(f"  proxy / {other}: requests/s {statistics.median(per_round):.2f}x (rounds "
               f"{', '.join(f'{r:.2f}' for r in per_round)}), p99 {statistics.median(p99):.2f}x")
-    for other in (*MODELS_FRONTS, "proxy-prefix", "proxy-otel", "proxy-otel-down", "proxy-base"):
+    for other in (*MODELS_FRONTS, "proxy-prefix", "proxy-tenants", "proxy-otel", "proxy-otel-down", "proxy-base"):
         if other not in runs or "proxy" not in runs:
             continue
         pairs = list(zip(f["runs"][other], f["runs"]["proxy"]))
@@ -268,6 +274,8 @@ def report(f: dict) -> None:
                   f"(rounds {', '.join(f'{r:.3f}' for r in total)})")
     if "proxy-prefix" in runs:
         print("  target: routing by prefix costs at most 10% (requests/s at least 0.90x proxy's)")
+    if "proxy-tenants" in runs:
+        print("  target: tenants on cost at most 5% (proxy-tenants' requests/s at least 0.95x proxy's)")
     if "proxy-otel" in runs:
         print("  target: exporting spans costs at most 10% (proxy-otel's requests/s at least 0.90x proxy's)")
     if "proxy-base" in runs:

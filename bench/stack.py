@@ -20,6 +20,7 @@ answers the names in `served` (default `m` alone); the models fronts need `m2` t
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -136,16 +137,21 @@ def _no_sdk() -> str | None:
     return None
 
 
+TENANT_KEY = "sk-{}"   # proxy-tenants' key of a tenant: clients send it as `Authorization: Bearer sk-NAME`
+
+
 class Stack:
     """n sims and the fronts asked for, from rendered files in work/deploy; stop() ends them all by pid.
 
     sim_args: the sims' timing flags. max_num_seqs: each sim's, and the inventory's (the proxy's slots).
+    tenants: `proxy-tenants`'s `tenants` section (default: app and batch, equal weights); its key file has
+    one key per tenant, `sk-NAME NAME` (TENANT_KEY), and `sk-default` for the default tenant.
     """
 
-    FRONTS = ("direct", "proxy", "proxy-lc", "proxy-prefix", "proxy-asyncio", "proxy-models", "proxy-models-1",
+    FRONTS = ("direct", "proxy", "proxy-tenants", "proxy-lc", "proxy-prefix", "proxy-asyncio", "proxy-models", "proxy-models-1",
               "proxy-otel", "proxy-otel-down", "proxy-base", "nginx", "vllm-router", "vllm-router-cache", "vllm-router-p2", "smg",
               "smg-cache")
-    PROXIES = ("proxy", "proxy-lc", "proxy-prefix", "proxy-asyncio", "proxy-models", "proxy-models-1", "proxy-otel",
+    PROXIES = ("proxy", "proxy-tenants", "proxy-lc", "proxy-prefix", "proxy-asyncio", "proxy-models", "proxy-models-1", "proxy-otel",
                "proxy-otel-down", "proxy-base")
     ROUTERS = {"vllm-router": None, "vllm-router-cache": "cache_aware", "vllm-router-p2": "power_of_two",
                "smg": None, "smg-cache": "cache_aware"}   # front -> its --policy (None: the default)
@@ -153,7 +159,7 @@ class Stack:
     def __init__(self, work: Path, backends: int, max_num_seqs: int, sim_args: list[str],
                  proxy_set: tuple[str, ...] = (), served: tuple[str, ...] = ("m",),
                  pools: dict[str, list[dict]] | None = None, routing_set: tuple[str, ...] = (),
-                 baseline: Path | None = None):
+                 baseline: Path | None = None, tenants: dict | None = None):
         self.work, self.deploy = work, work / "deploy"
         self.baseline = baseline
         self.n, self.max_num_seqs, self.sim_args, self.served = backends, max_num_seqs, sim_args, served
@@ -215,6 +221,12 @@ class Stack:
                 conf["otlp"] = {"endpoint": f"http://127.0.0.1:{self.sink_port}/v1/traces"}
             if front == "proxy-otel-down":
                 conf["otlp"] = {"endpoint": f"http://127.0.0.1:{self.down_port}/v1/traces", "timeout_s": 300}
+            if front == "proxy-tenants":
+                self.tenants = tenants or {"app": {}, "batch": {}}
+                keys = self.deploy / "conf" / "api_keys"
+                keys.write_text("".join(f"{TENANT_KEY.format(t)} {t}\n" for t in self.tenants)
+                                + TENANT_KEY.format("default") + "\n")
+                conf["api_keys_file"], conf["tenants"] = str(keys), self.tenants
             if front in self.pools:
                 conf["models"] = [{**pool, "slots": self.slots,
                                    "backends": [conf["backends"][i] for i in pool["backends"]]}
@@ -302,6 +314,19 @@ class Stack:
 
     def _start_proxy(self):
         self._proxy("proxy")
+
+    def _start_proxy_tenants(self):
+        self._proxy("proxy-tenants")
+
+    def set_tenants(self, tenants: dict) -> None:
+        """Give `proxy-tenants` another `tenants` section (the same names), by a reload."""
+        path = self.deploy / "conf" / "proxy-tenants.yaml"
+        conf = yaml.safe_load(path.read_text())
+        conf["tenants"] = tenants
+        path.write_text(yaml.safe_dump(conf))
+        req = urllib.request.Request(self.admin_url("proxy-tenants") + "/admin/reload", method="POST")
+        with urllib.request.urlopen(req, timeout=10) as r:
+            assert json.loads(r.read())["reloaded"], "proxy-tenants refused its new tenants"
 
     def _start_proxy_lc(self):
         self._proxy("proxy-lc")

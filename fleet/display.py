@@ -101,7 +101,8 @@ def request_block(e: dict) -> str:
     lines = [f"{v('ts')}  trace {v('trace_id')}  request {v('request_id')}  {v('path')}  {attempt}",
              f"  backend {v('backend')}  status {v('status')}  finish_reason {v('finish_reason')}  "
              f"tokens {v('completion_tokens')}  latency {v('latency_ms', ' ms')}  retries {v('retries')}  "
-             f"stream {v('stream')}" + (f"  otel trace {e['otel_trace_id']}" if e.get("otel_trace_id") else ""),
+             f"stream {v('stream')}" + (f"  tenant {e['tenant']}" if e.get("tenant") else "")
+             + (f"  otel trace {e['otel_trace_id']}" if e.get("otel_trace_id") else ""),
              f"  fixups {', '.join(e.get('fixups') or []) or '-'}  think {v('think')}  snippet {e.get('snippet')!r}"
              if e.get("snippet") or e.get("fixups") else None]
     if e.get("error"):

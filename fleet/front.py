@@ -41,7 +41,13 @@ def _prepare(conn: Transport, hv: HostVars, report: Report, emit: Emit) -> tuple
 
 def nginx_refusal(hv: HostVars) -> str | None:
     """Why nginx cannot be this host's front, or None: nginx does not read the body, so it cannot route
-    by the request's `model`, which a host serving several models, aliases or adapters needs."""
+    by the request's `model`, which a host serving several models, aliases or adapters needs; and it has
+    no shared queue to serve tenants fairly from (a per-key `limit_req` would keep a rate and silently drop
+    the weights, the slot caps and the token budgets, so a host with tenants is refused rather than mapped)."""
+    if hv["proxy"]["tenants"]:
+        names = ", ".join(hv["proxy"]["tenants"])
+        return (f"{hv.name}: nginx cannot be the front here: it cannot share the slots fairly among the tenants "
+                f"{names} nor keep their limits; keep the proxy as the front, or drop `proxy.tenants` to use nginx.")
     if hv.pools is None:
         return None
     names = ", ".join(p["name"] for p in hv.pools)

@@ -247,6 +247,37 @@ class RoutingSettings(Section):
         "backend; no request is passed over more than this many times. 0: strict FIFO.")
 
 
+# A tenant's name, as a key file's `KEY TENANT` line writes it (proxy/config.py has the same pattern).
+TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+TenantName = Annotated[str, _fails(TENANT_NAME.match),
+                       Field(description="a tenant name (letters, digits, '.', '_', '-'; at most 64)")]
+
+
+def _limit(lo: int, hi: int):
+    return Annotated[int | None, Field(ge=lo, le=hi, description=f"an integer from {lo} to {hi}, or null")]
+
+
+class TenantSettings(Section):
+    """One tenant of the proxy (`proxy.tenants.NAME`); tests/test_tenants.py holds these keys, defaults
+    and bounds equal to the proxy's (proxy/admission.py's TenantConfig)."""
+
+    weight: _int(1, 1000) = doc(1,
+        "The tenant's share of the slots against the other tenants' when they all wait: weights 3 and 1 "
+        "serve about 75% and 25% of the tokens. A tenant with nothing waiting leaves its share to the others.")
+    max_in_flight: _limit(1, 1_000_000) = doc(None,
+        "The most slots the tenant holds at once across the proxy; its further requests wait (past "
+        "`max_queued`: 429). Null: no limit but the fleet's.")
+    max_queued: _limit(0, 1_000_000) = doc(None,
+        "The most requests of the tenant that may wait for a slot; beyond, 429 with `Retry-After` naming "
+        "the limit. Null: only `proxy.queue.max` bounds them.")
+    requests_per_minute: _limit(1, 1_000_000_000) = doc(None,
+        "A token bucket of requests per minute (a full minute's burst); empty: 429 with `Retry-After`.")
+    tokens_per_minute: _limit(1, 1_000_000_000_000) = doc(None,
+        "A token bucket of tokens per minute: a request takes its prompt's tokens as the proxy reckons them "
+        "at admission (with `routing.policy: least_conn`, its body's bytes / 4), corrected by its answer's "
+        "`usage` when it ends; below 1: 429 with `Retry-After`.")
+
+
 class OtlpSettings(Section):
     """The proxy's export of its spans (OpenTelemetry, OTLP/HTTP protobuf)."""
 
@@ -311,6 +342,14 @@ class ProxySettings(Section):
         "How the proxy picks a backend: least connections, or prefix-aware.")
     otlp: OtlpSettings = doc(OtlpSettings(),
         "The proxy's OpenTelemetry spans.")
+    tenants: Annotated[dict[TenantName, TenantSettings], Field(max_length=1024,
+                       description="a mapping of tenant names to their settings")] = doc({},
+        "The tenants API keys name (`proxy.api_keys_file` lines `KEY TENANT`; a key alone is `default`'s), "
+        "each `NAME: {weight, max_in_flight, max_queued, requests_per_minute, tokens_per_minute}`, every "
+        "setting optional. Inside each model's pool the next free slot goes to the waiting tenant furthest "
+        "behind its weighted share of tokens; a tenant's own requests keep their order. Empty: one tenant, "
+        "`default`, first come first served as before. A key file naming a tenant not defined here is refused. "
+        "nginx mode cannot share slots by tenant: `swap-to-nginx` refuses a host with tenants.")
 
 
 class NginxSettings(Section):

@@ -322,12 +322,52 @@ def host_view(target: Target) -> dict:
             old = first.proxy.values("proxy_requests_total", "status")
             out["r429_min"] = max(0.0, out["r429"] - old.get("429", 0.0))
             out["r503_min"] = max(0.0, out["r503"] - old.get("503", 0.0))
+        out["tenants"] = tenant_views(hv.name, frames)
     for f in reversed(frames):              # the newest smi reading (sampled every 2 s at most)
         if f.cards is not None or f.smi_error:
             out["cards"] = f.cards
             if f.smi_error:
                 out["errors"].append(f.smi_error)
             break
+    return out
+
+
+def tenant_views(host: str, frames: list[Frame]) -> list[dict]:
+    """A proxy's tenants (none when it has only `default`): slots held, waiting, requests per second,
+    refusals by their limits, and the wait for a slot (p50 over the last minute)."""
+    pm = frames[-1].proxy
+    flight = pm.values("proxy_tenant_in_flight", "tenant")
+    if set(flight) <= {"default"}:
+        return []
+    queued = pm.values("proxy_tenant_queue_length", "tenant")
+    weight = pm.values("proxy_tenant_weight", "tenant")
+    served = pm.values("proxy_tenant_requests_total", "tenant")
+    limited = pm.values("proxy_tenant_limited_total", "tenant")
+    old = _since(frames, RATE_S)
+    first = _since(frames, WINDOW_S)
+    out = []
+    for name in flight:
+        rps = None
+        if old is not None and old.proxy is not None:
+            rps = _rate(served.get(name), old.proxy.values("proxy_tenant_requests_total", "tenant").get(name),
+                        frames[-1].t - old.t)
+        wait = None
+        if first is not None and first.proxy is not None:
+            wait = quantile(0.5, delta_buckets(_tenant_buckets(pm, name), _tenant_buckets(first.proxy, name)))
+        out.append({"host": host, "tenant": name, "weight": weight.get(name), "in_flight": flight[name],
+                    "queued": queued.get(name), "rps": rps, "limited": limited.get(name, 0.0), "wait_p50": wait})
+    return out
+
+
+def _tenant_buckets(pm: Metrics, tenant: str) -> dict[float, float]:
+    """One tenant's queue-wait histogram buckets."""
+    out: dict[float, float] = {}
+    for labels, v in pm.by_name.get("proxy_tenant_queue_wait_seconds_bucket", ()):
+        if labels.get("tenant") == tenant:
+            try:
+                out[float(labels.get("le", "nan"))] = v
+            except ValueError:
+                continue
     return out
 
 
@@ -459,6 +499,18 @@ def render(v: dict, events_shown: list[str], width: int, interval: float, title:
             cells.append(f"{r} ({i['last_reason']})" if r and i.get("last_reason") else str(r))
         table.add_row(*cells)
     parts = [head, hosts, Text(""), table]
+    tenants = [t for h in v["hosts"] for t in h.get("tenants") or ()]
+    if tenants:
+        several_hosts = len({t["host"] for t in tenants}) > 1
+        by_tenant = Table(box=None, pad_edge=False, show_edge=False)
+        for col in ("tenant", "weight", "flight", "queued", "r/s", "wait p50", "429"):
+            by_tenant.add_column(col, justify="left" if col == "tenant" else "right", no_wrap=True)
+        for t in tenants:
+            name = f"{t['host']}/{t['tenant']}" if several_hosts else t["tenant"]
+            by_tenant.add_row(name, _num(t["weight"], "{:.0f}"), _num(t["in_flight"], "{:.0f}"),
+                              _num(t["queued"], "{:.0f}"), _num(t["rps"]), _ms(t["wait_p50"]),
+                              _num(t["limited"], "{:.0f}"))
+        parts += [Text(""), by_tenant]
     errors = [f"{h['host']}: {e}" for h in v["hosts"] for e in h["errors"]]
     if errors:
         parts.append(Text(""))

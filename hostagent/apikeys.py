@@ -16,6 +16,7 @@ import hashlib
 
 from . import files
 
+DEFAULT = "default"                 # the tenant of a key written alone (proxy/admission.py's)
 VARIABLE = "$fleet_authorized"
 DIGEST_LINE = "# keys digest: "     # then apikeys.digest of the keys in the map: what a deploy compares
 
@@ -25,9 +26,10 @@ class KeysError(Exception):
 
 
 def read_keys(path: str) -> list:
-    """The keys of path, one per line (# comments and blank lines skipped), as the proxy reads them;
-    KeysError when nginx cannot check one of them."""
-    keys = _in_order(path)
+    """The keys of path, one per line (# comments and blank lines skipped; a line's tenant, `KEY TENANT`,
+    left out: nginx mode shares no slots by tenant), as the proxy reads them; KeysError when nginx cannot
+    check one of them."""
+    keys = [k for k, _ in _in_order(path)]
     for n, k in enumerate(keys, 1):
         if not all(0x21 <= ord(c) <= 0x7E for c in k):
             # A Bearer token is printable ASCII without blanks (RFC 6750); nginx compares bytes.
@@ -37,9 +39,9 @@ def read_keys(path: str) -> list:
 
 
 def load(path: str) -> list:
-    """The keys of path, sorted, each once; KeysError (one sentence, no key in it) when there is none or
-    the file cannot be read."""
-    return sorted(set(_in_order(path)))
+    """The lines of path as the proxy reads them, `KEY` (tenant default) or `KEY TENANT`, sorted, each
+    once; KeysError (one sentence, no key in it) when there is none or the file cannot be read."""
+    return sorted(set(k if t is None or t == DEFAULT else k + " " + t for k, t in _in_order(path)))
 
 
 def _in_order(path: str) -> list:
@@ -53,16 +55,24 @@ def _in_order(path: str) -> list:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise KeysError("api_keys_file %s is not UTF-8 text." % path) from None
-    keys = [k.strip() for k in text.splitlines()]
-    keys = [k for k in keys if k and not k.startswith("#")]
+    keys = []
+    for n, line in enumerate(text.splitlines(), 1):
+        words = line.split()
+        if not words or words[0].startswith("#"):
+            continue
+        if len(words) > 2:
+            raise KeysError("api_keys_file %s line %d has more than a key and a tenant; write `KEY` or "
+                            "`KEY TENANT`." % (path, n))
+        keys.append((words[0], words[1] if len(words) > 1 else None))
     if not keys:
         raise KeysError("api_keys_file %s holds no key; put one key per line, or drop the setting." % path)
     return keys
 
 
 def digest(keys: list) -> str:
-    """The keys' fingerprint, as the proxy reports the digest of those it runs with (proxy.config's
-    keys_digest: the first 16 hex digits of the SHA-256 of the keys sorted, one per line)."""
+    """The keys' fingerprint (keys: load's lines, `KEY` or `KEY TENANT`), as the proxy reports the digest
+    of those it runs with (proxy.config's keys_digest: the first 16 hex digits of the SHA-256 of the lines
+    sorted, one per line)."""
     return hashlib.sha256("\n".join(sorted(keys)).encode()).hexdigest()[:16]
 
 
@@ -93,10 +103,11 @@ def pattern(key: str) -> str:
     return '"~^(?i:bearer)[ \\t]+%s[ \\t]*\\z"' % escaped
 
 
-def render(keys: list) -> str:
-    """The text of run/nginx_keys.conf: the map nginx.conf includes inside `http {}`."""
+def render(keys: list, keys_digest: "str | None" = None) -> str:
+    """The text of run/nginx_keys.conf: the map nginx.conf includes inside `http {}`; keys_digest: the key
+    file's (its tenants counted), digest(keys) when not given."""
     lines = ["# Written by hostagent from proxy.api_keys_file: readable by the deployment's user only.",
-             DIGEST_LINE + digest(keys),
+             DIGEST_LINE + (keys_digest or digest(keys)),
              "map $http_authorization %s {" % VARIABLE, "    default 0;"]
     lines += ["    %s 1;" % pattern(k) for k in keys]
     return "\n".join(lines + ["}"]) + "\n"
@@ -105,4 +116,4 @@ def render(keys: list) -> str:
 def write(path: str, keys_file: str) -> bool:
     """Write path (mode 0600, atomically) from keys_file when its text differs; True when it changed.
     KeysError when keys_file cannot be used: the file in place is then left as it was."""
-    return files.write_if_changed(path, render(read_keys(keys_file)), mode=0o600)
+    return files.write_if_changed(path, render(read_keys(keys_file), digest(load(keys_file))), mode=0o600)

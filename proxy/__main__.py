@@ -14,7 +14,7 @@ from aiohttp import web
 from . import logfile, otlp
 from .app import make_admin_app, make_app
 from .listener import listen_socket, queued, steer_away, stop_steering
-from .state import PROXY
+from .state import PROXY, tenant_names
 from .config import ConfigError, load_api_keys, load_config
 
 log = logging.getLogger("proxy")
@@ -179,7 +179,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format=logfile.FORMAT)
     try:
         config = load_config(args.config)
-        load_api_keys(config.api_keys_file)
+        load_api_keys(config.api_keys_file, tenant_names(config))
         if config.otlp.endpoint is not None and otlp.missing():   # the SDK is optional: checked when asked for
             raise ConfigError(otlp.missing())
     except ConfigError as e:

@@ -197,6 +197,11 @@ def make_admin_app(proxy: Proxy) -> web.Application:
                                   "log": [c.log.max_mb, c.log.backups], "slots": c.slots,
                                   "queue": {"max": c.queue.max, "timeout_s": c.queue.timeout_s},
                                   "queued": proxy.router.queued,
+                                  "tenants": [{"name": t.name, "weight": t.weight, "in_flight": t.in_flight,
+                                               "queued": t.queued, **{k: v for k, v in
+                                                                      dataclasses.asdict(t.config).items()
+                                                                      if k != "weight"}}
+                                              for t in proxy.tenants.by_name.values()],
                                   "routing": dataclasses.asdict(c.routing),
                                   "otlp": dataclasses.asdict(c.otlp),
                                   "models": [{"name": p.name, "aliases": list(p.aliases),

@@ -3,10 +3,10 @@ it is unit-testable."""
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Collection, Iterable
 
+from .admission import FairQueue, Tenant
 from .routing import Route, RoutingConfig, make_policy
 
 
@@ -16,6 +16,10 @@ class QueueFull(Exception):
 
 class QueueTimeout(Exception):
     """A request waited proxy.queue.timeout_s in the queue without a slot coming free."""
+
+
+class TenantFull(Exception):
+    """The request's tenant may not have one more waiting (its max_queued): args (limit, sentence)."""
 
 
 @dataclass
@@ -63,21 +67,26 @@ class Backend:
                 "fails": self.fails, "ejections": self.ejections}
 
 
-@dataclass
+@dataclass(eq=False)
 class Waiter:
-    """A request in the queue: its future (set to the backend it gets), its route, and how many
-    requests behind it were handed a slot first (a policy's look-ahead, such as prefix's; bounded)."""
+    """A request in the queue: its future (set to the backend it gets), its route, its tenant (None:
+    `default`), its prompt's tokens as admission reckoned them (0: the route's), and how many requests
+    behind it in the fair order were handed a slot first (a policy's look-ahead, such as prefix's; bounded)."""
 
     future: asyncio.Future
     route: Route | None = None
+    tenant: Tenant | None = None
+    tokens: int = 0
     overtaken: int = 0
+    seq: int = 0        # its place in arrival order (the fair queue's tie-break)
 
 
 class Balancer:
-    """One pool: its backends and their slots, and one FIFO queue for the requests that find every
-    slot taken, each handed the first slot freed anywhere. Among the backends with a free slot the
-    routing policy picks (proxy/routing/), given the least loaded (ties broken round robin); it may
-    hand a freed slot to a waiter other than the queue's head.
+    """One pool: its backends and their slots, and one fair queue (proxy/admission.py: a FIFO per
+    tenant, weighted across tenants) for the requests that find every slot taken, each handed the first
+    slot freed anywhere in the queue's fair order. Among the backends with a free slot the routing
+    policy picks (proxy/routing/), given the least loaded (ties broken round robin); it may hand a freed
+    slot to a waiter other than the fair order's first.
 
     slots: a backend's slots (0: no limit). queue_max: how many may wait (0: none, refuse at once).
     """
@@ -87,7 +96,7 @@ class Balancer:
         self.backends: dict[str, Backend] = {}
         self._order: list[Backend] = []
         self._cursor = 0  # where the next tie-break scan starts
-        self._queue: deque[Waiter] = deque()
+        self._queue = FairQueue()
         self.queue_max = queue_max
         self.slots = slots
         self.policy = make_policy(routing or RoutingConfig())
@@ -132,11 +141,12 @@ class Balancer:
         return added, removed
 
     def acquire(self, exclude: Collection[Backend] = (), over: bool = False,
-                route: Route | None = None) -> Backend | None:
+                route: Route | None = None, tenant: Tenant | None = None, tokens: int = 0) -> Backend | None:
         """Pick a backend with a free slot (not one of exclude) and count the request on it at once,
         or None. over: when no slot is free, the least loaded available backend all the same (a retry,
         which already held a slot elsewhere). route: what the policy made of the request (its
-        route_of); the policy writes its decision into it.
+        route_of); the policy writes its decision into it. tenant: counted too (a retry's is already), and
+        charged the request's prompt (tokens, or the route's) in the fair queue's count of its service.
 
         Pick and count are one step with no await between them: counting later (the seed counted
         after reading the body) lets many requests see the same backend as idlest.
@@ -158,81 +168,104 @@ class Balancer:
         best.in_flight += 1
         if best.in_flight > best.peak_in_flight:
             best.peak_in_flight = best.in_flight
+        if tenant is not None:
+            tenant.in_flight += 1
+            self._queue.charge(tenant, self._queue.cost(tokens, route))
         return best
 
-    async def wait_for_slot(self, timeout_s: float, route: Route | None = None) -> Backend | None:
-        """A backend with the request counted on it, once the requests queued before it have theirs
-        (the caller tried `acquire` first when nobody waited). None when no backend is available at all.
+    def may_take(self, tenant: Tenant | None = None) -> bool:
+        """Whether a new request may try `acquire` at once: nobody the fair order would serve first
+        waits, and its tenant is below its max_in_flight."""
+        if tenant is not None and not tenant.may_run:
+            return False
+        return not self._queue or next(iter(self._queue), None) is None   # no fair order to build when empty
 
-        Raises QueueFull (nobody may wait, or queue_max wait already) or QueueTimeout (timeout_s
-        waited). A caller cancelled while waiting (its client left) leaves the queue; a slot handed
-        to it in that instant goes on to the next in line, so no count is ever lost.
+    async def wait_for_slot(self, timeout_s: float, route: Route | None = None,
+                            tenant: Tenant | None = None, tokens: int = 0) -> Backend | None:
+        """A backend with the request (and its tenant) counted on it, once the requests the fair order
+        serves before it have theirs (the caller tried `acquire` first when it could). None when no
+        backend is available at all.
+
+        Raises QueueFull (nobody may wait, or queue_max wait already and its tenant holds no less of
+        the queue than any other, by weight; else the newest waiter of the tenant that holds the most
+        gets QueueFull in its place), TenantFull (its tenant's
+        max_queued wait already) or QueueTimeout (timeout_s waited). A caller cancelled while waiting
+        (its client left) leaves the queue; a slot handed to it in that instant goes on to the next in
+        line, so no count is ever lost.
         """
-        if not self._queue:
-            backend = self.acquire(route=route)   # a slot may have come free since the caller looked
+        if self.may_take(tenant):
+            backend = self.acquire(route=route, tenant=tenant, tokens=tokens)   # a slot may have come free since
             if backend is not None:
                 return backend
         if not self.available_count():
             return None
         if len(self._queue) >= self.queue_max:
-            raise QueueFull()
+            crowding = self._queue.crowding(tenant)   # the full queue's biggest share gives way, newest first
+            if crowding is None:
+                raise QueueFull()
+            self._queue.remove(crowding)
+            crowding.future.set_exception(QueueFull())
+        if tenant is not None and (why := tenant.queue_refusal()) is not None:
+            raise TenantFull(*why)
         loop = asyncio.get_running_loop()
-        waiter = loop.create_future()
-        self._queue.append(Waiter(waiter, route))
+        waiter = Waiter(loop.create_future(), route, tenant, tokens)
+        self._queue.append(waiter)
         timer = loop.call_later(timeout_s, self._expire, waiter)
         try:
-            return await waiter
+            return await waiter.future
         except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
-                self.release(waiter.result())   # handed a slot as the client left: pass it on
+            if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
+                self.release(waiter.future.result(), tenant)   # handed a slot as the client left: pass it on
             else:
-                self._forget(waiter)
+                self._queue.remove(waiter)
             raise
         finally:
             timer.cancel()
 
-    def _expire(self, waiter: asyncio.Future) -> None:
-        if not waiter.done():
-            self._forget(waiter)
-            waiter.set_exception(QueueTimeout())
-
-    def _forget(self, waiter: asyncio.Future) -> None:
-        for w in self._queue:
-            if w.future is waiter:
-                self._queue.remove(w)
-                return
+    def _expire(self, waiter: Waiter) -> None:
+        if not waiter.future.done():
+            self._queue.remove(waiter)
+            waiter.future.set_exception(QueueTimeout())
 
     def dispatch(self) -> None:
-        """Hand free slots to the requests waiting, first come first served, unless the policy prefers
-        another waiter (prefix: one of the first routing.lookahead whose prefix lives on a free backend,
-        no waiter passed over more than lookahead times)."""
+        """Hand free slots to the requests waiting, in the fair queue's order (its first: the tenant
+        furthest behind its weighted share, that tenant's oldest request), unless the policy prefers
+        another waiter of that order (prefix: one of the first routing.lookahead whose prefix lives on a
+        free backend, no waiter passed over more than lookahead times)."""
         while self._queue:
-            head = self._queue[0]
+            head = next(iter(self._queue), None)
+            if head is None:          # only tenants at their max_in_flight wait
+                return
             if head.future.done():   # cancelled, its task not run yet (it would forget itself)
-                self._queue.popleft()
+                self._queue.remove(head)
                 continue
             chosen = self.policy.waiter(self._queue, self._order) or head
-            backend = self.acquire(route=chosen.route)
+            backend = self.acquire(route=chosen.route, tenant=chosen.tenant, tokens=chosen.tokens)
             if backend is None:
                 return
-            if chosen is head:
-                self._queue.popleft()
-            else:
+            if chosen is not head:
                 for w in self._queue:
                     if w is chosen:
                         break
                     w.overtaken += 1
-                self._queue.remove(chosen)
+            self._queue.served(chosen)
             chosen.future.set_result(backend)
+
+    def ended(self, tenant: Tenant | None, output_tokens: int) -> None:
+        """A request of tenant's ended having produced output_tokens (its usage): the fair queue counts them."""
+        self._queue.ended(tenant, output_tokens)
 
     @property
     def queued(self) -> int:
         """How many requests wait for a slot."""
         return len(self._queue)
 
-    def release(self, backend: Backend) -> None:
-        """Uncount one finished request; its slot goes to the first request waiting, if any."""
+    def release(self, backend: Backend, tenant: Tenant | None = None) -> None:
+        """Uncount one finished request (and its tenant's, when given); its slot goes to the first request
+        in the fair order, if any."""
         backend.in_flight -= 1
+        if tenant is not None:
+            tenant.in_flight -= 1
         self.policy.ended(backend)
         if self._queue:
             self.dispatch()

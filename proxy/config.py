@@ -4,16 +4,19 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import math
+import re
 import urllib.parse
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from .admission import DEFAULT, TENANT_KEYS, TenantConfig
 from .routing import POLICIES, RoutingConfig
 
 MIB = 1024 * 1024
+TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")   # fleet/schema.py has the same
 
 
 class ConfigError(Exception):
@@ -127,6 +130,7 @@ class ProxyConfig:
     models: tuple[ModelPool, ...] = ()  # empty: one pool of every backend, the body's model is not read
     routing: RoutingConfig = RoutingConfig()
     otlp: OtlpConfig = OtlpConfig()
+    tenants: dict = field(default_factory=dict)   # name -> TenantConfig; `default` is there without it
 
     @property
     def max_body_bytes(self) -> int:
@@ -136,7 +140,7 @@ class ProxyConfig:
 
 TOP_KEYS = ("listen", "admin", "backends", "health", "timeout_s", "connect_timeout_s",
             "max_body_mb", "results_log", "log", "retries", "max_fails", "shutdown_timeout_s",
-            "fix_numeric_user", "api_keys_file", "slots", "queue", "models", "routing", "otlp")
+            "fix_numeric_user", "api_keys_file", "slots", "queue", "models", "routing", "otlp", "tenants")
 ROUTING_KEYS = tuple(f.name for f in fields(RoutingConfig))
 POOL_KEYS = ("name", "aliases", "adapters", "slots", "backends")
 
@@ -158,8 +162,10 @@ def load_config(path: str | Path) -> ProxyConfig:
     return parse_config(data, source=str(path))
 
 
-def load_api_keys(path: str | None) -> frozenset[bytes] | None:
-    """The client API keys in path, one per line (# comments), or None when auth is off."""
+def load_api_keys(path: str | None, tenants=(DEFAULT,)) -> dict[bytes, str] | None:
+    """The client API keys in path and the tenant of each, or None when auth is off. A line is `KEY` (the
+    tenant `default`) or `KEY TENANT`, TENANT one of tenants (the config's); # comments and blank lines
+    skipped. No error names a key, only its line."""
     if path is None:
         return None
     try:
@@ -168,19 +174,36 @@ def load_api_keys(path: str | None) -> frozenset[bytes] | None:
         raise ConfigError(f"cannot read api_keys_file {path}: {e.strerror or e}.") from None
     except UnicodeDecodeError:
         raise ConfigError(f"api_keys_file {path} is not UTF-8 text.") from None
-    keys = frozenset(k.strip().encode() for k in lines if k.strip() and not k.strip().startswith("#"))
+    keys: dict[bytes, str] = {}
+    for n, line in enumerate(lines, 1):
+        words = line.split()
+        if not words or words[0].startswith("#"):
+            continue
+        if len(words) > 2:
+            raise ConfigError(f"api_keys_file {path} line {n} has more than a key and a tenant; write `KEY` "
+                              "or `KEY TENANT`.")
+        key, tenant = words[0].encode(), (words[1] if len(words) == 2 else DEFAULT)
+        if tenant not in tenants:
+            raise ConfigError(f"api_keys_file {path} line {n} names the tenant {tenant!r}, which proxy.tenants "
+                              f"does not define (it has {', '.join(sorted(tenants))}); add it there or fix the line.")
+        if keys.get(key, tenant) != tenant:
+            raise ConfigError(f"api_keys_file {path} line {n} gives a key listed before to another tenant; "
+                              "give each key one tenant.")
+        keys[key] = tenant
     if not keys:
         raise ConfigError(f"api_keys_file {path} holds no key; put one key per line, or drop the setting.")
     return keys
 
 
-def keys_digest(keys: frozenset[bytes] | None) -> str | None:
-    """A short fingerprint of a set of API keys (None: auth off): the first 16 hex digits of the SHA-256 of
-    the keys sorted, one per line. /admin/config reports the running one; the host agent computes the same
-    from the key file (hostagent.apikeys.digest), so a deploy knows whether the proxy runs the file's keys."""
+def keys_digest(keys: dict[bytes, str] | None) -> str | None:
+    """A short fingerprint of the API keys and their tenants (None: auth off): the first 16 hex digits of
+    the SHA-256 of the lines `KEY` (tenant default) or `KEY TENANT`, sorted, one per line. /admin/config
+    reports the running one; the host agent computes the same from the key file (hostagent.apikeys.digest),
+    so a deploy knows whether the proxy runs the file's keys."""
     if keys is None:
         return None
-    return hashlib.sha256(b"\n".join(sorted(keys))).hexdigest()[:16]
+    lines = sorted(k if t == DEFAULT else k + b" " + t.encode() for k, t in keys.items())
+    return hashlib.sha256(b"\n".join(lines)).hexdigest()[:16]
 
 
 def parse_config(data: Any, source: str = "config") -> ProxyConfig:
@@ -235,6 +258,7 @@ def parse_config(data: Any, source: str = "config") -> ProxyConfig:
         models=_models(top.get("models"), backends),
         routing=_routing(top.get("routing", {})),
         otlp=_otlp(top.get("otlp", {})),
+        tenants=_tenants(top.get("tenants")),
     )
 
 
@@ -287,6 +311,25 @@ def _routing(value: Any) -> RoutingConfig:
     return RoutingConfig(policy=policy, **{
         f.name: _bounded(m, f.name, getattr(d, f.name), *f.metadata["bounds"], prefix="routing.")
         for f in fields(RoutingConfig) if "bounds" in f.metadata})
+
+
+def _tenants(value: Any) -> dict[str, TenantConfig]:
+    """The tenants section: name -> its settings, each within the bounds TenantConfig declares."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"tenants must be a mapping of tenant names to their settings, not {type(value).__name__}.")
+    out = {}
+    for name, settings in value.items():
+        if not isinstance(name, str) or not TENANT_NAME.match(name):
+            raise ConfigError(f"tenant name {name!r} must be letters, digits, '.', '_' or '-' (at most 64).")
+        where = f"tenants.{name}"
+        m = _mapping(settings, where, TENANT_KEYS)
+        out[name] = TenantConfig(**{
+            f.name: (None if m.get(f.name) is None and f.default is None
+                     else _bounded(m, f.name, f.default or 0, *f.metadata["bounds"], prefix=f"{where}."))
+            for f in fields(TenantConfig)})
+    return out
 
 
 def _otlp(value: Any) -> OtlpConfig:

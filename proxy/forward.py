@@ -6,6 +6,7 @@ import asyncio
 import hmac
 import itertools
 import json
+import math
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -15,7 +16,8 @@ import aiohttp
 from aiohttp import web
 from yarl import URL  # aiohttp's own URL type; encoded=True passes the client's path through as sent
 
-from .balancer import Backend, Balancer, QueueFull, QueueTimeout
+from .admission import DEFAULT, Tenant
+from .balancer import Backend, Balancer, QueueFull, QueueTimeout, TenantFull
 from .fixups import fix_numeric_user
 from .models import NO_MODEL, model_of
 from .results_log import LOGGED_PATHS, ResponseObserver, trace_id_of, user_value
@@ -37,6 +39,7 @@ NO_BACKEND = "none"              # the metrics label of answers no backend saw (
 # The client's own is replaced by the attempt's (tracestate passes through); host and length are the proxy's.
 NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", "traceparent"}
 TRACE_ID = "otel_trace_id"      # the request's key of its W3C trace id (the X-Trace-Id header, app.py)
+TOKEN_BYTES = 4                  # a prompt not yet read is reckoned at its body's length over this
 
 
 _ID_PREFIX = secrets.token_hex(8)   # this process's own: ids stay unique across restarts and workers
@@ -118,6 +121,10 @@ class Exchange:
     spans: object | None = None    # where its spans go (proxy.spans at arrival), when they are exported
     tried: list | None = None      # every attempt's Outcome, kept when spans are exported
     wall_ns: int = 0               # time.time_ns() at arrival, when spans are exported
+    tenant: Tenant | None = None   # whose request it is (its API key's tenant), once the key is checked
+    tokens: int = 0                # its prompt's tokens as admission reckoned them (the token bucket's take)
+    admitted: bool = False         # taken from its tenant's buckets (given back if it never gets a slot)
+    balancer: Balancer | None = None  # the pool that counts its tenant's service (the fair queue)
 
     def __post_init__(self) -> None:
         self.logged = self.request.method == "POST" and self.request.path in LOGGED_PATHS
@@ -203,8 +210,25 @@ def _settle(ex: Exchange, proxy) -> None:
     _log_attempt(ex, proxy, ex.backend if ex.attempts else None, out, final=True)   # a whole answer parsed here
     if out.observer is not None and out.observer.reported_tokens is not None:
         metrics.produced(ex.backend, ex.pool or "", out.observer.reported_tokens)
+    if ex.tenant is not None:
+        _tenant_settled(ex, proxy, out)
     if ex.spans is not None:
         ex.spans.record(_span_record(ex, out.status))
+
+
+def _tenant_settled(ex: Exchange, proxy, out: Outcome) -> None:
+    """The tenant's side of a settled request: its answer counted, its token bucket and its fair share
+    corrected by the answer's usage (what it really took against what admission reckoned)."""
+    observer = out.observer
+    prompt = observer.prompt_tokens if observer is not None and observer.prompt_tokens is not None else None
+    output = observer.reported_tokens if observer is not None and observer.reported_tokens is not None else 0
+    proxy.metrics.tenant_answered(ex.tenant.name, out.status, prompt or 0, output)
+    if ex.admitted and ex.slot is None:
+        ex.tenant.refunded(ex.tokens)     # turned away by the queue: it used nothing of the fleet
+    elif ex.admitted:
+        ex.tenant.used(ex.tokens, (ex.tokens if prompt is None else prompt) + output)
+    if ex.balancer is not None and ex.slot is not None:
+        ex.balancer.ended(ex.tenant, output)
 
 
 def _count(proxy, ex: Exchange, backend: str, status: int) -> None:
@@ -221,7 +245,8 @@ def _span_record(ex: Exchange, status: int) -> tuple:
                  o.error or (None if o.status else "the client went away")) for o in ex.tried]
     return (ex.request.method, ex.request.path, ex.t0, time.monotonic(), ex.wall_ns, status, ex.otel_trace,
             ex.parent_span, ex.flags, ex.backend, ex.pool or ex.model, ex.queued_ms, ex.ttfb, ex.request_id,
-            final.prompt_tokens if final else None, final.reported_tokens if final else None, attempts)
+            final.prompt_tokens if final else None, final.reported_tokens if final else None,
+            ex.tenant.name if ex.tenant is not None else None, attempts)
 
 
 def _ended(ex: Exchange, response: web.Response) -> web.Response:
@@ -232,17 +257,21 @@ def _ended(ex: Exchange, response: web.Response) -> web.Response:
 
 async def _answer(ex: Exchange, proxy) -> web.StreamResponse:
     """The request path once the request is an Exchange: key, pool, slot, then the backends."""
-    refused = _refused(ex.request, proxy, ex.request_id)
+    refused = _refused(ex, proxy)
     if refused is not None:
         return _ended(ex, refused)     # its body stays unread: nothing of it reaches the results log
     pool = await _pool(ex, proxy)
     if isinstance(pool, web.Response):
         return pool
+    _route(ex, pool)
+    limited = _rate_limited(ex, proxy)
+    if limited is not None:
+        return await _turned_away(ex, proxy, limited)
     # Counted here, before the body is read (the seed's pile-up fix), in the plain form; in the models
     # form and with a policy that reads the body right after it, pick and count still one step. A request that
-    # finds every slot of its pool taken waits its turn in the pool's queue.
-    _route(ex, pool)
-    backend = None if pool.queued else pool.acquire(route=ex.route)
+    # finds no slot, or someone its pool's fair queue serves first, waits its turn in that queue.
+    ex.balancer = pool
+    backend = pool.acquire(route=ex.route, tenant=ex.tenant) if pool.may_take(ex.tenant) else None
     if backend is None:
         backend = await _wait_for_slot(ex, proxy, pool)
         if isinstance(backend, web.Response):
@@ -255,6 +284,37 @@ async def _pool(ex: Exchange, proxy) -> Balancer | web.Response:
     if proxy.router.needs_body:
         return await _pool_of(ex, proxy)
     return proxy.router.only()
+
+
+def _rate_limited(ex: Exchange, proxy) -> web.Response | None:
+    """The 429 of a tenant past its requests or tokens per minute, else None (and the request is taken
+    from its buckets: its prompt's tokens as reckoned now, corrected by its usage when it ends)."""
+    tenant = ex.tenant
+    ex.tokens = _prompt_tokens(ex)
+    why = tenant.refusal()
+    if why is None:
+        tenant.admitted(ex.tokens)
+        ex.admitted = True
+        return None
+    limit, message, wait = why
+    return _limit_error(ex, proxy, limit, message, max(1, math.ceil(wait)))
+
+
+def _limit_error(ex: Exchange, proxy, limit: str, message: str, retry_after: int) -> web.Response:
+    """A tenant's 429: OpenAI's rate-limit error shape, naming the limit, with Retry-After."""
+    proxy.metrics.tenant_limited(ex.tenant.name, limit)
+    return web.json_response({"error": {"message": message, "type": "rate_limit_exceeded", "param": limit,
+                                        "code": 429}}, status=429,
+                             headers={"X-Request-Id": ex.request_id, "Retry-After": str(retry_after)})
+
+
+def _prompt_tokens(ex: Exchange) -> int:
+    """The request's prompt in tokens, as well as admission can tell: the routing policy's count when it
+    read the body, else the body's length (the request's Content-Length when unread) over TOKEN_BYTES."""
+    if ex.route is not None:
+        return ex.route.prompt_tokens
+    size = len(ex.body) if ex.read else (ex.request.content_length or 0)
+    return size // TOKEN_BYTES
 
 
 def _route(ex: Exchange, pool: Balancer) -> None:
@@ -287,7 +347,7 @@ async def _forward(ex: Exchange, proxy, pool: Balancer, backend: Backend) -> web
             raise
         return ex.request["response"]      # already started; aiohttp has nobody left to send it to
     finally:
-        pool.release(ex.slot)
+        pool.release(ex.slot, ex.tenant)
 
 
 async def _tries(ex: Exchange, proxy, pool: Balancer) -> Outcome:
@@ -370,7 +430,7 @@ async def _pool_of(ex: Exchange, proxy) -> Balancer | web.Response:
 
 async def _listing(ex: Exchange, proxy) -> web.Response:
     """The models form's answer to GET /v1/models."""
-    refused = _refused(ex.request, proxy, ex.request_id)
+    refused = _refused(ex, proxy)
     if refused is not None:
         return _ended(ex, refused)
     listing = proxy.router.listing()
@@ -386,7 +446,10 @@ async def _wait_for_slot(ex: Exchange, proxy, pool: Balancer) -> Backend | web.R
     config, metrics = proxy.config, proxy.metrics
     ids = {"X-Request-Id": ex.request_id}
     try:
-        backend = await pool.wait_for_slot(config.queue.timeout_s, ex.route)
+        backend = await pool.wait_for_slot(config.queue.timeout_s, ex.route, ex.tenant, ex.tokens)
+    except TenantFull as full:
+        limit, message = full.args
+        return await _turned_away(ex, proxy, _limit_error(ex, proxy, limit, message, RETRY_AFTER_FULL_S))
     except QueueFull:
         metrics.queue_rejected.labels("full").inc()
         return await _turned_away(ex, proxy, json_error(
@@ -408,6 +471,7 @@ async def _wait_for_slot(ex: Exchange, proxy, pool: Balancer) -> Backend | web.R
             503, f"no healthy backend{where}; check `inv status`.", "no_backend", ids))
     ex.queued_ms = round((time.monotonic() - ex.t0) * 1000, 1)
     metrics.queue_wait.observe(ex.queued_ms / 1000)
+    metrics.tenant_waited(ex.tenant.name, ex.queued_ms / 1000)
     return backend
 
 
@@ -423,18 +487,29 @@ async def _turned_away(ex: Exchange, proxy, response: web.Response) -> web.Respo
     return response
 
 
-def _refused(request: web.Request, proxy, request_id: str) -> web.Response | None:
-    """The 401 for a request without one of the API keys (when keys are set), else None."""
-    if proxy.api_keys is None or _authorized(request, proxy.api_keys):
+def _refused(ex: Exchange, proxy) -> web.Response | None:
+    """The 401 for a request without one of the API keys (when keys are set), else None; the request's
+    tenant is then its key's (`default` when keys are off)."""
+    keys = proxy.api_keys
+    name = DEFAULT if keys is None else _tenant_of(ex.request, keys)
+    if name is not None:
+        ex.tenant = proxy.tenants[name]
         return None
     return json_error(401, "missing or wrong API key; send `Authorization: Bearer <key>`.",
-                      "unauthorized", {"X-Request-Id": request_id, "WWW-Authenticate": "Bearer"})
+                      "unauthorized", {"X-Request-Id": ex.request_id, "WWW-Authenticate": "Bearer"})
 
 
-def _authorized(request: web.Request, keys: frozenset) -> bool:
+def _tenant_of(request: web.Request, keys: dict) -> str | None:
+    """The tenant of the request's key, or None when it sent none of keys (each compared in constant time)."""
     scheme, _, key = request.headers.get("Authorization", "").partition(" ")
     key = key.strip().encode("utf-8", "surrogateescape")  # aiohttp keeps undecodable bytes as surrogates
-    return scheme.lower() == "bearer" and any(hmac.compare_digest(key, k) for k in keys)
+    if scheme.lower() != "bearer":
+        return None
+    found = None
+    for k, tenant in keys.items():
+        if hmac.compare_digest(key, k):
+            found = tenant
+    return found
 
 
 async def _read_body(ex: Exchange, proxy, backend: Backend | None) -> web.Response | None:
@@ -650,6 +725,8 @@ def _log_attempt(ex: Exchange, proxy, backend: str | None, out: Outcome, final: 
     if ex.route is not None:
         entry["route"] = ex.route.decision
         entry["match_tokens"] = ex.route.matched_tokens
+    if ex.tenant is not None:
+        entry["tenant"] = ex.tenant.name
     if ex.fixups:
         entry["fixups"] = ex.fixups
     summary = out.observer.summary() if out.observer else {"error": out.error}

@@ -15,6 +15,8 @@ TOKEN_BUCKETS = tuple(2 ** k for k in range(16))   # 1 .. 32768 output tokens
 # backend), so a panel or an increase() over them starts from 0 instead of "no data".
 QUEUE_REJECT_REASONS = ("full", "timeout", "gone")
 EJECTION_REASONS = ("connect_timeout", "connect", "5xx")
+TENANT_LIMITS = ("max_in_flight", "max_queued", "requests_per_minute", "tokens_per_minute")
+TENANT_STATUSES = ("200", "429")    # a known tenant's answers made at start: served, and refused by a limit
 UPSTREAM_ERROR_KINDS = ("connect_timeout", "connect", "disconnected", "timeout", "payload", "connection", "other")
 
 
@@ -59,10 +61,29 @@ class BackendState:
         return families
 
 
-class Metrics:
-    """Counters the request path bumps, plus the backend gauges."""
+class TenantState:
+    """Per-tenant gauges read from the proxy's tenants at scrape time."""
 
-    def __init__(self, router_of):
+    def __init__(self, tenants_of):
+        self._tenants_of = tenants_of
+
+    def collect(self):
+        in_flight = GaugeMetricFamily("proxy_tenant_in_flight", "Slots each tenant holds now", labels=["tenant"])
+        queued = GaugeMetricFamily("proxy_tenant_queue_length", "Requests of each tenant waiting for a slot",
+                                   labels=["tenant"])
+        weight = GaugeMetricFamily("proxy_tenant_weight", "Each tenant's weight in the fair share of slots",
+                                   labels=["tenant"])
+        for t in self._tenants_of().by_name.values():
+            in_flight.add_metric([t.name], t.in_flight)
+            queued.add_metric([t.name], t.queued)
+            weight.add_metric([t.name], t.weight)
+        return [in_flight, queued, weight]
+
+
+class Metrics:
+    """Counters the request path bumps, plus the backend and tenant gauges."""
+
+    def __init__(self, router_of, tenants_of=None):
         self.registry = r = CollectorRegistry()
         self.requests = Counter("proxy_requests", "Proxied requests by backend and status",
                                 ["backend", "status"], registry=r)
@@ -108,7 +129,22 @@ class Metrics:
         self.spans_dropped = Counter("proxy_trace_spans_dropped",
                                      "Spans not exported (proxy.otlp): the export queue full, or the collector "
                                      "unreachable or refusing them", registry=r)
+        self.tenant_requests = Counter("proxy_tenant_requests", "Requests by tenant (its API key's) and status",
+                                       ["tenant", "status"], registry=r)
+        self.tenant_wait = Histogram("proxy_tenant_queue_wait_seconds",
+                                     "Time a tenant's request waited for a slot, of those that found none free",
+                                     ["tenant"], buckets=WAIT_BUCKETS, registry=r)
+        self.tenant_tokens = Counter("proxy_tenant_tokens", "Tokens by tenant: prompt and output, from usage",
+                                     ["tenant", "kind"], registry=r)
+        self.tenant_limits = Counter("proxy_tenant_limited", "Requests refused with 429 by a tenant's limit",
+                                     ["tenant", "limit"], registry=r)
         r.register(BackendState(router_of))
+        if tenants_of is not None:
+            r.register(TenantState(tenants_of))
+        self._tenant_answered: dict = {}   # (tenant, status) -> its counter child
+        self._tenant_waited: dict = {}     # (tenant,) -> its histogram child
+        self._tenant_tokens: dict = {}     # (tenant, kind) -> its counter child
+        self._tenant_limited: dict = {}    # (tenant, limit) -> its counter child
         self._answered: dict = {}   # (backend, status) -> its counter child: labels() costs on every call
         self._timed: dict = {}      # backend -> its duration histogram child
         self._by_model: dict = {}   # (model, status) -> its counter child
@@ -133,6 +169,33 @@ class Metrics:
                 self.ejections.labels(name, reason)
             for kind in UPSTREAM_ERROR_KINDS:
                 self.upstream_errors.labels(name, kind)
+
+    def cover_tenants(self, names) -> None:
+        """Make each known tenant's series at 0 (a panel then starts from 0, not "no data")."""
+        for name in names:
+            for status in TENANT_STATUSES:
+                self.tenant_requests.labels(name, status)
+            for kind in ("prompt", "output"):
+                self.tenant_tokens.labels(name, kind)
+            for limit in TENANT_LIMITS:
+                self.tenant_limits.labels(name, limit)
+            self.tenant_wait.labels(name)
+
+    def tenant_answered(self, tenant: str, status: int, prompt_tokens: int, output_tokens: int) -> None:
+        """Count one settled request of tenant, and the tokens its usage reported."""
+        _child(self._tenant_answered, self.tenant_requests, tenant, str(status)).inc()
+        if prompt_tokens:
+            _child(self._tenant_tokens, self.tenant_tokens, tenant, "prompt").inc(prompt_tokens)
+        if output_tokens:
+            _child(self._tenant_tokens, self.tenant_tokens, tenant, "output").inc(output_tokens)
+
+    def tenant_waited(self, tenant: str, seconds: float) -> None:
+        """Observe how long one of tenant's requests waited for its slot."""
+        _child(self._tenant_waited, self.tenant_wait, tenant).observe(seconds)
+
+    def tenant_limited(self, tenant: str, limit: str) -> None:
+        """Count one request refused by one of tenant's limits."""
+        _child(self._tenant_limited, self.tenant_limits, tenant, limit).inc()
 
     def answered(self, backend: str, status: int) -> None:
         """Count one answer of status for backend (a label, "none" when no backend saw it)."""

@@ -121,7 +121,7 @@ class Builder:
         """The request's SERVER span and its attempts' CLIENT spans, started and ended at their times."""
         in_context, Context, NonRecordingSpan, SpanContext, TraceFlags, Status, ERROR, SERVER, CLIENT = self._api
         (method, path, t0, end, wall_ns, status, trace_id, parent_id, flags, backend, model, queued_ms,
-         ttfb, request_id, prompt_tokens, output_tokens, attempts) = rec
+         ttfb, request_id, prompt_tokens, output_tokens, tenant, attempts) = rec
 
         def ns(t: float) -> int:
             return wall_ns + int((t - t0) * 1e9)
@@ -138,6 +138,8 @@ class Builder:
             attributes["proxy.backend"] = backend
         if model:
             attributes["proxy.model"] = model
+        if tenant:
+            attributes["proxy.tenant"] = tenant
         if ttfb is not None:
             attributes["proxy.time_to_first_byte_ms"] = round(ttfb * 1000, 1)
         if prompt_tokens is not None:

@@ -9,6 +9,7 @@ import threading
 import aiohttp
 from aiohttp import web
 
+from .admission import DEFAULT, Tenants
 from .config import ConfigError, ProxyConfig, load_api_keys, load_config
 from .metrics import Metrics
 from .models import Router
@@ -24,10 +25,12 @@ class Proxy:
     def __init__(self, config: ProxyConfig, config_path: str | None = None):
         self._use(config)
         self.config_path = config_path
-        self.api_keys = load_api_keys(config.api_keys_file)
+        self.api_keys = load_api_keys(config.api_keys_file, tenant_names(config))
+        self.tenants = Tenants(config.tenants)   # `default` and those of config.tenants: counts, buckets
         self.router = Router(config)     # the pools: one of every backend, or one per served model
-        self.metrics = Metrics(lambda: self.router)
+        self.metrics = Metrics(lambda: self.router, lambda: self.tenants)
         self.metrics.cover(self.router.backends)     # each backend's series at 0 from the start
+        self.metrics.cover_tenants(self.tenants.names())
         self.results = ResultsLog(config.results_log, self.metrics.results_dropped.inc)
         self.spans = self._span_export(config)   # None: no export (otlp.endpoint unset)
         self.session: aiohttp.ClientSession | None = None
@@ -48,7 +51,7 @@ class Proxy:
         """Re-read the config file and apply it; an invalid one is refused and the old one stays."""
         try:
             new = load_config(self.config_path)
-            keys = load_api_keys(new.api_keys_file)
+            keys = load_api_keys(new.api_keys_file, tenant_names(new))
             new, pending = self._keep_restart_only(new)
             results, spans = None, self.spans
             if new.otlp != self.config.otlp:
@@ -78,6 +81,8 @@ class Proxy:
         added, removed = self.router.update(new)
         self.metrics.cover(added)
         self._use(new)
+        self.tenants.update(new.tenants)
+        self.metrics.cover_tenants(self.tenants.names())
         self.api_keys = keys
         self.pending_restart = pending
         self.reloads["applied"] += 1
@@ -117,6 +122,11 @@ class Proxy:
                         "beside this one, without a gap)", ", ".join(fixed))
             new = dataclasses.replace(new, **fixed)
         return new, tuple(fixed)
+
+
+def tenant_names(config: ProxyConfig) -> tuple[str, ...]:
+    """The tenants an API key may name: `default` and those of config.tenants."""
+    return (DEFAULT, *config.tenants)
 
 
 # The settings a reload cannot change: bound when the listeners and the application are built. The docs

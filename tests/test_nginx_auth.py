@@ -136,13 +136,19 @@ def test_keys_hold_on_both_fronts_and_a_changed_key_file_is_taken(tmp_path):
 
 @pytest.mark.unit
 def test_a_key_nginx_cannot_check_is_refused_in_one_sentence_without_the_key(tmp_path):
-    """A key with a blank inside, and an empty file: one sentence each, naming the file, never the key."""
+    """A key with a character nginx cannot compare, a line of three words (a blank inside a key), and an
+    empty file: one sentence each, naming the file, never the key."""
     path = tmp_path / "keys"
-    path.write_text("sk-good\nsk bad secret\n")
+    path.write_text("sk-good\nsk-bäd app\n")
     with pytest.raises(apikeys.KeysError) as e:
         apikeys.read_keys(str(path))
     assert str(e.value) == (f"api_keys_file {path}: key 2 has a character nginx mode cannot check (blanks, "
                             "control or non-ASCII characters); use printable ASCII keys.")
+    path.write_text("sk-good\nsk bad secret\n")
+    with pytest.raises(apikeys.KeysError) as e:
+        apikeys.read_keys(str(path))
+    assert str(e.value) == (f"api_keys_file {path} line 2 has more than a key and a tenant; write `KEY` or "
+                            "`KEY TENANT`.")
     path.write_text("# none yet\n")
     with pytest.raises(apikeys.KeysError, match="holds no key; put one key per line, or drop the setting"):
         apikeys.read_keys(str(path))
@@ -154,7 +160,8 @@ def test_the_host_and_the_proxy_fingerprint_a_key_file_alike(tmp_path):
     """A deploy compares the key file's digest (the host agent's) with the running proxy's (its
     /admin/config), so both must agree whatever the file's layout:
     1. comments, blanks, repeats and order do not change it; 2. a key added or removed does; 3. nginx's
-    map records the same digest; 4. a file that cannot be used is a sentence, not a digest."""
+    map records the same digest; 4. a file that cannot be used is a sentence, not a digest; 5. a key's
+    tenant counts, `default` written out or not alike."""
     from proxy.config import keys_digest, load_api_keys
     path = tmp_path / "keys"
     path.write_text("# clients\nsk-b\n\n  sk-a  \nsk-b\n")
@@ -167,6 +174,15 @@ def test_the_host_and_the_proxy_fingerprint_a_key_file_alike(tmp_path):
     conf = tmp_path / "nginx_keys.conf"
     apikeys.write(str(conf), str(path))
     assert apikeys.conf_digest(str(conf)) == keys_digest(load_api_keys(str(path)))
+    path.write_text("sk-a default\nsk-b\nsk-c\n")     # `default` written out: the same keys, the same tenants
+    assert apikeys.file_digest(str(path))["digest"] == keys_digest(load_api_keys(str(path)))
+    without = apikeys.file_digest(str(path))["digest"]
+    path.write_text("sk-a app\nsk-b\nsk-c batch\n")   # 5. a key moved to another tenant changes it
+    tenants = ("default", "app", "batch")
+    assert apikeys.file_digest(str(path))["digest"] == keys_digest(load_api_keys(str(path), tenants)) != without
+    apikeys.write(str(conf), str(path))
+    assert apikeys.conf_digest(str(conf)) == keys_digest(load_api_keys(str(path), tenants))
+    assert "app" not in conf.read_text().split("{", 1)[1]      # nginx's map holds the keys alone
     path.write_text("# none\n")
     assert apikeys.file_digest(str(path)) == {
         "digest": None, "error": f"api_keys_file {path} holds no key; put one key per line, or drop the setting."}

@@ -18,10 +18,10 @@ PROXY_FIELDS = {f.name: f for f in dataclasses.fields(RoutingConfig)}
 BOUNDED = [name for name, f in PROXY_FIELDS.items() if "bounds" in f.metadata]
 
 
-def schema_bounds(name: str) -> tuple:
-    """(lowest, highest) that RoutingSettings takes for a key, from its pydantic constraints."""
+def schema_bounds(name: str, section=schema.RoutingSettings) -> tuple:
+    """(lowest, highest) that a schema section (RoutingSettings) takes for a key, from its pydantic constraints."""
     lo = hi = None
-    for c in schema.RoutingSettings.model_fields[name].metadata:
+    for c in section.model_fields[name].metadata:
         lo = getattr(c, "ge", lo)
         hi = getattr(c, "le", hi)
     return lo, hi

@@ -361,3 +361,45 @@ def test_a_fronted_host_alone_is_shown_with_its_entry_hosts_proxy(tmp_path):
     sampled, rows, proxy_only = top.plan(inv_, "a")
     assert not proxy_only and sorted((r.host, r.index, r.proxy_host) for r in rows) == [
         ("a", 0, "a"), ("a", 1, "a"), ("b", 0, "a"), ("b", 1, "a")]
+
+
+def tenant_lines(served_app=10.0, served_batch=100.0, app_waits=None):
+    """A proxy's per-tenant samples: app and batch, batch waiting, app refused once by its rate."""
+    lines = []
+    for name, weight, flight, queued, served in (("default", 1, 0, 0, 0.0), ("app", 3, 1, 0, served_app),
+                                                 ("batch", 1, 3, 20, served_batch)):
+        lines += [f'proxy_tenant_in_flight{{tenant="{name}"}} {flight}',
+                  f'proxy_tenant_queue_length{{tenant="{name}"}} {queued}',
+                  f'proxy_tenant_weight{{tenant="{name}"}} {weight}',
+                  f'proxy_tenant_requests_total{{tenant="{name}",status="200"}} {served}']
+    lines.append('proxy_tenant_limited_total{tenant="app",limit="requests_per_minute"} 1.0')
+    for le, count in (app_waits or {}).items():
+        lines.append(f'proxy_tenant_queue_wait_seconds_bucket{{tenant="app",le="{le}"}} {count}')
+    return sent(lines)
+
+
+@pytest.mark.unit
+def test_tenants_show_with_their_share_their_queue_their_rate_and_their_refusals(one_host):
+    """1. two frames 10 s apart of a proxy with tenants app (weight 3) and batch; 2. the host's view has a
+    line per tenant: slots held, waiting, requests per second over the 10 s, its 429s, its wait p50;
+    3. the screen shows the tenants' table; a proxy with `default` alone shows none."""
+    hv, rows = one_host
+    target = top.Target(hv)
+    target.add(top.Frame.parse(raw_frame(90.0, engine_lines(), proxy_lines() + tenant_lines(
+        app_waits={0.01: 0.0, 0.05: 0.0, "+Inf": 0.0})), hv))
+    target.add(top.Frame.parse(raw_frame(100.0, engine_lines(), proxy_lines() + tenant_lines(
+        served_app=30.0, served_batch=110.0, app_waits={0.01: 4.0, 0.05: 10.0, "+Inf": 10.0})), hv))
+    v = top.view({hv.name: target}, rows)
+    lines = {t["tenant"]: t for t in v["hosts"][0]["tenants"]}
+    assert set(lines) == {"default", "app", "batch"}
+    assert lines["app"]["rps"] == pytest.approx(2.0) and lines["batch"]["rps"] == pytest.approx(1.0)
+    assert lines["batch"]["queued"] == 20 and lines["app"]["in_flight"] == 1 and lines["app"]["weight"] == 3
+    assert lines["app"]["limited"] == 1 and 0.01 < lines["app"]["wait_p50"] <= 0.05
+    console = Console(width=120, record=True, file=open(os.devnull, "w"))
+    console.print(top.render(v, [], 120, 1.0, "vllm-fleet top: t"))
+    text = console.export_text()
+    assert "tenant" in text and "batch" in text and "wait p50" in text
+    plain = top.Target(hv)
+    plain.add(top.Frame.parse(raw_frame(100.0, engine_lines(), proxy_lines() + sent(
+        ['proxy_tenant_in_flight{tenant="default"} 0'])), hv))
+    assert top.view({hv.name: plain}, rows)["hosts"][0]["tenants"] == []

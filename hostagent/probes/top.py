@@ -26,7 +26,9 @@ ENGINE_SERIES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm
                  "vllm:generation_tokens_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
                  "vllm:request_success_total", "vllm:time_to_first_token_seconds_bucket")
 PROXY_SERIES = ("proxy_backend_in_flight", "proxy_backend_slots", "proxy_backend_healthy", "proxy_backend_drained",
-                "proxy_queue_length", "proxy_requests_total")
+                "proxy_queue_length", "proxy_requests_total", "proxy_tenant_in_flight", "proxy_tenant_queue_length",
+                "proxy_tenant_weight", "proxy_tenant_requests_total", "proxy_tenant_limited_total",
+                "proxy_tenant_queue_wait_seconds_bucket")
 MIN_SMI_EVERY_S = 2.0
 METRICS_TIMEOUT_S = 2.0
 

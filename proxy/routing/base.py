@@ -91,6 +91,7 @@ class Policy:
         """Forget what was learned of a backend: it left, or lost its cache (ejected, down, drained)."""
 
     def waiter(self, queue: Collection[Waiter], backends: Sequence[Backend]) -> Waiter | None:
-        """The waiter a freed slot goes to instead of the queue's head (None: first come, first served);
-        backends are the pool's."""
+        """The waiter a freed slot goes to instead of the queue's first (None: the first); queue iterates
+        the waiters in the order the pool's fair queue would serve them (proxy/admission.py), so a
+        look-ahead bounded within that order keeps each tenant's share; backends are the pool's."""
         return None
