@@ -92,7 +92,8 @@ class Metrics:
         self.route_decisions = Counter("proxy_route_decisions",
                                        "Prefix policy: where each request went: prefix (where its prompt's "
                                        "prefix was sent), load (no long enough match), override (a match, "
-                                       "but that backend was too loaded)", ["decision"], registry=r)
+                                       "but that backend was too loaded), shared (only a prefix other "
+                                       "conversations share matched: the least loaded took it)", ["decision"], registry=r)
         self.route_tokens = Counter("proxy_route_prompt_tokens",
                                     "Prefix policy: prompt tokens routed (about 4 bytes each, whole 16-token "
                                     "blocks), and of them matched on the chosen backend by the router's own index",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import urllib.request
 
 import pytest
@@ -85,6 +86,39 @@ def test_the_index_is_bounded_and_evicts_a_prompts_tail_before_its_head():
     assert idx.match([1, 2, 3, 4]) == {"a": 2}          # 3 and 4, the oldest tail, went first
     assert idx.match([10, 11, 12, 13]) == {"b": 4}
     assert idx.drop("a") == 2 and idx.match([1, 2]) == {}
+
+
+@pytest.mark.unit
+def test_the_index_knows_where_prompts_that_share_a_prefix_branch_off_it():
+    """1. Two conversations share blocks 1, 2 and branch (3 on a, 7 on b). 2. A third that shares 1, 2
+    branches there; the first's own next round, which goes on past 3, does not. 3. Forgetting block 3 on a
+    (the engine evicted it) leaves one branch after 2."""
+    idx = PrefixIndex(max_blocks=1000)
+    idx.insert([1, 2, 3], "a")
+    idx.insert([1, 2, 7], "b")
+    assert idx.fan(2) == {"a": 1, "b": 1}
+    assert idx.branches([1, 2, 9], 2) and not idx.branches([1, 2, 3, 4], 3)
+    assert not idx.branches([1, 2, 3], 3)    # the whole prompt matched: nothing to branch
+    assert idx.forget([3], "a") == 1 and idx.fan(2) == {"b": 1} and idx.match([1, 2, 3]) == {"a": 2, "b": 2}
+
+
+@pytest.mark.unit
+def test_a_new_conversation_that_shares_only_a_system_prompt_goes_where_fewest_branched():
+    """One at a time (no load): conversation 0 takes b0; conversations 1-3 share its system prompt and
+    branch off it, so each takes a backend where no conversation branched yet; conversation 0's next
+    round goes home."""
+    b = pool(n=4, min_match_tokens=64)
+    firsts = []
+    for c in range(4):
+        route = PrefixRoute(prompt_blocks(chat(SYSTEM, f"Conversation {c} asks its own question. " * 3)))
+        backend = b.acquire(route=route)
+        firsts.append(backend.name)
+        b.release(backend)
+        assert route.decision == ("load" if c == 0 else "shared")
+    assert len(set(firsts)) == 4
+    later = PrefixRoute(prompt_blocks(chat(SYSTEM, "Conversation 0 asks its own question. " * 3, "An answer.",
+                                           "And then?")))
+    assert b.acquire(route=later).name == firsts[0] and later.decision == "prefix"
 
 
 # The pick.
@@ -236,8 +270,60 @@ def test_each_conversations_rounds_land_on_one_backend(procs, tmp_path):
         return len(lines) >= 24 and lines
     lines = wait_until(logged, what="24 results-log lines")
     later = [e for e in lines if e["trace_id"] and e.get("match_tokens", 0) > 0]
-    assert {e["route"] for e in later} == {"prefix"} and len(later) >= 16
+    # The later rounds go where their prefix is; a first round that matched only the shared system
+    # prompt spread by load ("shared").
+    assert {e["route"] for e in later} <= {"prefix", "shared"}
+    assert sum(e["route"] == "prefix" for e in later) >= 16
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
     assert 'proxy_route_decisions_total{decision="prefix"}' in metrics
     with urllib.request.urlopen(f"http://127.0.0.1:{admin}/admin/config") as r:
         assert json.loads(r.read())["routing"]["policy"] == "prefix"
+
+
+TOOLS_PROMPT = ("You are an agent with these tools: search(query), fetch(url), calculator(expression). "
+                "Answer briefly and cite each tool's result. ") * 16    # about 2,240 bytes: ~560 tokens
+
+
+def metric_sum(ports, name: str) -> float:
+    """The sum over sims of one of their /metrics counters."""
+    total = 0.0
+    for p in ports:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{p}/metrics").read().decode()
+        total += sum(float(v) for v in re.findall(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M))
+    return total
+
+
+@pytest.mark.process
+def test_conversations_sharing_a_long_system_prompt_spread_and_their_later_rounds_go_home(procs, tmp_path):
+    """The prefix-routing check, as a new user meets it (default routing settings):
+    1. 4 sims behind the proxy; 8 conversations open with the same ~560-token system prompt and a short
+       question of their own, sent one at a time (nothing overlaps, so load alone cannot spread them).
+    2. First rounds land on at least 3 instances: only the shared prefix matched, so by load and by where
+       the fewest conversations branched off it.
+    3. Three later rounds each, one at a time: at least 90% go to the conversation's first instance.
+    4. The sims count the hits under vLLM's metric name: vllm:prefix_cache_hits_total is the sum of the
+       answers' usage.prompt_tokens_details.cached_tokens, and more than the shared part 8 times over."""
+    ports = start_sims(procs, tmp_path, 4, seqs=4, token_ms=1, extra=("--enable-prompt-tokens-details",))
+    port, _ = start_proxy(procs, tmp_path, ports, slots=6)
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    histories = {c: [{"role": "system", "content": TOOLS_PROMPT},
+                     {"role": "user", "content": f"Conversation {c}: what is the tallest tree in park {c}?"}]
+                 for c in range(8)}
+    where: dict[int, list[str]] = {c: [] for c in histories}
+    cached = 0
+    for rnd in range(4):
+        for c, messages in histories.items():
+            body = json.dumps({"model": "m", "max_tokens": 8, "messages": messages}).encode()
+            req = urllib.request.Request(url, body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=30) as r:
+                answer = json.loads(r.read())
+                where[c].append(r.headers["X-Backend"])
+            cached += answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+            messages += [{"role": "assistant", "content": answer["choices"][0]["message"]["content"]},
+                         {"role": "user", "content": f"And in round {rnd + 1}?"}]
+    firsts = {w[0] for w in where.values()}
+    home = sum(b == w[0] for w in where.values() for b in w[1:])
+    print(f"first rounds on {len(firsts)} instances; later rounds home {home} of 24; cached tokens {cached}")
+    assert len(firsts) >= 3, where
+    assert home >= 0.9 * 24, where
+    assert metric_sum(ports, "vllm:prefix_cache_hits_total") == cached > 8 * 400

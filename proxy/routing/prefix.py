@@ -79,7 +79,8 @@ class PrefixRoute:
 
     blocks: list[int] = field(default_factory=list)
     decision: str = "load"     # prefix: sent where its prefix is; load: least loaded; override: prefix
-    matched_tokens: int = 0    # was there, but that backend was too loaded
+    matched_tokens: int = 0    # was there, but that backend was too loaded; shared: only a prefix other
+                               # conversations share matched, so the least loaded took it
 
     @property
     def prompt_tokens(self) -> int:
@@ -88,12 +89,16 @@ class PrefixRoute:
 
 
 class PrefixIndex:
-    """Block hash -> the backends it was sent to, least recently used first, at most max_blocks."""
+    """Block hash -> the backends it was sent to, least recently used first, at most max_blocks; and for
+    each block, how many distinct blocks followed it on each backend (its fan-out: where prompts that
+    share everything up to it went their own ways)."""
 
     def __init__(self, max_blocks: int):
         self.max_blocks = max_blocks
         self._lru: OrderedDict[int, set[str]] = OrderedDict()
         self._of: dict[str, set[int]] = {}   # backend -> its block hashes, to drop them in one go
+        self._parent: dict[int, int] = {}    # block -> the block before it (a prompt's first has none)
+        self._fan: dict[int, dict[str, int]] = {}   # block -> backend -> blocks after it sent there
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -121,23 +126,74 @@ class PrefixIndex:
             matched.setdefault(name, i)
         return matched
 
+    def fan(self, block: int) -> dict[str, int]:
+        """Per backend, how many distinct blocks were sent there right after block."""
+        return self._fan.get(block, {})
+
+    def branches(self, blocks: list[int], run: int) -> bool:
+        """Whether the prompt's first run blocks are a shared prefix that it leaves: the index knows
+        another block after them (another conversation went on from there) and not the prompt's own."""
+        if not 0 < run < len(blocks):
+            return False
+        after = self._fan.get(blocks[run - 1])
+        if not after:
+            return False
+        ours = self._lru.get(blocks[run], ())
+        return any(n > (name in ours) for name, n in after.items())
+
     def insert(self, blocks: list[int], backend: str) -> None:
         """Remember that the prompt's blocks went to backend (they become the most recently used). Last
         block first, so the first is the most recent of all: eviction takes a prompt's tail before its
         head, as vLLM's does (a chain without its head matches nothing)."""
         lru, mine = self._lru, self._of.setdefault(backend, set())
-        for h in reversed(blocks):
+        for i in range(len(blocks) - 1, -1, -1):
+            h = blocks[i]
             holders = lru.get(h)
             if holders is None:
-                lru[h] = {backend}
+                lru[h] = holders = set()
+                if i:
+                    self._parent[h] = blocks[i - 1]
             else:
-                holders.add(backend)
                 lru.move_to_end(h)
-            mine.add(h)
+            if backend not in holders:
+                holders.add(backend)
+                mine.add(h)
+                if i:
+                    fan = self._fan.setdefault(blocks[i - 1], {})
+                    fan[backend] = fan.get(backend, 0) + 1
         while len(lru) > self.max_blocks:
             h, holders = lru.popitem(last=False)
             for name in holders:
                 self._of[name].discard(h)
+                self._unfan(h, name)
+            self._parent.pop(h, None)
+            self._fan.pop(h, None)
+
+    def _unfan(self, h: int, backend: str) -> None:
+        """Block h left backend: its parent has one follower fewer there."""
+        fan = self._fan.get(self._parent.get(h))
+        if fan and backend in fan:
+            fan[backend] -= 1
+            if not fan[backend]:
+                del fan[backend]
+
+    def forget(self, blocks: list[int], backend: str) -> int:
+        """Forget that backend holds blocks (the engine evicted them); returns how many it held."""
+        mine = self._of.get(backend, set())
+        n = 0
+        for h in blocks:
+            holders = self._lru.get(h)
+            if holders is None or backend not in holders:
+                continue
+            holders.discard(backend)
+            mine.discard(h)
+            self._unfan(h, backend)
+            n += 1
+            if not holders:
+                del self._lru[h]
+                self._parent.pop(h, None)
+                self._fan.pop(h, None)
+        return n
 
     def drop(self, backend: str) -> int:
         """Forget everything sent to backend (it is cold now); returns how many blocks it held."""
@@ -146,8 +202,13 @@ class PrefixIndex:
             holders = self._lru.get(h)
             if holders is not None:
                 holders.discard(backend)
+                fan = self._fan.get(h)
+                if fan:
+                    fan.pop(backend, None)
                 if not holders:
                     del self._lru[h]
+                    self._parent.pop(h, None)
+                    self._fan.pop(h, None)
         return len(hashes)
 
 
@@ -180,6 +241,8 @@ class Prefix(Policy):
             run = matched.get(b.name, 0)
             if run and (run > top_run or (run == top_run and b.in_flight < top.in_flight)):
                 top, top_run = b, run
+        if top is not None and self.index.branches(route.blocks, top_run):
+            return self._spread(route, matched, top_run, candidates)
         least_tokens = matched.get(least.name, 0) * BLOCK_TOKENS
         r = self.config
         if (top is None or top is least or top_run < r.min_match_ratio * len(route.blocks)
@@ -192,6 +255,19 @@ class Prefix(Policy):
             return least
         route.decision, route.matched_tokens = "prefix", top_run * BLOCK_TOKENS
         return top
+
+    def _spread(self, route: PrefixRoute, matched: dict[str, int], run: int,
+                candidates: Sequence[Backend]) -> Backend:
+        """The prompt's longest match is a prefix other conversations share and leave (a system prompt,
+        a tool list): it is no conversation's home, so the least loaded backend takes it, holder of the
+        shared part or not; among equally loaded ones the one where the fewest conversations branched off
+        it (round robin after that). New conversations spread, each backend pays the shared part once,
+        and their own later rounds go home."""
+        fan = self.index.fan(route.blocks[run - 1])
+        best = min(candidates, key=lambda b: (b.in_flight, fan.get(b.name, 0)))
+        route.matched_tokens = matched.get(best.name, 0) * BLOCK_TOKENS
+        route.decision = "shared"
+        return best
 
     def sent(self, route: PrefixRoute | None, backend: Backend) -> None:
         """Remember the prompt's blocks on backend."""
