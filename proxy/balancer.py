@@ -32,6 +32,7 @@ class Backend:
     ejections: int = 0      # times the proxy took it out on its own (connect error, too many 5xx)
     removed: bool = False   # gone from the config: its in-flight requests finish, new ones go elsewhere
     slots: int = 0          # requests it runs at once (max_num_seqs + headroom); 0: no limit, no queue
+    kv_tokens: int | None = None   # its engine's KV cache in tokens (vllm:cache_config_info); 0: not published
     served: list = field(default_factory=list)  # its /v1/models entries (read in the models form only)
     url: str = field(init=False)
 
@@ -230,6 +231,11 @@ class Balancer:
         """How many requests wait for a slot."""
         return len(self._queue)
 
+    def learn(self, route: Route | None, backend: Backend, cached_tokens: int | None,
+              prompt_tokens: int | None) -> None:
+        """Pass the engine's word on a request's cached prompt tokens to the policy."""
+        self.policy.learned(route, backend, cached_tokens, prompt_tokens)
+
     def release(self, backend: Backend) -> None:
         """Uncount one finished request; its slot goes to the first request waiting, if any."""
         backend.in_flight -= 1
@@ -243,6 +249,7 @@ class Balancer:
         backend.healthy = healthy
         if changed and not healthy:
             self.cold(backend)   # down: when it comes back (a restart, say) its cache is empty
+            backend.kv_tokens = None   # and its size is read again (the health check reads it)
         if healthy:
             backend.fails = 0
         if error is not None:

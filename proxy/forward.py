@@ -278,7 +278,9 @@ async def _forward(ex: Exchange, proxy, pool: Balancer, backend: Backend) -> web
         response = None if ex.read else await _read_body(ex, proxy, backend)
         if response is not None:
             return _ended(ex, response)
-        return _reply(ex, await _tries(ex, proxy, pool))
+        out = await _tries(ex, proxy, pool)
+        _learn(ex, proxy, pool, out)
+        return _reply(ex, out)
     except (ClientGone, asyncio.CancelledError) as gone:
         # ClientGone: a write found the client gone; CancelledError: aiohttp's handler_cancellation,
         # the client hung up while we waited.
@@ -288,6 +290,17 @@ async def _forward(ex: Exchange, proxy, pool: Balancer, backend: Backend) -> web
         return ex.request["response"]      # already started; aiohttp has nobody left to send it to
     finally:
         pool.release(ex.slot)
+
+
+def _learn(ex: Exchange, proxy, pool: Balancer, out: Outcome) -> None:
+    """What the engine said of the prompt's cache hit goes to the policy and to the prediction's metrics."""
+    if ex.route is None or out.observer is None or out.status != 200:
+        return
+    cached, prompt = out.observer.engine_cache()
+    if cached is None:
+        return
+    pool.learn(ex.route, ex.slot, cached, prompt)
+    proxy.metrics.predicted(ex.route, cached)
 
 
 async def _tries(ex: Exchange, proxy, pool: Balancer) -> Outcome:
@@ -650,6 +663,7 @@ def _log_attempt(ex: Exchange, proxy, backend: str | None, out: Outcome, final: 
     if ex.route is not None:
         entry["route"] = ex.route.decision
         entry["match_tokens"] = ex.route.matched_tokens
+        entry["cached_tokens"] = out.observer.engine_cache()[0] if out.observer else None
     if ex.fixups:
         entry["fixups"] = ex.fixups
     summary = out.observer.summary() if out.observer else {"error": out.error}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 import re
 import urllib.request
 
@@ -119,6 +120,50 @@ def test_a_new_conversation_that_shares_only_a_system_prompt_goes_where_fewest_b
     later = PrefixRoute(prompt_blocks(chat(SYSTEM, "Conversation 0 asks its own question. " * 3, "An answer.",
                                            "And then?")))
     assert b.acquire(route=later).name == firsts[0] and later.decision == "prefix"
+
+
+@pytest.mark.unit
+def test_the_index_keeps_no_more_than_the_engine_does_and_forgets_what_a_miss_proves_evicted():
+    """1. A backend whose engine keeps 6 blocks: after two 4-block prompts the first one's tail is gone
+    (least recently sent first, tail before head), as the engine's LRU would have it. 2. Without a known
+    capacity nothing is trimmed. 3. The engine answers a prompt matched for 4 blocks with 0 cached: the
+    index forgets that backend's blocks sent before the first missing one was (the first prompt's head),
+    not those sent after it, nor the prompt just sent again."""
+    b = pool(n=1, min_match_tokens=0, min_match_ratio=0)
+    backend = b.backends["b0:1"]
+    backend.kv_tokens = 6 * 16
+    p = b.policy
+    for blocks in ([1, 2, 3, 4], [10, 11, 12, 13]):
+        b.release(b.acquire(route=PrefixRoute(blocks)))
+    assert p.index.match([1, 2, 3, 4]) == {"b0:1": 2} and p.index.match([10, 11, 12, 13]) == {"b0:1": 4}
+    backend.kv_tokens = None
+    b.release(b.acquire(route=PrefixRoute([20, 21, 22, 23])))
+    assert p.index.match([10, 11, 12, 13]) == {"b0:1": 4}
+    again = PrefixRoute([10, 11, 12, 13, 14, 15, 16])
+    b.release(b.acquire(route=again))
+    assert again.matched_tokens == 64
+    b.learn(again, backend, cached_tokens=0, prompt_tokens=7 * 16)
+    assert p.index.match([1, 2]) == {} and p.index.match(again.blocks) == {"b0:1": 7}
+    assert p.index.match([20, 21, 22, 23]) == {"b0:1": 4}   # sent after the evicted block: still there
+
+
+@pytest.mark.unit
+def test_the_engines_cached_tokens_and_capacity_are_read_as_vllm_writes_them():
+    """usage.prompt_tokens_details.cached_tokens from a whole answer and from a stream's usage chunk;
+    vllm:cache_config_info's num_gpu_blocks x block_size from /metrics (0 when absent)."""
+    from proxy.app import kv_capacity
+    from proxy.results_log import ResponseObserver
+    whole = ResponseObserver(200, streamed=False)
+    whole.feed(json.dumps({"choices": [], "usage": {"prompt_tokens": 100, "completion_tokens": 2,
+                                                    "prompt_tokens_details": {"cached_tokens": 96}}}).encode())
+    assert whole.engine_cache() == (96, 100) and whole.summary()["prompt_tokens"] == 100
+    stream = ResponseObserver(200, streamed=True)
+    stream.feed(b'data: {"choices":[],"usage":{"prompt_tokens":50,"prompt_tokens_details":{"cached_tokens":32}}}\n\n')
+    assert stream.engine_cache() == (32, 50)
+    assert ResponseObserver(200, streamed=False).engine_cache() == (None, None)
+    text = ('# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{block_size="16",cache_dtype="auto",'
+            'engine="0",num_gpu_blocks="400"} 1.0\n')
+    assert kv_capacity(text) == 6400 and kv_capacity("vllm:num_requests_running 0\n") == 0
 
 
 # The pick.
@@ -327,3 +372,51 @@ def test_conversations_sharing_a_long_system_prompt_spread_and_their_later_round
     assert len(firsts) >= 3, where
     assert home >= 0.9 * 24, where
     assert metric_sum(ports, "vllm:prefix_cache_hits_total") == cached > 8 * 400
+
+
+def document(c: int) -> str:
+    """Conversation c's own ~1,200-token document (about 4,800 bytes, unlike any other's from its start)."""
+    return " ".join(f"doc{c}-line{i}: the river {c} passes mill {i} before the bridge." for i in range(90))
+
+
+@pytest.mark.process
+def test_the_routers_prediction_agrees_with_what_the_engines_had_cached(procs, tmp_path):
+    """The routing-truth check:
+    1. 2 sims of 4 slots whose KV caches are too small for the conversations (400 blocks of 16 tokens,
+       max_model_len 4096), answering usage.prompt_tokens_details.cached_tokens; the proxy reads their
+       capacity from vllm:cache_config_info.
+    2. 12 conversations of 4 rounds in lockstep (every conversation's round n before any round n+1), each
+       opening with its own ~1,200-token document: the engines evict, so much of what the router sent
+       is gone by the next round.
+    3. Every results-log line carries the engine's cached_tokens beside the router's match_tokens, and
+       the sum of |match_tokens - cached_tokens| is within 5% of the prompt tokens.
+    4. The proxy's /metrics count the prediction's error."""
+    ports = start_sims(procs, tmp_path, 2, seqs=4, token_ms=1,
+                       extra=("--enable-prompt-tokens-details", "--sim-kv-blocks", "400", "--max-model-len", "4096"))
+    port, _ = start_proxy(procs, tmp_path, ports, slots=4, queue={"max": 64, "timeout_s": 60})
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    histories = [[{"role": "user", "content": document(c) + " What does the river pass first?"}] for c in range(12)]
+
+    def ask(messages):
+        body = json.dumps({"model": "m", "max_tokens": 60, "messages": messages}).encode()
+        req = urllib.request.Request(url, body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            messages += [{"role": "assistant", "content": json.loads(r.read())["choices"][0]["message"]["content"]},
+                         {"role": "user", "content": "And after that?"}]
+    with ThreadPoolExecutor(12) as pool:
+        for _ in range(4):
+            list(pool.map(ask, histories))
+
+    def logged():
+        path = tmp_path / "req_results.log"
+        lines = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+        return len(lines) >= 48 and lines
+    lines = wait_until(logged, what="48 results-log lines")
+    assert all(isinstance(e["cached_tokens"], int) for e in lines), lines
+    error = sum(abs(e["match_tokens"] - e["cached_tokens"]) for e in lines)
+    prompt = sum(e["prompt_tokens"] for e in lines)
+    print(f"predicted {sum(e['match_tokens'] for e in lines)}, cached {sum(e['cached_tokens'] for e in lines)}, "
+          f"prompt {prompt}, error {error} ({100 * error / prompt:.1f}%)")
+    assert error <= 0.05 * prompt
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    assert 'proxy_route_prediction_error_tokens_total{kind="cached"}' in metrics

@@ -46,6 +46,7 @@ class Backend(Protocol):
 
     name: str
     in_flight: int
+    kv_tokens: int | None    # its engine's KV cache in tokens (vllm:cache_config_info); None: unknown
 
     @property
     def free(self) -> bool:
@@ -86,6 +87,11 @@ class Policy:
 
     def ended(self, backend: Backend) -> None:
         """Learn that a request on backend finished."""
+
+    def learned(self, route: Route | None, backend: Backend, cached_tokens: int | None,
+                prompt_tokens: int | None) -> None:
+        """Learn what the engine said of a request it answered: the prompt's tokens it found in its
+        prefix cache (usage.prompt_tokens_details.cached_tokens; None: it did not say) of prompt_tokens."""
 
     def forget(self, backend: str) -> None:
         """Forget what was learned of a backend: it left, or lost its cache (ejected, down, drained)."""

@@ -24,6 +24,9 @@ from .base import Backend, Policy, RoutingConfig, Waiter
 BLOCK_BYTES = 64      # vLLM's 16-token block at about 4 bytes of text a token
 TOKEN_BYTES = 4       # what the match length in tokens is reckoned with
 BLOCK_TOKENS = BLOCK_BYTES // TOKEN_BYTES
+# An engine's cached tokens under the match by up to this many blocks is no miss: its tokenizer cuts the
+# text otherwise, and it recomputes a prompt's last token.
+MISS_SLACK_BLOCKS = 2
 
 
 def prompt_blocks(body: bytes) -> list[int]:
@@ -81,6 +84,7 @@ class PrefixRoute:
     decision: str = "load"     # prefix: sent where its prefix is; load: least loaded; override: prefix
     matched_tokens: int = 0    # was there, but that backend was too loaded; shared: only a prefix other
                                # conversations share matched, so the least loaded took it
+    ticks: list[int] = field(default_factory=list)   # when the matched blocks were sent there before
 
     @property
     def prompt_tokens(self) -> int:
@@ -96,7 +100,11 @@ class PrefixIndex:
     def __init__(self, max_blocks: int):
         self.max_blocks = max_blocks
         self._lru: OrderedDict[int, set[str]] = OrderedDict()
-        self._of: dict[str, set[int]] = {}   # backend -> its block hashes, to drop them in one go
+        # backend -> its blocks, least recently sent first, each with the tick it was last sent at (what a
+        # miss reported by the engine is dated by); at most the backend's capacity when it published one
+        self._of: dict[str, OrderedDict[int, int]] = {}
+        self._cap: dict[str, int] = {}
+        self._tick = 0
         self._parent: dict[int, int] = {}    # block -> the block before it (a prompt's first has none)
         self._fan: dict[int, dict[str, int]] = {}   # block -> backend -> blocks after it sent there
 
@@ -141,11 +149,28 @@ class PrefixIndex:
         ours = self._lru.get(blocks[run], ())
         return any(n > (name in ours) for name, n in after.items())
 
+    def ticks(self, blocks: list[int], backend: str) -> list[int]:
+        """When each of the blocks was last sent to backend (0: never), before a new send."""
+        mine = self._of.get(backend, {})
+        return [mine.get(h, 0) for h in blocks]
+
+    def set_capacity(self, backend: str, blocks: int | None) -> None:
+        """The most blocks backend's engine keeps (None: unknown, only max_blocks bounds it); the least
+        recently sent beyond it are forgotten, as the engine's LRU evicts them."""
+        if blocks:
+            self._cap[backend] = blocks
+            self._trim(backend)
+        else:
+            self._cap.pop(backend, None)
+
     def insert(self, blocks: list[int], backend: str) -> None:
         """Remember that the prompt's blocks went to backend (they become the most recently used). Last
         block first, so the first is the most recent of all: eviction takes a prompt's tail before its
         head, as vLLM's does (a chain without its head matches nothing)."""
-        lru, mine = self._lru, self._of.setdefault(backend, set())
+        lru = self._lru
+        mine = self._of.get(backend)
+        if mine is None:
+            mine = self._of[backend] = OrderedDict()
         for i in range(len(blocks) - 1, -1, -1):
             h = blocks[i]
             holders = lru.get(h)
@@ -155,17 +180,53 @@ class PrefixIndex:
                     self._parent[h] = blocks[i - 1]
             else:
                 lru.move_to_end(h)
+            self._tick += 1
             if backend not in holders:
                 holders.add(backend)
-                mine.add(h)
                 if i:
                     fan = self._fan.setdefault(blocks[i - 1], {})
                     fan[backend] = fan.get(backend, 0) + 1
+            else:
+                mine.move_to_end(h)
+            mine[h] = self._tick
+        self._trim(backend)
         while len(lru) > self.max_blocks:
             h, holders = lru.popitem(last=False)
             for name in holders:
-                self._of[name].discard(h)
+                self._of[name].pop(h, None)
                 self._unfan(h, name)
+            self._parent.pop(h, None)
+            self._fan.pop(h, None)
+
+    def _trim(self, backend: str) -> None:
+        """Forget backend's least recently sent blocks beyond its capacity."""
+        mine, cap = self._of.get(backend), self._cap.get(backend)
+        while cap and mine and len(mine) > cap:
+            self._leave(mine.popitem(last=False)[0], backend)
+
+    def evict_through(self, backend: str, tick: int) -> int:
+        """Forget backend's blocks last sent at or before tick: the engine evicted a block of that age, so
+        its LRU has evicted every older one too. Returns how many were forgotten."""
+        mine = self._of.get(backend)
+        n = 0
+        while mine:
+            h, t = next(iter(mine.items()))
+            if t > tick:
+                break
+            del mine[h]
+            self._leave(h, backend)
+            n += 1
+        return n
+
+    def _leave(self, h: int, backend: str) -> None:
+        """Block h is no longer on backend (its own list already lost it)."""
+        holders = self._lru.get(h)
+        if holders is None or backend not in holders:
+            return
+        holders.discard(backend)
+        self._unfan(h, backend)
+        if not holders:
+            del self._lru[h]
             self._parent.pop(h, None)
             self._fan.pop(h, None)
 
@@ -179,25 +240,17 @@ class PrefixIndex:
 
     def forget(self, blocks: list[int], backend: str) -> int:
         """Forget that backend holds blocks (the engine evicted them); returns how many it held."""
-        mine = self._of.get(backend, set())
+        mine = self._of.get(backend, {})
         n = 0
         for h in blocks:
-            holders = self._lru.get(h)
-            if holders is None or backend not in holders:
-                continue
-            holders.discard(backend)
-            mine.discard(h)
-            self._unfan(h, backend)
-            n += 1
-            if not holders:
-                del self._lru[h]
-                self._parent.pop(h, None)
-                self._fan.pop(h, None)
+            if mine.pop(h, None) is not None:
+                self._leave(h, backend)
+                n += 1
         return n
 
     def drop(self, backend: str) -> int:
         """Forget everything sent to backend (it is cold now); returns how many blocks it held."""
-        hashes = self._of.pop(backend, set())
+        hashes = self._of.pop(backend, {})
         for h in hashes:
             holders = self._lru.get(h)
             if holders is not None:
@@ -270,9 +323,26 @@ class Prefix(Policy):
         return best
 
     def sent(self, route: PrefixRoute | None, backend: Backend) -> None:
-        """Remember the prompt's blocks on backend."""
+        """Remember the prompt's blocks on backend, within what its engine keeps (its KV cache's size in
+        tokens, when it publishes it: vllm:cache_config_info)."""
         if route is not None and route.blocks:
+            cap = getattr(backend, "kv_tokens", None)
+            self.index.set_capacity(backend.name, cap and max(1, cap // BLOCK_TOKENS))
+            run = route.matched_tokens // BLOCK_TOKENS
+            route.ticks = self.index.ticks(route.blocks[:run], backend.name) if run else []
             self.index.insert(route.blocks, backend.name)
+
+    def learned(self, route: PrefixRoute | None, backend: Backend, cached_tokens: int | None,
+                prompt_tokens: int | None) -> None:
+        """The engine said how many of the prompt's tokens it had cached. When that falls short of the
+        match by more than MISS_SLACK_BLOCKS (tokenizers differ; the engine recomputes the last token),
+        the first block it lacked had been evicted, and with it every block sent to that backend before
+        that one was: the index forgets them (the prompt itself, sent again, stays)."""
+        if route is None or not route.ticks or cached_tokens is None or not prompt_tokens:
+            return
+        keep = len(route.blocks) * min(cached_tokens, prompt_tokens) // prompt_tokens
+        if keep + MISS_SLACK_BLOCKS < len(route.ticks):
+            self.index.evict_through(backend.name, route.ticks[keep])
 
     def forget(self, backend: str) -> None:
         self.index.drop(backend)
