@@ -72,6 +72,7 @@ class Waiter:
     future: asyncio.Future
     route: Route | None = None
     overtaken: int = 0
+    home: str | None = None   # the backend it waits for until its hold is up (Policy.hold); None: any
 
 
 class Balancer:
@@ -133,11 +134,12 @@ class Balancer:
         return added, removed
 
     def acquire(self, exclude: Collection[Backend] = (), over: bool = False,
-                route: Route | None = None) -> Backend | None:
+                route: Route | None = None, only: str | None = None) -> Backend | None:
         """Pick a backend with a free slot (not one of exclude) and count the request on it at once,
         or None. over: when no slot is free, the least loaded available backend all the same (a retry,
         which already held a slot elsewhere). route: what the policy made of the request (its
-        route_of); the policy writes its decision into it.
+        route_of); the policy writes its decision into it. only: that backend or none (a waiter held
+        for its home).
 
         Pick and count are one step with no await between them: counting later (the seed counted
         after reading the body) lets many requests see the same backend as idlest.
@@ -147,7 +149,7 @@ class Balancer:
         candidates: list[Backend] = []   # in round-robin order, from the cursor on
         for k in range(n):
             b = self._order[(self._cursor + k) % n]
-            if (b.free or (over and b.available)) and b not in exclude:
+            if (b.free or (over and b.available)) and b not in exclude and (only is None or b.name == only):
                 candidates.append(b)
                 if least is None or b.in_flight < least.in_flight:
                     least = b
@@ -161,15 +163,26 @@ class Balancer:
             best.peak_in_flight = best.in_flight
         return best
 
-    async def wait_for_slot(self, timeout_s: float, route: Route | None = None) -> Backend | None:
+    def hold(self, route: Route | None) -> tuple[Backend, float] | None:
+        """Whether the policy would have the request wait for a full backend (its home) while others have
+        a free slot: (that backend, seconds at most), to pass to wait_for_slot; None: acquire now. Never
+        when the queue is full or others wait already (they go first)."""
+        if route is None or self.ahead() or len(self._queue) >= self.queue_max:
+            return None
+        return self.policy.hold(route, [b for b in self._order if b.free], self._order)
+
+    async def wait_for_slot(self, timeout_s: float, route: Route | None = None,
+                            hold: tuple[Backend, float] | None = None) -> Backend | None:
         """A backend with the request counted on it, once the requests queued before it have theirs
         (the caller tried `acquire` first when nobody waited). None when no backend is available at all.
+        hold: (home, seconds) from `hold`: the request takes only a slot of home until seconds passed,
+        then any (the queue's order still applies: a held waiter is passed over while home is full).
 
         Raises QueueFull (nobody may wait, or queue_max wait already) or QueueTimeout (timeout_s
         waited). A caller cancelled while waiting (its client left) leaves the queue; a slot handed
         to it in that instant goes on to the next in line, so no count is ever lost.
         """
-        if not self._queue:
+        if hold is None and not self.ahead():
             backend = self.acquire(route=route)   # a slot may have come free since the caller looked
             if backend is not None:
                 return backend
@@ -179,8 +192,13 @@ class Balancer:
             raise QueueFull()
         loop = asyncio.get_running_loop()
         waiter = loop.create_future()
-        self._queue.append(Waiter(waiter, route))
+        entry = Waiter(waiter, route)
+        self._queue.append(entry)
         timer = loop.call_later(timeout_s, self._expire, waiter)
+        unhold = None
+        if hold is not None:
+            entry.home = hold[0].name
+            unhold = loop.call_later(hold[1], self._unhold, entry)
         try:
             return await waiter
         except asyncio.CancelledError:
@@ -191,6 +209,38 @@ class Balancer:
             raise
         finally:
             timer.cancel()
+            if unhold is not None:
+                unhold.cancel()
+
+    def _unhold(self, waiter: Waiter) -> None:
+        """A held waiter's time is up: any free slot will do now."""
+        waiter.home = None
+        if not waiter.future.done():
+            self.dispatch()
+
+    def _ready(self, w: Waiter) -> bool:
+        """Whether a waiter may take a slot now: it waits for no backend, or for one that has a free slot
+        (or that is out: then for none)."""
+        home = self.backends.get(w.home) if w.home is not None else None
+        return home is None or home.free or not home.available
+
+    def _home_of(self, w: Waiter) -> str | None:
+        """The backend a ready waiter must take (its home, while that is in), else None: any."""
+        home = self.backends.get(w.home) if w.home is not None else None
+        return w.home if home is not None and home.available else None
+
+    def _next(self) -> Waiter | None:
+        """The waiter a free slot goes to without the policy's say: one held for a backend with a free
+        slot first (its home came free), else the first in line that waits for no backend."""
+        first = None
+        for w in self._queue:
+            if w.future.done():
+                continue
+            if w.home is not None and self._ready(w):
+                return w
+            if first is None and w.home is None:
+                first = w
+        return first
 
     def _expire(self, waiter: asyncio.Future) -> None:
         if not waiter.done():
@@ -206,14 +256,23 @@ class Balancer:
     def dispatch(self) -> None:
         """Hand free slots to the requests waiting, first come first served, unless the policy prefers
         another waiter (prefix: one of the first routing.lookahead whose prefix lives on a free backend,
-        no waiter passed over more than lookahead times)."""
+        no waiter passed over more than lookahead times).
+
+        Held waiters (Policy.hold: waiting a little for their home backend) take only a slot of their
+        home until their time is up (_unhold); while it is full they are passed over, and when it frees
+        a slot they take it first (_next). A queue of another shape keeps that by serving only waiters
+        that are _ready and passing `only=_home_of(waiter)` to acquire."""
         while self._queue:
             head = self._queue[0]
             if head.future.done():   # cancelled, its task not run yet (it would forget itself)
                 self._queue.popleft()
                 continue
-            chosen = self.policy.waiter(self._queue, self._order) or head
-            backend = self.acquire(route=chosen.route)
+            chosen = self.policy.waiter(self._queue, self._order)
+            if chosen is None or not self._ready(chosen):
+                chosen = self._next()
+            if chosen is None:
+                return
+            backend = self.acquire(route=chosen.route, only=self._home_of(chosen))
             if backend is None:
                 return
             if chosen is head:
@@ -225,6 +284,11 @@ class Balancer:
                     w.overtaken += 1
                 self._queue.remove(chosen)
             chosen.future.set_result(backend)
+
+    def ahead(self) -> bool:
+        """Whether a new request must queue behind others: one waits that is not held for its home (held
+        ones wait for one backend only; a new request may take another's free slot)."""
+        return any(w.home is None and not w.future.done() for w in self._queue)
 
     @property
     def queued(self) -> int:

@@ -242,9 +242,10 @@ async def _answer(ex: Exchange, proxy) -> web.StreamResponse:
     # form and with a policy that reads the body right after it, pick and count still one step. A request that
     # finds every slot of its pool taken waits its turn in the pool's queue.
     _route(ex, pool)
-    backend = None if pool.queued else pool.acquire(route=ex.route)
+    hold = pool.hold(ex.route)       # the policy may have it wait a little for its home backend
+    backend = None if hold or pool.ahead() else pool.acquire(route=ex.route)
     if backend is None:
-        backend = await _wait_for_slot(ex, proxy, pool)
+        backend = await _wait_for_slot(ex, proxy, pool, hold)
         if isinstance(backend, web.Response):
             return backend
     return await _forward(ex, proxy, pool, backend)
@@ -393,13 +394,13 @@ async def _listing(ex: Exchange, proxy) -> web.Response:
     return web.json_response({"object": "list", "data": listing})
 
 
-async def _wait_for_slot(ex: Exchange, proxy, pool: Balancer) -> Backend | web.Response:
+async def _wait_for_slot(ex: Exchange, proxy, pool: Balancer, hold=None) -> Backend | web.Response:
     """Wait in the queue for a slot; the backend it got, or the answer when the request ends here:
     503 (no backend at all, or queue.timeout_s waited, with Retry-After) or 429 (the queue is full)."""
     config, metrics = proxy.config, proxy.metrics
     ids = {"X-Request-Id": ex.request_id}
     try:
-        backend = await pool.wait_for_slot(config.queue.timeout_s, ex.route)
+        backend = await pool.wait_for_slot(config.queue.timeout_s, ex.route, hold)
     except QueueFull:
         metrics.queue_rejected.labels("full").inc()
         return await _turned_away(ex, proxy, json_error(

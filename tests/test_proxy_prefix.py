@@ -166,6 +166,35 @@ def test_the_engines_cached_tokens_and_capacity_are_read_as_vllm_writes_them():
     assert kv_capacity(text) == 6400 and kv_capacity("vllm:num_requests_running 0\n") == 0
 
 
+@pytest.mark.unit
+async def test_a_request_waits_a_little_for_its_full_home_while_others_take_the_free_slots():
+    """1. Two backends of one slot, home_wait_s 5 s. Conversation A's first round holds b0's slot.
+    2. A's next round finds b0 full and b1 free: it waits for b0 (held), not cold on b1. 3. A request of
+    its own takes b1 at once: a held waiter blocks nobody. 4. b0's slot frees: A's round takes it.
+    5. With b0 full again and the hold bounded by what the match saves (prefill_ms 0.001 per 1,000
+    tokens: a few microseconds), the next round goes cold to the free backend as soon as its time is up."""
+    b = pool(n=2, slots=1, min_match_tokens=64, home_wait_s=5, prefill_ms=100)
+    first = chat(SYSTEM, "Conversation A's own long question. " * 8)
+    b0 = b.acquire(route=PrefixRoute(prompt_blocks(first)))
+    later = PrefixRoute(prompt_blocks(chat(SYSTEM, "Conversation A's own long question. " * 8, "An answer.", "And?")))
+    hold = b.hold(later)
+    assert hold is not None and hold[0] is b0 and 0 < hold[1] <= 5
+    waiting = asyncio.ensure_future(b.wait_for_slot(10, later, hold))
+    await asyncio.sleep(0)
+    assert not b.ahead() and b.queued == 1
+    other = b.acquire(route=PrefixRoute(prompt_blocks(chat("another " * 100))))
+    assert other is not None and other is not b0
+    b.release(b0)
+    assert await waiting is b0 and later.decision == "prefix"
+    b.release(other)
+    b.set_routing(routing(min_match_tokens=64, home_wait_s=5, prefill_ms=0.001))
+    b.policy.sent(PrefixRoute(prompt_blocks(first)), b0)
+    again = PrefixRoute(prompt_blocks(chat(SYSTEM, "Conversation A's own long question. " * 8, "More.")))
+    hold = b.hold(again)
+    assert hold is not None and hold[1] < 0.001
+    assert await b.wait_for_slot(10, again, hold) is not b0
+
+
 # The pick.
 
 @pytest.mark.unit

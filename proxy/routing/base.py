@@ -29,6 +29,11 @@ class RoutingConfig:
     max_blocks: int = _bounded(262144, 1, 100_000_000)
     # prefix: queued requests a freed slot may look past for one whose prefix is there
     lookahead: int = _bounded(16, 0, 1024)
+    # prefix: a request whose home (the backend with its prefix) is full while others have a free slot
+    # may wait for a slot at home, at most home_wait_s and at most the prefill its cached prefix saves at
+    # prefill_ms per 1,000 tokens (0: never waits)
+    home_wait_s: float = _bounded(0.0, 0, 60)
+    prefill_ms: float = _bounded(100.0, 0, 100_000)
     # balance_abs 1 and lookahead 16 measured (bench/bench_routing.py, docs/PERFORMANCE.md): with 2, one
     # hot system prompt left a backend idle; with 4, a saturated fleet scattered conversations.
 
@@ -52,6 +57,10 @@ class Backend(Protocol):
     def free(self) -> bool:
         """Whether it takes a new request now."""
 
+    @property
+    def available(self) -> bool:
+        """Whether it takes new requests at all (healthy, not drained), a slot free or not."""
+
 
 class Waiter(Protocol):
     """A queued request as a policy sees it (proxy.balancer.Waiter)."""
@@ -59,6 +68,7 @@ class Waiter(Protocol):
     future: asyncio.Future   # done: it left the queue already (cancelled, timed out), its turn is not taken
     route: Route | None
     overtaken: int           # requests behind it that were handed a slot first
+    home: str | None         # the backend it waits for (Policy.hold), until its time is up; None: any
 
 
 class Policy:
@@ -95,6 +105,13 @@ class Policy:
 
     def forget(self, backend: str) -> None:
         """Forget what was learned of a backend: it left, or lost its cache (ejected, down, drained)."""
+
+    def hold(self, route: Route | None, candidates: Sequence[Backend],
+             backends: Sequence[Backend]) -> tuple[Backend, float] | None:
+        """A backend with no free slot worth waiting for, and how long at most (seconds), rather than
+        one of candidates (the backends with a free slot) now; None: pick now. The balancer queues the
+        request for that backend's next slot and, the time up, hands it any free slot."""
+        return None
 
     def waiter(self, queue: Collection[Waiter], backends: Sequence[Backend]) -> Waiter | None:
         """The waiter a freed slot goes to instead of the queue's head (None: first come, first served);

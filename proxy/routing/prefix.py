@@ -347,6 +347,31 @@ class Prefix(Policy):
     def forget(self, backend: str) -> None:
         self.index.drop(backend)
 
+    def hold(self, route: PrefixRoute | None, candidates: Sequence[Backend],
+             backends: Sequence[Backend]) -> tuple[Backend, float] | None:
+        """Wait a little for home: when the backend with the prompt's longest match (its conversation's
+        home, a match that would win a pick) has no free slot, while another has, the request waits for
+        a slot there at most routing.home_wait_s, and at most the prefill the match saves over the best
+        free backend's at routing.prefill_ms per 1,000 tokens: waiting longer than going cold would
+        cost is never worth it."""
+        r = self.config
+        if not r.home_wait_s or route is None or not route.blocks or not candidates:
+            return None
+        matched = self.index.match(route.blocks)
+        home, run = None, 0
+        for b in backends:
+            n = matched.get(b.name, 0)
+            if n > run and b.available:
+                home, run = b, n
+        if home is None or home.free or run < r.min_match_ratio * len(route.blocks):
+            return None
+        if self.index.branches(route.blocks, run):
+            return None      # only a shared prefix: no conversation's home
+        saved = (run - max(matched.get(b.name, 0) for b in candidates)) * BLOCK_TOKENS
+        if saved < max(r.min_match_tokens, 1):
+            return None
+        return home, min(r.home_wait_s, saved * r.prefill_ms / 1e6)
+
     def waiter(self, queue: Collection[Waiter], backends: Sequence[Backend]) -> Waiter | None:
         """The first of the first lookahead + 1 waiters whose prompt has at least min_match_tokens on a
         backend with a free slot; a waiter passed over lookahead times already is taken as it is."""
