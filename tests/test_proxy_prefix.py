@@ -104,19 +104,22 @@ def test_the_index_knows_where_prompts_that_share_a_prefix_branch_off_it():
 
 
 @pytest.mark.unit
-def test_a_new_conversation_that_shares_only_a_system_prompt_goes_where_fewest_branched():
-    """One at a time (no load): conversation 0 takes b0; conversations 1-3 share its system prompt and
-    branch off it, so each takes a backend where no conversation branched yet; conversation 0's next
-    round goes home."""
-    b = pool(n=4, min_match_tokens=64)
-    firsts = []
-    for c in range(4):
-        route = PrefixRoute(prompt_blocks(chat(SYSTEM, f"Conversation {c} asks its own question. " * 3)))
-        backend = b.acquire(route=route)
-        firsts.append(backend.name)
-        b.release(backend)
-        assert route.decision == ("load" if c == 0 else "shared")
-    assert len(set(firsts)) == 4
+def test_a_prefix_shared_by_conversations_stays_with_its_holder_spread_after_times_then_spreads():
+    """One at a time (no load), 4 backends: conversation 0 takes b0 by load; the next ones share its system
+    prompt and branch off it. 1. routing.spread_after 3 (the default): each backend holding the prompt takes
+    3 conversations, then an equally loaded backend without it takes the next: 8 conversations on 3.
+    2. spread_after 0: every conversation goes where the fewest branched: 4 on 4. 3. Conversation 0's next
+    round, whose own part is short (far under min_match_tokens), still goes home."""
+    for spread_after, n, each in ((3, 8, [2, 3, 3]), (0, 4, [1, 1, 1, 1])):
+        b = pool(n=4, min_match_tokens=64, spread_after=spread_after)
+        firsts = []
+        for c in range(n):
+            route = PrefixRoute(prompt_blocks(chat(SYSTEM, f"Conversation {c} asks its own question. " * 3)))
+            backend = b.acquire(route=route)
+            firsts.append(backend.name)
+            b.release(backend)
+            assert route.decision == ("load" if c == 0 else "shared")
+        assert sorted(firsts.count(name) for name in set(firsts)) == each, firsts
     later = PrefixRoute(prompt_blocks(chat(SYSTEM, "Conversation 0 asks its own question. " * 3, "An answer.",
                                            "And then?")))
     assert b.acquire(route=later).name == firsts[0] and later.decision == "prefix"

@@ -29,10 +29,14 @@ class RoutingConfig:
     max_blocks: int = _bounded(262144, 1, 100_000_000)
     # prefix: queued requests a freed slot may look past for one whose prefix is there
     lookahead: int = _bounded(16, 0, 1024)
+    # prefix: a prefix many prompts share and leave stays with a backend holding it until this many
+    # branched off it there; then the least loaded takes the next (0: always the least loaded)
+    spread_after: int = _bounded(3, 0, 65536)
     # prefix: a request whose home (the backend with its prefix) is full while others have a free slot
     # may wait for a slot at home, at most home_wait_s and at most the prefill its cached prefix saves at
-    # prefill_ms per 1,000 tokens (0: never waits)
-    home_wait_s: float = _bounded(0.0, 0, 60)
+    # prefill_ms per 1,000 tokens (0: never waits). spread_after 3 and home_wait_s 1 measured
+    # (bench/bench_routing.py, docs/PERFORMANCE.md): with 2 the groups workload's hit rate fell further.
+    home_wait_s: float = _bounded(1.0, 0, 60)
     prefill_ms: float = _bounded(100.0, 0, 100_000)
     # balance_abs 1 and lookahead 16 measured (bench/bench_routing.py, docs/PERFORMANCE.md): with 2, one
     # hot system prompt left a backend idle; with 4, a saturated fleet scattered conversations.

@@ -283,7 +283,8 @@ class Prefix(Policy):
         then round robin), when that run covers routing.min_match_ratio of the prompt (a new
         conversation that shares only a system prompt goes by load) and saves at least min_match_tokens
         of prefill over the least loaded backend (a shared prefix that every backend holds pins
-        nothing); unless that backend has more than balance_abs requests more than the least loaded one
+        nothing) or runs past a shared prefix into the conversation's own rounds (_own); a match that
+        ends where prompts sharing it branch off goes by _spread; unless that backend has more than balance_abs requests more than the least loaded one
         and more than balance_rel times as many: then the least loaded one."""
         if route is None or not route.blocks:
             return least
@@ -299,7 +300,8 @@ class Prefix(Policy):
         least_tokens = matched.get(least.name, 0) * BLOCK_TOKENS
         r = self.config
         if (top is None or top is least or top_run < r.min_match_ratio * len(route.blocks)
-                or top_run * BLOCK_TOKENS - least_tokens < r.min_match_tokens):
+                or (top_run * BLOCK_TOKENS - least_tokens < r.min_match_tokens
+                    and not self._own(route, matched, top, top_run))):
             route.decision = "prefix" if least_tokens >= r.min_match_tokens else "load"
             route.matched_tokens = least_tokens
             return least
@@ -309,15 +311,30 @@ class Prefix(Policy):
         route.decision, route.matched_tokens = "prefix", top_run * BLOCK_TOKENS
         return top
 
+    def _own(self, route: PrefixRoute, matched: dict[str, int], top: Backend, top_run: int) -> bool:
+        """Whether top holds the prompt past a prefix that others share and leave: the conversation's own
+        earlier rounds are there, however short, so it is home (min_match_tokens guards against pinning
+        on shared prefixes, not this)."""
+        second = max((n for name, n in matched.items() if name != top.name), default=0)
+        return 0 < second < top_run and self.index.branches(route.blocks, second)
+
     def _spread(self, route: PrefixRoute, matched: dict[str, int], run: int,
                 candidates: Sequence[Backend]) -> Backend:
-        """The prompt's longest match is a prefix other conversations share and leave (a system prompt,
-        a tool list): it is no conversation's home, so the least loaded backend takes it, holder of the
-        shared part or not; among equally loaded ones the one where the fewest conversations branched off
-        it (round robin after that). New conversations spread, each backend pays the shared part once,
+        """The prompt's longest match is a prefix other prompts share and leave (a system prompt, a tool
+        list, a group's context): no conversation's home. A backend holding it takes the request while
+        fewer than routing.spread_after prompts branched off it there and it is not too loaded (the
+        balance rule against the least loaded); past that, the least loaded backend, holder or not, and
+        among equally loaded ones the one where the fewest branched off (round robin after that). New
+        conversations spread even one at a time, each backend pays the shared part a few times at most,
         and their own later rounds go home."""
         fan = self.index.fan(route.blocks[run - 1])
-        best = min(candidates, key=lambda b: (b.in_flight, fan.get(b.name, 0)))
+        r = self.config
+        least = min(candidates, key=lambda b: b.in_flight)
+        roomy = [b for b in candidates if matched.get(b.name, 0) >= run and fan.get(b.name, 0) < r.spread_after]
+        best = min(roomy, key=lambda b: (b.in_flight, fan.get(b.name, 0)), default=None)
+        if best is None or (best.in_flight - least.in_flight > r.balance_abs
+                            and best.in_flight > r.balance_rel * least.in_flight):
+            best = min(candidates, key=lambda b: (b.in_flight, fan.get(b.name, 0)))
         route.matched_tokens = matched.get(best.name, 0) * BLOCK_TOKENS
         route.decision = "shared"
         return best
