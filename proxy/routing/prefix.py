@@ -85,6 +85,8 @@ class PrefixRoute:
     matched_tokens: int = 0    # was there, but that backend was too loaded; shared: only a prefix other
                                # conversations share matched, so the least loaded took it
     ticks: list[int] = field(default_factory=list)   # when the matched blocks were sent there before
+    seen: int = -1                                   # the index's changes when `matches` was computed
+    matches: dict[str, int] = field(default_factory=dict)
 
     @property
     def prompt_tokens(self) -> int:
@@ -105,6 +107,7 @@ class PrefixIndex:
         self._of: dict[str, OrderedDict[int, int]] = {}
         self._cap: dict[str, int] = {}
         self._tick = 0
+        self.changes = 0     # counts every change, so a match computed since none may be reused
         self._parent: dict[int, int] = {}    # block -> the block before it (a prompt's first has none)
         self._fan: dict[int, dict[str, int]] = {}   # block -> backend -> blocks after it sent there
 
@@ -157,6 +160,7 @@ class PrefixIndex:
     def set_capacity(self, backend: str, blocks: int | None) -> None:
         """The most blocks backend's engine keeps (None: unknown, only max_blocks bounds it); the least
         recently sent beyond it are forgotten, as the engine's LRU evicts them."""
+        self.changes += 1
         if blocks:
             self._cap[backend] = blocks
             self._trim(backend)
@@ -167,6 +171,7 @@ class PrefixIndex:
         """Remember that the prompt's blocks went to backend (they become the most recently used). Last
         block first, so the first is the most recent of all: eviction takes a prompt's tail before its
         head, as vLLM's does (a chain without its head matches nothing)."""
+        self.changes += 1
         lru = self._lru
         mine = self._of.get(backend)
         if mine is None:
@@ -207,6 +212,7 @@ class PrefixIndex:
     def evict_through(self, backend: str, tick: int) -> int:
         """Forget backend's blocks last sent at or before tick: the engine evicted a block of that age, so
         its LRU has evicted every older one too. Returns how many were forgotten."""
+        self.changes += 1
         mine = self._of.get(backend)
         n = 0
         while mine:
@@ -240,6 +246,7 @@ class PrefixIndex:
 
     def forget(self, blocks: list[int], backend: str) -> int:
         """Forget that backend holds blocks (the engine evicted them); returns how many it held."""
+        self.changes += 1
         mine = self._of.get(backend, {})
         n = 0
         for h in blocks:
@@ -250,6 +257,7 @@ class PrefixIndex:
 
     def drop(self, backend: str) -> int:
         """Forget everything sent to backend (it is cold now); returns how many blocks it held."""
+        self.changes += 1
         hashes = self._of.pop(backend, {})
         for h in hashes:
             holders = self._lru.get(h)
@@ -275,6 +283,13 @@ class Prefix(Policy):
         super().__init__(config)
         self.index = PrefixIndex(config.max_blocks)
 
+    def _match(self, route: PrefixRoute) -> dict[str, int]:
+        """index.match of the route's blocks, computed once while the index does not change (hold and
+        then pick see the same index: no await between them)."""
+        if route.seen != self.index.changes:
+            route.matches, route.seen = self.index.match(route.blocks), self.index.changes
+        return route.matches
+
     def route_of(self, body: bytes) -> PrefixRoute:
         return PrefixRoute(prompt_blocks(body))
 
@@ -288,7 +303,7 @@ class Prefix(Policy):
         and more than balance_rel times as many: then the least loaded one."""
         if route is None or not route.blocks:
             return least
-        matched = self.index.match(route.blocks)
+        matched = self._match(route)
         top: Backend | None = None
         top_run = 0
         for b in candidates:
@@ -374,7 +389,7 @@ class Prefix(Policy):
         r = self.config
         if not r.home_wait_s or route is None or not route.blocks or not candidates:
             return None
-        matched = self.index.match(route.blocks)
+        matched = self._match(route)
         home, run = None, 0
         for b in backends:
             n = matched.get(b.name, 0)
@@ -404,7 +419,7 @@ class Prefix(Policy):
             if w.overtaken >= r.lookahead:
                 return w
             if w.route is not None and w.route.blocks:
-                matched = self.index.match(w.route.blocks)
+                matched = self._match(w.route)
                 run = max((matched.get(n, 0) for n in free), default=0)
                 if run * BLOCK_TOKENS >= r.min_match_tokens and run >= r.min_match_ratio * len(w.route.blocks):
                     return w
