@@ -152,10 +152,9 @@ class PrefixIndex:
         ours = self._lru.get(blocks[run], ())
         return any(n > (name in ours) for name, n in after.items())
 
-    def ticks(self, blocks: list[int], backend: str) -> list[int]:
-        """When each of the blocks was last sent to backend (0: never), before a new send."""
-        mine = self._of.get(backend, {})
-        return [mine.get(h, 0) for h in blocks]
+    def capacity(self, backend: str) -> int | None:
+        """The most blocks kept for backend (None: only max_blocks bounds it)."""
+        return self._cap.get(backend)
 
     def set_capacity(self, backend: str, blocks: int | None) -> None:
         """The most blocks backend's engine keeps (None: unknown, only max_blocks bounds it); the least
@@ -167,33 +166,41 @@ class PrefixIndex:
         else:
             self._cap.pop(backend, None)
 
-    def insert(self, blocks: list[int], backend: str) -> None:
+    def insert(self, blocks: list[int], backend: str, known: int = 0) -> list[int]:
         """Remember that the prompt's blocks went to backend (they become the most recently used). Last
         block first, so the first is the most recent of all: eviction takes a prompt's tail before its
-        head, as vLLM's does (a chain without its head matches nothing)."""
+        head, as vLLM's does (a chain without its head matches nothing). Returns when each of the first
+        `known` blocks had been sent there before (0: never), what a later miss is dated by."""
         self.changes += 1
-        lru = self._lru
+        lru, parent, fans = self._lru, self._parent, self._fan
         mine = self._of.get(backend)
         if mine is None:
             mine = self._of[backend] = OrderedDict()
+        before = [0] * known
+        tick = self._tick
         for i in range(len(blocks) - 1, -1, -1):
             h = blocks[i]
             holders = lru.get(h)
             if holders is None:
                 lru[h] = holders = set()
                 if i:
-                    self._parent[h] = blocks[i - 1]
+                    parent[h] = blocks[i - 1]
             else:
                 lru.move_to_end(h)
-            self._tick += 1
-            if backend not in holders:
+            tick += 1
+            if backend in holders:
+                old = mine.pop(h, 0)
+                if i < known:
+                    before[i] = old
+            else:
                 holders.add(backend)
                 if i:
-                    fan = self._fan.setdefault(blocks[i - 1], {})
+                    fan = fans.get(blocks[i - 1])
+                    if fan is None:
+                        fan = fans[blocks[i - 1]] = {}
                     fan[backend] = fan.get(backend, 0) + 1
-            else:
-                mine.move_to_end(h)
-            mine[h] = self._tick
+            mine[h] = tick
+        self._tick = tick
         self._trim(backend)
         while len(lru) > self.max_blocks:
             h, holders = lru.popitem(last=False)
@@ -202,6 +209,7 @@ class PrefixIndex:
                 self._unfan(h, name)
             self._parent.pop(h, None)
             self._fan.pop(h, None)
+        return before
 
     def _trim(self, backend: str) -> None:
         """Forget backend's least recently sent blocks beyond its capacity."""
@@ -359,10 +367,10 @@ class Prefix(Policy):
         tokens, when it publishes it: vllm:cache_config_info)."""
         if route is not None and route.blocks:
             cap = getattr(backend, "kv_tokens", None)
-            self.index.set_capacity(backend.name, cap and max(1, cap // BLOCK_TOKENS))
-            run = route.matched_tokens // BLOCK_TOKENS
-            route.ticks = self.index.ticks(route.blocks[:run], backend.name) if run else []
-            self.index.insert(route.blocks, backend.name)
+            cap = cap and max(1, cap // BLOCK_TOKENS)
+            if cap != self.index.capacity(backend.name):
+                self.index.set_capacity(backend.name, cap)
+            route.ticks = self.index.insert(route.blocks, backend.name, route.matched_tokens // BLOCK_TOKENS)
 
     def learned(self, route: PrefixRoute | None, backend: Backend, cached_tokens: int | None,
                 prompt_tokens: int | None) -> None:
