@@ -370,7 +370,9 @@ def sim_flags() -> list[str]:
             flags += [flag, str(value)]
         else:
             print(f"bench_routing: this sim has no {flag}; its figures do not model a prefix cache", file=sys.stderr)
-    return flags + ["--sim-output-tokens", "1000"]
+    # Every instance the fleet deploys answers usage.prompt_tokens_details.cached_tokens (render.py), which
+    # the prefix policy learns from; the sims here do the same.
+    return flags + ["--sim-output-tokens", "1000", "--enable-prompt-tokens-details"]
 
 
 def loadavg() -> str:

@@ -108,8 +108,14 @@ def engine_argv(hv: HostVars, model: str | None = None) -> list[str]:
             argv += ["--sim-kv-blocks", str(sim["kv_blocks"])]
         if sim["instant"]:
             argv.append("--sim-instant")
-        return argv + _tracing_args(v)
-    return [v["vllm_bin"] or "vllm", "serve", model, *_tracing_args(v)]
+        return argv + [PROMPT_DETAILS, *_tracing_args(v)]
+    return [v["vllm_bin"] or "vllm", "serve", model, PROMPT_DETAILS, *_tracing_args(v)]
+
+
+# Every answer's usage says how many prompt tokens the engine found in its prefix cache
+# (prompt_tokens_details.cached_tokens): the proxy's prefix policy learns from it what the engine evicted.
+# vLLM has had the flag since 0.6 (0.11 and 0.32 alike, entrypoints' cli_args); the sim takes it too.
+PROMPT_DETAILS = "--enable-prompt-tokens-details"
 
 
 def _tracing_args(v: dict) -> list[str]:

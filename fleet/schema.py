@@ -245,6 +245,18 @@ class RoutingSettings(Section):
     lookahead: _int(0, 1024) = doc(16,
         "prefix: how many queued requests a freed slot may look past for one whose prefix is on that "
         "backend; no request is passed over more than this many times. 0: strict FIFO.")
+    spread_after: _int(0, 65536) = doc(3,
+        "prefix: when a request matches only a prefix that other prompts share and leave (a long system "
+        "prompt, a group's context), a backend holding it takes the request until this many prompts "
+        "branched off it there; then the least loaded backend, holder or not, so conversations spread "
+        "even at low load. 0: always the least loaded.")
+    home_wait_s: _number(0, 60, "a number of seconds from 0 to 60") = doc(1.0,
+        "prefix: how long at most a request whose home backend (where its prefix is) has no free slot "
+        "waits for one there while other backends have free slots, rather than go cold at once; also "
+        "bounded by the prefill its match saves at `prefill_ms`. 0: never waits.")
+    prefill_ms: _number(0, 100_000, "a number of milliseconds from 0 to 100000") = doc(100.0,
+        "prefix: the engines' prefill time per 1,000 prompt tokens, which bounds `home_wait_s`: a request "
+        "never waits for home longer than going cold would cost.")
 
 
 # A tenant's name, as a key file's `KEY TENANT` line writes it (proxy/config.py has the same pattern).

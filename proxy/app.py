@@ -6,6 +6,7 @@ import dataclasses
 import inspect
 import logging
 import os
+import re
 import socket
 
 import aiohttp
@@ -58,6 +59,8 @@ async def _check(proxy: Proxy, backend: Backend) -> None:
         ok, err = False, f"/health: {type(e).__name__}: {e}"
     if ok and proxy.router.by_model:
         await read_models(proxy, backend)
+    if ok and (backend.kv_tokens is None or not backend.healthy):
+        await read_kv_capacity(proxy, backend)
     if proxy.router.mark(backend, ok, err):
         log.info("backend %s is now %s%s", backend.name, "healthy" if ok else "unhealthy",
                  "" if ok else f" ({err})")
@@ -75,6 +78,36 @@ async def read_models(proxy: Proxy, backend: Backend) -> None:
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
         return
     proxy.router.set_served(backend, entries_of(payload))
+
+
+CACHE_CONFIG = re.compile(r"^vllm:cache_config_info\{([^}]*)\}", re.M)
+LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def kv_capacity(metrics_text: str) -> int:
+    """An engine's KV cache in tokens from its /metrics: vllm:cache_config_info's num_gpu_blocks x
+    block_size (vLLM publishes its CacheConfig so); 0 when it does not say."""
+    found = CACHE_CONFIG.search(metrics_text)
+    labels = dict(LABEL.findall(found.group(1))) if found else {}
+    try:
+        return max(0, int(labels["num_gpu_blocks"]) * int(labels["block_size"]))
+    except (KeyError, ValueError):
+        return 0
+
+
+async def read_kv_capacity(proxy: Proxy, backend: Backend) -> None:
+    """Learn a backend's KV cache size once it is healthy (again: a restart may change it), for the
+    prefix policy's index; on a failure it is read at the next check."""
+    try:
+        async with proxy.session.get(backend.url + "/metrics",
+                                     timeout=aiohttp.ClientTimeout(total=proxy.config.health.timeout_s)) as r:
+            if r.status != 200:
+                backend.kv_tokens = 0     # no /metrics: nothing to learn, not asked again
+                return
+            text = await r.text()
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, UnicodeDecodeError):
+        return
+    backend.kv_tokens = kv_capacity(text)
 
 
 async def health_loop(proxy: Proxy) -> None:

@@ -36,6 +36,7 @@ class Backend:
     ejections: int = 0      # times the proxy took it out on its own (connect error, too many 5xx)
     removed: bool = False   # gone from the config: its in-flight requests finish, new ones go elsewhere
     slots: int = 0          # requests it runs at once (max_num_seqs + headroom); 0: no limit, no queue
+    kv_tokens: int | None = None   # its engine's KV cache in tokens (vllm:cache_config_info); 0: not published
     served: list = field(default_factory=list)  # its /v1/models entries (read in the models form only)
     url: str = field(init=False)
 
@@ -79,6 +80,7 @@ class Waiter:
     tokens: int = 0
     overtaken: int = 0
     seq: int = 0        # its place in arrival order (the fair queue's tie-break)
+    home: str | None = None   # the backend it waits for until its hold is up (Policy.hold); None: any
 
 
 class Balancer:
@@ -141,12 +143,14 @@ class Balancer:
         return added, removed
 
     def acquire(self, exclude: Collection[Backend] = (), over: bool = False,
-                route: Route | None = None, tenant: Tenant | None = None, tokens: int = 0) -> Backend | None:
+                route: Route | None = None, tenant: Tenant | None = None, tokens: int = 0,
+                only: str | None = None) -> Backend | None:
         """Pick a backend with a free slot (not one of exclude) and count the request on it at once,
         or None. over: when no slot is free, the least loaded available backend all the same (a retry,
         which already held a slot elsewhere). route: what the policy made of the request (its
         route_of); the policy writes its decision into it. tenant: counted too (a retry's is already), and
         charged the request's prompt (tokens, or the route's) in the fair queue's count of its service.
+        only: that backend or none (a waiter held for its home).
 
         Pick and count are one step with no await between them: counting later (the seed counted
         after reading the body) lets many requests see the same backend as idlest.
@@ -156,7 +160,7 @@ class Balancer:
         candidates: list[Backend] = []   # in round-robin order, from the cursor on
         for k in range(n):
             b = self._order[(self._cursor + k) % n]
-            if (b.free or (over and b.available)) and b not in exclude:
+            if (b.free or (over and b.available)) and b not in exclude and (only is None or b.name == only):
                 candidates.append(b)
                 if least is None or b.in_flight < least.in_flight:
                     least = b
@@ -175,16 +179,26 @@ class Balancer:
 
     def may_take(self, tenant: Tenant | None = None) -> bool:
         """Whether a new request may try `acquire` at once: nobody the fair order would serve first
-        waits, and its tenant is below its max_in_flight."""
+        waits (but those held for their home backend), and its tenant is below its max_in_flight."""
         if tenant is not None and not tenant.may_run:
             return False
-        return not self._queue or next(iter(self._queue), None) is None   # no fair order to build when empty
+        return not self.ahead()
 
-    async def wait_for_slot(self, timeout_s: float, route: Route | None = None,
-                            tenant: Tenant | None = None, tokens: int = 0) -> Backend | None:
+    def hold(self, route: Route | None) -> tuple[Backend, float] | None:
+        """Whether the policy would have the request wait for a full backend (its home) while others have
+        a free slot: (that backend, seconds at most), to pass to wait_for_slot; None: acquire now. Never
+        when the queue is full or others wait already (they go first)."""
+        if route is None or self.ahead() or len(self._queue) >= self.queue_max:
+            return None
+        return self.policy.hold(route, [b for b in self._order if b.free], self._order)
+
+    async def wait_for_slot(self, timeout_s: float, route: Route | None = None, tenant: Tenant | None = None,
+                            tokens: int = 0, hold: tuple[Backend, float] | None = None) -> Backend | None:
         """A backend with the request (and its tenant) counted on it, once the requests the fair order
         serves before it have theirs (the caller tried `acquire` first when it could). None when no
-        backend is available at all.
+        backend is available at all. hold: (home, seconds) from `hold`: the request takes only a slot of
+        home until seconds passed, then any (the queue's order still applies: a held waiter is passed
+        over while home is full).
 
         Raises QueueFull (nobody may wait, or queue_max wait already and its tenant holds no less of
         the queue than any other, by weight; else the newest waiter of the tenant that holds the most
@@ -193,7 +207,7 @@ class Balancer:
         (its client left) leaves the queue; a slot handed to it in that instant goes on to the next in
         line, so no count is ever lost.
         """
-        if self.may_take(tenant):
+        if hold is None and self.may_take(tenant):
             backend = self.acquire(route=route, tenant=tenant, tokens=tokens)   # a slot may have come free since
             if backend is not None:
                 return backend
@@ -211,6 +225,10 @@ class Balancer:
         waiter = Waiter(loop.create_future(), route, tenant, tokens)
         self._queue.append(waiter)
         timer = loop.call_later(timeout_s, self._expire, waiter)
+        unhold = None
+        if hold is not None:
+            waiter.home = hold[0].name
+            unhold = loop.call_later(hold[1], self._unhold, waiter)
         try:
             return await waiter.future
         except asyncio.CancelledError:
@@ -221,6 +239,38 @@ class Balancer:
             raise
         finally:
             timer.cancel()
+            if unhold is not None:
+                unhold.cancel()
+
+    def _unhold(self, waiter: Waiter) -> None:
+        """A held waiter's time is up: any free slot will do now."""
+        waiter.home = None
+        if not waiter.future.done():
+            self.dispatch()
+
+    def _ready(self, w: Waiter) -> bool:
+        """Whether a waiter may take a slot now: it waits for no backend, or for one that has a free slot
+        (or that is out: then for none)."""
+        home = self.backends.get(w.home) if w.home is not None else None
+        return home is None or home.free or not home.available
+
+    def _home_of(self, w: Waiter) -> str | None:
+        """The backend a ready waiter must take (its home, while that is in), else None: any."""
+        home = self.backends.get(w.home) if w.home is not None else None
+        return w.home if home is not None and home.available else None
+
+    def _next(self) -> Waiter | None:
+        """The waiter a free slot goes to without the policy's say: one held for a backend with a free
+        slot first (its home came free), else the first in line that waits for no backend."""
+        first = None
+        for w in self._queue:
+            if w.future.done():
+                continue
+            if w.home is not None and self._ready(w):
+                return w
+            if first is None and w.home is None:
+                first = w
+        return first
 
     def _expire(self, waiter: Waiter) -> None:
         if not waiter.future.done():
@@ -231,7 +281,11 @@ class Balancer:
         """Hand free slots to the requests waiting, in the fair queue's order (its first: the tenant
         furthest behind its weighted share, that tenant's oldest request), unless the policy prefers
         another waiter of that order (prefix: one of the first routing.lookahead whose prefix lives on a
-        free backend, no waiter passed over more than lookahead times)."""
+        free backend, no waiter passed over more than lookahead times).
+
+        Held waiters (Policy.hold: waiting a little for their home backend) take only a slot of their
+        home until their time is up (_unhold); while it is full they are passed over, and when it frees
+        a slot they take it first (_next)."""
         while self._queue:
             head = next(iter(self._queue), None)
             if head is None:          # only tenants at their max_in_flight wait
@@ -239,8 +293,13 @@ class Balancer:
             if head.future.done():   # cancelled, its task not run yet (it would forget itself)
                 self._queue.remove(head)
                 continue
-            chosen = self.policy.waiter(self._queue, self._order) or head
-            backend = self.acquire(route=chosen.route, tenant=chosen.tenant, tokens=chosen.tokens)
+            chosen = self.policy.waiter(self._queue, self._order)
+            if chosen is None or not self._ready(chosen):
+                chosen = self._next()
+            if chosen is None:
+                return
+            backend = self.acquire(route=chosen.route, tenant=chosen.tenant, tokens=chosen.tokens,
+                                   only=self._home_of(chosen))
             if backend is None:
                 return
             if chosen is not head:
@@ -255,10 +314,20 @@ class Balancer:
         """A request of tenant's ended having produced output_tokens (its usage): the fair queue counts them."""
         self._queue.ended(tenant, output_tokens)
 
+    def ahead(self) -> bool:
+        """Whether a new request must queue behind others: one waits that is not held for its home (held
+        ones wait for one backend only; a new request may take another's free slot)."""
+        return any(w.home is None and not w.future.done() for w in self._queue)
+
     @property
     def queued(self) -> int:
         """How many requests wait for a slot."""
         return len(self._queue)
+
+    def learn(self, route: Route | None, backend: Backend, cached_tokens: int | None,
+              prompt_tokens: int | None) -> None:
+        """Pass the engine's word on a request's cached prompt tokens to the policy."""
+        self.policy.learned(route, backend, cached_tokens, prompt_tokens)
 
     def release(self, backend: Backend, tenant: Tenant | None = None) -> None:
         """Uncount one finished request (and its tenant's, when given); its slot goes to the first request
@@ -276,6 +345,7 @@ class Balancer:
         backend.healthy = healthy
         if changed and not healthy:
             self.cold(backend)   # down: when it comes back (a restart, say) its cache is empty
+            backend.kv_tokens = None   # and its size is read again (the health check reads it)
         if healthy:
             backend.fails = 0
         if error is not None:

@@ -269,11 +269,13 @@ async def _answer(ex: Exchange, proxy) -> web.StreamResponse:
         return await _turned_away(ex, proxy, limited)
     # Counted here, before the body is read (the seed's pile-up fix), in the plain form; in the models
     # form and with a policy that reads the body right after it, pick and count still one step. A request that
-    # finds no slot, or someone its pool's fair queue serves first, waits its turn in that queue.
+    # finds no slot, or someone its pool's fair queue serves first, waits its turn in that queue; the policy
+    # may have it wait a little for its home backend (a hold) though another has a free slot.
     ex.balancer = pool
-    backend = pool.acquire(route=ex.route, tenant=ex.tenant) if pool.may_take(ex.tenant) else None
+    hold = pool.hold(ex.route) if pool.may_take(ex.tenant) else None
+    backend = pool.acquire(route=ex.route, tenant=ex.tenant) if hold is None and pool.may_take(ex.tenant) else None
     if backend is None:
-        backend = await _wait_for_slot(ex, proxy, pool)
+        backend = await _wait_for_slot(ex, proxy, pool, hold)
         if isinstance(backend, web.Response):
             return backend
     return await _forward(ex, proxy, pool, backend)
@@ -338,7 +340,9 @@ async def _forward(ex: Exchange, proxy, pool: Balancer, backend: Backend) -> web
         response = None if ex.read else await _read_body(ex, proxy, backend)
         if response is not None:
             return _ended(ex, response)
-        return _reply(ex, await _tries(ex, proxy, pool))
+        out = await _tries(ex, proxy, pool)
+        _learn(ex, proxy, pool, out)
+        return _reply(ex, out)
     except (ClientGone, asyncio.CancelledError) as gone:
         # ClientGone: a write found the client gone; CancelledError: aiohttp's handler_cancellation,
         # the client hung up while we waited.
@@ -348,6 +352,17 @@ async def _forward(ex: Exchange, proxy, pool: Balancer, backend: Backend) -> web
         return ex.request["response"]      # already started; aiohttp has nobody left to send it to
     finally:
         pool.release(ex.slot, ex.tenant)
+
+
+def _learn(ex: Exchange, proxy, pool: Balancer, out: Outcome) -> None:
+    """What the engine said of the prompt's cache hit goes to the policy and to the prediction's metrics."""
+    if ex.route is None or out.observer is None or out.status != 200:
+        return
+    cached, prompt = out.observer.engine_cache()
+    if cached is None:
+        return
+    pool.learn(ex.route, ex.slot, cached, prompt)
+    proxy.metrics.predicted(ex.route, cached)
 
 
 async def _tries(ex: Exchange, proxy, pool: Balancer) -> Outcome:
@@ -440,13 +455,13 @@ async def _listing(ex: Exchange, proxy) -> web.Response:
     return web.json_response({"object": "list", "data": listing})
 
 
-async def _wait_for_slot(ex: Exchange, proxy, pool: Balancer) -> Backend | web.Response:
+async def _wait_for_slot(ex: Exchange, proxy, pool: Balancer, hold=None) -> Backend | web.Response:
     """Wait in the queue for a slot; the backend it got, or the answer when the request ends here:
     503 (no backend at all, or queue.timeout_s waited, with Retry-After) or 429 (the queue is full)."""
     config, metrics = proxy.config, proxy.metrics
     ids = {"X-Request-Id": ex.request_id}
     try:
-        backend = await pool.wait_for_slot(config.queue.timeout_s, ex.route, ex.tenant, ex.tokens)
+        backend = await pool.wait_for_slot(config.queue.timeout_s, ex.route, ex.tenant, ex.tokens, hold)
     except TenantFull as full:
         limit, message = full.args
         return await _turned_away(ex, proxy, _limit_error(ex, proxy, limit, message, RETRY_AFTER_FULL_S))
@@ -725,6 +740,7 @@ def _log_attempt(ex: Exchange, proxy, backend: str | None, out: Outcome, final: 
     if ex.route is not None:
         entry["route"] = ex.route.decision
         entry["match_tokens"] = ex.route.matched_tokens
+        entry["cached_tokens"] = out.observer.engine_cache()[0] if out.observer else None
     if ex.tenant is not None:
         entry["tenant"] = ex.tenant.name
     if ex.fixups:

@@ -113,11 +113,17 @@ class Metrics:
         self.route_decisions = Counter("proxy_route_decisions",
                                        "Prefix policy: where each request went: prefix (where its prompt's "
                                        "prefix was sent), load (no long enough match), override (a match, "
-                                       "but that backend was too loaded)", ["decision"], registry=r)
+                                       "but that backend was too loaded), shared (only a prefix other "
+                                       "conversations share matched: the least loaded took it)", ["decision"], registry=r)
         self.route_tokens = Counter("proxy_route_prompt_tokens",
                                     "Prefix policy: prompt tokens routed (about 4 bytes each, whole 16-token "
                                     "blocks), and of them matched on the chosen backend by the router's own index",
                                     ["kind"], registry=r)
+        self.route_error = Counter("proxy_route_prediction_error_tokens",
+                                   "Prefix policy: how far the router's match was from the prompt tokens the "
+                                   "engine said it had cached (usage.prompt_tokens_details.cached_tokens): over "
+                                   "(predicted more than it had), under (had more than predicted), and cached "
+                                   "(what it had), summed over the answers that said", ["kind"], registry=r)
         # model: the served model (its pool) in the models form; "" in the plain form (no label then).
         self.first_byte = Histogram("proxy_time_to_first_byte_seconds",
                                     "From the request's arrival to the first byte of its answer sent to the "
@@ -150,6 +156,7 @@ class Metrics:
         self._by_model: dict = {}   # (model, status) -> its counter child
         self._decisions: dict = {}  # decision -> its counter child
         self._tokens: dict = {}     # kind -> its counter child
+        self._errors: dict = {}     # kind -> its counter child (the prediction error)
         self._first: dict = {}      # (backend, model) -> its time-to-first-byte child
         self._output: dict = {}     # (backend, model) -> its output-tokens child
         self._covered: set = set()  # backends whose series are made
@@ -216,6 +223,12 @@ class Metrics:
         _child(self._decisions, self.route_decisions, route.decision).inc()
         _child(self._tokens, self.route_tokens, "prompt").inc(route.prompt_tokens)
         _child(self._tokens, self.route_tokens, "matched").inc(route.matched_tokens)
+
+    def predicted(self, route, cached: int) -> None:
+        """Count how far a route's match was from the engine's cached tokens."""
+        error = route.matched_tokens - cached
+        _child(self._errors, self.route_error, "over" if error > 0 else "under").inc(abs(error))
+        _child(self._errors, self.route_error, "cached").inc(cached)
 
     def took(self, backend: str, seconds: float) -> None:
         """Observe one request's time to its last byte."""

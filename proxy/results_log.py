@@ -62,6 +62,8 @@ class ResponseObserver:
         self.completion_tokens: int | None = None
         self.prompt_tokens: int | None = None
         self.reported_tokens: int | None = None   # usage.completion_tokens as the answer said (no estimate)
+        self.cached_tokens: int | None = None     # usage.prompt_tokens_details.cached_tokens (the engine's)
+        self._parsed = False
         self.error: str | None = None
         self.done = False   # the stream's last event (`data: [DONE]`) has passed
         self._content_chunks = 0
@@ -79,6 +81,13 @@ class ResponseObserver:
         elif self._body_len < BODY_KEEP_BYTES:
             self._body.append(chunk)
             self._body_len += len(chunk)
+
+    def engine_cache(self) -> tuple[int | None, int | None]:
+        """The prompt's tokens the engine found in its prefix cache, and its prompt tokens, as its usage
+        said (None: it did not say; vLLM says the first with --enable-prompt-tokens-details)."""
+        if not self.streamed:
+            self._parse_body()
+        return self.cached_tokens, self.prompt_tokens
 
     def summary(self) -> dict:
         """The results log fields this response determines."""
@@ -119,6 +128,9 @@ class ResponseObserver:
 
     def _parse_body(self) -> None:
         """Parse the kept body once: a completion when 200, else the backend's error text."""
+        if self._parsed:
+            return
+        self._parsed = True
         body = b"".join(self._body)
         if self.status != 200:
             self.error = body.decode("utf-8", "replace")
@@ -141,6 +153,10 @@ class ResponseObserver:
             if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0:
                 self.reported_tokens = tokens
             self.prompt_tokens = usage.get("prompt_tokens", self.prompt_tokens)
+            details = usage.get("prompt_tokens_details")
+            cached = details.get("cached_tokens") if isinstance(details, dict) else None
+            if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0:
+                self.cached_tokens = cached
         choices = event.get("choices")
         if not isinstance(choices, list):
             return

@@ -303,6 +303,9 @@ class FakeBackend:
         if head.startswith(b"GET /health"):
             conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}")
             return
+        if head.startswith(b"GET "):       # /metrics (the proxy reads the KV cache's size): none here
+            conn.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            return
         self.posts += 1
         self.last_head = head
         if self.mode == "503":

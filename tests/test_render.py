@@ -78,7 +78,7 @@ def test_scripts_are_valid_bash():
 @pytest.mark.unit
 def test_k100_engine_command_and_device_visibility():
     script = rendered(k100())["bin/start_cluster.sh"].content
-    assert "ENGINE=(vllm serve /data/models/MiniCPM-V-4_5)" in script
+    assert "ENGINE=(vllm serve /data/models/MiniCPM-V-4_5 --enable-prompt-tokens-details)" in script
     assert 'HIP_VISIBLE_DEVICES="$i"' in script and "ROCR_VISIBLE_DEVICES" not in script
     nvidia = rendered(k100(["accelerator=nvidia"]))["bin/start_cluster.sh"].content
     assert 'CUDA_VISIBLE_DEVICES="$i"' in nvidia and "HIP_VISIBLE_DEVICES" not in nvidia
@@ -288,5 +288,5 @@ def test_a_models_group_path_with_a_tilde_reaches_the_engine_under_the_hosts_hom
         """))
     hv = render.offline(inventory.load(inv_path).host_vars("h", []), "/home/ops")
     script = rendered(hv)["bin/start_cluster.sh"].content
-    assert "ENGINE=(vllm serve /home/ops/models/a)" in script and "ENGINE=(vllm serve /data/b)" in script
+    assert "ENGINE=(vllm serve /home/ops/models/a --enable-prompt-tokens-details)" in script and "ENGINE=(vllm serve /data/b --enable-prompt-tokens-details)" in script
     assert "ocr=/home/ops/lora/ocr" in script and "~/" not in script

@@ -382,3 +382,48 @@ def test_request_metrics_count_what_the_requests_did(procs, tmp_path):
     assert value(f'vllm:request_success_total{{engine="0",finished_reason="stop",model_name="{MODEL}"}}') == 2
     prompt = r1["usage"]["prompt_tokens"] + r2["usage"]["prompt_tokens"]
     assert value(f"vllm:prompt_tokens_total{{{labels}}}") > prompt
+
+
+@pytest.mark.unit
+def test_an_answers_blocks_are_cached_so_the_next_round_finds_them():
+    """1. A 40-token prompt runs (2 full blocks, 1 partial). 2. Its answer fills the sequence to 72 tokens:
+    extend caches the 4 full blocks, the partial prompt block among them. 3. The next round's prompt (the
+    same 72 tokens and a question) hits all 4 blocks. 4. In a full cache the answer's blocks stop where no
+    space is left, and none is evicted from a running request."""
+    cache = PrefixCache(8)
+    prompt = toks(40)
+    alloc = cache.allocate(block_hashes(Prompt(prompt)), 40)
+    seq = prompt + toks(32, "out")
+    assert cache.extend(alloc, block_hashes(Prompt(seq))) == 2
+    assert cache.private == 0 and len(alloc.held) == 4
+    cache.free(alloc)
+    assert run(cache, seq + toks(10, "q")) == 64
+    tight = PrefixCache(3)
+    alloc = tight.allocate(block_hashes(Prompt(prompt)), 40)
+    assert tight.extend(alloc, block_hashes(Prompt(seq))) == 1 and tight.used == 3
+
+
+@pytest.mark.process
+def test_usage_says_cached_tokens_and_a_conversations_next_round_hits_the_answer(procs, tmp_path):
+    """With --enable-prompt-tokens-details, as vLLM: 1. A first round: usage.prompt_tokens_details says 0
+    cached. 2. The next round repeats the answer and asks on: cached_tokens covers the first prompt and
+    the answer's full blocks. 3. vllm:prefix_cache_hits_total is the sum of the answers' cached_tokens.
+    4. vllm:cache_config_info publishes num_gpu_blocks and block_size, as vLLM's does. 5. Without the flag
+    usage has no details."""
+    sim = start_sim(procs, tmp_path, "--sim-instant", "--sim-kv-blocks", "4096", "--enable-prompt-tokens-details")
+    first_body = chat(LONG, max_tokens=40)
+    _, first = request(sim.url("/v1/chat/completions"), first_body)
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    answer = first["choices"][0]["message"]["content"]
+    messages = [*first_body["messages"], {"role": "assistant", "content": answer},
+                {"role": "user", "content": "and then?"}]
+    _, second = request(sim.url("/v1/chat/completions"), {"model": MODEL, "messages": messages, "max_tokens": 2})
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    n_first = first["usage"]["prompt_tokens"]
+    # The first prompt ended with the generation prompt; the answer's tokens follow it in both.
+    assert cached >= (n_first + len(protocol.output_cache_tokens(answer)) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert cache_counters(sim)[1] == cached
+    _, text = request(sim.url("/metrics"))
+    assert re.search(r'^vllm:cache_config_info\{block_size="16",.*num_gpu_blocks="4096"\} 1\.0$', text, re.M)
+    plain = start_sim(procs, tmp_path, "--sim-instant")
+    assert "prompt_tokens_details" not in request(plain.url("/v1/chat/completions"), chat("hi"))[1]["usage"]

@@ -24,7 +24,7 @@ def test_trace_finds_a_failed_request_after_rotation(procs, tmp_path):
     logs = tmp_path / "deploy" / "logs"
     [sim] = start_sims(procs, tmp_path, 1, token_ms=0)
     port, _ = start_proxy(procs, tmp_path, [sim], fix_numeric_user=False,
-                          results_log={"path": str(logs / "req_results.log"), "max_mb": 0.004, "backups": 3})
+                          results_log={"path": str(logs / "req_results.log"), "max_mb": 0.006, "backups": 3})
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
 
     async def run():

@@ -523,8 +523,8 @@ def conversations(c, tag: str, n: int = 5, rounds: int = 4) -> tuple[float, dict
 
 def test_prefix_routing_serves_more_of_each_conversation_from_the_engines_cache(cluster):
     """The same conversations through the proxy with least_conn, then (new documents) with routing
-    prefix: the engines' own vllm:prefix_cache_hits_total rises more with prefix, and each conversation's
-    rounds stay on one instance. (min_match_tokens is scaled to the tiny model's short prompts: the
+    prefix: the engines' own vllm:prefix_cache_hits_total rises more with prefix, by the sum of the results
+    log's cached_tokens (the engines' usage), and each conversation's rounds stay on one instance. (min_match_tokens is scaled to the tiny model's short prompts: the
     proxy reckons 4 bytes a token, the tiny tokenizer about 4.5 bytes on its own words.)"""
     c = cluster
     # Only the proxy's routing changes: the doctor (the module's first deploy ran it) is skipped.
@@ -537,7 +537,16 @@ def test_prefix_routing_serves_more_of_each_conversation_from_the_engines_cache(
         assert r.returncode == 0, r.stdout + r.stderr
         with urllib.request.urlopen(f"http://127.0.0.1:{c.admin_port}/admin/config", timeout=5) as resp:
             assert json.loads(resp.read())["routing"]["policy"] == "prefix"
+        logged, hits0 = len(results_log(c)), cache_counts(c)[0]
         prefix, homes = conversations(c, "prefix")
+        # The engines answered usage.prompt_tokens_details.cached_tokens (the deployment renders
+        # --enable-prompt-tokens-details): the results log's add up to their own hits counter.
+        lines = wait_until(lambda: len(results_log(c)) >= logged + 20 and results_log(c)[logged:],
+                           what="the prefix phase's 20 results-log lines")
+        cached = sum(e["cached_tokens"] for e in lines)
+        wait_until(lambda: cache_counts(c)[0] - hits0 == cached,
+                   what=f"vllm:prefix_cache_hits_total to rise by the results log's {cached} cached tokens")
+        c.figures["results_log_cached_tokens"] = cached
     finally:
         r = c.inv("deploy", "--no-doctor")     # the inventory's own config again, for the tests that follow
         assert r.returncode == 0, r.stdout + r.stderr

@@ -39,6 +39,8 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--block-size", type=int,
                        help="tokens per KV cache block (vLLM's default: 16; its CPU build uses 128)")
     serve.add_argument("--enforce-eager", action="store_true", help="accepted; no effect")
+    serve.add_argument("--enable-prompt-tokens-details", action="store_true",
+                       help="usage carries prompt_tokens_details.cached_tokens, as vLLM's flag does")
     serve.add_argument("--sim-load-s", dest="load_s", type=float,
                        help="'loading weights' delay, /health 503 meanwhile (FLEET_SIM_LOAD_S, 3.0)")
     serve.add_argument("--sim-overhead-ms", dest="overhead_ms", type=float,

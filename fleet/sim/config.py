@@ -12,8 +12,12 @@ from fleet.sim.protocol import ApiError
 
 # name: (environment variable, default, type). Time to first token = overhead_ms + prefill_ms per 1,000
 # prompt tokens not found in the prefix cache. overhead_ms: vLLM 0.32's CPU build answered a short prompt's
-# first chunk in 17-30 ms here (tiny model, docs/engines.md); prefill_ms: about 10,000 prompt tokens a
-# second, the order of an 8B model's prefill on one data-centre card (an estimate, not measured here).
+# first chunk in 17-30 ms here (tiny model, docs/engines.md); prefill_ms: an 8B model on an A100-class
+# card. Sourced: a forward pass costs 2 FLOPs per parameter and token (Kaplan et al. 2020, "Scaling Laws
+# for Neural Language Models", C_forward = 2N), so 1,000 tokens of an 8B model are 16 TFLOP; the A100's
+# published dense BF16 peak is 312 TFLOPS (NVIDIA A100 datasheet) and prefill runs at 50-76% of peak
+# (Pope et al. 2022, "Efficiently Scaling Transformer Inference", 76% MFU for prefill): 67-103 ms per
+# 1,000 tokens; 100 ms takes the cautious end (an H100's 989 TFLOPS would make it about 30 ms).
 TIMING = {
     "load_s": ("FLEET_SIM_LOAD_S", 3.0, float),
     "overhead_ms": ("FLEET_SIM_OVERHEAD_MS", 20.0, float),
@@ -60,6 +64,7 @@ class SimConfig:
     max_loras: int = 1          # vLLM's default (vllm/config/lora.py)
     max_lora_rank: int = 16     # vLLM's default (vllm/config/lora.py)
     runtime_lora: bool = False  # VLLM_ALLOW_RUNTIME_LORA_UPDATING: the load/unload routes exist
+    prompt_tokens_details: bool = False   # --enable-prompt-tokens-details: usage carries cached_tokens
 
     @property
     def served_name(self) -> str:
@@ -144,6 +149,7 @@ def settle(flags: dict, environ=None) -> SimConfig:
         max_lora_rank=flags.get("max_lora_rank") or 16,
         block_size=flags.get("block_size") or BLOCK_SIZE,
         runtime_lora=runtime_lora_allowed(env),
+        prompt_tokens_details=bool(flags.get("enable_prompt_tokens_details")),
         after_engine_death=after,
         **timing,
     )

@@ -12,8 +12,12 @@ blocks before its head (single_type_kv_cache_manager.py, free: "Free blocks in r
 Counters in tokens, as vLLM's PrefixCacheStats.record counts them: queries += prompt tokens,
 hits += cached tokens, once per request when it is scheduled.
 
-The sim does not grow a request's blocks while it decodes, nor cache its output: a running request holds
-its prompt's blocks (the last one partial, never hashed).
+Generated tokens are cached too, as vLLM's do (kv_cache_manager.py, cache_blocks on every step: the
+request's blocks that decoding filled are hashed over prompt and output alike): when a request ends the sim
+hashes its whole sequence but the last token (whose KV was never computed) and keeps the full blocks past
+the prompt's (`extend`), so the next round of a conversation, whose prompt repeats the answer, finds them.
+The sim takes them at the end rather than block by block while decoding, and only as far as free or
+evictable space allows (vLLM would preempt a request instead).
 """
 from __future__ import annotations
 
@@ -125,6 +129,27 @@ class PrefixCache:
         self.queries_total += n_tokens
         self.hits_total += alloc.hit_tokens
         return alloc
+
+    def extend(self, alloc: Allocation, hashes: list[bytes]) -> int:
+        """Cache the blocks that decoding filled: hashes are the whole sequence's full blocks (prompt then
+        output); the ones past those alloc holds join it, the partial prompt block among them. Stops
+        where no space is left. Returns how many blocks were added."""
+        if alloc.private and len(hashes) > len(alloc.held):
+            self.private -= alloc.private     # the prompt's partial block is full now, and hashed below
+            alloc.private = 0
+        added = 0
+        for h in hashes[len(alloc.held):]:
+            if h in self.refs:
+                self.evictable.pop(h, None)
+                self.refs[h] += 1
+            elif self.used < self.capacity or self.evictable:
+                self._make_room()
+                self.refs[h] = 1
+            else:
+                break
+            alloc.held.append(h)
+            added += 1
+        return added
 
     def _make_room(self) -> None:
         if self.used >= self.capacity:

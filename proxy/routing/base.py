@@ -29,6 +29,15 @@ class RoutingConfig:
     max_blocks: int = _bounded(262144, 1, 100_000_000)
     # prefix: queued requests a freed slot may look past for one whose prefix is there
     lookahead: int = _bounded(16, 0, 1024)
+    # prefix: a prefix many prompts share and leave stays with a backend holding it until this many
+    # branched off it there; then the least loaded takes the next (0: always the least loaded)
+    spread_after: int = _bounded(3, 0, 65536)
+    # prefix: a request whose home (the backend with its prefix) is full while others have a free slot
+    # may wait for a slot at home, at most home_wait_s and at most the prefill its cached prefix saves at
+    # prefill_ms per 1,000 tokens (0: never waits). spread_after 3 and home_wait_s 1 measured
+    # (bench/bench_routing.py, docs/PERFORMANCE.md): with 2 the groups workload's hit rate fell further.
+    home_wait_s: float = _bounded(1.0, 0, 60)
+    prefill_ms: float = _bounded(100.0, 0, 100_000)
     # balance_abs 1 and lookahead 16 measured (bench/bench_routing.py, docs/PERFORMANCE.md): with 2, one
     # hot system prompt left a backend idle; with 4, a saturated fleet scattered conversations.
 
@@ -46,10 +55,15 @@ class Backend(Protocol):
 
     name: str
     in_flight: int
+    kv_tokens: int | None    # its engine's KV cache in tokens (vllm:cache_config_info); None: unknown
 
     @property
     def free(self) -> bool:
         """Whether it takes a new request now."""
+
+    @property
+    def available(self) -> bool:
+        """Whether it takes new requests at all (healthy, not drained), a slot free or not."""
 
 
 class Waiter(Protocol):
@@ -58,6 +72,7 @@ class Waiter(Protocol):
     future: asyncio.Future   # done: it left the queue already (cancelled, timed out), its turn is not taken
     route: Route | None
     overtaken: int           # requests behind it that were handed a slot first
+    home: str | None         # the backend it waits for (Policy.hold), until its time is up; None: any
 
 
 class Policy:
@@ -87,8 +102,20 @@ class Policy:
     def ended(self, backend: Backend) -> None:
         """Learn that a request on backend finished."""
 
+    def learned(self, route: Route | None, backend: Backend, cached_tokens: int | None,
+                prompt_tokens: int | None) -> None:
+        """Learn what the engine said of a request it answered: the prompt's tokens it found in its
+        prefix cache (usage.prompt_tokens_details.cached_tokens; None: it did not say) of prompt_tokens."""
+
     def forget(self, backend: str) -> None:
         """Forget what was learned of a backend: it left, or lost its cache (ejected, down, drained)."""
+
+    def hold(self, route: Route | None, candidates: Sequence[Backend],
+             backends: Sequence[Backend]) -> tuple[Backend, float] | None:
+        """A backend with no free slot worth waiting for, and how long at most (seconds), rather than
+        one of candidates (the backends with a free slot) now; None: pick now. The balancer queues the
+        request for that backend's next slot and, the time up, hands it any free slot."""
+        return None
 
     def waiter(self, queue: Collection[Waiter], backends: Sequence[Backend]) -> Waiter | None:
         """The waiter a freed slot goes to instead of the queue's first (None: the first); queue iterates

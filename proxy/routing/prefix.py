@@ -24,6 +24,9 @@ from .base import Backend, Policy, RoutingConfig, Waiter
 BLOCK_BYTES = 64      # vLLM's 16-token block at about 4 bytes of text a token
 TOKEN_BYTES = 4       # what the match length in tokens is reckoned with
 BLOCK_TOKENS = BLOCK_BYTES // TOKEN_BYTES
+# An engine's cached tokens under the match by up to this many blocks is no miss: its tokenizer cuts the
+# text otherwise, and it recomputes a prompt's last token.
+MISS_SLACK_BLOCKS = 2
 
 
 def prompt_blocks(body: bytes) -> list[int]:
@@ -79,7 +82,11 @@ class PrefixRoute:
 
     blocks: list[int] = field(default_factory=list)
     decision: str = "load"     # prefix: sent where its prefix is; load: least loaded; override: prefix
-    matched_tokens: int = 0    # was there, but that backend was too loaded
+    matched_tokens: int = 0    # was there, but that backend was too loaded; shared: only a prefix other
+                               # conversations share matched, so the least loaded took it
+    ticks: list[int] = field(default_factory=list)   # when the matched blocks were sent there before
+    seen: int = -1                                   # the index's changes when `matches` was computed
+    matches: dict[str, int] = field(default_factory=dict)
 
     @property
     def prompt_tokens(self) -> int:
@@ -88,12 +95,21 @@ class PrefixRoute:
 
 
 class PrefixIndex:
-    """Block hash -> the backends it was sent to, least recently used first, at most max_blocks."""
+    """Block hash -> the backends it was sent to, least recently used first, at most max_blocks; and for
+    each block, how many distinct blocks followed it on each backend (its fan-out: where prompts that
+    share everything up to it went their own ways)."""
 
     def __init__(self, max_blocks: int):
         self.max_blocks = max_blocks
         self._lru: OrderedDict[int, set[str]] = OrderedDict()
-        self._of: dict[str, set[int]] = {}   # backend -> its block hashes, to drop them in one go
+        # backend -> its blocks, least recently sent first, each with the tick it was last sent at (what a
+        # miss reported by the engine is dated by); at most the backend's capacity when it published one
+        self._of: dict[str, OrderedDict[int, int]] = {}
+        self._cap: dict[str, int] = {}
+        self._tick = 0
+        self.changes = 0     # counts every change, so a match computed since none may be reused
+        self._parent: dict[int, int] = {}    # block -> the block before it (a prompt's first has none)
+        self._fan: dict[int, dict[str, int]] = {}   # block -> backend -> blocks after it sent there
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -121,33 +137,147 @@ class PrefixIndex:
             matched.setdefault(name, i)
         return matched
 
-    def insert(self, blocks: list[int], backend: str) -> None:
+    def fan(self, block: int) -> dict[str, int]:
+        """Per backend, how many distinct blocks were sent there right after block."""
+        return self._fan.get(block, {})
+
+    def branches(self, blocks: list[int], run: int) -> bool:
+        """Whether the prompt's first run blocks are a shared prefix that it leaves: the index knows
+        another block after them (another conversation went on from there) and not the prompt's own."""
+        if not 0 < run < len(blocks):
+            return False
+        after = self._fan.get(blocks[run - 1])
+        if not after:
+            return False
+        ours = self._lru.get(blocks[run], ())
+        return any(n > (name in ours) for name, n in after.items())
+
+    def capacity(self, backend: str) -> int | None:
+        """The most blocks kept for backend (None: only max_blocks bounds it)."""
+        return self._cap.get(backend)
+
+    def set_capacity(self, backend: str, blocks: int | None) -> None:
+        """The most blocks backend's engine keeps (None: unknown, only max_blocks bounds it); the least
+        recently sent beyond it are forgotten, as the engine's LRU evicts them."""
+        self.changes += 1
+        if blocks:
+            self._cap[backend] = blocks
+            self._trim(backend)
+        else:
+            self._cap.pop(backend, None)
+
+    def insert(self, blocks: list[int], backend: str, known: int = 0) -> list[int]:
         """Remember that the prompt's blocks went to backend (they become the most recently used). Last
         block first, so the first is the most recent of all: eviction takes a prompt's tail before its
-        head, as vLLM's does (a chain without its head matches nothing)."""
-        lru, mine = self._lru, self._of.setdefault(backend, set())
-        for h in reversed(blocks):
+        head, as vLLM's does (a chain without its head matches nothing). Returns when each of the first
+        `known` blocks had been sent there before (0: never), what a later miss is dated by."""
+        self.changes += 1
+        lru, parent, fans = self._lru, self._parent, self._fan
+        mine = self._of.get(backend)
+        if mine is None:
+            mine = self._of[backend] = OrderedDict()
+        before = [0] * known
+        tick = self._tick
+        for i in range(len(blocks) - 1, -1, -1):
+            h = blocks[i]
             holders = lru.get(h)
             if holders is None:
-                lru[h] = {backend}
+                lru[h] = holders = set()
+                if i:
+                    parent[h] = blocks[i - 1]
+            else:
+                lru.move_to_end(h)
+            tick += 1
+            if backend in holders:
+                old = mine.pop(h, 0)
+                if i < known:
+                    before[i] = old
             else:
                 holders.add(backend)
-                lru.move_to_end(h)
-            mine.add(h)
+                if i:
+                    fan = fans.get(blocks[i - 1])
+                    if fan is None:
+                        fan = fans[blocks[i - 1]] = {}
+                    fan[backend] = fan.get(backend, 0) + 1
+            mine[h] = tick
+        self._tick = tick
+        self._trim(backend)
         while len(lru) > self.max_blocks:
             h, holders = lru.popitem(last=False)
             for name in holders:
-                self._of[name].discard(h)
+                self._of[name].pop(h, None)
+                self._unfan(h, name)
+            self._parent.pop(h, None)
+            self._fan.pop(h, None)
+        return before
+
+    def _trim(self, backend: str) -> None:
+        """Forget backend's least recently sent blocks beyond its capacity."""
+        mine, cap = self._of.get(backend), self._cap.get(backend)
+        while cap and mine and len(mine) > cap:
+            self._leave(mine.popitem(last=False)[0], backend)
+
+    def evict_through(self, backend: str, tick: int) -> int:
+        """Forget backend's blocks last sent at or before tick: the engine evicted a block of that age, so
+        its LRU has evicted every older one too. Returns how many were forgotten."""
+        self.changes += 1
+        mine = self._of.get(backend)
+        n = 0
+        while mine:
+            h, t = next(iter(mine.items()))
+            if t > tick:
+                break
+            del mine[h]
+            self._leave(h, backend)
+            n += 1
+        return n
+
+    def _leave(self, h: int, backend: str) -> None:
+        """Block h is no longer on backend (its own list already lost it)."""
+        holders = self._lru.get(h)
+        if holders is None or backend not in holders:
+            return
+        holders.discard(backend)
+        self._unfan(h, backend)
+        if not holders:
+            del self._lru[h]
+            self._parent.pop(h, None)
+            self._fan.pop(h, None)
+
+    def _unfan(self, h: int, backend: str) -> None:
+        """Block h left backend: its parent has one follower fewer there."""
+        fan = self._fan.get(self._parent.get(h))
+        if fan and backend in fan:
+            fan[backend] -= 1
+            if not fan[backend]:
+                del fan[backend]
+
+    def forget(self, blocks: list[int], backend: str) -> int:
+        """Forget that backend holds blocks (the engine evicted them); returns how many it held."""
+        self.changes += 1
+        mine = self._of.get(backend, {})
+        n = 0
+        for h in blocks:
+            if mine.pop(h, None) is not None:
+                self._leave(h, backend)
+                n += 1
+        return n
 
     def drop(self, backend: str) -> int:
         """Forget everything sent to backend (it is cold now); returns how many blocks it held."""
-        hashes = self._of.pop(backend, set())
+        self.changes += 1
+        hashes = self._of.pop(backend, {})
         for h in hashes:
             holders = self._lru.get(h)
             if holders is not None:
                 holders.discard(backend)
+                fan = self._fan.get(h)
+                if fan:
+                    fan.pop(backend, None)
                 if not holders:
                     del self._lru[h]
+                    self._parent.pop(h, None)
+                    self._fan.pop(h, None)
         return len(hashes)
 
 
@@ -161,6 +291,13 @@ class Prefix(Policy):
         super().__init__(config)
         self.index = PrefixIndex(config.max_blocks)
 
+    def _match(self, route: PrefixRoute) -> dict[str, int]:
+        """index.match of the route's blocks, computed once while the index does not change (hold and
+        then pick see the same index: no await between them)."""
+        if route.seen != self.index.changes:
+            route.matches, route.seen = self.index.match(route.blocks), self.index.changes
+        return route.matches
+
     def route_of(self, body: bytes) -> PrefixRoute:
         return PrefixRoute(prompt_blocks(body))
 
@@ -169,21 +306,25 @@ class Prefix(Policy):
         then round robin), when that run covers routing.min_match_ratio of the prompt (a new
         conversation that shares only a system prompt goes by load) and saves at least min_match_tokens
         of prefill over the least loaded backend (a shared prefix that every backend holds pins
-        nothing); unless that backend has more than balance_abs requests more than the least loaded one
+        nothing) or runs past a shared prefix into the conversation's own rounds (_own); a match that
+        ends where prompts sharing it branch off goes by _spread; unless that backend has more than balance_abs requests more than the least loaded one
         and more than balance_rel times as many: then the least loaded one."""
         if route is None or not route.blocks:
             return least
-        matched = self.index.match(route.blocks)
+        matched = self._match(route)
         top: Backend | None = None
         top_run = 0
         for b in candidates:
             run = matched.get(b.name, 0)
             if run and (run > top_run or (run == top_run and b.in_flight < top.in_flight)):
                 top, top_run = b, run
+        if top is not None and self.index.branches(route.blocks, top_run):
+            return self._spread(route, matched, top_run, candidates)
         least_tokens = matched.get(least.name, 0) * BLOCK_TOKENS
         r = self.config
         if (top is None or top is least or top_run < r.min_match_ratio * len(route.blocks)
-                or top_run * BLOCK_TOKENS - least_tokens < r.min_match_tokens):
+                or (top_run * BLOCK_TOKENS - least_tokens < r.min_match_tokens
+                    and not self._own(route, matched, top, top_run))):
             route.decision = "prefix" if least_tokens >= r.min_match_tokens else "load"
             route.matched_tokens = least_tokens
             return least
@@ -193,13 +334,83 @@ class Prefix(Policy):
         route.decision, route.matched_tokens = "prefix", top_run * BLOCK_TOKENS
         return top
 
+    def _own(self, route: PrefixRoute, matched: dict[str, int], top: Backend, top_run: int) -> bool:
+        """Whether top holds the prompt past a prefix that others share and leave: the conversation's own
+        earlier rounds are there, however short, so it is home (min_match_tokens guards against pinning
+        on shared prefixes, not this)."""
+        second = max((n for name, n in matched.items() if name != top.name), default=0)
+        return 0 < second < top_run and self.index.branches(route.blocks, second)
+
+    def _spread(self, route: PrefixRoute, matched: dict[str, int], run: int,
+                candidates: Sequence[Backend]) -> Backend:
+        """The prompt's longest match is a prefix other prompts share and leave (a system prompt, a tool
+        list, a group's context): no conversation's home. A backend holding it takes the request while
+        fewer than routing.spread_after prompts branched off it there and it is not too loaded (the
+        balance rule against the least loaded); past that, the least loaded backend, holder or not, and
+        among equally loaded ones the one where the fewest branched off (round robin after that). New
+        conversations spread even one at a time, each backend pays the shared part a few times at most,
+        and their own later rounds go home."""
+        fan = self.index.fan(route.blocks[run - 1])
+        r = self.config
+        least = min(candidates, key=lambda b: b.in_flight)
+        roomy = [b for b in candidates if matched.get(b.name, 0) >= run and fan.get(b.name, 0) < r.spread_after]
+        best = min(roomy, key=lambda b: (b.in_flight, fan.get(b.name, 0)), default=None)
+        if best is None or (best.in_flight - least.in_flight > r.balance_abs
+                            and best.in_flight > r.balance_rel * least.in_flight):
+            best = min(candidates, key=lambda b: (b.in_flight, fan.get(b.name, 0)))
+        route.matched_tokens = matched.get(best.name, 0) * BLOCK_TOKENS
+        route.decision = "shared"
+        return best
+
     def sent(self, route: PrefixRoute | None, backend: Backend) -> None:
-        """Remember the prompt's blocks on backend."""
+        """Remember the prompt's blocks on backend, within what its engine keeps (its KV cache's size in
+        tokens, when it publishes it: vllm:cache_config_info)."""
         if route is not None and route.blocks:
-            self.index.insert(route.blocks, backend.name)
+            cap = getattr(backend, "kv_tokens", None)
+            cap = cap and max(1, cap // BLOCK_TOKENS)
+            if cap != self.index.capacity(backend.name):
+                self.index.set_capacity(backend.name, cap)
+            route.ticks = self.index.insert(route.blocks, backend.name, route.matched_tokens // BLOCK_TOKENS)
+
+    def learned(self, route: PrefixRoute | None, backend: Backend, cached_tokens: int | None,
+                prompt_tokens: int | None) -> None:
+        """The engine said how many of the prompt's tokens it had cached. When that falls short of the
+        match by more than MISS_SLACK_BLOCKS (tokenizers differ; the engine recomputes the last token),
+        the first block it lacked had been evicted, and with it every block sent to that backend before
+        that one was: the index forgets them (the prompt itself, sent again, stays)."""
+        if route is None or not route.ticks or cached_tokens is None or not prompt_tokens:
+            return
+        keep = len(route.blocks) * min(cached_tokens, prompt_tokens) // prompt_tokens
+        if keep + MISS_SLACK_BLOCKS < len(route.ticks):
+            self.index.evict_through(backend.name, route.ticks[keep])
 
     def forget(self, backend: str) -> None:
         self.index.drop(backend)
+
+    def hold(self, route: PrefixRoute | None, candidates: Sequence[Backend],
+             backends: Sequence[Backend]) -> tuple[Backend, float] | None:
+        """Wait a little for home: when the backend with the prompt's longest match (its conversation's
+        home, a match that would win a pick) has no free slot, while another has, the request waits for
+        a slot there at most routing.home_wait_s, and at most the prefill the match saves over the best
+        free backend's at routing.prefill_ms per 1,000 tokens: waiting longer than going cold would
+        cost is never worth it."""
+        r = self.config
+        if not r.home_wait_s or route is None or not route.blocks or not candidates:
+            return None
+        matched = self._match(route)
+        home, run = None, 0
+        for b in backends:
+            n = matched.get(b.name, 0)
+            if n > run and b.available:
+                home, run = b, n
+        if home is None or home.free or run < r.min_match_ratio * len(route.blocks):
+            return None
+        if self.index.branches(route.blocks, run):
+            return None      # only a shared prefix: no conversation's home
+        saved = (run - max(matched.get(b.name, 0) for b in candidates)) * BLOCK_TOKENS
+        if saved < max(r.min_match_tokens, 1):
+            return None
+        return home, min(r.home_wait_s, saved * r.prefill_ms / 1e6)
 
     def waiter(self, queue: Collection[Waiter], backends: Sequence[Backend]) -> Waiter | None:
         """The first of the first lookahead + 1 waiters whose prompt has at least min_match_tokens on a
@@ -216,7 +427,7 @@ class Prefix(Policy):
             if w.overtaken >= r.lookahead:
                 return w
             if w.route is not None and w.route.blocks:
-                matched = self.index.match(w.route.blocks)
+                matched = self._match(w.route)
                 run = max((matched.get(n, 0) for n in free), default=0)
                 if run * BLOCK_TOKENS >= r.min_match_tokens and run >= r.min_match_ratio * len(w.route.blocks):
                     return w
