@@ -287,6 +287,8 @@ def context(hv: HostVars) -> dict:
         "vrrp_self": next((p for p in hv.vrrp_group if p.name == hv.name), None),
         "vrrp_instances": vrrp_instances(hv) if hv.vrrp_group else [],
         "vrrp_version": 2 if float(v["vrrp"]["advert_interval_s"]).is_integer() else 3,
+        "vrrp_preempt": (v["vrrp"]["preempt"] if v["vrrp"]["preempt"] is not None
+                         else len(v["vrrp"]["addresses"]) > 1),
         "front_local": layout.local_address(v["proxy"]["bind"]),
         "share": share(hv),
     }

@@ -407,9 +407,13 @@ class VrrpSettings(Section):
         "the network segment.")
     advert_interval_s: _number(0.01, 40, "a number of seconds from 0.01 to 40") = doc(1.0,
         "VRRP's advert interval: a backup declares its master dead after about 3 intervals (3.6 s at 1 s).")
-    preempt: Flag = doc(False,
-        "A returning higher-priority entry takes its address back (one more move); false: the address stays "
-        "where it is until its holder fails.")
+    preempt: Flag | None = doc(None,
+        "An entry that comes back takes its own address back from the peer that held it meanwhile (one more "
+        "move); false: an address stays where it is until its holder fails. Unset: true with several "
+        "addresses (each goes back to its own master, so both entries serve again), false with one.")
+    preempt_delay_s: _int(0, 1000) = doc(5,
+        "With `vrrp.preempt`: how long an entry that (re)started waits before it takes its address back, so "
+        "an address that just moved stays put for that long (keepalived's `preempt_delay`).")
     unicast: Flag = doc(True,
         "Send VRRP adverts to the other entries' `address` (many networks drop multicast); false: "
         "multicast 224.0.0.18.")

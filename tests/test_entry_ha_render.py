@@ -53,13 +53,14 @@ def files(inv, host):
 def test_each_entry_gets_a_keepalived_conf_with_unicast_peers_and_priorities_by_order(tmp_path):
     """1. Two entries share two addresses (active-active). 2. e1 masters the first (priority 150 there),
     e2 the second; each names the other as its unicast peer, tracks its front's /health, and does not
-    preempt by default. 3. keepalived itself accepts the file (-t), but for the interface this machine lacks."""
+    preempt unless asked (active-active preempts by default: each address goes back to its own master).
+    3. keepalived itself accepts the file (-t), but for the interface this machine lacks."""
     inv = load(tmp_path)
     one, two = files(inv, "e1"), files(inv, "e2")
     conf = one["conf/keepalived.conf"].content
     assert "virtual_router_id 51\n    priority 150" in conf and "virtual_router_id 52\n    priority 140" in conf
     assert "unicast_src_ip 10.9.0.1" in conf and "unicast_peer {\n        10.9.0.2\n" in conf
-    assert "nopreempt" in conf and "10.9.0.100/24 dev eth1" in conf
+    assert "nopreempt" not in conf and "10.9.0.100/24 dev eth1" in conf
     assert "virtual_router_id 51\n    priority 140" in two["conf/keepalived.conf"].content
     check = one["bin/check_front.sh"]
     assert check.mode == 0o755 and "/dev/tcp/127.0.0.1/8000" in check.content
@@ -89,6 +90,7 @@ def test_active_passive_has_no_slot_split(tmp_path):
     inv = load(tmp_path, edit=edit)
     assert "share:" not in files(inv, "e1")["conf/proxy.yaml"].content
     assert "fleet_51" in files(inv, "e2")["conf/keepalived.conf"].content
+    assert "nopreempt" in files(inv, "e2")["conf/keepalived.conf"].content
 
 
 def _two_groups(d):
