@@ -7,7 +7,7 @@ Address A (.100) is e1's to master, B (.101) e2's: active-active, so each proxy 
 engine's slots. The tests run in order, each failing whichever entry holds A at the time, so A moves
 back and forth: a graceful `inv stop`, a SIGKILL of the proxy, a SIGKILL of keepalived itself (the stale
 address case), and a cut link. A sampler reads `ip addr` in both namespaces every few tens of
-milliseconds throughout; no sample ever shows one address on both. Figures print with `-s`; the module's
+milliseconds throughout; no read ever proves one address on both. Figures print with `-s`; the module's
 fixture prints the table of them at the end (docs/PERFORMANCE.md quotes it).
 """
 from __future__ import annotations
@@ -38,45 +38,47 @@ FIGURES: dict[str, str] = {}
 
 
 class Sampler:
-    """`ip -o -4 addr` of both entries' eth0, every few tens of ms, in a thread: when each held A and B.
-    The entry that is about to fail (victim) is read last in each sample, so a sample showing an address
-    on both means both really held it at once (the survivor only gains it, the victim only loses it)."""
+    """`ip -o -4 addr` of e1's and e2's eth0 in turn, every few ms, in a thread: a stream of reads
+    (time, entry, the addresses it had). An address is proven on both at once when one entry's read shows
+    it between two reads of the other that both show it (no address moves twice within milliseconds), so
+    the order of the reads never makes a move look like an overlap."""
 
     def __init__(self, fleet, addresses):
         self.fleet, self.addresses = fleet, addresses
-        self.samples: list[tuple[float, dict[str, set[str]]]] = []
-        self.victim = 0
+        self.reads: list[tuple[float, str, set[str]]] = []
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
-    def _holds(self, i: int) -> set[str]:
-        out = subprocess.run(["ip", "-n", self.fleet.hosts[i].netns, "-o", "-4", "addr", "show", "dev", "eth0"],
-                             capture_output=True, text=True).stdout
-        return {a for a in self.addresses if f" {a}/" in out}
-
     def _run(self) -> None:
         while not self.stopping.is_set():
-            order = [1 - self.victim, self.victim]
-            held = {i: self._holds(i) for i in order}
-            self.samples.append((time.monotonic(), {a: {ENTRIES[i] for i in (0, 1) if a in held[i]}
-                                                    for a in self.addresses}))
-            time.sleep(0.02)
+            for i in (0, 1):
+                out = subprocess.run(["ip", "-n", self.fleet.hosts[i].netns, "-o", "-4", "addr", "show", "dev",
+                                      "eth0"], capture_output=True, text=True).stdout
+                self.reads.append((time.monotonic(), ENTRIES[i], {a for a in self.addresses if f" {a}/" in out}))
+            time.sleep(0.01)
 
     def holder(self, address: str) -> set[str]:
-        return self.samples[-1][1][address] if self.samples else set()
+        """Who had address at each entry's last read."""
+        last = {}
+        for _, entry, held in list(self.reads)[-2:]:
+            last[entry] = address in held
+        return {e for e, has in last.items() if has}
 
     def both(self) -> list[tuple[float, str]]:
-        """(time, address) of every sample that showed an address on both entries."""
-        return [(t, a) for t, s in list(self.samples) for a, who in s.items() if len(who) > 1]
+        """(time, address) of every read that proves an address on both entries."""
+        r = list(self.reads)
+        return [(r[k][0], a) for k in range(1, len(r) - 1) for a in self.addresses
+                if a in r[k][2] and a in r[k - 1][2] and a in r[k + 1][2]]
 
     def first(self, address: str, entry: str, after: float) -> float | None:
         """When the sampler first saw entry hold address after the time given."""
-        return next((t for t, s in list(self.samples) if t > after and entry in s[address]), None)
+        return next((t for t, e, held in list(self.reads) if t > after and e == entry and address in held), None)
 
     def last(self, address: str, entry: str, before: float) -> float | None:
         """When the sampler last saw entry hold address before the time given."""
-        return next((t for t, s in reversed(list(self.samples)) if t < before and entry in s[address]), None)
+        return next((t for t, e, held in reversed(list(self.reads)) if t < before and e == entry and address in held),
+                    None)
 
 
 def admin(fleet, i: int, path: str) -> dict:
@@ -145,7 +147,6 @@ def failover(ha, fault, name: str, graceful: bool = False) -> dict:
     move, which must be none."""
     s, a = ha["sampler"], ha["a"]
     assert s.holder(a) == {"e1"}, s.holder(a)
-    s.victim = 0
     # Clients as real ones: a 5 s timeout (a request in flight on an entry that lost the address gets no
     # answer: its connection was to the old holder), a pause of 0.2 s after a failure.
     with Load(a, threads=4, max_s=60, max_tokens=10, timeout=5, pause_after_failure_s=0.2) as load:
@@ -169,8 +170,8 @@ def failover(ha, fault, name: str, graceful: bool = False) -> dict:
          "failed_after_move": len(late), "requests": len(load.done)}
     FIGURES[name] = (f"A on e2 {m['failover_s']:.2f} s after " + ("e1 let it go" if graceful else "the fault")
                      + f" (no holder for {m['gap_s']:.2f} s); {m['failed']} failed of {m['requests']} "
-                     f"({m['failed_in_flight']} of the {m['in_flight']} in flight on e1 at the fault, the rest "
-                     f"sent between the fault and the move), {m['failed_after_move']} started after the move")
+                     f"({m['failed_in_flight']} of the {m['in_flight']} sent to e1 from before the fault until it let A go, "
+                     f"the rest while no entry held A), {m['failed_after_move']} started after the move")
     print(f"\n{name}: {FIGURES[name]}")
     assert late == [], late[:5]
     # Every failure was in flight on e1 when it lost A, or sent between the fault and the move (the sampler reads
@@ -184,12 +185,10 @@ def failover(ha, fault, name: str, graceful: bool = False) -> dict:
 def comes_back(ha, action, name: str) -> None:
     """action() brings e1 back; A returns to it (preemption: active-active's default), never on both."""
     s = ha["sampler"]
-    s.victim = 1          # now e2 is the one that loses A
     t0 = time.monotonic()
     action()
     wait_until(lambda: s.holder(ha["a"]) == {"e1"}, timeout=30, what="A back on e1")
     FIGURES[name + ", return"] = f"A back on e1 {s.first(ha['a'], 'e1', t0) - t0:.2f} s after e1 came back"
-    s.victim = 0
     assert_never_both(ha)
 
 
