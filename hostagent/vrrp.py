@@ -60,9 +60,16 @@ def file_caps(path):
         raw = os.getxattr(path, "security.capability")
     except (OSError, AttributeError):
         return set()
+    return parse_file_caps(raw)
+
+
+def parse_file_caps(raw):
+    """The permitted set of a security.capability value (struct vfs_cap_data, v2 or v3: little-endian
+    words magic, permitted low, inheritable low, permitted high, inheritable high[, rootid])."""
     words = struct.unpack("<%dI" % (len(raw) // 4), raw[:len(raw) // 4 * 4])
-    permitted = words[1] | (words[3] << 32 if len(words) > 3 else 0)
-    return _bits(permitted)
+    if len(words) < 2:
+        return set()
+    return _bits(words[1] | (words[3] << 32 if len(words) > 3 else 0))
 
 
 def cannot_run(vrrp):
