@@ -147,3 +147,99 @@ def phases(host_vars: list[H], order: str | None) -> list[list[H]]:
     members = [hv for hv in host_vars if not hv["fronts"]]
     batches = [members, entries] if order == "entry-last" else [entries, members]
     return [b for b in batches if b]
+
+
+# --- entries behind virtual addresses (VRRP, keepalived): docs/entry-ha.md ---------------------------
+
+class Peer(NamedTuple):
+    """One entry host of a VRRP group as its peers see it: its name, the address its adverts come from
+    (and its proxy is reached at), its slot weight and its proxy's port."""
+
+    name: str
+    address: str
+    weight: int
+    proxy_port: int
+
+
+# The settings every entry of a group must agree on (the interface, the binary and the weight are each
+# host's own).
+VRRP_SHARED = ("router_id", "advert_interval_s", "preempt", "unicast")
+
+
+def vrrp_groups(entries: dict[str, Vars], path: str) -> dict[str, list[Peer]]:
+    """Check the entry hosts that set vrrp.addresses (name -> its variables, in inventory order) and return
+    each one's group, in that order: the hosts with the same addresses. Refused in one sentence: an address
+    claimed by two groups, a group of one, a group whose entries front different hosts or disagree on a
+    VRRP setting, a member that is also an entry, an entry whose address is outside the addresses' network."""
+    import ipaddress
+
+    by_list: dict[tuple[str, ...], list[str]] = {}
+    for name, hv in entries.items():
+        by_list.setdefault(tuple(hv["vrrp"]["addresses"]), []).append(name)
+    owner: dict[str, tuple[str, ...]] = {}
+    for key, names in by_list.items():
+        for vip in key:
+            addr = str(ipaddress.IPv4Interface(vip).ip)
+            if addr in owner and owner[addr] != key:
+                raise InventoryError(f"{path}: the virtual address {addr} is claimed by two groups of entry hosts "
+                                     f"({', '.join(by_list[owner[addr]])} and {', '.join(names)}); give each "
+                                     "group its own addresses, or the same vrrp.addresses list.")
+            owner[addr] = key
+    out: dict[str, list[Peer]] = {}
+    for key, names in by_list.items():
+        first = entries[names[0]]
+        where = f"{path}: hosts.{names[0]}.vrrp"
+        if len(names) < 2:
+            raise InventoryError(f"{where}.addresses: {', '.join(key)} needs two or more entry hosts with the "
+                                 "same vrrp.addresses; add the backup entry, or drop the addresses.")
+        if len(set(key)) != len(key):
+            raise InventoryError(f"{where}.addresses: an address is listed twice; list each once.")
+        for n in names:
+            hv = entries[n]
+            w = f"{path}: hosts.{n}"
+            if not hv["fronts"]:
+                raise InventoryError(f"{w}.vrrp.addresses: {n} fronts no host; virtual addresses are for "
+                                     "entry hosts (set fronts, or drop vrrp.addresses).")
+            both = sorted(set(hv["fronts"]) & set(names))
+            if both:
+                raise InventoryError(f"{w}.fronts: {both[0]} is both an entry behind {', '.join(key)} and a "
+                                     "member these entries front; run its instances on a member host, or "
+                                     "take it out of the group.")
+            if set(hv["fronts"]) != set(first["fronts"]):
+                raise InventoryError(f"{w}.fronts: {n} and {names[0]} share {', '.join(key)} but front different "
+                                     "hosts; entries behind one address front the same hosts.")
+            for k in VRRP_SHARED:
+                if hv["vrrp"][k] != first["vrrp"][k]:
+                    raise InventoryError(f"{w}.vrrp.{k}: {hv['vrrp'][k]!r} differs from {names[0]}'s "
+                                         f"{first['vrrp'][k]!r}; the entries of one group share it.")
+            if not hv["vrrp"]["interface"]:
+                raise InventoryError(f"{w}.vrrp.interface: the entry's network interface that carries "
+                                     f"{', '.join(key)} is required; set it (`eth0`).")
+            if first["vrrp"]["router_id"] + len(key) - 1 > 255:
+                raise InventoryError(f"{w}.vrrp.router_id: {len(key)} addresses from router id "
+                                     f"{first['vrrp']['router_id']} pass 255; lower it.")
+            own = address(hv)
+            try:
+                ip = ipaddress.IPv4Address(own)
+            except ValueError:
+                raise InventoryError(f"{w}.address: {own!r} is not an IPv4 address; an entry behind a virtual "
+                                     "address needs its own (its peers send it VRRP adverts): set address.") from None
+            for vip in key:
+                net = ipaddress.IPv4Interface(vip).network
+                if ip not in net:
+                    raise InventoryError(f"{w}.vrrp.addresses: {vip} is outside the network of {n}'s address "
+                                         f"{own} ({net} does not hold it); use an address of that network, or "
+                                         "fix the prefix length.")
+        peers = [Peer(n, address(entries[n]), entries[n]["vrrp"]["slot_weight"], entries[n]["proxy"]["port"])
+                 for n in names]
+        if len({p.address for p in peers}) != len(peers):
+            raise InventoryError(f"{where}: two entries of the group have one address; give each its own.")
+        for n in names:
+            out[n] = peers
+    return out
+
+
+def vrrp_priority(rank: int) -> int:
+    """The VRRP priority of the entry `rank` places after an address's master (0: its master)."""
+    return max(1, 150 - 10 * rank)
+

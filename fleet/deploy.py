@@ -12,6 +12,7 @@ from hostagent import layout
 
 from . import agent, boot, entries, facts, front, launch, preflight, release, render, runlock, sync
 from . import keeper as fleet_keeper
+from . import vrrp as fleet_vrrp
 from .cluster import backend_name
 from .doctor import doctor as run_doctor
 from .doctor import entry_port_check
@@ -178,6 +179,8 @@ def _deploy(conn: Transport, hv: HostVars, emit: Emit, check: bool, diff: bool, 
         front.deploy_front(conn, hv, found, changed_files, report, emit, check)
     else:
         changed_files, found = _converge(conn, hv, found, to_roll, retired, changed_files, report, emit)
+    # Once the front serves: its track script then finds /health 200, and the address can come here.
+    fleet_vrrp.deploy(conn, hv, changed_files, report, emit, check)
     if hv["instances"]:
         fleet_keeper.deploy(conn, hv, found, changed_files, report, emit, check)
     # Last, once what it would start runs: after a reboot, bin/boot.sh starts it all again.

@@ -25,6 +25,12 @@ def status_table(st: dict) -> str:
         b = st["boot"]
         lines.append(f"  boot    {b['kind']}: {b['command']}" if b else
                      "  boot    no hook: after a reboot nothing starts the deployment")
+    v = st.get("vrrp")
+    if v:                      # an entry behind virtual addresses (keepalived): which it holds now
+        role = (f"master of {', '.join(v['holds'])}" if v["holds"] else "backup, holds none") + f" on {v['interface']}"
+        lines.append(f"  vrrp    {role}  " + (f"keepalived pid {v['keepalived_pid'] or '-'} (supervisor {v['pid']})"
+                                               if v["pid"] else "keepalived NOT RUNNING"
+                                               + (f": {v['missing']}" if v.get("missing") else "")))
     groups = st.get("models")
     for g in groups or []:
         names = ", ".join([f"alias {a}" for a in g["aliases"]] + [f"adapter {a}" for a in g["adapters"]]
@@ -52,6 +58,10 @@ def status_table(st: dict) -> str:
     exporters = [t for t in others if p["pid"] and t.get("ppid") == p["pid"]
                  and t["tag"].rpartition("/")[2] == "proxy"]
     others = [t for t in others if t not in exporters]
+    # keepalived and its VRRP child, in the session of their supervisor (vrrp-run, tagged <id>/keepalived).
+    vrrp_pid = (st.get("vrrp") or {}).get("pid")
+    others = [t for t in others if not (vrrp_pid and t.get("sid") == vrrp_pid and t["pid"] != vrrp_pid)
+              and t["pid"] != vrrp_pid]
     # The engine's own children (EngineCore, Worker) live in their instance's session: expected, not news.
     # A tagged process outside every running session is a leftover of a killed process.
     sessions = {pid for pid in owned if pid}

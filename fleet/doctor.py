@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from hostagent import layout
 
-from . import agent, boot, facts, release, smi
+from . import agent, boot, facts, release, smi, vrrp
 from .inventory import HostVars
 from .report import Emit, Report
 
@@ -71,7 +71,7 @@ def read_facts(conn, hv: HostVars, deep: bool = False) -> dict:
     spec = {"deploy_dir": hv["deploy_dir"], "deployment_id": dep, "engine": engine, "model": hv["model"],
             "check_model": hv["engine"] != "sim", "ports": ports,
             # accelerator cpu: no card to read (its check is the cores and RAM); its smi is a Python run
-            "smi_cmd": smi.smi_command(hv) if hv["accelerator"] != "cpu" else None}
+            "smi_cmd": smi.smi_command(hv) if hv["accelerator"] != "cpu" else None, "vrrp": vrrp.spec(hv)}
     return agent.run_script(conn, hv, "doctor", spec, "the doctor's probe", timeout=300, env_setup=True)
 
 
@@ -120,6 +120,9 @@ def checks(conn, hv: HostVars, f: dict) -> list[Check]:
                      "" if tools["fuser"] else "install psmisc (stop needs fuser to name and --force the holders "
                      "of the device files)"))
     out.append(Check("boot hook", *boot.doctor_check(f, hv)))
+    keepalived = vrrp.doctor_check(hv, f)
+    if keepalived:
+        out.append(Check("keepalived", *keepalived))
     # logs
     d = f["disk"]
     if d.get("unwritable"):

@@ -14,6 +14,7 @@ from hostagent import layout
 
 from . import agent, launch
 from . import keeper as fleet_keeper
+from . import vrrp as fleet_vrrp
 from .inventory import HostVars
 from .report import Emit, Report
 from .transport import Transport
@@ -43,7 +44,7 @@ def probe(conn: Transport, hv: HostVars, files: list[str] = (), readonly: bool =
             "proxy_port": hv["proxy"]["port"], "admin_port": hv["proxy"]["admin_port"],
             "proxy_address": layout.local_address(hv["proxy"]["bind"]), "deployment_id": hv.deployment_id, "health_timeout_s": hv["health_timeout_s"],
             "files": list(files), "readonly": readonly, "api_keys_file": hv["proxy"]["api_keys_file"] or None,
-            "boot": boot}
+            "boot": boot, "vrrp": fleet_vrrp.spec(hv)}
     return agent.run_script(conn, hv, "state", spec, "reading the deployment's state", timeout=60)
 
 
@@ -97,7 +98,8 @@ def status_of(hv: HostVars, facts: dict) -> dict:
                                               "runtime_lora": g.runtime_lora,
                                               "runtime_adapters": runtime_adapters(facts, g.name)}
                                              for g in hv.groups], "nginx": nginx, "keeper": keeper, "instances": instances,
-            "tagged": facts["tagged"], **({"boot": facts["boot"]} if "boot" in facts else {})}
+            "tagged": facts["tagged"], **({"boot": facts["boot"]} if "boot" in facts else {}),
+            **({"vrrp": facts["vrrp"]} if facts.get("vrrp") else {})}
 
 
 def runtime_adapters(facts: dict, model: str) -> list[dict]:
@@ -127,6 +129,8 @@ def status(conn: Transport, hv: HostVars, emit: Emit = lambda line: None) -> Rep
     report.add("boot hook", "ok", f"{b['kind']}: {b['command']}" if b else
                "none: after a reboot nothing starts the deployment (`inv deploy` installs the hook, `inv stop` "
                "removes it)")
+    for name, status, message in fleet_vrrp.status_lines(st):
+        report.add(name, status, message)
     if facts.get("lora_record_error"):
         report.add("runtime adapters", "failed", facts["lora_record_error"])
     # The entry port is what clients use: a front that should run and does not is a failure.

@@ -49,6 +49,8 @@ class Inventory:
     _overrides: dict[tuple, dict] = field(default_factory=dict, init=False, repr=False, compare=False)
     _fronted: dict[tuple, dict[str, set[str]]] = field(default_factory=dict, init=False, repr=False,
                                                        compare=False)
+    _vrrp: dict[tuple, dict[str, list[cluster.Peer]]] = field(default_factory=dict, init=False, repr=False,
+                                                              compare=False)
 
     def select(self, pattern: str) -> list[str]:
         """Host names for `--host`: a host, a group, `all`, or a comma list of those."""
@@ -120,13 +122,27 @@ class Inventory:
         """The other hosts whose `fronts` name this host."""
         return self.fronts_graph(overrides).get(name, set())
 
-    def host_vars(self, name: str, overrides: list[str] | tuple[str, ...] = ()) -> "HostVars":
-        """The resolved, validated variables of one host, `--set` overrides applied last."""
+    def merged(self, name: str, overrides=()) -> dict:
+        """A host's layers merged over the built-in defaults (not yet checked across keys)."""
         merged = _copy(BUILTIN_DEFAULTS)
         for layer in self.layers(name, overrides):
             _merge(merged, layer)
         if merged["connection"] is None:          # not said anywhere: an ssh block means ssh
             merged["connection"] = "ssh" if merged.get("ssh") else "local"
+        return merged
+
+    def vrrp_graph(self, overrides=()) -> dict[str, list[cluster.Peer]]:
+        """Each entry host behind virtual addresses -> its VRRP group in inventory order, checked
+        (fleet.cluster.vrrp_groups) once per --set."""
+        key = tuple(overrides or ())
+        if key not in self._vrrp:
+            entries = {h: m for h in self.hosts if (m := self.merged(h, key))["vrrp"]["addresses"]}
+            self._vrrp[key] = cluster.vrrp_groups(entries, self.path) if entries else {}
+        return self._vrrp[key]
+
+    def host_vars(self, name: str, overrides: list[str] | tuple[str, ...] = ()) -> "HostVars":
+        """The resolved, validated variables of one host, `--set` overrides applied last."""
+        merged = self.merged(name, overrides)
         graph = self.fronts_graph(overrides)      # checked first, whatever this host's bind: --set may change it
         fronted = merged["bind"] is None and bool(graph.get(name))
         try:
@@ -157,6 +173,9 @@ class Inventory:
         hv.pools = cluster.pools(hv["proxy"]["queue"]["headroom"], [
             cluster.Served(f.backend, f.host.name, f.host.plain, f.host.group_of(f.index)) for f in own], where)
         hv.served_max_num_seqs = own[0].host.group_of(own[0].index).max_num_seqs if own else hv["max_num_seqs"]
+        hv.vrrp_group = self.vrrp_graph(overrides).get(name, [])
+        if len(hv["vrrp"]["addresses"]) > 1:
+            _check_split(hv, where)
         if not hv["served_model_name"] and own:    # an entry host without a model: its members' first
             hv.vars["served_model_name"] = own[0].host.group_of(own[0].index).name
         return hv
@@ -378,6 +397,7 @@ def load(path: str | os.PathLike | None = None) -> Inventory:
     # The fronts graph, then cross-key checks (port clashes, instances > accelerators, an entry host's
     # backends) and cross-host ones (ports shared on one machine) before anything runs.
     inv.fronts_graph()
+    inv.vrrp_graph()
     check_shared_machines(inv, [inv.host_vars(hname) for hname in hosts])
     return inv
 
@@ -503,6 +523,13 @@ class HostVars:
     # The other hosts whose proxies route to this host's instances (their `fronts` name it), resolved when
     # asked: a member's restart drains its instance in them too (fleet.entries).
     entry_hosts: Callable[[], list["HostVars"]] = lambda: []
+    # Behind virtual addresses (vrrp.addresses): the entry hosts of its group, itself included, in order.
+    vrrp_group: list[cluster.Peer] = field(default_factory=list)
+
+    @property
+    def vrrp_rank(self) -> int:
+        """This entry's place in its VRRP group (0: the first address's master)."""
+        return [p.name for p in self.vrrp_group].index(self.name)
 
     def __getitem__(self, key):
         return self.vars[key]
@@ -649,6 +676,19 @@ class HostVars:
         if self.vars["keeper"]["enabled"]:
             out.append((self.vars["keeper"]["metrics_port"], "keeper.metrics_port", "keeper metrics"))
         return out
+
+
+def _check_split(hv: HostVars, where: str) -> None:
+    """Active-active: every entry's share of every instance's slots is at least one, else requests to it
+    would only wait."""
+    total = sum(p.weight for p in hv.vrrp_group)
+    least = min(hv.vrrp_group, key=lambda p: p.weight)
+    slots = min([p["slots"] for p in hv.pools or []] or
+                [hv.served_max_num_seqs + hv["proxy"]["queue"]["headroom"]])
+    if slots * least.weight // total < 1:
+        raise InventoryError(f"{where}.vrrp.slot_weight: {least.name}'s share of an instance's {slots} slot(s) "
+                             f"(weight {least.weight} of {total}) is less than one; raise max_num_seqs, or give "
+                             "the entries closer weights.")
 
 
 def machine(hv: HostVars) -> str:

@@ -13,6 +13,7 @@ import jinja2
 from hostagent import layout
 
 from . import accelerators
+from . import cluster
 from .cluster import address, backend_name
 from .errors import TemplateError
 from .inventory import HostVars
@@ -88,6 +89,11 @@ FILES = {
     layout.NGINX_FRONT_CONF: ("nginx_front.json.j2", 0o644),
     layout.HOSTAGENT_CONF: ("hostagent.json.j2", 0o644),
     layout.PROMETHEUS_CONF: ("prometheus.yml.j2", 0o644),
+}
+# Rendered only on an entry host behind virtual addresses (vrrp.addresses).
+VRRP_FILES = {
+    layout.KEEPALIVED_CONF: ("keepalived.conf.j2", 0o644),
+    layout.CHECK_FRONT: ("check_front.sh.j2", 0o755),
 }
 
 
@@ -223,6 +229,30 @@ def scrape_targets(hv: HostVars) -> dict[str, list[dict]]:
     return jobs
 
 
+def vrrp_instances(hv: HostVars) -> list[dict]:
+    """This entry's VRRP instances, one per virtual address: address k is mastered by entry k mod n of the
+    group (inventory order); the others follow it by priority in the group's order after it."""
+    n = len(hv.vrrp_group)
+    out = []
+    for k, vip in enumerate(hv["vrrp"]["addresses"]):
+        master = k % n
+        out.append({"name": f"fleet_{hv['vrrp']['router_id'] + k}", "address": vip,
+                    "router_id": hv["vrrp"]["router_id"] + k, "master": hv.vrrp_group[master].name,
+                    "priority": cluster.vrrp_priority((hv.vrrp_rank - master) % n)})
+    return out
+
+
+def share(hv: HostVars) -> dict | None:
+    """conf/proxy.yaml's `share` (active-active: several virtual addresses): this entry's place in the group
+    and each entry's weight and /health, which the proxy polls to learn which of its peers serve."""
+    if len(hv["vrrp"]["addresses"]) < 2:
+        return None
+    return {"me": hv.vrrp_rank, "entries": [
+        {"name": p.name, "weight": p.weight,
+         "health": None if p.name == hv.name else f"http://{backend_name(p.address, p.proxy_port)}/health"}
+        for p in hv.vrrp_group]}
+
+
 def context(hv: HostVars) -> dict:
     """The template variables: the host's own plus what is derived from them."""
     v = hv.vars
@@ -260,6 +290,15 @@ def context(hv: HostVars) -> dict:
         "smi_candidates": accelerators.kind(v["accelerator"]).smi_candidates,
         # Each instance's launch and its digest: start_cluster.sh records them (fleet.launch).
         "launches": [{"digest": w["digest"], "json": encode_launch(w["launch"])} for w in wanted_launches(hv)],
+        # Behind virtual addresses (keepalived): the group, this entry in it, its VRRP instances.
+        "vrrp_group": hv.vrrp_group,
+        "vrrp_self": next((p for p in hv.vrrp_group if p.name == hv.name), None),
+        "vrrp_instances": vrrp_instances(hv) if hv.vrrp_group else [],
+        "vrrp_version": 2 if float(v["vrrp"]["advert_interval_s"]).is_integer() else 3,
+        "vrrp_preempt": (v["vrrp"]["preempt"] if v["vrrp"]["preempt"] is not None
+                         else len(v["vrrp"]["addresses"]) > 1),
+        "front_local": layout.local_address(v["proxy"]["bind"]),
+        "share": share(hv),
     }
 
 
@@ -294,7 +333,7 @@ def render_host(hv: HostVars) -> list[RenderedFile]:
     env = environment()
     ctx = context(hv)
     files = []
-    for path, (template, mode) in FILES.items():
+    for path, (template, mode) in {**FILES, **(VRRP_FILES if hv.vrrp_group else {})}.items():
         try:
             content = env.get_template(template).render(ctx)
         except jinja2.UndefinedError as e:

@@ -116,6 +116,20 @@ NginxUser = Annotated[str, _fails(lambda v: v == "" or USER_GROUP.match(v)),
                       Field(description="a user name, optionally followed by a group name")]
 OtlpUrl = Annotated[str, _fails(is_otlp_url),
                     Field(description="an http:// or https:// URL (or empty: off)")]
+def is_virtual_address(value: str) -> bool:
+    """An IPv4 address with its prefix length (`10.9.0.100/24`): a VRRP virtual address."""
+    try:
+        ipaddress.IPv4Interface(value)
+    except ValueError:
+        return False
+    return "/" in value
+
+
+VirtualAddresses = Annotated[list[Annotated[str, _fails(is_virtual_address)]],
+                             Field(max_length=16, description="a list of IPv4 addresses with their prefix "
+                                                              "length (10.9.0.100/24)")]
+Interface = Annotated[str, _fails(lambda v: v == "" or re.match(r"^[A-Za-z0-9_.:@-]{1,15}$", v)),
+                      Field(description="a network interface name (at most 15 letters, digits, '.', '-', '_')")]
 AcceleratorKind = Annotated[str, _fails(lambda v: v in accelerators.KINDS),
                             Field(description="one of " + ", ".join(accelerators.KINDS))]
 
@@ -426,6 +440,41 @@ class KeeperSettings(Section):
         "and the instances' ports (8010 with the defaults and 8 instances).")
 
 
+class VrrpSettings(Section):
+    """Entry hosts behind virtual addresses (keepalived, VRRP): docs/entry-ha.md."""
+
+    addresses: VirtualAddresses = doc([],
+        "The virtual addresses (`10.9.0.100/24`) that two or more entry hosts fronting the same hosts "
+        "share: the entries with the same list form one group. One address: active-passive (its holder "
+        "serves, the others stand by). Several: active-active, entry k of the group (in inventory order) "
+        "masters address k mod n, and the entries split every instance's slots (`vrrp.slot_weight`). "
+        "Empty: no virtual address.")
+    interface: Interface = doc("",
+        "The entry's network interface that carries the virtual addresses (`eth0`); required with "
+        "`vrrp.addresses`.")
+    router_id: _int(1, 255) = doc(51,
+        "The VRRP virtual router id of the first address; address k takes `router_id + k`. Unique on "
+        "the network segment.")
+    advert_interval_s: _number(0.01, 40, "a number of seconds from 0.01 to 40") = doc(1.0,
+        "VRRP's advert interval: a backup declares its master dead after about 3 intervals (3.6 s at 1 s).")
+    preempt: Flag | None = doc(None,
+        "An entry that comes back takes its own address back from the peer that held it meanwhile (one more "
+        "move); false: an address stays where it is until its holder fails. Unset: true with several "
+        "addresses (each goes back to its own master, so both entries serve again), false with one.")
+    preempt_delay_s: _int(0, 1000) = doc(5,
+        "With `vrrp.preempt`: how long an entry that (re)started waits before it takes its address back, so "
+        "an address that just moved stays put for that long (keepalived's `preempt_delay`).")
+    unicast: Flag = doc(True,
+        "Send VRRP adverts to the other entries' `address` (many networks drop multicast); false: "
+        "multicast 224.0.0.18.")
+    keepalived: Path = doc("",
+        "The keepalived binary. Empty: found on the PATH, then `/usr/sbin/keepalived`, "
+        "`/usr/local/sbin/keepalived`.")
+    slot_weight: _int(1, 1000) = doc(1,
+        "Active-active: this entry's weight in the split of every instance's slots among the entries that "
+        "serve (equal by default); an entry whose peers' `/health` fails takes all of them until they return.")
+
+
 class ModelGroup(Section):
     """One entry of `models:`: a served model and the instances that serve it. A key left unset takes the
     host's value (the key of the same name at the host's level)."""
@@ -592,6 +641,8 @@ class HostSettings(Section):
         "nginx mode (`inv swap-to-nginx`).")
     keeper: KeeperSettings = doc(KeeperSettings(),
         "The keeper, which restarts dead or stalled instances.")
+    vrrp: VrrpSettings = doc(VrrpSettings(),
+        "Virtual addresses shared by entry hosts (keepalived): no single entry (docs/entry-ha.md).")
 
 
 def section_of(annotation) -> type[BaseModel] | None:

@@ -9,6 +9,7 @@ import shlex
 
 from . import agent, boot, entries, facts, release, runlock
 from . import keeper as fleet_keeper
+from . import vrrp as fleet_vrrp
 from .errors import FleetError
 from .inventory import HostVars
 from .render import stop_spec
@@ -119,6 +120,8 @@ def _stop(conn: Transport, hv: HostVars, emit: Emit, instance: int | None, check
         # First, under the lock: a stopped fleet stays stopped after a reboot, and no watchdog starts
         # the keeper again while the stop runs.
         boot.remove(conn, hv, report, check, emit)
+        # Then keepalived: the address moves to a peer before this entry's front drains.
+        fleet_vrrp.stop_first(conn, hv, report, emit, check)
     before = facts.probe(conn, hv, readonly=True)
     # An entry host's proxy sends to these instances too: drained there first (fleet.entries).
     alive = [f["index"] for f in before["instances"] if f["alive"] and instance in (None, f["index"])]

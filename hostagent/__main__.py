@@ -14,7 +14,10 @@ lora remove --model GROUP --name N, lora list (hostagent/lora.py; add and remove
 unless --locked).
 Proxy front (--config conf/nginx_front.json): restart-proxy [--healthy] (a zero-gap restart of the
 proxy), drain --timeout-s T (stop's first step: the front stops taking requests, finishes those in flight).
-Each command but watch and keeper prints progress lines, then one line `FLEET_RESULT {json}`; the exit
+Entries behind virtual addresses (--config conf/hostagent.json, hostagent/vrrp.py): vrrp-start [--reload]
+(deploy: keepalived's supervisor started unless it runs), vrrp-run (the supervisor itself), vrrp-stop (stop's
+first step: the address moves to a peer before the front drains), vrrp-state.
+Each command but watch, keeper and vrrp-run prints progress lines, then one line `FLEET_RESULT {json}`; the exit
 status is 0 on success, 1 on a failure said in that line.
 """
 from __future__ import annotations
@@ -24,7 +27,7 @@ import json
 import logging
 import sys
 
-from . import config, drain, handover, instances, keeper, lock, lora, restart, watch
+from . import config, drain, handover, instances, keeper, lock, lora, restart, vrrp, watch
 from .errors import HostAgentError, LockHeld, UsageError
 
 
@@ -33,7 +36,8 @@ def main(argv=None) -> int:
     parser.add_argument("command", choices=["check", "to-nginx", "to-proxy", "reload", "watch", "restart",
                                             "keeper", "keeper-start", "keeper-stop", "restart-proxy", "drain",
                                             "drain-instance", "enable-instance", "wait-healthy", "lora",
-                                            "drain-retired", "drain-member", "enable-member"])
+                                            "drain-retired", "drain-member", "enable-member", "vrrp-start",
+                                            "vrrp-run", "vrrp-state", "vrrp-stop"])
     parser.add_argument("action", nargs="?", choices=["add", "remove", "list"], help="lora: what to do")
     parser.add_argument("--config", required=True)
     parser.add_argument("--nginx", default=None, help="the nginx binary (default: found as check does)")
@@ -57,6 +61,8 @@ def main(argv=None) -> int:
     parser.add_argument("--healthy", action="store_true",
                         help="restart-proxy: the new proxy must answer 200 on /health before the old one leaves")
     parser.add_argument("--timeout-s", type=float, default=60.0, help="drain: how long requests in flight get")
+    parser.add_argument("--reload", action="store_true",
+                        help="vrrp-start: a running keepalived re-reads conf/keepalived.conf (it changed)")
     args = parser.parse_args(argv)
     if (args.command == "lora") != (args.action is not None):
         parser.error("lora needs add, remove or list" if args.command == "lora"
@@ -72,6 +78,15 @@ def main(argv=None) -> int:
             return 0
         if args.command == "keeper":
             return keeper.main(cfg)
+        if args.command.startswith("vrrp-"):
+            if "vrrp" not in cfg:
+                raise UsageError("this host has no vrrp.addresses in the inventory: no keepalived to run.")
+            if args.command == "vrrp-run":
+                return vrrp.run(cfg, say)
+            result = (vrrp.start(cfg, args.config, args.reload, say) if args.command == "vrrp-start"
+                      else vrrp.stop(cfg, say) if args.command == "vrrp-stop" else vrrp.state(cfg))
+            print("FLEET_RESULT " + json.dumps({"ok": True, **result}), flush=True)
+            return 0
         if args.command in ("keeper-start", "keeper-stop"):
             if args.command == "keeper-stop":
                 result = {"stopped": keeper.stop(cfg)}

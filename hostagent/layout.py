@@ -9,8 +9,9 @@ front of scripts sent on standard input, and runs beside `processes.py` when tha
               instance runs (instance_<i>.launch), the run lock, mode,
               the keeper's state, the runtime LoRA adapters' record
     logs/     vllm_<i>.log, proxy.log, req_results.log, keeper.log (+ rotated .1 ...)
-    conf/     hostagent.json, proxy.yaml, nginx_front.json, nginx.conf, prometheus.yml
-    bin/      start_cluster.sh, start_proxy.sh, stop_cluster.sh, boot.sh (what the boot hook runs)
+    conf/     hostagent.json, proxy.yaml, nginx_front.json, nginx.conf, prometheus.yml, keepalived.conf
+    bin/      start_cluster.sh, start_proxy.sh, stop_cluster.sh, boot.sh (what the boot hook runs),
+              check_front.sh (keepalived's track script)
     lib/      the control plane's modules an engine imports (the sim's fleet.sim)
     sim-dev/  the sim accelerator's device files
 
@@ -18,7 +19,7 @@ The templates (fleet/templates) take every path from here too: fleet.render give
 `layout` and `at(rel)` for rel under deploy_dir; tests/test_render_paths.py holds them to it.
 
 A tag is `FLEET_TAG=<deployment-id>/<instance>`, where instance is an index (`3`) or a part's name
-(`proxy`, `keeper`, `nginx`, `nginx-watch`).
+(`proxy`, `keeper`, `nginx`, `nginx-watch`, `keepalived`).
 """
 import os
 
@@ -43,6 +44,11 @@ LORA_ADAPTERS = RUN + "/lora_adapters.json"        # the runtime LoRA adapters t
 NGINX_UPSTREAM = RUN + "/nginx_upstream.conf"         # nginx's upstream servers, rewritten by the /health watcher
 NGINX_KEYS = RUN + "/nginx_keys.conf"                 # the API keys as nginx's map (mode 0600)
 NGINX_TEMP = RUN + "/nginx"                           # nginx's temporary files, unless nginx.temp_dir
+# keepalived (vrrp.addresses): the record of its supervisor (hostagent vrrp-run, which runs keepalived as
+# its child), and keepalived's own pid files (bare pids: its main process and its VRRP child)
+KEEPALIVED_PID = RUN + "/keepalived.pid"
+KEEPALIVED_MAIN_PID = RUN + "/keepalived.main.pid"
+KEEPALIVED_VRRP_PID = RUN + "/keepalived.vrrp.pid"
 
 # logs/
 PROXY_LOG = LOGS + "/proxy.log"
@@ -54,6 +60,7 @@ BOOT_LOG = LOGS + "/boot.log"                         # what bin/boot.sh did (at
 NGINX_ERROR_LOG = LOGS + "/nginx_error.log"
 NGINX_ACCESS_LOG = LOGS + "/nginx_access.log"
 NGINX_WATCH_LOG = LOGS + "/nginx_watch.log"
+KEEPALIVED_LOG = LOGS + "/keepalived.log"             # keepalived's and its supervisor's lines
 
 # conf/
 HOSTAGENT_CONF = CONF + "/hostagent.json"
@@ -61,12 +68,14 @@ PROXY_CONF = CONF + "/proxy.yaml"
 NGINX_FRONT_CONF = CONF + "/nginx_front.json"
 NGINX_CONF = CONF + "/nginx.conf"
 PROMETHEUS_CONF = CONF + "/prometheus.yml"            # scrape jobs for the operator's Prometheus (not run here)
+KEEPALIVED_CONF = CONF + "/keepalived.conf"           # vrrp.addresses: this entry's VRRP instances
 
 # bin/
 START_CLUSTER = BIN + "/start_cluster.sh"
 START_PROXY = BIN + "/start_proxy.sh"
 STOP_CLUSTER = BIN + "/stop_cluster.sh"
 BOOT = BIN + "/boot.sh"                               # the boot hook's script: the deployment back, as deploy starts it
+CHECK_FRONT = BIN + "/check_front.sh"                 # keepalived's track script: the local front's /health
 # start_cluster.sh's environment overrides that change what the proxy and the keeper expect (ports, slots,
 # how many instances, the engine's flags). By hand only: the script refuses them while the keeper runs,
 # and the toolkit's own runs of the script (deploy, the keeper, restart) clear them from its environment.

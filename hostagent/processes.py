@@ -382,7 +382,8 @@ def targets(spec, only=None, proxy_only=False, everything=False, keeper_only=Fal
     fronts = [keeper,
               target("proxy", layout.PROXY_PID, "proxy", spec.get("proxy_port"), "proxy.port"),
               target("nginx watcher", layout.NGINX_WATCH_PID, "nginx-watch"),
-              target("nginx", layout.NGINX_PID, "nginx")]
+              target("nginx", layout.NGINX_PID, "nginx"),
+              target("keepalived", layout.KEEPALIVED_PID, "keepalived")]
     insts = [target("instance %d" % i, layout.instance_pidfile(i), i, spec["base_port"] + i, "base_port")
              for i in range(spec["instances"])]
     try:

@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from .balancer import Backend
 from .config import ProxyConfig, keys_digest
 from .forward import TRACE_ID, json_error, list_models, proxy_handler
+from . import share
 from .models import entries_of
 from .state import PROXY, Proxy
 
@@ -159,12 +160,14 @@ async def _context(app: web.Application):
     if proxy.spans is not None:
         proxy.spans.start()
     task = asyncio.create_task(health_loop(proxy))
+    peers = asyncio.create_task(share.poll(proxy))    # active-active: which entries serve (proxy/share.py)
     yield
-    task.cancel()
-    try:
-        await task
-    except asyncio.CancelledError:
-        pass
+    for t in (task, peers):
+        t.cancel()
+        try:
+            await t
+        except asyncio.CancelledError:
+            pass
     await proxy.session.close()
     proxy.results.stop()
     if proxy.spans is not None:
@@ -237,6 +240,11 @@ def make_admin_app(proxy: Proxy) -> web.Application:
                                               for t in proxy.tenants.by_name.values()],
                                   "routing": dataclasses.asdict(c.routing),
                                   "otlp": dataclasses.asdict(c.otlp),
+                                  "share": None if c.share is None else {
+                                      "me": c.share.entries[c.share.me].name,
+                                      "serving": None if proxy.router.alive is None else sorted(
+                                          c.share.entries[i].name for i in proxy.router.alive),
+                                      "slots": proxy.router.slot_summary()},
                                   "models": [{"name": p.name, "aliases": list(p.aliases),
                                               "adapters": list(p.adapters), "slots": p.slots,
                                               "backends": list(p.backends),

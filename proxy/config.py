@@ -64,6 +64,25 @@ class QueueConfig:
 
 
 @dataclass(frozen=True)
+class ShareEntry:
+    """One entry host of an active-active group: its name, its weight in the slot split, and its proxy's
+    /health URL (None: this proxy itself)."""
+
+    name: str
+    weight: int
+    health: str | None
+
+
+@dataclass(frozen=True)
+class ShareConfig:
+    """Active-active entries behind virtual addresses: this proxy is entries[me]; every backend's slots
+    are split by weight among the entries whose /health answers 200 (proxy/share.py)."""
+
+    me: int = 0
+    entries: tuple[ShareEntry, ...] = ()
+
+
+@dataclass(frozen=True)
 class OtlpConfig:
     """The export of the proxy's spans over OTLP/HTTP (protobuf); endpoint None: no export."""
 
@@ -131,6 +150,7 @@ class ProxyConfig:
     routing: RoutingConfig = RoutingConfig()
     otlp: OtlpConfig = OtlpConfig()
     tenants: dict = field(default_factory=dict)   # name -> TenantConfig; `default` is there without it
+    share: ShareConfig | None = None  # active-active entries: this proxy's share of every backend's slots
 
     @property
     def max_body_bytes(self) -> int:
@@ -140,7 +160,8 @@ class ProxyConfig:
 
 TOP_KEYS = ("listen", "admin", "backends", "health", "timeout_s", "connect_timeout_s",
             "max_body_mb", "results_log", "log", "retries", "max_fails", "shutdown_timeout_s",
-            "fix_numeric_user", "api_keys_file", "slots", "queue", "models", "routing", "otlp", "tenants")
+            "fix_numeric_user", "api_keys_file", "slots", "queue", "models", "routing", "otlp", "tenants",
+            "share")
 ROUTING_KEYS = tuple(f.name for f in fields(RoutingConfig))
 POOL_KEYS = ("name", "aliases", "adapters", "slots", "backends")
 
@@ -259,7 +280,31 @@ def parse_config(data: Any, source: str = "config") -> ProxyConfig:
         routing=_routing(top.get("routing", {})),
         otlp=_otlp(top.get("otlp", {})),
         tenants=_tenants(top.get("tenants")),
+        share=_share(top.get("share")),
     )
+
+
+def _share(value: Any) -> ShareConfig | None:
+    """The `share` mapping: {me, entries: [{name, weight, health}]}, health null for entries[me] only."""
+    if value is None:
+        return None
+    m = _mapping(value, "share", ("me", "entries"))
+    entries = m.get("entries")
+    if not isinstance(entries, list) or len(entries) < 2:
+        raise ConfigError("share.entries must be a list of two or more {name, weight, health}.")
+    me = _count(m, "me", 0, minimum=0, prefix="share.")
+    out = []
+    for i, e in enumerate(entries):
+        e = _mapping(e, f"share.entries[{i}]", ("name", "weight", "health"))
+        health = _optional_text(e.get("health"), f"share.entries[{i}].health")
+        if (health is None) != (i == me):
+            raise ConfigError(f"share.entries[{i}].health must be " + ("null: it is this proxy (share.me)."
+                              if i == me else "the peer proxy's /health URL."))
+        out.append(ShareEntry(_text(e.get("name"), f"share.entries[{i}].name"),
+                              _count(e, "weight", 1, minimum=1, prefix=f"share.entries[{i}]."), health))
+    if me >= len(out):
+        raise ConfigError(f"share.me must be below {len(out)}, the number of entries, not {me}.")
+    return ShareConfig(me, tuple(out))
 
 
 def _mapping(value: Any, where: str, allowed: tuple[str, ...], prefix: str | None = None) -> dict:

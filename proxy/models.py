@@ -13,6 +13,7 @@ import re
 
 from .balancer import Backend, Balancer, count_answer, take_out
 from .config import ProxyConfig
+from .share import my_slots
 
 _MODEL_KEY = b'"model"'
 _STRING_VALUE = re.compile(rb'\s*:\s*"((?:[^"\\]|\\.)*)"')
@@ -51,6 +52,8 @@ class Router:
         self._names: dict[str, str] = {}         # configured name, alias, adapter -> pool name
         self._learned: dict[str, str] | None = None  # names from the backends' /v1/models (None: stale)
         self._leaving: dict[str, Backend] = {}   # removed by a reload, their requests in flight finishing
+        # Active-active (config.share): the entries whose /health answered at the last poll (None: not yet).
+        self.alive: frozenset[int] | None = None
         self.update(config)
 
     @property
@@ -68,8 +71,8 @@ class Router:
         """Make the pools those of config, keeping the state of backends that stay in their pool;
         returns the backends (added, removed)."""
         before = dict(self.backends)
-        wanted = ({p.name: (p.backends, p.slots) for p in config.models} if config.models
-                  else {NO_MODEL: (config.backends, config.slots)})
+        wanted = ({p.name: (p.backends, my_slots(p.slots, config.share, self.alive)) for p in config.models}
+                  if config.models else {NO_MODEL: (config.backends, my_slots(config.slots, config.share, self.alive))})
         for name in [n for n in self.pools if n not in wanted]:
             self.pools.pop(name).update([])           # its backends leave the pick; in-flight ones finish
         for name, (members, slots) in wanted.items():
@@ -89,6 +92,12 @@ class Router:
             if name in self.backends:           # back in the config: counted on its new entry from now on
                 del self._leaving[name]
         return [b for b in config.backends if b not in before], removed
+
+    def slot_summary(self) -> str:
+        """Each pool's slots per backend, for a log line (`4`, or `chat 4, vision 2`)."""
+        if not self.by_model:
+            return str(self.pools[NO_MODEL].slots)
+        return ", ".join(f"{name} {pool.slots}" for name, pool in self.pools.items())
 
     def leaving(self) -> list[Backend]:
         """The backends a reload removed that still have requests in flight (they take no new ones): a

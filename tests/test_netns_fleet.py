@@ -121,8 +121,9 @@ class Load:
     each request's start, end, status, backend and whether it streamed, in the order they ended."""
 
     def __init__(self, address: str, threads: int = 8, max_requests: int = 3000, max_s: float = 240,
-                 max_tokens: int = 30):
+                 max_tokens: int = 30, timeout: float = 120, pause_after_failure_s: float = 0):
         self.address, self.max_requests, self.max_s, self.max_tokens = address, max_requests, max_s, max_tokens
+        self.timeout, self.pause_after_failure_s = timeout, pause_after_failure_s
         self.done: list[dict] = []
         self.lock = threading.Lock()
         self.stopping = threading.Event()
@@ -154,7 +155,7 @@ class Load:
             with self.lock:
                 self.active[k] = start
             try:
-                code, backend, took = post(self.address, max_tokens=self.max_tokens, timeout=120,
+                code, backend, took = post(self.address, max_tokens=self.max_tokens, timeout=self.timeout,
                                            stream=stream, user=f"load-{k}-{n}")
             finally:
                 with self.lock:
@@ -162,6 +163,8 @@ class Load:
             with self.lock:
                 self.done.append({"start": start, "end": start + took, "status": code, "backend": backend,
                                   "stream": stream})
+            if code != 200 and self.pause_after_failure_s:
+                self.stopping.wait(self.pause_after_failure_s)     # a client backing off
 
     def started_before(self, t: float) -> int:
         """How many requests started before t are still in flight."""

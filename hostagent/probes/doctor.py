@@ -11,7 +11,7 @@ import shutil
 import subprocess
 import sys
 
-from hostagent import boothook, instances, processes
+from hostagent import boothook, instances, processes, vrrp
 
 
 def which(name):
@@ -237,6 +237,9 @@ def main():
         "cores": cores(),
         "sim_devices": os.path.isdir(os.path.join(spec["deploy_dir"], "sim-dev")),
         "boot": boothook.detect(),
+        # an entry behind virtual addresses: keepalived's binary, capabilities and interface
+        "vrrp": {"missing": vrrp.cannot_run(spec["vrrp"]), "binary": vrrp.binary(spec["vrrp"])}
+        if spec.get("vrrp") else None,
     }, sys.stdout)
 
 

@@ -11,7 +11,7 @@ import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-from hostagent import apikeys, boothook, layout, lora
+from hostagent import apikeys, boothook, layout, lora, vrrp
 from hostagent.observe import (HEALTH_TIMEOUT_S, file_mode, instance_facts, keeper_facts, nginx_facts,
                                proxy_facts, read_launch, read_mode, sha256, tagged)
 
@@ -61,6 +61,8 @@ def main():
         # deploy compares them with what the running front took. A relative path is the proxy's: deploy_dir.
         out["api_keys"] = apikeys.file_digest(os.path.join(d, os.path.expanduser(spec["api_keys_file"])))
         out["api_keys"]["nginx_digest"] = apikeys.conf_digest(layout.path(d, layout.NGINX_KEYS))
+    if spec.get("vrrp"):          # an entry behind virtual addresses: who holds them, keepalived's state
+        out["vrrp"] = vrrp.state({"deploy_dir": d, "deployment_id": spec["deployment_id"], "vrrp": spec["vrrp"]})
     if spec.get("boot"):          # inv status: the installed boot hook (reads the crontab)
         out["boot"] = boothook.show(dep)
     json.dump(out, sys.stdout)
