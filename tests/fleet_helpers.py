@@ -234,6 +234,28 @@ def kill_tagged(prefix: str) -> None:
         time.sleep(0.05)
 
 
+def stop_by_own_scripts(inventory: Path, hosts: list[str] | None = None) -> None:
+    """Test cleanup: run each host's own bin/stop_cluster.sh (the deployment's stop by pid-file record,
+    session and tag: hostagent/processes.py) on this machine, every host at once, then the sweep by tag.
+    For hosts whose deploy_dir is on this machine (SSH and namespace hosts in tests): no SSH round, drain or
+    card wait just to end a test; the tests of `inv stop` itself keep those."""
+    import yaml
+    from fleet import inventory as inv_mod
+    from hostagent import layout
+    loaded = inv_mod.load(inventory)
+    names = hosts if hosts is not None else list(yaml.safe_load(Path(inventory).read_text())["hosts"])
+    stops = []
+    for name in names:
+        script = Path(loaded.host_vars(name)["deploy_dir"]) / layout.STOP_CLUSTER
+        if script.exists():
+            stops.append(subprocess.Popen(["bash", str(script)], stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.DEVNULL))
+    for stop in stops:
+        stop.wait(timeout=120)
+    for name in names:
+        kill_tagged(loaded.host_vars(name).deployment_id + "/")
+
+
 def status_json(inventory: Path, *args: str, host: str = "t") -> dict:
     """The host's object from `inv status --json` (args: more options, such as --set)."""
     r = inv("status", "--host", host, "--json", *args, inventory=inventory)

@@ -13,7 +13,7 @@ from conftest import wait_until
 
 from hostagent import processes
 
-from fleet_helpers import deployment_id, inv, kill_tagged, start_inv, status_json, write_inventory
+from fleet_helpers import inv, start_inv, status_json, stop_by_own_scripts, write_inventory
 
 
 def start_inv_ctrl_c(*args, inventory=None) -> subprocess.Popen:
@@ -53,9 +53,8 @@ def make_inventory(tmp_path):
     try:
         yield make
     finally:
-        for path in made:
-            inv("stop", "--host", "t", "--now", inventory=path)
-            kill_tagged(deployment_id(path) + "/")
+        for path in made:     # its own stop script, then a sweep by tag (fleet_helpers.stop_by_own_scripts)
+            stop_by_own_scripts(path, ["t"])
 
 
 @pytest.fixture

@@ -12,13 +12,14 @@ from conftest import wait_until
 
 from hostagent.processes import parse_record
 
-from fleet_helpers import deployment_id, inv, kill_tagged, status_json, tagged_pids, write_inventory
+from fleet_helpers import deployment_id, inv, status_json, stop_by_own_scripts, tagged_pids, write_inventory
 
 pytestmark = pytest.mark.cluster
 
 
 def deployed(tmp_path):
-    """Deploy a 4-instance sim cluster in tmp_path; stop it (and sweep by tag) whatever the tests do."""
+    """Deploy a 4-instance sim cluster in tmp_path; stop it (its own stop script, then a sweep by tag) whatever
+    the tests do (fleet_helpers.stop_by_own_scripts; `inv stop` is test_stop_leaves_no_tagged_process's)."""
     inventory = write_inventory(tmp_path)
     dep = deployment_id(inventory)
     first = inv("deploy", "--host", "t", inventory=inventory)
@@ -26,8 +27,7 @@ def deployed(tmp_path):
         assert first.returncode == 0, first.stdout + first.stderr
         yield inventory, dep, first, tmp_path
     finally:
-        inv("stop", "--host", "t", inventory=inventory)
-        kill_tagged(dep + "/")
+        stop_by_own_scripts(inventory, ["t"])
 
 
 @pytest.fixture

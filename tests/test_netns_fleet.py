@@ -15,6 +15,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import threading
 import time
 import urllib.error
@@ -25,7 +26,7 @@ import pytest
 import yaml
 
 from conftest import PYTHON, wait_until
-from fleet_helpers import inv, kill_tagged, tagged_pids
+from fleet_helpers import inv, stop_by_own_scripts, tagged_pids
 from hostagent import layout
 from netns import NetnsFleet, made_by, namespace_pids, netns_fleet  # noqa: F401  (the fixture)
 
@@ -178,14 +179,14 @@ class Load:
 
 @pytest.fixture
 def cleanup():
-    """Stop what the test deployed (inv stop over SSH), then a sweep by tag (never by name); runs before
-    the fleet's own teardown (requested after netns_fleet)."""
+    """Stop what the test deployed, then a sweep by tag (never by name); runs before the fleet's own teardown
+    (requested after netns_fleet). The hosts' files are this machine's: each host's own stop script runs
+    here, all at once (fleet_helpers.stop_by_own_scripts); `inv stop` across the namespaces is
+    test_deploy_status_chat_stop_across_namespaces's own subject."""
     deployed: list[Path] = []
     yield deployed
     for inventory in deployed:
-        inv("stop", "--host", "all", "--forks", "8", inventory=inventory)
-        for dep in dep_ids(inventory):
-            kill_tagged(dep + "/")
+        stop_by_own_scripts(inventory)
 
 
 def test_deploy_status_chat_stop_across_namespaces(netns_fleet, tmp_path, cleanup):
@@ -252,7 +253,6 @@ def test_teardown_removes_every_namespace_link_and_process_of_the_fleet(tmp_path
     """1. build a fleet of two hosts; they reach each other and the control node reaches them; 2. a
     process left running inside a namespace; 3. teardown kills it and the sshds, and removes the
     namespaces, the veths and the bridge: nothing of the fleet is left on the machine."""
-    import subprocess
     from netns import build, teardown
     fleet = build(tmp_path / "fleet", 2)
     try:

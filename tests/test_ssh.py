@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from conftest import PYTHON, free_port, free_ports
-from fleet_helpers import inv, kill_tagged, tagged_pids
+from fleet_helpers import inv, stop_by_own_scripts, tagged_pids
 from sshd import keygen, sshd  # noqa: F401  (the module-scoped fixture)
 
 pytestmark = pytest.mark.ssh
@@ -88,16 +88,16 @@ def chat(port: int):
 
 @pytest.fixture
 def cleanup():
-    """Stop what the test deployed: inv stop per inventory, then a sweep by tag (never by name)."""
+    """Stop what the test deployed, then a sweep by tag (never by name): the hosts' files are this machine's,
+    so each host's own stop script runs here, all at once (fleet_helpers.stop_by_own_scripts); `inv stop`
+    over SSH is test_deploy_status_stop_over_ssh's own subject."""
     deployed: list[tuple[Path, str]] = []
     yield deployed
     by_inventory: dict[Path, list[str]] = {}
     for inventory, host in deployed:
         by_inventory.setdefault(inventory, []).append(host)
-    for inventory, hosts in by_inventory.items():      # one stop per inventory: its hosts in parallel
-        inv("stop", "--host", ",".join(hosts), inventory=inventory)
-        for host in hosts:
-            kill_tagged(dep_id(inventory, host) + "/")
+    for inventory, hosts in by_inventory.items():
+        stop_by_own_scripts(inventory, hosts)
 
 
 @pytest.mark.cluster

@@ -604,14 +604,62 @@ def test_top_shows_the_real_engines_at_work(cluster):
     assert re.search(r"\d+ms|\d\.\d\ds", frames[-1].split("TTFT")[1]), frames[-1]
 
 
-def test_changed_max_num_seqs_rolls_both_engines_under_light_load(cluster):
-    """1. max_num_seqs 4 -> 3 in the inventory; 2. `inv deploy` while two clients (one streamed, one not)
-    send short requests through the proxy, each a moment apart (a light load: the two cores stay free
-    for the engines' restarts): it rolls instance 0 then 1 (drain, stop, start, /health, enable); 3. no
-    request failed, both engines' command lines say --max-num-seqs 3, status marks both current."""
+def gone(pids) -> bool:
+    return not [p for p in pids if alive(p)]
+
+
+def smaller_max_num_seqs(c) -> None:
+    """The inventory's max_num_seqs 4 -> 3 (once: the restart below and the rolling deploy after it share it)."""
+    c.inventory.write_text(c.inventory.read_text().replace("max_num_seqs: 4", "max_num_seqs: 3"))
+
+
+def engine_max_num_seqs(pid: int) -> str:
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    return argv[argv.index("--max-num-seqs") + 1]
+
+
+def test_sigkill_of_engine_core_alone_then_restart_brings_it_back_with_the_inventorys_settings(cluster):
+    """1. SIGKILL instance 0's VLLM::EngineCore only. 2. /health answers 503 (the API server is up a few
+    seconds more: vLLM 0.32 then exits by itself), then the instance is dead. 3. max_num_seqs 4 -> 3 in
+    the inventory, then `inv restart --instance 0` brings it back healthy, with new processes, started
+    with the inventory's current settings (--max-num-seqs 3: a restart puts the files first); instance 1
+    untouched (its pid, its old setting: the rolling deploy of the next test changes it). One load of
+    vLLM serves both tests: the restart's instance is already current when the deploy rolls."""
+    c = cluster
+    before = c.status()
+    core = next(p for p, t in c.members(0).items() if t == "VLLM::EngineCore")
+    os.kill(core, signal.SIGKILL)
+    wait_until(lambda: http_status(f"http://127.0.0.1:{c.ports[0]}/health", timeout=1) == 503, timeout=20,
+               interval=0.1, what="/health 503 after the engine core died")
+    t_dead = time.monotonic()
+    wait_until(lambda: c.status()["instances"][0]["state"] == "dead", timeout=60, what="instance 0 dead")
+    wait_until(lambda: not alive(before["instances"][0]["pid"]), timeout=60, what="the API server to exit (0.32)")
+    c.figures["api_server_exit_after_engine_death_s"] = round(time.monotonic() - t_dead, 1)
+    smaller_max_num_seqs(c)
+    t0 = time.monotonic()
+    r = c.inv("restart", "--instance", "0")
+    assert r.returncode == 0, r.stdout + r.stderr
+    c.figures["restart_s"] = round(time.monotonic() - t0, 1)
+    after = c.status()
+    assert after["instances"][0]["state"] == "healthy" and after["instances"][0]["pid"] != before["instances"][0]["pid"]
+    assert after["instances"][0]["launch"] == "current" and engine_max_num_seqs(after["instances"][0]["pid"]) == "3"
+    assert after["instances"][1]["pid"] == before["instances"][1]["pid"]
+    assert after["instances"][1]["launch"] == "stale" and engine_max_num_seqs(after["instances"][1]["pid"]) == "4"
+
+
+def test_changed_max_num_seqs_rolls_the_stale_engines_under_light_load(cluster):
+    """1. max_num_seqs 4 -> 3 in the inventory (the test before restarted instance 0 with 3 already: it is
+    current, instance 1 stale); 2. `inv deploy` while two clients (one streamed, one not) send short
+    requests through the proxy, each a moment apart (a light load: the two cores stay free for the
+    engine's restart): it rolls each stale instance (drain, stop, start, /health, enable) and leaves a
+    current one running (its pid); 3. no request failed, both engines' command lines say
+    --max-num-seqs 3, status marks both current. (Rolling every instance in turn is the sim's,
+    tests/test_converge.py; here a real vLLM is rolled under load.)"""
     import threading
-    text = cluster.inventory.read_text()
-    cluster.inventory.write_text(text.replace("max_num_seqs: 4", "max_num_seqs: 3"))
+    smaller_max_num_seqs(cluster)
+    before = cluster.status()["instances"]
+    stale = [i["index"] for i in before if i["launch"] == "stale"]
+    assert stale, before
     stop, results = threading.Event(), []
 
     def client(stream: bool):
@@ -634,48 +682,23 @@ def test_changed_max_num_seqs_rolls_both_engines_under_light_load(cluster):
         t0 = time.monotonic()
         r = cluster.inv("deploy")
         cluster.figures["converge_s"] = round(time.monotonic() - t0, 1)
-        before = len(results)
-        wait_until(lambda: results[before:].count(True) >= 2, timeout=120, what="answers after the deploy")
+        before_n = len(results)
+        wait_until(lambda: results[before_n:].count(True) >= 2, timeout=120, what="answers after the deploy")
     finally:
         stop.set()
         for t in threads:
             t.join(timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "instance 0: rolling (max_num_seqs 4 -> 3" in r.stdout and "instance 1: back in the proxy" in r.stdout
+    for i in stale:
+        assert f"instance {i}: rolling (max_num_seqs 4 -> 3" in r.stdout and f"instance {i}: back in the proxy" \
+            in r.stdout, r.stdout
     cluster.figures["converge_requests"], cluster.figures["converge_failed"] = len(results), results.count(False)
     assert results.count(False) == 0, cluster.figures
     st = cluster.status()
-    for inst in st["instances"]:
+    for old, inst in zip(before, st["instances"]):
         assert inst["state"] == "healthy" and inst["launch"] == "current", inst
-        argv = Path(f"/proc/{inst['pid']}/cmdline").read_bytes().decode().split("\0")
-        assert argv[argv.index("--max-num-seqs") + 1] == "3", argv
-
-
-def gone(pids) -> bool:
-    return not [p for p in pids if alive(p)]
-
-
-def test_sigkill_of_engine_core_alone_then_restart_brings_it_back(cluster):
-    """1. SIGKILL instance 0's VLLM::EngineCore only. 2. /health answers 503 (the API server is up a few
-    seconds more: vLLM 0.32 then exits by itself), then the instance is dead. 3. `inv restart --instance 0`
-    brings it back healthy, with new processes; instance 1 untouched."""
-    c = cluster
-    before = c.status()
-    core = next(p for p, t in c.members(0).items() if t == "VLLM::EngineCore")
-    os.kill(core, signal.SIGKILL)
-    wait_until(lambda: http_status(f"http://127.0.0.1:{c.ports[0]}/health", timeout=1) == 503, timeout=20,
-               interval=0.1, what="/health 503 after the engine core died")
-    t_dead = time.monotonic()
-    wait_until(lambda: c.status()["instances"][0]["state"] == "dead", timeout=60, what="instance 0 dead")
-    wait_until(lambda: not alive(before["instances"][0]["pid"]), timeout=60, what="the API server to exit (0.32)")
-    c.figures["api_server_exit_after_engine_death_s"] = round(time.monotonic() - t_dead, 1)
-    t0 = time.monotonic()
-    r = c.inv("restart", "--instance", "0")
-    assert r.returncode == 0, r.stdout + r.stderr
-    c.figures["restart_s"] = round(time.monotonic() - t0, 1)
-    after = c.status()
-    assert after["instances"][0]["state"] == "healthy" and after["instances"][0]["pid"] != before["instances"][0]["pid"]
-    assert after["instances"][1]["pid"] == before["instances"][1]["pid"]
+        assert engine_max_num_seqs(inst["pid"]) == "3"
+        assert (inst["pid"] != old["pid"]) == (old["index"] in stale), (old, inst)
 
 
 def test_sigkill_of_api_servers_leaves_engines_that_stop_finds(cluster):

@@ -33,8 +33,21 @@ HOST = "two-models"
 A, B = "tiny-a", "tiny-b"
 
 
-def make(script: str, *args) -> None:
-    r = subprocess.run([str(VENV / "bin" / "python"), str(ROOT / "tests" / "data" / script), *map(str, args)],
+# One process makes both models and the adapter: torch and transformers are imported once, not three times.
+MAKE = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import make_tiny_lora, make_tiny_model
+make_tiny_model.main(sys.argv[2], 2)
+make_tiny_model.main(sys.argv[3], 3)
+make_tiny_lora.main(sys.argv[2], sys.argv[4])
+"""
+
+
+def make(model_a: Path, model_b: Path, adapter: Path) -> None:
+    """Model A (2 layers), model B (3 layers) and a LoRA adapter of A (tests/data/make_tiny_*.py)."""
+    r = subprocess.run([str(VENV / "bin" / "python"), "-c", MAKE, str(ROOT / "tests" / "data"),
+                        str(model_a), str(model_b), str(adapter)],
                        capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert r.returncode == 0, r.stderr[-2000:]
 
@@ -111,9 +124,7 @@ def host(tmp_path_factory):
     engine_venv()
     tmp = tmp_path_factory.mktemp("vllm-cpu-models")
     h = Host(tmp)
-    make("make_tiny_model.py", tmp / "model-a", 2)
-    make("make_tiny_model.py", tmp / "model-b", 3)
-    make("make_tiny_lora.py", tmp / "model-a", h.adapter)
+    make(tmp / "model-a", tmp / "model-b", h.adapter)
     r = h.inv("deploy")
     sessions: set[int] = set()
     h.deploy_output = r.stdout + r.stderr
