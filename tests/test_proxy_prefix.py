@@ -198,6 +198,39 @@ async def test_a_request_waits_a_little_for_its_full_home_while_others_take_the_
     assert await b.wait_for_slot(10, again, hold=hold) is not b0
 
 
+@pytest.mark.unit
+async def test_a_tenants_request_held_for_its_home_keeps_its_fair_turn_and_blocks_no_other_tenant():
+    """The fair queue and the hold together. 1. Two backends of one slot; tenant app's conversation holds
+    b0, batch holds b1. 2. app's next round is held for b0; batch's next request finds every slot taken
+    and waits in the fair order. 3. b1 frees: it goes to batch's waiter (app's held one takes only b0).
+    4. b0 frees: app's held round takes it, its tenant counted; every count returns to 0 at the end."""
+    from proxy.admission import Tenant
+    app, batch = Tenant("app"), Tenant("batch")
+    b = pool(n=2, slots=1, min_match_tokens=64, home_wait_s=5, prefill_ms=100)
+    first = chat(SYSTEM, "app's own long question. " * 8)
+    b0 = b.acquire(route=PrefixRoute(prompt_blocks(first)), tenant=app)
+    b1 = b.acquire(route=PrefixRoute(prompt_blocks(chat("batch work " * 80))), tenant=batch)
+    assert b0 is not b1 and app.in_flight == batch.in_flight == 1
+    later = PrefixRoute(prompt_blocks(chat(SYSTEM, "app's own long question. " * 8, "An answer.", "And?")))
+    b.release(b1, batch)                       # b1 free: app's next round would go cold there; held instead
+    hold = b.hold(later)
+    assert hold is not None and hold[0] is b0
+    held = asyncio.ensure_future(b.wait_for_slot(10, later, app, hold=hold))
+    await asyncio.sleep(0)
+    assert b.may_take(batch) and b.acquire(route=PrefixRoute(prompt_blocks(chat("more batch " * 80))),
+                                           tenant=batch) is b1
+    queued = asyncio.ensure_future(b.wait_for_slot(10, PrefixRoute(prompt_blocks(chat("x " * 300))), batch))
+    await asyncio.sleep(0)
+    assert b.queued == 2 and b.ahead() and not b.may_take(app)
+    b.release(b1, batch)
+    assert await queued is b1 and not held.done()
+    b.release(b0, app)
+    assert await held is b0 and app.in_flight == 1 and batch.in_flight == 1
+    b.release(b0, app)
+    b.release(b1, batch)
+    assert app.in_flight == batch.in_flight == 0 and b.queued == 0
+
+
 # The pick.
 
 @pytest.mark.unit
