@@ -385,7 +385,8 @@ def test_numeric_user_fixed_by_the_proxy_refused_by_vllm_itself(cluster):
 
 def test_engine_metrics_have_the_names_the_toolkit_reads(cluster):
     """Every vllm: family the simulator exports (the toolkit and the tests read those) is in the real
-    engine's /metrics, labelled with the served name."""
+    engine's /metrics, labelled with the served name; vllm:cache_config_info (its CacheConfig, no model
+    label) gives the proxy a KV cache size (num_gpu_blocks x block_size)."""
     from fleet.sim.config import SimConfig
     from fleet.sim.server import Engine, metrics_text
     import asyncio
@@ -397,8 +398,11 @@ def test_engine_metrics_have_the_names_the_toolkit_reads(cluster):
     assert {"vllm:num_requests_running", "vllm:num_requests_waiting"} <= wanted
     with urllib.request.urlopen(f"http://127.0.0.1:{cluster.ports[0]}/metrics", timeout=10) as r:
         text = r.read().decode()
-    for name in wanted:
+    for name in wanted - {"vllm:cache_config_info"}:
         assert re.search(rf'^{re.escape(name)}\{{[^}}]*model_name="{NAME}"', text, re.M), name
+    # vLLM's CacheConfig as labels (no model_name): the proxy reads the KV cache's size from it.
+    from proxy.app import kv_capacity
+    assert kv_capacity(text) > 0, re.findall(r"^vllm:cache_config_info.*$", text, re.M)
 
 
 def engine_metrics(port: int) -> str:
