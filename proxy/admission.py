@@ -288,6 +288,15 @@ class FairQueue:
         if charge:
             self.charge(waiter.tenant, self.charge_of(waiter))
 
+    def started(self, tenant: Tenant | None, amount: float) -> None:
+        """A request of tenant's got a slot, amount its cost: the queue's present moves up to where its
+        tenant's time stood (a tenant that ran alone, never queueing, carries the present with it, so one
+        that comes after it starts there too, not at 0, far ahead of it), then it is charged."""
+        tenant = tenant or _DEFAULT_TENANT
+        self._vt[tenant.name] = max(self._vt.get(tenant.name, 0.0), self._now)   # back from idle, as append
+        self._now = max(self._now, self._vt[tenant.name])
+        self.charge(tenant, amount)
+
     def charge(self, tenant: Tenant | None, amount: float) -> None:
         """Count amount (tokens, or requests) of service to tenant in this pool."""
         tenant = tenant or _DEFAULT_TENANT

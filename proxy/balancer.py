@@ -174,7 +174,7 @@ class Balancer:
             best.peak_in_flight = best.in_flight
         if tenant is not None:
             tenant.in_flight += 1
-            self._queue.charge(tenant, self._queue.cost(tokens, route))
+            self._queue.started(tenant, self._queue.cost(tokens, route))
         return best
 
     def may_take(self, tenant: Tenant | None = None) -> bool:
@@ -294,6 +294,8 @@ class Balancer:
                 self._queue.remove(head)
                 continue
             chosen = self.policy.waiter(self._queue, self._order)
+            if chosen is not None and chosen.tenant is not head.tenant:
+                chosen = None     # the look-ahead reorders a tenant's own requests, never takes another's turn
             if chosen is None or not self._ready(chosen):
                 chosen = self._next()
             if chosen is None:

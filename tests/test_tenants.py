@@ -226,10 +226,13 @@ class Recorder(Policy):
 
 
 @pytest.mark.unit
-def test_the_routing_policy_reads_the_waiters_in_the_fair_order_and_its_choice_counts_as_overtaking():
+def test_the_routing_policy_reads_the_fair_order_and_reorders_only_the_first_tenants_own_waiters():
     """1. a holds the slot and queues a1 a2 a3, then b queues b1 (equal weights): the fair order is b1 a1 a2 a3
-    (a's request on the slot was counted); 2. the policy sees that order and takes its third, a2; 3. b1 and
-    a1, passed over, each count one overtaking."""
+    (a's request on the slot was counted); 2. the policy sees that order and would take its third, a2: another
+    tenant's than the head's, so b1 keeps its turn and gets the slot (a look-ahead never costs a tenant its
+    share: a flood's cached prompts would overtake an interactive tenant again and again); 3. next, the order
+    is a1 a2 a3 and the policy's third, a3, is the head's own tenant's: taken, and a1 and a2, passed over,
+    each count one overtaking."""
     async def run():
         b = balancer(n=1)
         b.policy = rec = Recorder()
@@ -243,8 +246,33 @@ def test_the_routing_policy_reads_the_waiters_in_the_fair_order_and_its_choice_c
         b.release(b.backends["b0:1"], a)
         await asyncio.sleep(0)
         assert rec.seen[0] == ["b", "a", "a"]
-        assert ta[1].done() and not ta[0].done() and not tb[0].done()
-        assert [w.overtaken for w in ws[:2]] == [1, 1]
+        assert tb[0].done() and not any(t.done() for t in ta) and [w.overtaken for w in ws] == [0, 0, 0, 0]
+        b.release(b.backends["b0:1"], bt)
+        await asyncio.sleep(0)
+        assert rec.seen[1] == ["a", "a", "a"]
+        assert ta[2].done() and not ta[0].done() and not ta[1].done()
+        assert [w.overtaken for w in ws[1:3]] == [1, 1]
+        for t in ta + tb:
+            t.cancel()
+        await asyncio.sleep(0)
+    asyncio.run(run())
+
+
+@pytest.mark.unit
+def test_a_tenant_that_ran_alone_banks_nothing_against_one_that_comes_after_it():
+    """1. One slot; tenant a runs 10 requests alone, each taking the free slot at once (it never queues);
+    2. a holds the slot, b queues 3 requests and a one: in the fair order a's comes before b's third (a is
+    one request ahead: the one it holds), not behind all of b's (b starts at the queue's present, where a's
+    time stood, not at 0, 1,000 tokens behind a)."""
+    async def run():
+        b = balancer(n=1)
+        a, bt = Tenant("a"), Tenant("b")
+        for _ in range(10):
+            b.release(b.acquire(tenant=a, tokens=100), a)
+        b.acquire(tenant=a, tokens=100)
+        tb = await queue_up(b, bt, 3)
+        ta = await queue_up(b, a, 1)
+        assert [w.tenant.name for w in b._queue] == ["b", "b", "a", "b"]
         for t in ta + tb:
             t.cancel()
         await asyncio.sleep(0)

@@ -119,6 +119,7 @@ class Policy:
 
     def waiter(self, queue: Collection[Waiter], backends: Sequence[Backend]) -> Waiter | None:
         """The waiter a freed slot goes to instead of the queue's first (None: the first); queue iterates
-        the waiters in the order the pool's fair queue would serve them (proxy/admission.py), so a
-        look-ahead bounded within that order keeps each tenant's share; backends are the pool's."""
+        the waiters in the order the pool's fair queue would serve them (proxy/admission.py); the balancer
+        takes the choice only when it is of the first's tenant, so a look-ahead never costs another tenant
+        its turn; backends are the pool's."""
         return None
