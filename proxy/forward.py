@@ -272,8 +272,9 @@ async def _answer(ex: Exchange, proxy) -> web.StreamResponse:
     # finds no slot, or someone its pool's fair queue serves first, waits its turn in that queue; the policy
     # may have it wait a little for its home backend (a hold) though another has a free slot.
     ex.balancer = pool
-    hold = pool.hold(ex.route) if pool.may_take(ex.tenant) else None
-    backend = pool.acquire(route=ex.route, tenant=ex.tenant) if hold is None and pool.may_take(ex.tenant) else None
+    may_take = pool.may_take(ex.tenant)     # reads the fair queue's order: once, not per question
+    hold = pool.hold(ex.route) if may_take else None
+    backend = pool.acquire(route=ex.route, tenant=ex.tenant) if may_take and hold is None else None
     if backend is None:
         backend = await _wait_for_slot(ex, proxy, pool, hold)
         if isinstance(backend, web.Response):
