@@ -1,6 +1,7 @@
 """Shared fixtures: free loopback ports, readiness polls, and processes that are always stopped."""
 from __future__ import annotations
 
+import atexit
 import os
 import random
 import shutil
@@ -216,3 +217,44 @@ def sim_cluster(tmp_path):
     for path in made:
         inv("stop", "--host", "t", inventory=path)
         kill_tagged(deployment_id(path) + "/")
+
+
+# FLEET_TEST_TIMELINE=FILE: each test appends "WORKER START END CPU NODEID" to FILE: its wall time (setup to
+# teardown, epoch seconds) and the CPU seconds it cost, counted by a cpuacct cgroup (cgroup v1, as root) that
+# the worker and every process it starts (servers, sshd and what runs under it, vLLM) belong to; "-" when
+# no such cgroup can be made. Which worker ends last, what it ran, what costs the cores: docs/testing.md.
+_TIMELINE = os.environ.get("FLEET_TEST_TIMELINE")
+
+
+def _cpu_meter():
+    """A function returning the CPU seconds this worker's process tree has used, or None."""
+    group = Path(f"/sys/fs/cgroup/cpuacct/fleet-test-{os.getpid()}")
+    try:
+        group.mkdir(exist_ok=True)
+        (group / "cgroup.procs").write_text(str(os.getpid()))
+        usage = group / "cpuacct.usage"
+    except OSError:
+        return lambda: None
+
+    def leave():   # back to the root group, and the group goes once its last process has
+        try:
+            (group.parent / "cgroup.procs").write_text(str(os.getpid()))
+            group.rmdir()
+        except OSError:
+            pass
+    atexit.register(leave)
+    return lambda: int(usage.read_text()) / 1e9
+
+
+if _TIMELINE:
+    _cpu_used = _cpu_meter()
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        start, cpu = time.time(), _cpu_used()
+        yield
+        spent = _cpu_used()
+        spent = f"{spent - cpu:.2f}" if spent is not None and cpu is not None else "-"
+        with open(_TIMELINE, "a") as f:
+            f.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'gw0')} {start:.2f} {time.time():.2f} {spent} "
+                    f"{item.nodeid}\n")

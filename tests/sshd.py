@@ -88,6 +88,13 @@ def start_sshd(directory: Path, address: str = "127.0.0.1", port: int | None = N
             "MaxSessions 50",
             "LogLevel ERROR",
             "Subsystem sftp internal-sftp",
+            # The hosts' sessions skip the user's ~/.bashrc, as a server's does with Debian's default one
+            # (it returns at once when not interactive). bash sources it for a command sent over SSH only
+            # when it is the top-level shell; SHLVL=1 makes the session's bash the second level. On this
+            # machine root's ~/.bashrc runs `pyenv init` (about 0.1 s of CPU per command) and puts pyenv's
+            # shims first on the PATH (every python3 a host agent run starts, another 0.1 s): 27 of the
+            # 48 CPU seconds of a five-host deploy-and-stop test (docs/testing.md).
+            "SetEnv SHLVL=1",
         ]) + "\n")
         log = directory / "sshd.log"
         with open(log, "ab") as out:
