@@ -1,12 +1,13 @@
 """Routing quality: prefix-aware routing against least_conn, nginx, vllm-router and smg, on 8 sims x 4 slots.
 
     .venv/bin/python bench/bench_routing.py [--quick] [--fronts ...] [--workloads chat,groups,hotspot]
-                                            [--bound-s 2.5] [--routing key=value ...] [--out FILE.json]
+                                            [--bound-s 2.5] [--routing key=value ...] [--baseline DIR] [--out FILE.json]
 
 8 sim engines with max_num_seqs 4 and a prefix cache each (time to first token = overhead + prefill_ms per
 1,000 prompt tokens not in that engine's cache; then token_ms a token), behind every front in one run:
 proxy (`proxy.routing.policy=least_conn`), proxy-prefix (`proxy.routing.policy=prefix`, plus --routing
-overrides), nginx (rendered, least_conn), vllm-router with --policy cache_aware and power_of_two, smg with
+overrides), proxy-prefix-base (the same config served by the
+--baseline checkout: the code before a change, in the same run), nginx (rendered, least_conn), vllm-router with --policy cache_aware and power_of_two, smg with
 --policy cache_aware (bench/setup_routers.sh installs both; a front not installed is left out, said so).
 
 Three workloads, streamed chat completions, Poisson arrivals (a seeded generator: every front gets the same
@@ -59,10 +60,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stack import ROOT, Stack  # noqa: E402
 
 BACKENDS, MAX_NUM_SEQS = 8, 4
-FRONT_NAMES = {"proxy": "proxy least_conn", "proxy-prefix": "proxy prefix", "nginx": "nginx least_conn",
+FRONT_NAMES = {"proxy": "proxy least_conn", "proxy-prefix": "proxy prefix", "proxy-prefix-base": "proxy prefix, baseline",
+               "nginx": "nginx least_conn",
                "vllm-router-cache": "vllm-router cache_aware", "vllm-router-p2": "vllm-router power_of_two",
                "smg-cache": "smg cache_aware"}
-DEFAULT_FRONTS = ",".join(FRONT_NAMES)
+DEFAULT_FRONTS = ",".join(f for f in FRONT_NAMES if f != "proxy-prefix-base")
 # The engine model (sim flags). prefill_ms is per 1,000 uncached prompt tokens: 2,000 tokens a second, a
 # slow engine, so that prefill is a good share of a request's time as on a long multimodal prompt;
 # kv_blocks: 2,048 blocks of 16 tokens (32k tokens) per engine, so a working set spread over every engine
@@ -391,6 +393,8 @@ def main(argv=None) -> int:
                     help="an inventory key for every proxy front (proxy.queue.headroom=1, ...); repeatable")
     ap.add_argument("--rates", help="the levels (requests/s, comma separated) instead of each workload's own")
     ap.add_argument("--seed", type=int, default=19)
+    ap.add_argument("--baseline", help="another checkout (the code before a change) whose proxy runs the prefix "
+                                       "config as front proxy-prefix-base, in the same run")
     ap.add_argument("--out", help="also write every figure to this JSON file")
     args = ap.parse_args(argv)
     ws = workloads(args.quick)
@@ -407,7 +411,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-routing-") as tmp:
         stack = Stack(Path(tmp), BACKENDS, MAX_NUM_SEQS, flags,
                       proxy_set=("proxy.routing.policy=least_conn", *args.inventory_set),
-                      routing_set=tuple(f"proxy.routing.{kv}" for kv in args.routing))
+                      routing_set=tuple(f"proxy.routing.{kv}" for kv in args.routing),
+                      baseline=Path(args.baseline).resolve() if args.baseline else None)
         try:
             fronts = stack.start(args.fronts.split(","))
             figures["skipped"] = stack.skipped

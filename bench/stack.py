@@ -8,7 +8,7 @@ the `routing_set` overrides: the prefix-aware policy), `proxy-otel` (the `proxy`
 `proxy-otel-down` (the same, its collector a loopback port nothing listens on, the export's timeout 300 s:
 a collector that is down),
 `proxy-base` (the `proxy` config served by the proxy of another checkout, `baseline`: the code before a
-change, in the same run), `nginx` (conf/nginx.conf as rendered),
+change, in the same run), `proxy-prefix-base` (the `proxy-prefix` config served by that checkout), `nginx` (conf/nginx.conf as rendered),
 `vllm-router` and `smg` with their default policy, `vllm-router-cache` and `smg-cache` with
 `--policy cache_aware`, `vllm-router-p2` with `--policy power_of_two` (from bench/.venv-routers, made by
 bench/setup_routers.sh, or the PATH). A front whose program is missing is left out and said so.
@@ -149,10 +149,10 @@ class Stack:
     """
 
     FRONTS = ("direct", "proxy", "proxy-tenants", "proxy-lc", "proxy-prefix", "proxy-asyncio", "proxy-models", "proxy-models-1",
-              "proxy-otel", "proxy-otel-down", "proxy-base", "nginx", "vllm-router", "vllm-router-cache", "vllm-router-p2", "smg",
+              "proxy-otel", "proxy-otel-down", "proxy-base", "proxy-prefix-base", "nginx", "vllm-router", "vllm-router-cache", "vllm-router-p2", "smg",
               "smg-cache")
     PROXIES = ("proxy", "proxy-tenants", "proxy-lc", "proxy-prefix", "proxy-asyncio", "proxy-models", "proxy-models-1", "proxy-otel",
-               "proxy-otel-down", "proxy-base")
+               "proxy-otel-down", "proxy-base", "proxy-prefix-base")
     ROUTERS = {"vllm-router": None, "vllm-router-cache": "cache_aware", "vllm-router-p2": "power_of_two",
                "smg": None, "smg-cache": "cache_aware"}   # front -> its --policy (None: the default)
 
@@ -215,7 +215,7 @@ class Stack:
                                     "path": str(self.deploy / "logs" / f"req_results_{front}.log")}}
             if front == "proxy-lc":
                 conf["slots"] = 0
-            if front == "proxy-prefix":
+            if front in ("proxy-prefix", "proxy-prefix-base"):
                 conf["routing"] = self.routing
             if front == "proxy-otel":
                 conf["otlp"] = {"endpoint": f"http://127.0.0.1:{self.sink_port}/v1/traces"}
@@ -311,6 +311,11 @@ class Stack:
         if self.baseline is None:
             return "no --baseline checkout given"
         self._proxy("proxy-base", root=self.baseline)
+
+    def _start_proxy_prefix_base(self):
+        if self.baseline is None:
+            return "no --baseline checkout given"
+        self._proxy("proxy-prefix-base", root=self.baseline)
 
     def _start_proxy(self):
         self._proxy("proxy")

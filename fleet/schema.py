@@ -262,8 +262,9 @@ class RoutingSettings(Section):
     spread_after: _int(0, 65536) = doc(3,
         "prefix: when a request matches only a prefix that other prompts share and leave (a long system "
         "prompt, a group's context), a backend holding it takes the request until this many prompts "
-        "branched off it there; then the least loaded backend, holder or not, so conversations spread "
-        "even at low load. 0: always the least loaded.")
+        "per 1,000 tokens of the shared part (at least this many) branched off it there; then the least "
+        "loaded backend, holder or not, so conversations spread even at low load, while a long shared "
+        "part, costly to copy, keeps more of its branches. 0: always the least loaded.")
     home_wait_s: _number(0, 60, "a number of seconds from 0 to 60") = doc(1.0,
         "prefix: how long at most a request whose home backend (where its prefix is) has no free slot "
         "waits for one there while other backends have free slots, rather than go cold at once; also "

@@ -126,6 +126,24 @@ def test_a_prefix_shared_by_conversations_stays_with_its_holder_spread_after_tim
 
 
 @pytest.mark.unit
+def test_a_long_shared_prefix_keeps_more_branches_on_its_holder_before_it_spreads():
+    """A group's context of about 3,000 tokens, its questions one at a time on 4 backends (llm-d's
+    shared_prefix workload): 1. the first goes by load; 2. the next 6 branch off the context and stay with
+    its holder (spread_after 3 per 1,000 tokens of the shared part: 9 here), where copying the context to
+    a cold backend would cost 3,000 tokens of prefill each time (a 280-token prefix spreads after 3: the
+    test above)."""
+    b = pool(n=4, min_match_tokens=64)
+    context = "Group context: the river passes the mill before the bridge. " * 200   # 12,000 bytes
+    where = []
+    for q in range(7):
+        route = PrefixRoute(prompt_blocks(chat(context, f"Question {q} of its own, short. " * 3)))
+        backend = b.acquire(route=route)
+        where.append(backend.name)
+        b.release(backend)
+    assert len(set(where)) == 1, where
+
+
+@pytest.mark.unit
 def test_the_index_keeps_no_more_than_the_engine_does_and_forgets_what_a_miss_proves_evicted():
     """1. A backend whose engine keeps 6 blocks: after two 4-block prompts the first one's tail is gone
     (least recently sent first, tail before head), as the engine's LRU would have it. 2. Without a known

@@ -30,7 +30,8 @@ class RoutingConfig:
     # prefix: queued requests a freed slot may look past for one whose prefix is there
     lookahead: int = _bounded(16, 0, 1024)
     # prefix: a prefix many prompts share and leave stays with a backend holding it until this many
-    # branched off it there; then the least loaded takes the next (0: always the least loaded)
+    # branched off it there, per 1,000 tokens of it (prefix.SPREAD_TOKENS); then the least loaded takes
+    # the next (0: always the least loaded)
     spread_after: int = _bounded(3, 0, 65536)
     # prefix: a request whose home (the backend with its prefix) is full while others have a free slot
     # may wait for a slot at home, at most home_wait_s and at most the prefill its cached prefix saves at

@@ -27,6 +27,11 @@ BLOCK_TOKENS = BLOCK_BYTES // TOKEN_BYTES
 # An engine's cached tokens under the match by up to this many blocks is no miss: its tokenizer cuts the
 # text otherwise, and it recomputes a prompt's last token.
 MISS_SLACK_BLOCKS = 2
+# A holder of a shared prefix takes routing.spread_after branches off it per this many tokens of it (at
+# least spread_after): spreading a branch costs a cold prefill of the shared part elsewhere, so a longer
+# one must have more branches behind it first (a group's 3,000-token context with its 6 questions stays
+# on one backend; 8 conversations on a 560-token system prompt spread over 3).
+SPREAD_TOKENS = 1000
 
 
 def prompt_blocks(body: bytes) -> list[int]:
@@ -345,15 +350,17 @@ class Prefix(Policy):
                 candidates: Sequence[Backend]) -> Backend:
         """The prompt's longest match is a prefix other prompts share and leave (a system prompt, a tool
         list, a group's context): no conversation's home. A backend holding it takes the request while
-        fewer than routing.spread_after prompts branched off it there and it is not too loaded (the
+        fewer than routing.spread_after prompts per SPREAD_TOKENS of the shared part (at least
+        spread_after) branched off it there and it is not too loaded (the
         balance rule against the least loaded); past that, the least loaded backend, holder or not, and
         among equally loaded ones the one where the fewest branched off (round robin after that). New
         conversations spread even one at a time, each backend pays the shared part a few times at most,
         and their own later rounds go home."""
         fan = self.index.fan(route.blocks[run - 1])
         r = self.config
+        after = r.spread_after * max(1.0, run * BLOCK_TOKENS / SPREAD_TOKENS)
         least = min(candidates, key=lambda b: b.in_flight)
-        roomy = [b for b in candidates if matched.get(b.name, 0) >= run and fan.get(b.name, 0) < r.spread_after]
+        roomy = [b for b in candidates if matched.get(b.name, 0) >= run and fan.get(b.name, 0) < after]
         best = min(roomy, key=lambda b: (b.in_flight, fan.get(b.name, 0)), default=None)
         if best is None or (best.in_flight - least.in_flight > r.balance_abs
                             and best.in_flight > r.balance_rel * least.in_flight):
