@@ -75,20 +75,25 @@ def test_active_active_proxy_config_splits_slots_by_weight_and_names_the_peers_h
     the agent's config names the interface and the addresses; a host without vrrp renders neither."""
     inv = load(tmp_path)
     proxy = files(inv, "e1")["conf/proxy.yaml"].content
-    assert "share:\n  me: 0\n" in proxy
+    assert "share:\n  me: 0\n  split: true\n" in proxy
     assert '{name: "e2", weight: 3, health: "http://10.9.0.2:8000/health"}' in proxy
     assert '"interface": "eth1"' in files(inv, "e1")["conf/hostagent.json"].content
     plain = files(inv, "m1")
     assert "conf/keepalived.conf" not in plain and "share:" not in plain["conf/proxy.yaml"].content
 
 
-def test_active_passive_has_no_slot_split(tmp_path):
-    """One address: only its holder serves, so its proxy keeps every slot."""
+def test_active_passive_has_no_slot_split_but_learns_its_peers_routing(tmp_path):
+    """One address: only its holder serves, so its proxy keeps every slot (split false) and only learns
+    its peer's prefix routing; both start their proxies with the group's hash seed."""
     def edit(d):
         for e in ("e1", "e2"):
             d["hosts"][e]["vrrp"]["addresses"] = ["10.9.0.100/24"]
     inv = load(tmp_path, edit=edit)
-    assert "share:" not in files(inv, "e1")["conf/proxy.yaml"].content
+    assert "  split: false\n" in files(inv, "e1")["conf/proxy.yaml"].content
+    seeds = {e: [ln for ln in files(inv, e)["bin/start_proxy.sh"].content.splitlines() if "PYTHONHASHSEED=" in ln]
+             for e in ("e1", "e2")}
+    assert seeds["e1"] == seeds["e2"] and len(seeds["e1"]) == 1
+    assert "PYTHONHASHSEED" not in files(inv, "m1")["bin/start_proxy.sh"].content
     assert "fleet_51" in files(inv, "e2")["conf/keepalived.conf"].content
     assert "nopreempt" in files(inv, "e2")["conf/keepalived.conf"].content
 
