@@ -125,3 +125,37 @@ def test_refused_in_one_sentence(tmp_path, edit, words):
         load(tmp_path, edit=edit)
     message = str(e.value)
     assert words in message and "\n" not in message and str(tmp_path / "hosts.yml") in message
+
+
+def test_a_deploy_of_both_entries_reloads_their_keepalived_one_at_a_time(tmp_path, monkeypatch):
+    """1. Both entries' keepalived.conf changed; their deploys run at once, in two threads. 2. Each one's
+    `vrrp-start --reload` (the host agent returns once keepalived settled) runs holding the group's one
+    lock, the same for both entries and another for another group: the reloads never overlap.
+    3. Each recap line says reloaded."""
+    import threading
+
+    from fleet import vrrp
+    from fleet.report import Report
+    inv = load(tmp_path)
+    e1, e2 = inv.host_vars("e1"), inv.host_vars("e2")
+    calls = []
+
+    def host_command(conn, hv, command, emit):
+        calls.append((hv.name, command, vrrp._group_lock(hv).locked()))
+        return {"action": "reloaded", "pid": 7, "settled": True}
+    monkeypatch.setattr(vrrp.agent, "host_command", host_command)
+    reports = {e: Report(e) for e in ("e1", "e2")}
+    threads = [threading.Thread(target=vrrp.deploy, args=(None, hv, {"conf/keepalived.conf"}, reports[hv.name],
+                                                          lambda line: None, False)) for hv in (e1, e2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(calls) == [("e1", "vrrp-start --reload", True), ("e2", "vrrp-start --reload", True)]
+    assert vrrp._group_lock(e1) is vrrp._group_lock(e2) and not vrrp._group_lock(e1).locked()
+
+    def edit(d):
+        for e in ("e1", "e2"):
+            d["hosts"][e]["vrrp"]["addresses"] = ["10.9.0.100/24"]
+    assert vrrp._group_lock(load(tmp_path, edit=edit).host_vars("e1")) is not vrrp._group_lock(e1)
+    assert all("reloaded, supervisor pid 7" in r.steps[-1].message for r in reports.values())

@@ -284,8 +284,11 @@ def test_cut_link_of_the_master_moves_the_address(ha):
 
 def supervisors(ha) -> list[int]:
     """Each entry's keepalived supervisor pid and keepalived's own (a reload keeps them; a restart not)."""
-    return [int((ha["tmp"] / e / rel).read_text().split()[0]) for e in ENTRIES
-            for rel in (layout.KEEPALIVED_PID, layout.KEEPALIVED_MAIN_PID)]
+    out = []
+    for e in ENTRIES:
+        out.append(processes.read_record_file(str(ha["tmp"] / e / layout.KEEPALIVED_PID))[0]["pid"])
+        out.append(int((ha["tmp"] / e / layout.KEEPALIVED_MAIN_PID).read_text().split()[0]))
+    return out
 
 
 def test_a_changed_vrrp_setting_reloads_each_entry_in_turn_and_every_address_keeps_a_holder(ha):
