@@ -6,8 +6,10 @@ own) front m1 (namespace 2: two sim instances of max_num_seqs 2), all deployed o
 Address A (.100) is e1's to master, B (.101) e2's: active-active, so each proxy has half of every
 engine's slots. The tests run in order, each failing whichever entry holds A at the time, so A moves
 back and forth: a graceful `inv stop`, a SIGKILL of the proxy, a SIGKILL of keepalived itself (the stale
-address case), and a cut link. A sampler reads `ip addr` in both namespaces every few tens of
-milliseconds throughout; no read ever proves one address on both. Figures print with `-s`; the module's
+address case), and a cut link; then, on the same topology, a deploy that changes a vrrp setting on both
+entries at once (each keepalived reloads in turn) and a swap to nginx and back (keepalived stays). A
+sampler reads `ip addr` in both namespaces every few tens of milliseconds throughout; no read ever proves
+one address on both. Figures print with `-s`; the module's
 fixture prints the table of them at the end (docs/PERFORMANCE.md quotes it).
 """
 from __future__ import annotations
