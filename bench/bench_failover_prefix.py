@@ -90,6 +90,13 @@ def share(stack: Stack, on: bool) -> None:
         req = urllib.request.Request(stack.admin_url(front) + "/admin/reload", method="POST")
         with urllib.request.urlopen(req, timeout=10) as r:
             assert json.loads(r.read())["reloaded"], f"{front} refused its share"
+    if on:   # both have polled their peer once: from then on each keeps its decisions for the other
+        deadline = time.monotonic() + 30
+        while not all(((json.loads(urllib.request.urlopen(stack.admin_url(f) + "/admin/config", timeout=5).read())
+                        .get("share") or {}).get("serving")) for f in fronts):
+            if time.monotonic() > deadline:
+                raise SystemExit("bench: the proxies did not poll each other within 30 s")
+            time.sleep(0.1)
 
 
 def main(argv=None) -> int:

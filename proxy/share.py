@@ -74,7 +74,10 @@ async def poll(proxy) -> None:
                 log.info("share: entries serving %s (were %s): this proxy's slots now %s", sorted(
                     share.entries[i].name for i in alive), "unknown" if was is None else sorted(
                     share.entries[i].name for i in was), proxy.router.slot_summary())
-            if any(hasattr(pool.policy, "adopt") for pool in proxy.router.pools.values()):
+            learners = [pool.policy for pool in proxy.router.pools.values() if hasattr(pool.policy, "adopt")]
+            for policy in learners:
+                policy.keep_feed()    # a policy made anew by a reload starts its feed here
+            if learners:
                 for i in alive:
                     if i != share.me:
                         await _learn(proxy, share.entries[i].name, share.entries[i].health, timeout)

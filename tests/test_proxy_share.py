@@ -45,7 +45,8 @@ def test_my_slots_keeps_every_slot_when_not_split():
 
 @pytest.mark.unit
 def test_a_peer_learns_the_decisions_it_has_not_read_and_only_a_peer_may_read_them():
-    """1. Proxy a's prefix policy sends two prompts (to b0, then b1). 2. Its feed after seq 0 has both, after
+    """1. Proxy a's prefix policy, told to keep its feed (a proxy with peers), sends two prompts (to b0, then
+    b1); before that it kept nothing. 2. Its feed after seq 0 has both, after
     the first only the second; a reader with another feed id gets everything. 3. Another policy that adopts
     them matches the prompts' blocks where a sent them, and feeds nothing on. 4. The feed answers the
     peers' address and loopback only."""
@@ -55,6 +56,9 @@ def test_a_peer_learns_the_decisions_it_has_not_read_and_only_a_peer_may_read_th
     from proxy.share import FEED_ID, feed
     a, b = Prefix(RoutingConfig()), Prefix(RoutingConfig())
     backends = [SimpleNamespace(name=f"b{i}", in_flight=0, kv_tokens=None) for i in range(2)]
+    a.sent(PrefixRoute([1, 2]), backends[0])
+    assert a.feed is None and a.decisions_since(0, 10) == []    # no peers: nothing kept
+    a.keep_feed()
     a.sent(PrefixRoute([11, 12, 13]), backends[0])
     a.sent(PrefixRoute([21, 22]), backends[1])
     first = a.feed[0][0]
@@ -64,7 +68,7 @@ def test_a_peer_learns_the_decisions_it_has_not_read_and_only_a_peer_may_read_th
     for _, backend, blocks in a.decisions_since(0, 10):
         b.adopt(backend, blocks)
     assert b.index.match([11, 12, 13]) == {"b0": 3} and b.index.match([21, 22, 99]) == {"b1": 2}
-    assert not b.feed
+    assert b.feed is None
     share = ShareConfig(0, (ShareEntry("a", 1, None), ShareEntry("b", 1, "http://10.9.0.2:8000/health")))
     proxy = SimpleNamespace(config=SimpleNamespace(share=share),
                             router=SimpleNamespace(pools={"": SimpleNamespace(policy=a)}))

@@ -296,13 +296,19 @@ class Prefix(Policy):
     def __init__(self, config: RoutingConfig):
         super().__init__(config)
         self.index = PrefixIndex(config.max_blocks)
-        # (seq, backend, blocks) of the latest decisions, for a peer entry's proxy to learn from
-        self.feed: deque[tuple[int, str, list[int]]] = deque(maxlen=FEED_DECISIONS)
+        # (seq, backend, blocks) of the latest decisions, for a peer entry's proxy to learn from; kept only
+        # once keep_feed() was called (a proxy with peers: proxy/share.py), so no other proxy pays for it
+        self.feed: deque[tuple[int, str, list[int]]] | None = None
+
+    def keep_feed(self) -> None:
+        """Keep the latest decisions from now on (idempotent)."""
+        if self.feed is None:
+            self.feed = deque(maxlen=FEED_DECISIONS)
 
     def decisions_since(self, seq: int, limit: int) -> list[tuple[int, str, list[int]]]:
         """The decisions after seq, oldest first, at most the newest `limit` of them."""
-        out = []
-        for d in reversed(self.feed):
+        out: list[tuple[int, str, list[int]]] = []
+        for d in reversed(self.feed or ()):
             if d[0] <= seq or len(out) >= limit:
                 break
             out.append(d)
@@ -395,7 +401,8 @@ class Prefix(Policy):
             if cap != self.index.capacity(backend.name):
                 self.index.set_capacity(backend.name, cap)
             route.ticks = self.index.insert(route.blocks, backend.name, route.matched_tokens // BLOCK_TOKENS)
-            self.feed.append((next(_feed_seq), backend.name, route.blocks))
+            if self.feed is not None:
+                self.feed.append((next(_feed_seq), backend.name, route.blocks))
 
     def learned(self, route: PrefixRoute | None, backend: Backend, cached_tokens: int | None,
                 prompt_tokens: int | None) -> None:
