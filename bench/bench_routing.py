@@ -227,9 +227,11 @@ def oracle(reqs: list[Request], order: list[int]) -> tuple[int, int]:
 
 # --- driving a front -------------------------------------------------------------------------------
 
-async def run_level(url: str, reqs: list[Request], times: list[float], timeout_s: float) -> list[dict]:
+async def run_level(url, reqs: list[Request], times: list[float], timeout_s: float, usage: bool = False) -> list[dict]:
     """Send reqs at their arrival times (chat: not before the previous round's answer); per request:
-    sent, first content, done (s from start), ok, backend (X-Backend), answer text."""
+    sent, first content, done (s from start), ok, backend (X-Backend), answer text. url: the front's, or a
+    function of the time sent (s from start) that gives it (a client moving to another front). usage: ask
+    for the usage chunk and record its prompt_tokens and cached_tokens."""
     import aiohttp
     out: list[dict] = [{} for _ in reqs]
     done = [asyncio.Event() for _ in reqs]
@@ -250,11 +252,14 @@ async def run_level(url: str, reqs: list[Request], times: list[float], timeout_s
                 messages.append({"role": "user", "content": r.question})
             r.sent_messages = messages
             body = {"model": "m", "messages": messages, "max_tokens": r.max_tokens, "stream": True}
+            if usage:
+                body["stream_options"] = {"include_usage": True}
             rec = out[i]
             rec["sent"] = time.perf_counter() - t0
             parts: list[str] = []
             try:
-                async with session.post(url + "/v1/chat/completions", json=body) as resp:
+                front = url(rec["sent"]) if callable(url) else url
+                async with session.post(front + "/v1/chat/completions", json=body) as resp:
                     rec["backend"] = resp.headers.get("X-Backend")
                     if resp.status != 200:
                         rec["error"] = f"{resp.status}"
@@ -264,6 +269,10 @@ async def run_level(url: str, reqs: list[Request], times: list[float], timeout_s
                             if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                                 continue
                             chunk = json.loads(line[6:])
+                            if chunk.get("usage"):
+                                rec["prompt_tokens"] = chunk["usage"].get("prompt_tokens")
+                                rec["cached_tokens"] = (chunk["usage"].get("prompt_tokens_details") or {}).get(
+                                    "cached_tokens")
                             choices = chunk.get("choices") or [{}]
                             piece = (choices[0].get("delta") or {}).get("content")
                             if piece:

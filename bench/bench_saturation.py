@@ -16,7 +16,10 @@ each figure is the median over rounds). The most requests one sim held at once s
 
 Fronts: proxy (the rendered config: slots = max_num_seqs, the queue on), proxy-lc (slots 0: least
 connections alone, the proxy before the queue), nginx (rendered, least_conn), vllm-router and smg with
-their default policy (bench/setup_routers.sh installs them). Every process it starts is stopped by pid.
+their default policy (bench/setup_routers.sh installs them); and, asked for, proxy-pair: two proxies of the
+proxy's config as active-active entries (each the other's peer in `share`: 2 of every sim's 4 slots each),
+the clients split between them, half each (as over two virtual addresses): what splitting the slots costs
+against one proxy with all of them. Every process it starts is stopped by pid.
 """
 from __future__ import annotations
 
@@ -98,8 +101,9 @@ def summary(times: list[tuple[float, float]]) -> dict:
             "makespan_s": max(b for _, b in times) - min(a for a, _ in times)}
 
 
-async def closed_loop(url: str, tokens: list[int], clients: int, timeout_s: float) -> dict:
-    """Send the sequence through url with `clients` clients; (sent, answered) per request and failures."""
+async def closed_loop(url: str | list[str], tokens: list[int], clients: int, timeout_s: float) -> dict:
+    """Send the sequence through url with `clients` clients (a list of urls: client k sends through the
+    k-th modulo its length); (sent, answered) per request and failures."""
     import aiohttp
     times: list[tuple[float, float] | None] = [None] * len(tokens)
     failures: list[str] = []
@@ -107,20 +111,21 @@ async def closed_loop(url: str, tokens: list[int], clients: int, timeout_s: floa
     t0 = time.perf_counter()
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                      timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
-        async def client():
+        async def client(front: str):
             for i in todo:
                 body = {"model": "m", "max_tokens": tokens[i], "stream": False,
                         "messages": [{"role": "user", "content": f"request {i}: describe picture number {i}"}]}
                 sent = time.perf_counter() - t0
                 try:
-                    async with session.post(url + "/v1/chat/completions", json=body) as r:
+                    async with session.post(front + "/v1/chat/completions", json=body) as r:
                         await r.read()
                         if r.status != 200:
                             failures.append(f"{i}: {r.status}")
                 except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                     failures.append(f"{i}: {type(e).__name__}")
                 times[i] = (sent, time.perf_counter() - t0)
-        await asyncio.gather(*(client() for _ in range(clients)))
+        urls = url if isinstance(url, list) else [url]
+        await asyncio.gather(*(client(urls[k % len(urls)]) for k in range(clients)))
     return {"times": times, "failures": failures}
 
 
@@ -159,7 +164,9 @@ def main(argv=None) -> int:
                 for c in levels:
                     for front in order:
                         stack.reset_sim_stats()
-                        run = asyncio.run(closed_loop(stack.url(front), tokens, c, timeout_s=600))
+                        url = ([stack.url("proxy-pair"), stack.url("proxy-pair-b")] if front == "proxy-pair"
+                               else stack.url(front))
+                        run = asyncio.run(closed_loop(url, tokens, c, timeout_s=600))
                         peak = max(s["peak_in_flight"] for s in stack.sim_stats())
                         done = [t for t in run["times"] if t is not None]
                         result = {**summary(done), "failures": run["failures"], "peak_at_one_sim": peak}

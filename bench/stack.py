@@ -3,7 +3,10 @@
 Fronts: `direct` (the sims themselves; `url` gives the first), `proxy` (conf/proxy.yaml as `inv render`
 makes it: slots from max_num_seqs, the queue on), `proxy-lc` (the same with `slots: 0`: least connections
 alone, as before the queue), `proxy-prefix` (the rendered config with `proxy.routing.policy=prefix` and
-the `routing_set` overrides: the prefix-aware policy), `proxy-otel` (the `proxy` config with
+the `routing_set` overrides: the prefix-aware policy; `proxy-prefix-b` a second one, with its own ports and
+index, as the backup entry's), `proxy-pair` (two proxies of the `proxy` config, on their own ports, each
+the other's peer in `share`: active-active entries, each with its share of every backend's slots once it has
+polled the other; `url("proxy-pair-b")` is the second's), `proxy-otel` (the `proxy` config with
 `otlp.endpoint` set: every request's spans exported to a local sink that accepts and discards them),
 `proxy-otel-down` (the same, its collector a loopback port nothing listens on, the export's timeout 300 s:
 a collector that is down),
@@ -148,11 +151,13 @@ class Stack:
     one key per tenant, `sk-NAME NAME` (TENANT_KEY), and `sk-default` for the default tenant.
     """
 
-    FRONTS = ("direct", "proxy", "proxy-tenants", "proxy-lc", "proxy-prefix", "proxy-asyncio", "proxy-models", "proxy-models-1",
-              "proxy-otel", "proxy-otel-down", "proxy-base", "proxy-prefix-base", "nginx", "vllm-router", "vllm-router-cache", "vllm-router-p2", "smg",
+    FRONTS = ("direct", "proxy", "proxy-tenants", "proxy-lc", "proxy-prefix", "proxy-prefix-b", "proxy-prefix-base",
+              "proxy-pair", "proxy-pair-b", "proxy-asyncio", "proxy-models", "proxy-models-1", "proxy-otel",
+              "proxy-otel-down", "proxy-base", "nginx", "vllm-router", "vllm-router-cache", "vllm-router-p2", "smg",
               "smg-cache")
-    PROXIES = ("proxy", "proxy-tenants", "proxy-lc", "proxy-prefix", "proxy-asyncio", "proxy-models", "proxy-models-1", "proxy-otel",
-               "proxy-otel-down", "proxy-base", "proxy-prefix-base")
+    PROXIES = ("proxy", "proxy-tenants", "proxy-lc", "proxy-prefix", "proxy-prefix-b", "proxy-prefix-base", "proxy-pair",
+               "proxy-pair-b", "proxy-asyncio", "proxy-models", "proxy-models-1", "proxy-otel", "proxy-otel-down",
+               "proxy-base")
     ROUTERS = {"vllm-router": None, "vllm-router-cache": "cache_aware", "vllm-router-p2": "power_of_two",
                "smg": None, "smg-cache": "cache_aware"}   # front -> its --policy (None: the default)
 
@@ -215,8 +220,12 @@ class Stack:
                                     "path": str(self.deploy / "logs" / f"req_results_{front}.log")}}
             if front == "proxy-lc":
                 conf["slots"] = 0
-            if front in ("proxy-prefix", "proxy-prefix-base"):
+            if front in ("proxy-prefix", "proxy-prefix-b", "proxy-prefix-base"):
                 conf["routing"] = self.routing
+            if front in ("proxy-pair", "proxy-pair-b"):
+                pair = ["proxy-pair", "proxy-pair-b"]
+                conf["share"] = {"me": pair.index(front), "entries": [
+                    {"name": f, "weight": 1, "health": None if f == front else f"{self.url(f)}/health"} for f in pair]}
             if front == "proxy-otel":
                 conf["otlp"] = {"endpoint": f"http://127.0.0.1:{self.sink_port}/v1/traces"}
             if front == "proxy-otel-down":
@@ -338,6 +347,22 @@ class Stack:
 
     def _start_proxy_prefix(self):
         self._proxy("proxy-prefix")
+
+    def _start_proxy_prefix_b(self):
+        self._proxy("proxy-prefix-b")
+
+    def _start_proxy_pair(self):
+        self._proxy("proxy-pair")
+        self._proxy("proxy-pair-b")
+        want = str(max(1, self.max_num_seqs // 2))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            got = [json.loads(urllib.request.urlopen(self.admin_url(f) + "/admin/config", timeout=5).read())
+                   ["share"]["slots"] for f in ("proxy-pair", "proxy-pair-b")]
+            if got == [want, want]:
+                return None
+            time.sleep(0.1)
+        raise SystemExit(f"bench: proxy-pair did not reach {want} slots each within 30 s")
 
     def _start_proxy_asyncio(self):
         self._proxy("proxy-asyncio", "--loop", "asyncio")

@@ -180,7 +180,9 @@ def deploy_front(conn: Transport, hv: HostVars, found: dict, changed_files: set[
     state = facts.proxy_state(p)
     # A setting an earlier reload could not change (proxy.state.RESTART_ONLY) is still owed a restart.
     owed = bool((p.get("config") or {}).get("pending_restart"))
-    stale = owed or any(f == layout.PROXY_CONF or f.startswith(layout.PROXY_CODE + "/") for f in changed_files)
+    # A changed start script (its environment: a group's PYTHONHASHSEED) takes effect only by a restart.
+    relaunch = any(f == layout.START_PROXY or f.startswith(layout.PROXY_CODE + "/") for f in changed_files)
+    stale = owed or relaunch or layout.PROXY_CONF in changed_files
     # A key file whose keys are not those the running proxy loaded: a reload takes them (by content: the
     # probe's digest of the file against the one /admin/config reports).
     keys = _keys_to_take(hv, found, report, "running") if p["alive"] else None
@@ -193,9 +195,9 @@ def deploy_front(conn: Transport, hv: HostVars, found: dict, changed_files: set[
         report.add("proxy", "ok", f"already running on :{p['port']}, pid {p['pid']}")
         return
     # Only the config changed, and the running proxy answers on the ports it names: SIGHUP re-reads it
-    # without dropping a request. New code, or a proxy that does not answer there, needs a restart.
-    reloadable = (state in ("healthy", "no-backend") and p["backends"] is not None and not owed
-                  and not any(f.startswith(layout.PROXY_CODE + "/") for f in changed_files))
+    # without dropping a request. New code or start script, or a proxy that does not answer there, needs a
+    # restart.
+    reloadable = state in ("healthy", "no-backend") and p["backends"] is not None and not owed and not relaunch
     if reloadable:
         if check:
             report.add("proxy", "changed", f"would reload (SIGHUP) pid {p['pid']} with the new config"

@@ -243,14 +243,24 @@ def vrrp_instances(hv: HostVars) -> list[dict]:
 
 
 def share(hv: HostVars) -> dict | None:
-    """conf/proxy.yaml's `share` (active-active: several virtual addresses): this entry's place in the group
-    and each entry's weight and /health, which the proxy polls to learn which of its peers serve."""
-    if len(hv["vrrp"]["addresses"]) < 2:
+    """conf/proxy.yaml's `share` (entries behind virtual addresses): this entry's place in the group and each
+    entry's weight and /health, which the proxy polls to learn which of its peers serve and what their prefix
+    routing sent where; `split` (active-active: several virtual addresses) splits the slots."""
+    if not hv.vrrp_group:
         return None
-    return {"me": hv.vrrp_rank, "entries": [
+    return {"me": hv.vrrp_rank, "split": len(hv["vrrp"]["addresses"]) >= 2, "entries": [
         {"name": p.name, "weight": p.weight,
          "health": None if p.name == hv.name else f"http://{backend_name(p.address, p.proxy_port)}/health"}
         for p in hv.vrrp_group]}
+
+
+def hash_seed(hv: HostVars) -> int | None:
+    """The PYTHONHASHSEED every proxy of a virtual-address group starts with, so that their prefix block
+    hashes agree (proxy/share.py): derived from the group's addresses and entries, the same on each."""
+    if not hv.vrrp_group:
+        return None
+    key = ",".join([*hv["vrrp"]["addresses"], *(p.name for p in hv.vrrp_group)])
+    return int(hashlib.sha256(key.encode()).hexdigest()[:8], 16)
 
 
 def context(hv: HostVars) -> dict:
@@ -299,6 +309,7 @@ def context(hv: HostVars) -> dict:
                          else len(v["vrrp"]["addresses"]) > 1),
         "front_local": layout.local_address(v["proxy"]["bind"]),
         "share": share(hv),
+        "hash_seed": hash_seed(hv),
     }
 
 

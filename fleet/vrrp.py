@@ -9,6 +9,8 @@ goes on: like nginx mode, it sits ready for when root arrives.
 """
 from __future__ import annotations
 
+import threading
+
 from hostagent import layout
 
 from . import agent
@@ -18,6 +20,15 @@ from .report import Emit, Report
 
 # Files whose change makes a running keepalived re-read its config.
 FILES = (layout.KEEPALIVED_CONF, layout.CHECK_FRONT)
+# One lock per group of entries (by their addresses): a deploy of several entries at once reloads their
+# keepalived one at a time, each until it has settled, so an address never loses every holder at once.
+_GROUP_LOCKS: dict[tuple[str, ...], threading.Lock] = {}
+_LOCKS = threading.Lock()
+
+
+def _group_lock(hv: HostVars) -> threading.Lock:
+    with _LOCKS:
+        return _GROUP_LOCKS.setdefault(tuple(hv["vrrp"]["addresses"]), threading.Lock())
 
 
 def spec(hv: HostVars) -> dict | None:
@@ -39,7 +50,8 @@ def deploy(conn, hv: HostVars, changed_files: set[str], report: Report, emit: Em
                    f"would start keepalived for {addresses} unless it runs" + ("; would reload it" if reload else ""))
         return
     try:
-        r = agent.host_command(conn, hv, "vrrp-start" + (" --reload" if reload else ""), emit)
+        with _group_lock(hv):
+            r = agent.host_command(conn, hv, "vrrp-start" + (" --reload" if reload else ""), emit)
     except FleetError as e:
         report.add("keepalived", "failed", str(e).removeprefix(hv.name + ": "))
         return
@@ -50,6 +62,10 @@ def deploy(conn, hv: HostVars, changed_files: set[str], report: Report, emit: Em
         report.warn(f"keepalived: {sentence}")
     elif action == "running":
         report.add("keepalived", "ok", f"already running, supervisor pid {r['pid']}")
+    elif action == "reloaded" and not r.get("settled", True):
+        report.add("keepalived", "changed", f"reloaded (supervisor pid {r['pid']}), but this entry does not hold "
+                   f"again all it held before within 3 advert intervals: `inv status` says who holds {addresses} "
+                   f"(see {layout.KEEPALIVED_LOG})")
     else:
         report.add("keepalived", "changed", f"{action}, supervisor pid {r['pid']}, for {addresses} on "
                    f"{hv['vrrp']['interface']}; log {layout.KEEPALIVED_LOG}")

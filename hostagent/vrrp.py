@@ -2,13 +2,15 @@
 
 `vrrp-start` (deploy) starts `vrrp-run` in its own session, tagged `<id>/keepalived`, its record in
 run/keepalived.pid; a running one is sent SIGHUP when conf/keepalived.conf changed (`--reload`), which it
-passes to keepalived. `vrrp-run` is keepalived's supervisor: it runs `keepalived --dont-fork` as its child
-(VRRP only, its own pid files under run/, its lines in logs/keepalived.log), with a parent-death signal,
-so keepalived never outlives it. Whenever keepalived is gone, however it went (SIGTERM hands the address
-over at once; SIGKILL leaves it on the interface), the supervisor takes this entry's virtual addresses
-off the interface before anything else: a dead keepalived never leaves the address held twice for longer
-than that. It starts keepalived again (at most 5 times a minute); SIGTERM stops both. `inv stop` stops the
-session by identity like every other part.
+passes to keepalived, and vrrp-start returns once keepalived has settled: one advert interval, then until the
+interface carries again what it carried before (at most three more; deploy reloads the entries of a group one
+at a time, so the addresses always have a holder). `vrrp-run` is keepalived's supervisor: it runs `keepalived
+--dont-fork` as its child (VRRP only, its own pid files under run/, its lines in logs/keepalived.log), with a
+parent-death signal, so keepalived never outlives it. Whenever keepalived is gone, however it went (SIGTERM
+hands the address over at once; SIGKILL leaves it on the interface), the supervisor takes this entry's virtual
+addresses off the interface before anything else: a dead keepalived never leaves the address held twice for
+longer than that. It starts keepalived again (at most 5 times a minute); SIGTERM stops both. `inv stop` stops
+the session by identity like every other part.
 
 keepalived needs CAP_NET_ADMIN and CAP_NET_RAW (root, or file capabilities on the binary); `cannot_run`
 says in one sentence what is missing, and deploy then skips it and says so. Standard library only.
@@ -148,8 +150,14 @@ def start(cfg, config_path, reload, say):
     sup = ours(cfg)
     if sup is not None:
         if reload:
+            before = held(vrrp)
             os.kill(sup.pid, signal.SIGHUP)
-            return {"action": "reloaded", "pid": sup.pid}
+            advert = float(vrrp.get("advert_interval_s", 1.0))
+            time.sleep(advert)
+            deadline = time.monotonic() + 3 * advert + 1
+            while not before <= held(vrrp) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return {"action": "reloaded", "pid": sup.pid, "settled": before <= held(vrrp)}
         return {"action": "running", "pid": sup.pid}
     take_off(vrrp, say)
     d = cfg["deploy_dir"]

@@ -185,6 +185,18 @@ async def _on_prepare(request: web.Request, response: web.StreamResponse) -> Non
         response.headers["Connection"] = "close"  # headers are already prepared when this hook runs
 
 
+async def peer_prefixes(request: web.Request) -> web.Response:
+    """A peer entry's proxy reads this proxy's latest prefix decisions (proxy/share.py)."""
+    try:
+        since = int(request.query.get("since", "0"))
+    except ValueError:
+        since = 0
+    got = share.feed(request.app[PROXY], since, request.query.get("id"), request.remote)
+    if got is None:
+        return json_error(404, "not found: only a peer entry's proxy reads this.", "not_found")
+    return web.json_response(got)
+
+
 def make_app(config: ProxyConfig, config_path: str | None = None) -> web.Application:
     """The public application: everything under /v1/ proxied, plus /health and /metrics."""
     app = web.Application(client_max_size=config.max_body_bytes)
@@ -193,6 +205,7 @@ def make_app(config: ProxyConfig, config_path: str | None = None) -> web.Applica
     app.on_response_prepare.append(_on_prepare)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get(share.FEED_PATH, peer_prefixes)
     app.router.add_get("/v1/models", list_models)   # the models form answers it; the plain form forwards it
     app.router.add_route("*", "/v1/{tail:.*}", proxy_handler)
     return app
@@ -244,7 +257,10 @@ def make_admin_app(proxy: Proxy) -> web.Application:
                                       "me": c.share.entries[c.share.me].name,
                                       "serving": None if proxy.router.alive is None else sorted(
                                           c.share.entries[i].name for i in proxy.router.alive),
-                                      "slots": proxy.router.slot_summary()},
+                                      "slots": proxy.router.slot_summary(), "split": c.share.split,
+                                      # per peer: the last of its prefix decisions learned (proxy/share.py)
+                                      "learned": {n: seq for n, (_, seq) in proxy.router.peer_feeds.items()},
+                                      "hashes_differ": sorted(proxy.router.peer_mismatch)},
                                   "models": [{"name": p.name, "aliases": list(p.aliases),
                                               "adapters": list(p.adapters), "slots": p.slots,
                                               "backends": list(p.backends),

@@ -75,11 +75,13 @@ class ShareEntry:
 
 @dataclass(frozen=True)
 class ShareConfig:
-    """Active-active entries behind virtual addresses: this proxy is entries[me]; every backend's slots
-    are split by weight among the entries whose /health answers 200 (proxy/share.py)."""
+    """Entries behind virtual addresses: this proxy is entries[me]; it learns its peers' prefix routing
+    (proxy/share.py), and, when split (active-active), every backend's slots are split by weight among the
+    entries whose /health answers 200."""
 
     me: int = 0
     entries: tuple[ShareEntry, ...] = ()
+    split: bool = True
 
 
 @dataclass(frozen=True)
@@ -285,10 +287,10 @@ def parse_config(data: Any, source: str = "config") -> ProxyConfig:
 
 
 def _share(value: Any) -> ShareConfig | None:
-    """The `share` mapping: {me, entries: [{name, weight, health}]}, health null for entries[me] only."""
+    """The `share` mapping: {me, entries: [{name, weight, health}], split}, health null for entries[me] only."""
     if value is None:
         return None
-    m = _mapping(value, "share", ("me", "entries"))
+    m = _mapping(value, "share", ("me", "entries", "split"))
     entries = m.get("entries")
     if not isinstance(entries, list) or len(entries) < 2:
         raise ConfigError("share.entries must be a list of two or more {name, weight, health}.")
@@ -304,7 +306,7 @@ def _share(value: Any) -> ShareConfig | None:
                               _count(e, "weight", 1, minimum=1, prefix=f"share.entries[{i}]."), health))
     if me >= len(out):
         raise ConfigError(f"share.me must be below {len(out)}, the number of entries, not {me}.")
-    return ShareConfig(me, tuple(out))
+    return ShareConfig(me, tuple(out), _flag(m, "split", True, prefix="share."))
 
 
 def _mapping(value: Any, where: str, allowed: tuple[str, ...], prefix: str | None = None) -> dict:

@@ -54,6 +54,8 @@ class Router:
         self._leaving: dict[str, Backend] = {}   # removed by a reload, their requests in flight finishing
         # Active-active (config.share): the entries whose /health answered at the last poll (None: not yet).
         self.alive: frozenset[int] | None = None
+        self.peer_feeds: dict[str, tuple[str, int]] = {}   # peer entry -> its feed's id and last seq read
+        self.peer_mismatch: set[str] = set()                # peers whose block hashes differ (logged once)
         self.update(config)
 
     @property

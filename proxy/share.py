@@ -1,4 +1,5 @@
-"""Active-active entries: each proxy's share of every backend's slots, from which peers serve.
+"""Entries behind virtual addresses: each proxy's share of every backend's slots, from which peers serve,
+and what the peers' prefix routing sent where.
 
 Two entry hosts that both send to the same engines each count only their own requests; together they
 would put up to twice max_num_seqs on a card. With `share` in its config a proxy takes, of a backend's
@@ -7,17 +8,32 @@ remainders going to the earliest entries, so the shares of the entries that serv
 exactly. A peer that stops answering leaves its share to the others at the next poll; a peer that answers
 again takes it back. Polled every health interval (proxy.health_interval_s): the peer's proxy is what
 serves, whatever holds the address.
+
+Prefix affinity across a move: the entry that takes the address over would start with a cold prefix
+index, sending every conversation's next round where its history is not (measured: docs/PERFORMANCE.md).
+So at each poll a proxy also reads each serving peer's latest routing decisions (FEED_PATH: the prompt's
+block hashes and the backend, answered to the peers' addresses only) and remembers them as its own; block
+hashes agree when both proxies run with the same PYTHONHASHSEED (the rendered start script sets the
+group's), which the answer's probe checks. Active-passive (share.split false) keeps every slot and only
+learns.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import urllib.parse
 
 import aiohttp
 
 from .config import ShareConfig
+from .routing.prefix import HASH_PROBE
 
 log = logging.getLogger("proxy")
+
+FEED_PATH = "/peer/prefixes"
+FEED_LIMIT = 1024                 # decisions in one answer, the newest
+FEED_ID = os.urandom(6).hex()     # this process's feed: a peer that sees another starts over from 0
 
 
 def split(slots: int, weights: list[int]) -> list[int]:
@@ -33,7 +49,7 @@ def split(slots: int, weights: list[int]) -> list[int]:
 def my_slots(slots: int, share: ShareConfig | None, alive: frozenset[int] | None) -> int:
     """This proxy's slots of a backend that has `slots` (0: no limit, kept), given which entries serve
     (None: not polled yet, so every entry counts: the smaller share until the peers are known)."""
-    if share is None or slots == 0:
+    if share is None or slots == 0 or not share.split:
         return slots
     serving = [i for i, _ in enumerate(share.entries) if alive is None or i in alive or i == share.me]
     shares = split(slots, [share.entries[i].weight for i in serving])
@@ -58,7 +74,62 @@ async def poll(proxy) -> None:
                 log.info("share: entries serving %s (were %s): this proxy's slots now %s", sorted(
                     share.entries[i].name for i in alive), "unknown" if was is None else sorted(
                     share.entries[i].name for i in was), proxy.router.slot_summary())
+            learners = [pool.policy for pool in proxy.router.pools.values() if hasattr(pool.policy, "adopt")]
+            for policy in learners:
+                policy.keep_feed()    # a policy made anew by a reload starts its feed here
+            if learners:
+                for i in alive:
+                    if i != share.me:
+                        await _learn(proxy, share.entries[i].name, share.entries[i].health, timeout)
         await asyncio.sleep(proxy.config.health.interval_s)
+
+
+def feed(proxy, since: int, feed_id: str | None, remote: str | None) -> dict | None:
+    """What FEED_PATH answers a peer: this proxy's prefix decisions after `since` (all it keeps when
+    feed_id is not this process's), per pool; None (not found) without a share or to another address."""
+    share = proxy.config.share
+    if share is None or remote is None:
+        return None
+    peers = {urllib.parse.urlsplit(e.health).hostname for e in share.entries if e.health}
+    if remote not in peers and remote not in ("127.0.0.1", "::1"):
+        return None
+    if feed_id != FEED_ID:
+        since = 0
+    pools, last = {}, since
+    for name, pool in proxy.router.pools.items():
+        if hasattr(pool.policy, "decisions_since"):
+            got = pool.policy.decisions_since(since, FEED_LIMIT)
+            pools[name] = [[backend, blocks] for _, backend, blocks in got]
+            last = max([last] + [d[0] for d in got])
+    return {"id": FEED_ID, "seq": last, "probe": HASH_PROBE, "pools": pools}
+
+
+async def _learn(proxy, name: str, health: str, timeout: aiohttp.ClientTimeout) -> None:
+    """Read a peer's new prefix decisions and remember them in the pools of the same name."""
+    url = health.rsplit("/", 1)[0] + FEED_PATH
+    seen = proxy.router.peer_feeds.get(name, ("", 0))
+    try:
+        async with proxy.session.get(url, params={"since": str(seen[1]), "id": seen[0]}, timeout=timeout) as r:
+            if r.status != 200:
+                return
+            got = await r.json()
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+        return
+    if not isinstance(got, dict) or got.get("probe") != HASH_PROBE:
+        if name not in proxy.router.peer_mismatch:
+            proxy.router.peer_mismatch.add(name)
+            log.warning("share: %s's prefix block hashes are not this proxy's (another PYTHONHASHSEED or "
+                        "Python): its routing is not learned; start both with the rendered start script", name)
+        return
+    proxy.router.peer_mismatch.discard(name)
+    proxy.router.peer_feeds[name] = (str(got.get("id", "")), int(got.get("seq", 0)))
+    for pool_name, decisions in (got.get("pools") or {}).items():
+        pool = proxy.router.pools.get(pool_name)
+        if pool is None or not hasattr(pool.policy, "adopt"):
+            continue
+        for backend, blocks in decisions:
+            if backend in pool.backends:
+                pool.policy.adopt(backend, blocks)
 
 
 async def _answers(session: aiohttp.ClientSession, url: str, timeout: aiohttp.ClientTimeout) -> bool:

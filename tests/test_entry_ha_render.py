@@ -75,20 +75,25 @@ def test_active_active_proxy_config_splits_slots_by_weight_and_names_the_peers_h
     the agent's config names the interface and the addresses; a host without vrrp renders neither."""
     inv = load(tmp_path)
     proxy = files(inv, "e1")["conf/proxy.yaml"].content
-    assert "share:\n  me: 0\n" in proxy
+    assert "share:\n  me: 0\n  split: true\n" in proxy
     assert '{name: "e2", weight: 3, health: "http://10.9.0.2:8000/health"}' in proxy
     assert '"interface": "eth1"' in files(inv, "e1")["conf/hostagent.json"].content
     plain = files(inv, "m1")
     assert "conf/keepalived.conf" not in plain and "share:" not in plain["conf/proxy.yaml"].content
 
 
-def test_active_passive_has_no_slot_split(tmp_path):
-    """One address: only its holder serves, so its proxy keeps every slot."""
+def test_active_passive_has_no_slot_split_but_learns_its_peers_routing(tmp_path):
+    """One address: only its holder serves, so its proxy keeps every slot (split false) and only learns
+    its peer's prefix routing; both start their proxies with the group's hash seed."""
     def edit(d):
         for e in ("e1", "e2"):
             d["hosts"][e]["vrrp"]["addresses"] = ["10.9.0.100/24"]
     inv = load(tmp_path, edit=edit)
-    assert "share:" not in files(inv, "e1")["conf/proxy.yaml"].content
+    assert "  split: false\n" in files(inv, "e1")["conf/proxy.yaml"].content
+    seeds = {e: [ln for ln in files(inv, e)["bin/start_proxy.sh"].content.splitlines() if "PYTHONHASHSEED=" in ln]
+             for e in ("e1", "e2")}
+    assert seeds["e1"] == seeds["e2"] and len(seeds["e1"]) == 1
+    assert "PYTHONHASHSEED" not in files(inv, "m1")["bin/start_proxy.sh"].content
     assert "fleet_51" in files(inv, "e2")["conf/keepalived.conf"].content
     assert "nopreempt" in files(inv, "e2")["conf/keepalived.conf"].content
 
@@ -120,3 +125,37 @@ def test_refused_in_one_sentence(tmp_path, edit, words):
         load(tmp_path, edit=edit)
     message = str(e.value)
     assert words in message and "\n" not in message and str(tmp_path / "hosts.yml") in message
+
+
+def test_a_deploy_of_both_entries_reloads_their_keepalived_one_at_a_time(tmp_path, monkeypatch):
+    """1. Both entries' keepalived.conf changed; their deploys run at once, in two threads. 2. Each one's
+    `vrrp-start --reload` (the host agent returns once keepalived settled) runs holding the group's one
+    lock, the same for both entries and another for another group: the reloads never overlap.
+    3. Each recap line says reloaded."""
+    import threading
+
+    from fleet import vrrp
+    from fleet.report import Report
+    inv = load(tmp_path)
+    e1, e2 = inv.host_vars("e1"), inv.host_vars("e2")
+    calls = []
+
+    def host_command(conn, hv, command, emit):
+        calls.append((hv.name, command, vrrp._group_lock(hv).locked()))
+        return {"action": "reloaded", "pid": 7, "settled": True}
+    monkeypatch.setattr(vrrp.agent, "host_command", host_command)
+    reports = {e: Report(e) for e in ("e1", "e2")}
+    threads = [threading.Thread(target=vrrp.deploy, args=(None, hv, {"conf/keepalived.conf"}, reports[hv.name],
+                                                          lambda line: None, False)) for hv in (e1, e2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(calls) == [("e1", "vrrp-start --reload", True), ("e2", "vrrp-start --reload", True)]
+    assert vrrp._group_lock(e1) is vrrp._group_lock(e2) and not vrrp._group_lock(e1).locked()
+
+    def edit(d):
+        for e in ("e1", "e2"):
+            d["hosts"][e]["vrrp"]["addresses"] = ["10.9.0.100/24"]
+    assert vrrp._group_lock(load(tmp_path, edit=edit).host_vars("e1")) is not vrrp._group_lock(e1)
+    assert all("reloaded, supervisor pid 7" in r.steps[-1].message for r in reports.values())

@@ -6,8 +6,10 @@ own) front m1 (namespace 2: two sim instances of max_num_seqs 2), all deployed o
 Address A (.100) is e1's to master, B (.101) e2's: active-active, so each proxy has half of every
 engine's slots. The tests run in order, each failing whichever entry holds A at the time, so A moves
 back and forth: a graceful `inv stop`, a SIGKILL of the proxy, a SIGKILL of keepalived itself (the stale
-address case), and a cut link. A sampler reads `ip addr` in both namespaces every few tens of
-milliseconds throughout; no read ever proves one address on both. Figures print with `-s`; the module's
+address case), and a cut link; then, on the same topology, a deploy that changes a vrrp setting on both
+entries at once (each keepalived reloads in turn) and a swap to nginx and back (keepalived stays). A
+sampler reads `ip addr` in both namespaces every few tens of milliseconds throughout; no read ever proves
+one address on both. Figures print with `-s`; the module's
 fixture prints the table of them at the end (docs/PERFORMANCE.md quotes it).
 """
 from __future__ import annotations
@@ -70,6 +72,13 @@ class Sampler:
         r = list(self.reads)
         return [(r[k][0], a) for k in range(1, len(r) - 1) for a in self.addresses
                 if a in r[k][2] and a in r[k - 1][2] and a in r[k + 1][2]]
+
+    def holderless(self, after: float) -> list[tuple[float, str]]:
+        """(time, address) of every read after the time given that proves an address on neither entry (a
+        read without it between two reads of the other entry without it)."""
+        r = [x for x in list(self.reads) if x[0] > after]
+        return [(r[k][0], a) for k in range(1, len(r) - 1) for a in self.addresses
+                if a not in r[k][2] and a not in r[k - 1][2] and a not in r[k + 1][2]]
 
     def first(self, address: str, entry: str, after: float) -> float | None:
         """When the sampler first saw entry hold address after the time given."""
@@ -273,3 +282,53 @@ def test_cut_link_of_the_master_moves_the_address(ha):
     finally:
         fleet.hosts[0].link(True)
     comes_back(ha, lambda: None, "cut link")
+
+
+def supervisors(ha) -> list[int]:
+    """Each entry's keepalived supervisor pid and keepalived's own (a reload keeps them; a restart not)."""
+    out = []
+    for e in ENTRIES:
+        out.append(processes.read_record_file(str(ha["tmp"] / e / layout.KEEPALIVED_PID))[0]["pid"])
+        out.append(int((ha["tmp"] / e / layout.KEEPALIVED_MAIN_PID).read_text().split()[0]))
+    return out
+
+
+def test_a_changed_vrrp_setting_reloads_each_entry_in_turn_and_every_address_keeps_a_holder(ha):
+    """1. Both entries' vrrp.preempt_delay_s changes (their keepalived.conf with it). 2. `inv deploy` of both
+    at once: each entry's keepalived re-reads its config (the same processes), one entry after the other.
+    3. Throughout, every read shows each address on one entry: none was ever without a holder, nor on
+    both; e1 holds A and e2 holds B after."""
+    s = ha["sampler"]
+    wait_until(lambda: s.holder(ha["a"]) == {"e1"} and s.holder(ha["b"]) == {"e2"}, what="A on e1, B on e2")
+    pids = supervisors(ha)
+    inventory = yaml.safe_load(ha["inventory"].read_text())
+    for e in ENTRIES:
+        inventory["hosts"][e]["vrrp"]["preempt_delay_s"] = 4
+    ha["inventory"].write_text(yaml.safe_dump(inventory, sort_keys=False))
+    t0 = time.monotonic()
+    r = inv("deploy", "--host", "e1,e2", inventory=ha["inventory"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("keepalived") and r.stdout.count("reloaded, supervisor pid") == 2, r.stdout
+    assert supervisors(ha) == pids
+    assert s.holderless(t0) == [] and s.holder(ha["a"]) == {"e1"} and s.holder(ha["b"]) == {"e2"}
+    assert_never_both(ha)
+
+
+def test_swap_to_nginx_and_back_leaves_keepalived_and_the_address_where_they_are(ha):
+    """1. Load through B, held by e2. 2. `inv swap-to-nginx --host e2`, then `inv swap-to-proxy`: the
+    track script checks the port, whoever serves it, so keepalived runs on (the same processes) and B
+    never leaves e2. 3. Every request through B succeeds."""
+    s = ha["sampler"]
+    pids = supervisors(ha)
+    t0 = time.monotonic()
+    with Load(ha["b"], threads=2, max_s=60, max_tokens=10, timeout=5) as load:
+        wait_until(lambda: load.count(lambda d: d["status"] == 200) >= 4, what="load flowing through B")
+        for verb in ("swap-to-nginx", "swap-to-proxy"):
+            r = inv(verb, "--host", "e2", inventory=ha["inventory"])
+            assert r.returncode == 0, r.stdout + r.stderr
+            n = load.count()
+            wait_until(lambda: load.count(lambda d: d["status"] == 200) >= n + 4, what=f"B serving after {verb}")
+    assert [d for d in load.done if d["status"] != 200] == []
+    assert supervisors(ha) == pids
+    assert s.holderless(t0) == [] and s.holder(ha["b"]) == {"e2"}
+    assert_never_both(ha)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Collection, Sequence
 
@@ -24,6 +24,12 @@ from .base import Backend, Policy, RoutingConfig, Waiter
 BLOCK_BYTES = 64      # vLLM's 16-token block at about 4 bytes of text a token
 TOKEN_BYTES = 4       # what the match length in tokens is reckoned with
 BLOCK_TOKENS = BLOCK_BYTES // TOKEN_BYTES
+# The routing decisions a peer entry may read (proxy/share.py): the newest, at most this many.
+FEED_DECISIONS = 2048
+# Equal on two proxies exactly when their block hashes are: the same Python and the same PYTHONHASHSEED
+# (a process's bytes hash is salted; the entries of a group start their proxies with one seed).
+HASH_PROBE = hash((0, b"vllm-fleet prefix block"))
+_feed_seq = itertools.count(1)   # one order over every pool's decisions in this process
 # An engine's cached tokens under the match by up to this many blocks is no miss: its tokenizer cuts the
 # text otherwise, and it recomputes a prompt's last token.
 MISS_SLACK_BLOCKS = 2
@@ -295,6 +301,30 @@ class Prefix(Policy):
     def __init__(self, config: RoutingConfig):
         super().__init__(config)
         self.index = PrefixIndex(config.max_blocks)
+        # (seq, backend, blocks) of the latest decisions, for a peer entry's proxy to learn from; kept only
+        # once keep_feed() was called (a proxy with peers: proxy/share.py), so no other proxy pays for it
+        self.feed: deque[tuple[int, str, list[int]]] | None = None
+
+    def keep_feed(self) -> None:
+        """Keep the latest decisions from now on (idempotent)."""
+        if self.feed is None:
+            self.feed = deque(maxlen=FEED_DECISIONS)
+
+    def decisions_since(self, seq: int, limit: int) -> list[tuple[int, str, list[int]]]:
+        """The decisions after seq, oldest first, at most the newest `limit` of them."""
+        out: list[tuple[int, str, list[int]]] = []
+        for d in reversed(self.feed or ()):
+            if d[0] <= seq or len(out) >= limit:
+                break
+            out.append(d)
+        return out[::-1]
+
+    def adopt(self, backend: str, blocks: list[int]) -> None:
+        """A peer entry's proxy sent these blocks to backend (the engines are shared): remember them as if
+        this proxy had, so that the conversation finds its home here after the address moves. Not fed on
+        (peers learn only each other's own decisions)."""
+        if blocks:
+            self.index.insert(blocks, backend)
 
     def _match(self, route: PrefixRoute) -> dict[str, int]:
         """index.match of the route's blocks, computed once while the index does not change (hold and
@@ -378,6 +408,8 @@ class Prefix(Policy):
             if cap != self.index.capacity(backend.name):
                 self.index.set_capacity(backend.name, cap)
             route.ticks = self.index.insert(route.blocks, backend.name, route.matched_tokens // BLOCK_TOKENS)
+            if self.feed is not None:
+                self.feed.append((next(_feed_seq), backend.name, route.blocks))
 
     def learned(self, route: PrefixRoute | None, backend: Backend, cached_tokens: int | None,
                 prompt_tokens: int | None) -> None:
