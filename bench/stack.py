@@ -148,10 +148,10 @@ class Stack:
     one key per tenant, `sk-NAME NAME` (TENANT_KEY), and `sk-default` for the default tenant.
     """
 
-    FRONTS = ("direct", "proxy", "proxy-tenants", "proxy-lc", "proxy-prefix", "proxy-asyncio", "proxy-models", "proxy-models-1",
+    FRONTS = ("direct", "proxy", "proxy-tenants", "proxy-tenants-0", "proxy-lc", "proxy-prefix", "proxy-asyncio", "proxy-models", "proxy-models-1",
               "proxy-otel", "proxy-otel-down", "proxy-base", "nginx", "vllm-router", "vllm-router-cache", "vllm-router-p2", "smg",
               "smg-cache")
-    PROXIES = ("proxy", "proxy-tenants", "proxy-lc", "proxy-prefix", "proxy-asyncio", "proxy-models", "proxy-models-1", "proxy-otel",
+    PROXIES = ("proxy", "proxy-tenants", "proxy-tenants-0", "proxy-lc", "proxy-prefix", "proxy-asyncio", "proxy-models", "proxy-models-1", "proxy-otel",
                "proxy-otel-down", "proxy-base")
     ROUTERS = {"vllm-router": None, "vllm-router-cache": "cache_aware", "vllm-router-p2": "power_of_two",
                "smg": None, "smg-cache": "cache_aware"}   # front -> its --policy (None: the default)
@@ -221,8 +221,11 @@ class Stack:
                 conf["otlp"] = {"endpoint": f"http://127.0.0.1:{self.sink_port}/v1/traces"}
             if front == "proxy-otel-down":
                 conf["otlp"] = {"endpoint": f"http://127.0.0.1:{self.down_port}/v1/traces", "timeout_s": 300}
-            if front == "proxy-tenants":
+            if front in ("proxy-tenants", "proxy-tenants-0"):
                 self.tenants = tenants or {"app": {}, "batch": {}}
+                # proxy-tenants: the inventory's tenant_reserve; proxy-tenants-0: none (fully work-conserving)
+                reserve = 0 if front == "proxy-tenants-0" else inv.host_vars("bench", list(proxy_set))["proxy"]["queue"]["tenant_reserve"]
+                conf["queue"] = {**conf["queue"], "tenant_reserve": reserve}
                 keys = self.deploy / "conf" / "api_keys"
                 keys.write_text("".join(f"{TENANT_KEY.format(t)} {t}\n" for t in self.tenants)
                                 + TENANT_KEY.format("default") + "\n")
@@ -317,6 +320,9 @@ class Stack:
 
     def _start_proxy_tenants(self):
         self._proxy("proxy-tenants")
+
+    def _start_proxy_tenants_0(self):
+        self._proxy("proxy-tenants-0")
 
     def set_tenants(self, tenants: dict) -> None:
         """Give `proxy-tenants` another `tenants` section (the same names), by a reload."""

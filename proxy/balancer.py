@@ -98,7 +98,7 @@ class Balancer:
         self.backends: dict[str, Backend] = {}
         self._order: list[Backend] = []
         self._cursor = 0  # where the next tie-break scan starts
-        self._queue = FairQueue()
+        self._queue = FairQueue(free=self._free_slots)
         self.queue_max = queue_max
         self.slots = slots
         self.policy = make_policy(routing or RoutingConfig())
@@ -108,6 +108,17 @@ class Balancer:
         """Take a reloaded routing config (a new policy or bound starts the policy afresh)."""
         if routing != self.policy.config:
             self.policy = make_policy(routing)
+
+    def set_reserve(self, slots: int) -> None:
+        """Keep the pool's last `slots` free slots from a tenant above its share while others are active
+        (proxy.queue.tenant_reserve; proxy/admission.py); 0: off."""
+        self._queue.reserve = slots
+        self.dispatch()
+
+    def _free_slots(self) -> tuple[int, int]:
+        """The available backends' free slots and all their slots (the reserve's reading; 0, 0: no limit)."""
+        up = [b for b in self._order if b.available] if self.slots else []
+        return sum(max(0, self.slots - b.in_flight) for b in up), self.slots * len(up)
 
     def cold(self, backend: Backend) -> None:
         """Have the policy forget backend: it lost its cache (ejected, restarted) or left."""
@@ -179,8 +190,9 @@ class Balancer:
 
     def may_take(self, tenant: Tenant | None = None) -> bool:
         """Whether a new request may try `acquire` at once: nobody the fair order would serve first
-        waits (but those held for their home backend), and its tenant is below its max_in_flight."""
-        if tenant is not None and not tenant.may_run:
+        waits (but those held for their home backend), and its tenant is below its max_in_flight and not
+        kept back by the reserve."""
+        if tenant is not None and (not tenant.may_run or self._queue.kept_back(tenant)):
             return False
         return not self.ahead()
 
@@ -337,6 +349,7 @@ class Balancer:
         backend.in_flight -= 1
         if tenant is not None:
             tenant.in_flight -= 1
+            self._queue.finished(tenant)
         self.policy.ended(backend)
         if self._queue:
             self.dispatch()
