@@ -61,7 +61,7 @@ class QueueConfig:
 
     max: int = 256          # requests that may wait; 0: none, a request that finds no slot gets 429 at once
     timeout_s: float = 60.0  # the longest a request waits before 503 with Retry-After
-    tenant_reserve: int = 0  # slots of a pool kept from a tenant above its share while others are active
+    tenant_reserve: int = 1  # slots of a pool kept from a tenant above its share while others are active
 
 
 @dataclass(frozen=True)
