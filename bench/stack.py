@@ -9,6 +9,8 @@ the `routing_set` overrides: the prefix-aware policy), `proxy-otel` (the `proxy`
 a collector that is down),
 `proxy-base` (the `proxy` config served by the proxy of another checkout, `baseline`: the code before a
 change, in the same run), `nginx` (conf/nginx.conf as rendered),
+`proxy-tenants` (keys naming tenants, `proxy.tenants` set, the inventory's `proxy.queue.tenant_reserve`),
+`proxy-tenants-0` and `proxy-tenants-2` (the same with a reserve of 0 and 2 slots),
 `vllm-router` and `smg` with their default policy, `vllm-router-cache` and `smg-cache` with
 `--policy cache_aware`, `vllm-router-p2` with `--policy power_of_two` (from bench/.venv-routers, made by
 bench/setup_routers.sh, or the PATH). A front whose program is missing is left out and said so.
@@ -148,10 +150,10 @@ class Stack:
     one key per tenant, `sk-NAME NAME` (TENANT_KEY), and `sk-default` for the default tenant.
     """
 
-    FRONTS = ("direct", "proxy", "proxy-tenants", "proxy-tenants-0", "proxy-lc", "proxy-prefix", "proxy-asyncio", "proxy-models", "proxy-models-1",
+    FRONTS = ("direct", "proxy", "proxy-tenants", "proxy-tenants-0", "proxy-tenants-2", "proxy-lc", "proxy-prefix", "proxy-asyncio", "proxy-models", "proxy-models-1",
               "proxy-otel", "proxy-otel-down", "proxy-base", "nginx", "vllm-router", "vllm-router-cache", "vllm-router-p2", "smg",
               "smg-cache")
-    PROXIES = ("proxy", "proxy-tenants", "proxy-tenants-0", "proxy-lc", "proxy-prefix", "proxy-asyncio", "proxy-models", "proxy-models-1", "proxy-otel",
+    PROXIES = ("proxy", "proxy-tenants", "proxy-tenants-0", "proxy-tenants-2", "proxy-lc", "proxy-prefix", "proxy-asyncio", "proxy-models", "proxy-models-1", "proxy-otel",
                "proxy-otel-down", "proxy-base")
     ROUTERS = {"vllm-router": None, "vllm-router-cache": "cache_aware", "vllm-router-p2": "power_of_two",
                "smg": None, "smg-cache": "cache_aware"}   # front -> its --policy (None: the default)
@@ -221,10 +223,11 @@ class Stack:
                 conf["otlp"] = {"endpoint": f"http://127.0.0.1:{self.sink_port}/v1/traces"}
             if front == "proxy-otel-down":
                 conf["otlp"] = {"endpoint": f"http://127.0.0.1:{self.down_port}/v1/traces", "timeout_s": 300}
-            if front in ("proxy-tenants", "proxy-tenants-0"):
+            if front in ("proxy-tenants", "proxy-tenants-0", "proxy-tenants-2"):
                 self.tenants = tenants or {"app": {}, "batch": {}}
-                # proxy-tenants: the inventory's tenant_reserve; proxy-tenants-0: none (fully work-conserving)
-                reserve = 0 if front == "proxy-tenants-0" else inv.host_vars("bench", list(proxy_set))["proxy"]["queue"]["tenant_reserve"]
+                # proxy-tenants: the inventory's tenant_reserve; proxy-tenants-N: N (0: fully work-conserving)
+                reserve = (int(front.rsplit("-", 1)[1]) if front[-1].isdigit()
+                           else inv.host_vars("bench", list(proxy_set))["proxy"]["queue"]["tenant_reserve"])
                 conf["queue"] = {**conf["queue"], "tenant_reserve": reserve}
                 keys = self.deploy / "conf" / "api_keys"
                 keys.write_text("".join(f"{TENANT_KEY.format(t)} {t}\n" for t in self.tenants)
@@ -323,6 +326,9 @@ class Stack:
 
     def _start_proxy_tenants_0(self):
         self._proxy("proxy-tenants-0")
+
+    def _start_proxy_tenants_2(self):
+        self._proxy("proxy-tenants-2")
 
     def set_tenants(self, tenants: dict) -> None:
         """Give `proxy-tenants` another `tenants` section (the same names), by a reload."""
