@@ -274,8 +274,8 @@ class FairQueue:
         most `reserve` slots are free, it holds more than its weighted share of the slots among the
         active tenants (holding or waiting for a slot here, or seen within RESERVE_ACTIVE_S), and one of
         them is not itself."""
-        if self.reserve <= 0 or self._free is None:
-            return _never
+        if self.reserve <= 0 or self._free is None or len(self._tenant) < 2:
+            return _never             # off, or one tenant only ever seen here: nobody to keep slots for
         free, total = self._free()
         if free > self.reserve or total <= 0:
             return _never
