@@ -13,6 +13,9 @@ The reserve (`proxy.queue.tenant_reserve`, k slots): a tenant holding more than 
 pool's slots may not take the pool's last k free ones while another tenant has been active there within
 RESERVE_ACTIVE_S, so a request of a tenant that is not flooding finds a slot free instead of waiting for
 the next one freed. That is the one place the queue is not work-conserving: at most k slots stand idle.
+With more than k free (a flood starting), a tenant above its share takes one of them per RAMP_S at most,
+so a flood that fills the idle slots at once does not leave the others only the reserve until its first
+answers end.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from typing import Callable, Iterator
 
 DEFAULT = "default"      # the tenant of a key written without one, and of every request when keys are off
 RESERVE_ACTIVE_S = 5.0   # a tenant counts as active this long after its last request queued or got a slot
+RAMP_S = 0.05            # with a reserve, a tenant above its share takes one more idle slot at most this often
 
 
 def _bounded(lo, hi):
@@ -208,6 +212,7 @@ class FairQueue:
         self._clock = clock
         self._running: dict[str, int] = {}  # tenant -> slots it holds in this pool
         self._seen: dict[str, float] = {}   # tenant -> when a request of it last queued or got a slot here
+        self._ramp_at = -math.inf           # when a tenant above its share last took one of more than k free
         self._fifos: dict[str, deque] = {}
         self._tenant: dict[str, Tenant] = {}
         self._vt: dict[str, float] = {}     # tenant -> service counted so far / weight
@@ -277,18 +282,28 @@ class FairQueue:
         if self.reserve <= 0 or self._free is None or len(self._tenant) < 2:
             return _never             # off, or one tenant only ever seen here: nobody to keep slots for
         free, total = self._free()
-        if free > self.reserve or total <= 0:
-            return _never
         now = self._clock()
+        if total <= 0 or (free > self.reserve and self.ramp_wait(now) == 0):
+            return _never
+        return self._above_share(total, now)
+
+    def ramp_wait(self, now: float | None = None) -> float:
+        """Seconds until a tenant above its share may take one more of more than `reserve` free slots."""
+        now = self._clock() if now is None else now
+        return max(0.0, self._ramp_at + RAMP_S - now)
+
+    def _above_share(self, total: int, now: float, more: int = 0) -> Callable[[Tenant], bool]:
+        """Whether a tenant holding `more` slots besides its own holds more than its weighted share of
+        total among the active tenants, one of them another (False when none is)."""
         active = [t for n, t in self._tenant.items()
                   if self._running.get(n) or self._fifos.get(n) or now - self._seen.get(n, -math.inf) <= RESERVE_ACTIVE_S]
 
-        def kept(tenant: Tenant) -> bool:
+        def above(tenant: Tenant) -> bool:
             weights = sum(t.weight for t in active if t.name != tenant.name)
             if not weights:
                 return False          # nobody else to keep slots for
-            return self._running.get(tenant.name, 0) > total * tenant.weight / (weights + tenant.weight)
-        return kept
+            return self._running.get(tenant.name, 0) + more > total * tenant.weight / (weights + tenant.weight)
+        return above
 
     def crowding(self, tenant: Tenant | None):
         """When the queue is full and tenant's request arrives: the newest waiter of the tenant holding
@@ -334,8 +349,12 @@ class FairQueue:
         that comes after it starts there too, not at 0, far ahead of it), then it is charged."""
         tenant = tenant or _DEFAULT_TENANT
         self._tenant[tenant.name] = tenant
+        now = self._seen[tenant.name] = self._clock()
+        if self.reserve > 0 and self._free is not None and len(self._tenant) > 1:
+            free, total = self._free()       # its slot is counted already
+            if free >= self.reserve and total > 0 and self._above_share(total, now, more=1)(tenant):
+                self._ramp_at = now          # it took one of more than k free above its share: the ramp
         self._running[tenant.name] = self._running.get(tenant.name, 0) + 1
-        self._seen[tenant.name] = self._clock()
         self._vt[tenant.name] = max(self._vt.get(tenant.name, 0.0), self._now)   # back from idle, as append
         self._now = max(self._now, self._vt[tenant.name])
         self.charge(tenant, amount)

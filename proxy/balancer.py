@@ -99,6 +99,7 @@ class Balancer:
         self._order: list[Backend] = []
         self._cursor = 0  # where the next tie-break scan starts
         self._queue = FairQueue(free=self._free_slots)
+        self._ramp_timer: asyncio.TimerHandle | None = None   # a dispatch when the reserve's ramp lets one more in
         self.queue_max = queue_max
         self.slots = slots
         self.policy = make_policy(routing or RoutingConfig())
@@ -236,6 +237,7 @@ class Balancer:
         loop = asyncio.get_running_loop()
         waiter = Waiter(loop.create_future(), route, tenant, tokens)
         self._queue.append(waiter)
+        self._after_ramp()       # kept back by the reserve's ramp: a dispatch when it lets one more in
         timer = loop.call_later(timeout_s, self._expire, waiter)
         unhold = None
         if hold is not None:
@@ -300,7 +302,8 @@ class Balancer:
         a slot they take it first (_next)."""
         while self._queue:
             head = next(iter(self._queue), None)
-            if head is None:          # only tenants at their max_in_flight wait
+            if head is None:          # only tenants at their max_in_flight (or kept back by the reserve) wait
+                self._after_ramp()
                 return
             if head.future.done():   # cancelled, its task not run yet (it would forget itself)
                 self._queue.remove(head)
@@ -323,6 +326,21 @@ class Balancer:
                     w.overtaken += 1
             self._queue.served(chosen)
             chosen.future.set_result(backend)
+
+    def _after_ramp(self) -> None:
+        """Dispatch again when the reserve's ramp lets a tenant above its share take one more free slot."""
+        wait = self._queue.ramp_wait()
+        if not wait or self._ramp_timer is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:          # no loop (a unit test's plain call): the next release dispatches
+            return
+        self._ramp_timer = loop.call_later(wait, self._ramp_due)
+
+    def _ramp_due(self) -> None:
+        self._ramp_timer = None
+        self.dispatch()
 
     def ended(self, tenant: Tenant | None, output_tokens: int) -> None:
         """A request of tenant's ended having produced output_tokens (its usage): the fair queue counts them."""

@@ -416,7 +416,7 @@ def test_the_reserve_keeps_the_last_free_slot_from_a_flooding_tenant_while_anoth
     4. app's 3 requests end: the first slot freed stays free (the reserve), the next two go to batch's
     waiters; 5. app stays away RESERVE_ACTIVE_S: a freed slot and the reserved one go to batch's last two
     waiters, every slot busy (an idle tenant's share goes to the others)."""
-    from proxy.admission import RESERVE_ACTIVE_S
+    from proxy.admission import RAMP_S, RESERVE_ACTIVE_S
 
     async def run():
         b, now = reserved(8)
@@ -425,6 +425,7 @@ def test_the_reserve_keeps_the_last_free_slot_from_a_flooding_tenant_while_anoth
         held = []
         while b.may_take(batch):
             held.append(b.acquire(tenant=batch))
+            now[0] += 1.5 * RAMP_S
         assert batch.in_flight == 6 and b._free_slots() == (1, 8)
         tb = await queue_up(b, batch, 4)
         assert b.queued == 4 and b._free_slots() == (1, 8)
@@ -435,6 +436,7 @@ def test_the_reserve_keeps_the_last_free_slot_from_a_flooding_tenant_while_anoth
         assert b.may_take(app) and b.acquire(tenant=app) is not None
         assert app.in_flight == 3 and batch.in_flight == 5
         for _ in range(3):      # app's requests end
+            now[0] += 1.5 * RAMP_S
             b.release(next(x for x in b.backends.values() if x.in_flight and x not in held), app)
             await asyncio.sleep(0)
             assert b._free_slots() == (1, 8)
@@ -481,5 +483,32 @@ def test_two_backlogged_tenants_leave_no_slot_idle_with_a_reserve():
             assert 5 <= gold.in_flight <= 7, i
         for t in tasks:
             t.cancel()
+        await asyncio.sleep(0)
+    asyncio.run(run())
+
+
+@pytest.mark.unit
+def test_above_its_share_a_flood_takes_the_idle_slots_one_per_ramp_interval():
+    """8 slots, reserve 1, app holds 1 and is active (its share and batch's: 4). 1. batch's requests take
+    its share at once and one more (5); 2. its next waits though 2 slots are free; RAMP_S later (the
+    pool's own timer dispatches then) it has the slot (6); 3. the last free slot is the reserve: batch's
+    third waiter stays waiting whatever the time."""
+    from proxy.admission import RAMP_S
+
+    async def run():
+        b = balancer(n=8)
+        b.set_reserve(1)
+        app, batch = Tenant("app"), Tenant("batch")
+        b.acquire(tenant=app)
+        while b.may_take(batch):
+            b.acquire(tenant=batch)
+        assert batch.in_flight == 5 and b._free_slots() == (2, 8)
+        tb = await queue_up(b, batch, 2)
+        assert not any(t.done() for t in tb)
+        await asyncio.wait_for(tb[0], 20 * RAMP_S)
+        assert batch.in_flight == 6 and b._free_slots() == (1, 8)
+        await asyncio.sleep(3 * RAMP_S)
+        assert not tb[1].done() and b.queued == 1
+        tb[1].cancel()
         await asyncio.sleep(0)
     asyncio.run(run())
