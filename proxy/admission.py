@@ -352,8 +352,8 @@ class FairQueue:
         now = self._seen[tenant.name] = self._clock()
         if self.reserve > 0 and self._free is not None and len(self._tenant) > 1:
             free, total = self._free()       # its slot is counted already
-            if free >= self.reserve and total > 0 and self._above_share(total, now, more=1)(tenant):
-                self._ramp_at = now          # it took one of more than k free above its share: the ramp
+            if free > self.reserve and total > 0 and self._above_share(total, now, more=1)(tenant):
+                self._ramp_at = now          # it grew into idle slots above its share (not a replacement)
         self._running[tenant.name] = self._running.get(tenant.name, 0) + 1
         self._vt[tenant.name] = max(self._vt.get(tenant.name, 0.0), self._now)   # back from idle, as append
         self._now = max(self._now, self._vt[tenant.name])
