@@ -12,6 +12,8 @@ polled the other; `url("proxy-pair-b")` is the second's), `proxy-otel` (the `pro
 a collector that is down),
 `proxy-base` (the `proxy` config served by the proxy of another checkout, `baseline`: the code before a
 change, in the same run), `proxy-prefix-base` (the `proxy-prefix` config served by that checkout), `nginx` (conf/nginx.conf as rendered),
+`proxy-tenants` (keys naming tenants, `proxy.tenants` set, the inventory's `proxy.queue.tenant_reserve`),
+`proxy-tenants-0` and `proxy-tenants-2` (the same with a reserve of 0 and 2 slots),
 `vllm-router` and `smg` with their default policy, `vllm-router-cache` and `smg-cache` with
 `--policy cache_aware`, `vllm-router-p2` with `--policy power_of_two` (from bench/.venv-routers, made by
 bench/setup_routers.sh, or the PATH). A front whose program is missing is left out and said so.
@@ -151,13 +153,13 @@ class Stack:
     one key per tenant, `sk-NAME NAME` (TENANT_KEY), and `sk-default` for the default tenant.
     """
 
-    FRONTS = ("direct", "proxy", "proxy-tenants", "proxy-lc", "proxy-prefix", "proxy-prefix-b", "proxy-prefix-base",
-              "proxy-pair", "proxy-pair-b", "proxy-asyncio", "proxy-models", "proxy-models-1", "proxy-otel",
-              "proxy-otel-down", "proxy-base", "nginx", "vllm-router", "vllm-router-cache", "vllm-router-p2", "smg",
-              "smg-cache")
-    PROXIES = ("proxy", "proxy-tenants", "proxy-lc", "proxy-prefix", "proxy-prefix-b", "proxy-prefix-base", "proxy-pair",
-               "proxy-pair-b", "proxy-asyncio", "proxy-models", "proxy-models-1", "proxy-otel", "proxy-otel-down",
-               "proxy-base")
+    FRONTS = ("direct", "proxy", "proxy-tenants", "proxy-tenants-0", "proxy-tenants-2", "proxy-lc", "proxy-prefix",
+              "proxy-prefix-b", "proxy-prefix-base", "proxy-pair", "proxy-pair-b", "proxy-asyncio", "proxy-models",
+              "proxy-models-1", "proxy-otel", "proxy-otel-down", "proxy-base", "nginx", "vllm-router",
+              "vllm-router-cache", "vllm-router-p2", "smg", "smg-cache")
+    PROXIES = ("proxy", "proxy-tenants", "proxy-tenants-0", "proxy-tenants-2", "proxy-lc", "proxy-prefix",
+               "proxy-prefix-b", "proxy-prefix-base", "proxy-pair", "proxy-pair-b", "proxy-asyncio", "proxy-models",
+               "proxy-models-1", "proxy-otel", "proxy-otel-down", "proxy-base")
     ROUTERS = {"vllm-router": None, "vllm-router-cache": "cache_aware", "vllm-router-p2": "power_of_two",
                "smg": None, "smg-cache": "cache_aware"}   # front -> its --policy (None: the default)
 
@@ -230,8 +232,12 @@ class Stack:
                 conf["otlp"] = {"endpoint": f"http://127.0.0.1:{self.sink_port}/v1/traces"}
             if front == "proxy-otel-down":
                 conf["otlp"] = {"endpoint": f"http://127.0.0.1:{self.down_port}/v1/traces", "timeout_s": 300}
-            if front == "proxy-tenants":
+            if front in ("proxy-tenants", "proxy-tenants-0", "proxy-tenants-2"):
                 self.tenants = tenants or {"app": {}, "batch": {}}
+                # proxy-tenants: the inventory's tenant_reserve; proxy-tenants-N: N (0: fully work-conserving)
+                reserve = (int(front.rsplit("-", 1)[1]) if front[-1].isdigit()
+                           else inv.host_vars("bench", list(proxy_set))["proxy"]["queue"]["tenant_reserve"])
+                conf["queue"] = {**conf["queue"], "tenant_reserve": reserve}
                 keys = self.deploy / "conf" / "api_keys"
                 keys.write_text("".join(f"{TENANT_KEY.format(t)} {t}\n" for t in self.tenants)
                                 + TENANT_KEY.format("default") + "\n")
@@ -331,6 +337,12 @@ class Stack:
 
     def _start_proxy_tenants(self):
         self._proxy("proxy-tenants")
+
+    def _start_proxy_tenants_0(self):
+        self._proxy("proxy-tenants-0")
+
+    def _start_proxy_tenants_2(self):
+        self._proxy("proxy-tenants-2")
 
     def set_tenants(self, tenants: dict) -> None:
         """Give `proxy-tenants` another `tenants` section (the same names), by a reload."""

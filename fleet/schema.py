@@ -225,6 +225,11 @@ class QueueSettings(Section):
         "Requests a backend gets beyond its `max_num_seqs` (its slots are `max_num_seqs + headroom`):"
         " a little headroom keeps the engine's own scheduler fed between two requests. An entry host "
         "(`fronts`) gives each backend its member's `max_num_seqs` plus the entry's own headroom.")
+    tenant_reserve: _int(0, 65536) = doc(1,
+        "With `proxy.tenants`: slots of each model's pool a tenant holding more than its weighted share "
+        "may not take (the last ones free) while another tenant has been active there within 5 s, so a "
+        "request of a tenant that is not flooding finds a slot free instead of waiting for one to end; "
+        "at most this many slots stand idle for it. 0: none (fully work-conserving).")
 
 
 # The proxy's routing policies (proxy/routing/: its POLICIES registry); nginx mode does least_conn alone.

@@ -8,6 +8,14 @@ when the request gets its slot, the answer's when it ends, from `usage`). A tena
 idle starts at the queue's current virtual time, so it neither banks credit while idle nor waits behind
 the others' history; an idle tenant's share goes to the others (work-conserving).
 bench/bench_fairness.py measures this against deficit round robin counted in requests.
+
+The reserve (`proxy.queue.tenant_reserve`, k slots): a tenant holding more than its weighted share of a
+pool's slots may not take the pool's last k free ones while another tenant has been active there within
+RESERVE_ACTIVE_S, so a request of a tenant that is not flooding finds a slot free instead of waiting for
+the next one freed. That is the one place the queue is not work-conserving: at most k slots stand idle.
+With more than k free (a flood starting), a tenant above its share takes one of them per RAMP_S at most,
+so a flood that fills the idle slots at once does not leave the others only the reserve until its first
+answers end.
 """
 from __future__ import annotations
 
@@ -20,6 +28,8 @@ from dataclasses import dataclass, field, fields
 from typing import Callable, Iterator
 
 DEFAULT = "default"      # the tenant of a key written without one, and of every request when keys are off
+RESERVE_ACTIVE_S = 5.0   # a tenant counts as active this long after its last request queued or got a slot
+RAMP_S = 0.05            # with a reserve, a tenant above its share takes one more idle slot at most this often
 
 
 def _bounded(lo, hi):
@@ -193,8 +203,16 @@ class FairQueue:
     max_in_flight left out): the routing policy's look-ahead reads that order.
     """
 
-    def __init__(self, cost: str = "tokens"):
+    def __init__(self, cost: str = "tokens", free: Callable[[], tuple[int, int]] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        """free: the pool's (free slots, slots) now, for the reserve (None: no reserve)."""
         self.cost_unit = cost
+        self.reserve = 0                    # slots kept back from a tenant above its share (tenant_reserve)
+        self._free = free
+        self._clock = clock
+        self._running: dict[str, int] = {}  # tenant -> slots it holds in this pool
+        self._seen: dict[str, float] = {}   # tenant -> when a request of it last queued or got a slot here
+        self._ramp_at = -math.inf           # when a tenant above its share last took one of more than k free
         self._fifos: dict[str, deque] = {}
         self._tenant: dict[str, Tenant] = {}
         self._vt: dict[str, float] = {}     # tenant -> service counted so far / weight
@@ -231,6 +249,7 @@ class FairQueue:
             if fifo is None:
                 fifo = self._fifos[name] = deque()
         self._tenant[name] = tenant
+        self._seen[name] = self._clock()
         fifo.append(waiter)
         tenant.queued += 1
         self._len += 1
@@ -238,8 +257,9 @@ class FairQueue:
     def __iter__(self) -> Iterator:
         """The waiters in serving order: the tenant with the least virtual time first, its waiters in
         their order, each advancing its tenant's time by its cost over its weight."""
+        kept = self._kept_back_now()
         heap = [(self._vt[name], fifo[0].seq, name, 0) for name, fifo in self._fifos.items()
-                if fifo and self._tenant[name].may_run]
+                if fifo and self._tenant[name].may_run and not kept(self._tenant[name])]
         heapq.heapify(heap)
         while heap:
             vt, _, name, at = heapq.heappop(heap)
@@ -249,6 +269,41 @@ class FairQueue:
             if at + 1 < len(fifo):
                 step = self.charge_of(w) / self._tenant[name].weight
                 heapq.heappush(heap, (vt + step, fifo[at + 1].seq, name, at + 1))
+
+    def kept_back(self, tenant: Tenant | None) -> bool:
+        """Whether the reserve keeps tenant from the pool's free slots now (see the module's docstring)."""
+        return self._kept_back_now()(tenant or _DEFAULT_TENANT)
+
+    def _kept_back_now(self) -> Callable[[Tenant], bool]:
+        """The reserve's verdict for any tenant, the pool's slots read once: a tenant is kept back when at
+        most `reserve` slots are free, it holds more than its weighted share of the slots among the
+        active tenants (holding or waiting for a slot here, or seen within RESERVE_ACTIVE_S), and one of
+        them is not itself."""
+        if self.reserve <= 0 or self._free is None or len(self._tenant) < 2:
+            return _never             # off, or one tenant only ever seen here: nobody to keep slots for
+        free, total = self._free()
+        now = self._clock()
+        if total <= 0 or (free > self.reserve and self.ramp_wait(now) == 0):
+            return _never
+        return self._above_share(total, now)
+
+    def ramp_wait(self, now: float | None = None) -> float:
+        """Seconds until a tenant above its share may take one more of more than `reserve` free slots."""
+        now = self._clock() if now is None else now
+        return max(0.0, self._ramp_at + RAMP_S - now)
+
+    def _above_share(self, total: int, now: float, more: int = 0) -> Callable[[Tenant], bool]:
+        """Whether a tenant holding `more` slots besides its own holds more than its weighted share of
+        total among the active tenants, one of them another (False when none is)."""
+        active = [t for n, t in self._tenant.items()
+                  if self._running.get(n) or self._fifos.get(n) or now - self._seen.get(n, -math.inf) <= RESERVE_ACTIVE_S]
+
+        def above(tenant: Tenant) -> bool:
+            weights = sum(t.weight for t in active if t.name != tenant.name)
+            if not weights:
+                return False          # nobody else to keep slots for
+            return self._running.get(tenant.name, 0) + more > total * tenant.weight / (weights + tenant.weight)
+        return above
 
     def crowding(self, tenant: Tenant | None):
         """When the queue is full and tenant's request arrives: the newest waiter of the tenant holding
@@ -293,9 +348,23 @@ class FairQueue:
         tenant's time stood (a tenant that ran alone, never queueing, carries the present with it, so one
         that comes after it starts there too, not at 0, far ahead of it), then it is charged."""
         tenant = tenant or _DEFAULT_TENANT
+        self._tenant[tenant.name] = tenant
+        now = self._seen[tenant.name] = self._clock()
+        if self.reserve > 0 and self._free is not None and len(self._tenant) > 1:
+            free, total = self._free()       # its slot is counted already
+            if free > self.reserve and total > 0 and self._above_share(total, now, more=1)(tenant):
+                self._ramp_at = now          # it grew into idle slots above its share (not a replacement)
+        self._running[tenant.name] = self._running.get(tenant.name, 0) + 1
         self._vt[tenant.name] = max(self._vt.get(tenant.name, 0.0), self._now)   # back from idle, as append
         self._now = max(self._now, self._vt[tenant.name])
         self.charge(tenant, amount)
+
+    def finished(self, tenant: Tenant | None) -> None:
+        """A request of tenant's that `started` gave its slot back."""
+        name = (tenant or _DEFAULT_TENANT).name
+        self._running[name] = self._running.get(name, 0) - 1
+        if self._running[name] <= 0:
+            del self._running[name]
 
     def charge(self, tenant: Tenant | None, amount: float) -> None:
         """Count amount (tokens, or requests) of service to tenant in this pool."""
@@ -306,3 +375,7 @@ class FairQueue:
         """A request of tenant's ended with output_tokens (from usage): counted when the cost is tokens."""
         if self.cost_unit == "tokens" and output_tokens > 0:
             self.charge(tenant, output_tokens)
+
+
+def _never(tenant: Tenant) -> bool:
+    return False

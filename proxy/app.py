@@ -244,7 +244,8 @@ def make_admin_app(proxy: Proxy) -> web.Application:
                                               for b in proxy.router.leaving()],
                                   "health_interval_s": c.health.interval_s,
                                   "log": [c.log.max_mb, c.log.backups], "slots": c.slots,
-                                  "queue": {"max": c.queue.max, "timeout_s": c.queue.timeout_s},
+                                  "queue": {"max": c.queue.max, "timeout_s": c.queue.timeout_s,
+                                            "tenant_reserve": c.queue.tenant_reserve},
                                   "queued": proxy.router.queued,
                                   "tenants": [{"name": t.name, "weight": t.weight, "in_flight": t.in_flight,
                                                "queued": t.queued, **{k: v for k, v in

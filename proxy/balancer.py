@@ -98,7 +98,8 @@ class Balancer:
         self.backends: dict[str, Backend] = {}
         self._order: list[Backend] = []
         self._cursor = 0  # where the next tie-break scan starts
-        self._queue = FairQueue()
+        self._queue = FairQueue(free=self._free_slots)
+        self._ramp_timer: asyncio.TimerHandle | None = None   # a dispatch when the reserve's ramp lets one more in
         self.queue_max = queue_max
         self.slots = slots
         self.policy = make_policy(routing or RoutingConfig())
@@ -108,6 +109,17 @@ class Balancer:
         """Take a reloaded routing config (a new policy or bound starts the policy afresh)."""
         if routing != self.policy.config:
             self.policy = make_policy(routing)
+
+    def set_reserve(self, slots: int) -> None:
+        """Keep the pool's last `slots` free slots from a tenant above its share while others are active
+        (proxy.queue.tenant_reserve; proxy/admission.py); 0: off."""
+        self._queue.reserve = slots
+        self.dispatch()
+
+    def _free_slots(self) -> tuple[int, int]:
+        """The available backends' free slots and all their slots (the reserve's reading; 0, 0: no limit)."""
+        up = [b for b in self._order if b.available] if self.slots else []
+        return sum(max(0, self.slots - b.in_flight) for b in up), self.slots * len(up)
 
     def cold(self, backend: Backend) -> None:
         """Have the policy forget backend: it lost its cache (ejected, restarted) or left."""
@@ -179,8 +191,9 @@ class Balancer:
 
     def may_take(self, tenant: Tenant | None = None) -> bool:
         """Whether a new request may try `acquire` at once: nobody the fair order would serve first
-        waits (but those held for their home backend), and its tenant is below its max_in_flight."""
-        if tenant is not None and not tenant.may_run:
+        waits (but those held for their home backend), and its tenant is below its max_in_flight and not
+        kept back by the reserve."""
+        if tenant is not None and (not tenant.may_run or self._queue.kept_back(tenant)):
             return False
         return not self.ahead()
 
@@ -224,6 +237,7 @@ class Balancer:
         loop = asyncio.get_running_loop()
         waiter = Waiter(loop.create_future(), route, tenant, tokens)
         self._queue.append(waiter)
+        self._after_ramp()       # kept back by the reserve's ramp: a dispatch when it lets one more in
         timer = loop.call_later(timeout_s, self._expire, waiter)
         unhold = None
         if hold is not None:
@@ -288,7 +302,8 @@ class Balancer:
         a slot they take it first (_next)."""
         while self._queue:
             head = next(iter(self._queue), None)
-            if head is None:          # only tenants at their max_in_flight wait
+            if head is None:          # only tenants at their max_in_flight (or kept back by the reserve) wait
+                self._after_ramp()
                 return
             if head.future.done():   # cancelled, its task not run yet (it would forget itself)
                 self._queue.remove(head)
@@ -311,6 +326,21 @@ class Balancer:
                     w.overtaken += 1
             self._queue.served(chosen)
             chosen.future.set_result(backend)
+
+    def _after_ramp(self) -> None:
+        """Dispatch again when the reserve's ramp lets a tenant above its share take one more free slot."""
+        wait = self._queue.ramp_wait()
+        if not wait or self._ramp_timer is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:          # no loop (a unit test's plain call): the next release dispatches
+            return
+        self._ramp_timer = loop.call_later(wait, self._ramp_due)
+
+    def _ramp_due(self) -> None:
+        self._ramp_timer = None
+        self.dispatch()
 
     def ended(self, tenant: Tenant | None, output_tokens: int) -> None:
         """A request of tenant's ended having produced output_tokens (its usage): the fair queue counts them."""
@@ -337,6 +367,7 @@ class Balancer:
         backend.in_flight -= 1
         if tenant is not None:
             tenant.in_flight -= 1
+            self._queue.finished(tenant)
         self.policy.ended(backend)
         if self._queue:
             self.dispatch()

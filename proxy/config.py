@@ -61,6 +61,7 @@ class QueueConfig:
 
     max: int = 256          # requests that may wait; 0: none, a request that finds no slot gets 429 at once
     timeout_s: float = 60.0  # the longest a request waits before 503 with Retry-After
+    tenant_reserve: int = 1  # slots of a pool kept from a tenant above its share while others are active
 
 
 @dataclass(frozen=True)
@@ -239,7 +240,7 @@ def parse_config(data: Any, source: str = "config") -> ProxyConfig:
     defaults = ProxyConfig(backends=())
     health = _mapping(top.get("health", {}), "health", ("path", "interval_s", "timeout_s"))
     results = _mapping(top.get("results_log", {}), "results_log", ("path", "max_mb", "backups"))
-    queue = _mapping(top.get("queue", {}), "queue", ("max", "timeout_s"))
+    queue = _mapping(top.get("queue", {}), "queue", ("max", "timeout_s", "tenant_reserve"))
     own_log = _mapping(top.get("log", {}), "log", ("path", "max_mb", "backups"))
     admin = _address(top.get("admin", {}), "admin", defaults.admin)
     if not _is_loopback(admin.host):
@@ -277,7 +278,9 @@ def parse_config(data: Any, source: str = "config") -> ProxyConfig:
         api_keys_file=_optional_text(top.get("api_keys_file"), "api_keys_file"),
         slots=_count(top, "slots", defaults.slots, minimum=0),
         queue=QueueConfig(max=_count(queue, "max", defaults.queue.max, minimum=0, prefix="queue."),
-                          timeout_s=_positive(queue, "timeout_s", defaults.queue.timeout_s, "queue.")),
+                          timeout_s=_positive(queue, "timeout_s", defaults.queue.timeout_s, "queue."),
+                          tenant_reserve=_count(queue, "tenant_reserve", defaults.queue.tenant_reserve, minimum=0,
+                                                prefix="queue.")),
         models=_models(top.get("models"), backends),
         routing=_routing(top.get("routing", {})),
         otlp=_otlp(top.get("otlp", {})),

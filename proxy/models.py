@@ -83,6 +83,7 @@ class Router:
                 self.pools[name].update(members, slots, config.queue.max)
             else:
                 self.pools[name] = Balancer(members, slots, config.queue.max, config.routing)
+            self.pools[name].set_reserve(config.queue.tenant_reserve)
         self._pool_of = {b: name for name, pool in self.pools.items() for b in pool.backends}
         self.backends = {b.name: b for pool in self.pools.values() for b in pool.backends.values()}
         self._names = {n: p.name for p in config.models for n in p.names}

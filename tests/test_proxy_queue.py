@@ -331,7 +331,7 @@ def test_the_proxy_runs_on_uvloop_and_without_it(procs, tmp_path):
     ({"max": -1}, "queue.max must be a whole number of at least 0, not -1."),
     ({"timeout_s": float("inf")}, "queue.timeout_s must be a finite number greater than 0, not inf."),
     ({"timeout_s": 0}, "queue.timeout_s must be a finite number greater than 0, not 0."),
-    ({"size": 3}, "unknown config key 'queue.size' (known: max, timeout_s)."),
+    ({"size": 3}, "unknown config key 'queue.size' (known: max, timeout_s, tenant_reserve)."),
 ])
 @pytest.mark.unit
 def test_queue_config_errors_are_one_sentence(queue, message):

@@ -45,9 +45,14 @@ def test_the_inventorys_tenants_render_into_a_config_the_proxy_takes_as_they_are
     values = {name: f.metadata["bounds"][end] for name, f in PROXY_FIELDS.items()}
     sets = [f"proxy.tenants.app.{k}={v}" for k, v in values.items()] + ["proxy.tenants.batch.weight=2"]
     text = {f.path: f for f in render.render_host(k100(sets))}["conf/proxy.yaml"].content
-    tenants = parse_config(yaml.safe_load(text)).tenants
-    assert tenants == {"app": TenantConfig(**values), "batch": TenantConfig(weight=2)}
-    assert "tenants" not in {f.path: f for f in render.render_host(k100([]))}["conf/proxy.yaml"].content
+    config = parse_config(yaml.safe_load(text))
+    assert config.tenants == {"app": TenantConfig(**values), "batch": TenantConfig(weight=2)}
+    assert config.queue.tenant_reserve == schema.QueueSettings().tenant_reserve == type(config.queue)().tenant_reserve
+    reserve = schema_bounds("tenant_reserve", schema.QueueSettings)[end]
+    text = {f.path: f for f in render.render_host(k100(sets + [f"proxy.queue.tenant_reserve={reserve}"]))}
+    assert parse_config(yaml.safe_load(text["conf/proxy.yaml"].content)).queue.tenant_reserve == reserve
+    plain = {f.path: f for f in render.render_host(k100([]))}["conf/proxy.yaml"].content
+    assert "tenants" not in plain and "tenant_reserve" not in plain
 
 
 @pytest.mark.unit
@@ -64,6 +69,9 @@ def test_tenant_settings_a_proxy_cannot_take_are_refused_in_one_sentence(tenants
     assert str(e.value) == message
     with pytest.raises(pydantic.ValidationError):
         schema.ProxySettings(tenants=tenants)
+    with pytest.raises(ConfigError) as e:
+        parse_config({"backends": ["a:1"], "queue": {"tenant_reserve": -1}})
+    assert str(e.value) == "queue.tenant_reserve must be a whole number of at least 0, not -1."
 
 
 @pytest.mark.unit
@@ -387,3 +395,120 @@ def test_a_request_turned_away_by_the_queue_gives_back_what_its_buckets_gave():
     assert t.refusal()[0] == "requests_per_minute"
     t.refunded(80)
     assert t.refusal() is None and t.tokens.level == 100
+
+
+def reserved(n: int, reserve: int = 1) -> tuple[Balancer, list]:
+    """A pool of n one-slot backends with `reserve` (proxy.queue.tenant_reserve) and a clock tests move."""
+    b = balancer(n=n)
+    now = [1000.0]
+    b._queue._clock = lambda: now[0]
+    b.set_reserve(reserve)
+    return b, now
+
+
+@pytest.mark.unit
+def test_the_reserve_keeps_the_last_free_slot_from_a_flooding_tenant_while_another_is_active():
+    """8 slots, reserve 1, app and batch of equal weight (a share of 4 each while both are active).
+    1. app holds 1; batch takes slots while more than one is free or it holds no more than its share: 6,
+    then it may not (may_take False) and its next request queues though a slot is free;
+    2. app's new request takes that free slot at once: nobody is ahead of it in the fair order;
+    3. a batch slot freed stays free (batch above its share, app active), and app's next request takes it;
+    4. app's 3 requests end: the first slot freed stays free (the reserve), the next two go to batch's
+    waiters; 5. app stays away RESERVE_ACTIVE_S: a freed slot and the reserved one go to batch's last two
+    waiters, every slot busy (an idle tenant's share goes to the others)."""
+    from proxy.admission import RAMP_S, RESERVE_ACTIVE_S
+
+    async def run():
+        b, now = reserved(8)
+        app, batch = Tenant("app"), Tenant("batch")
+        first = b.acquire(tenant=app)
+        held = []
+        while b.may_take(batch):
+            held.append(b.acquire(tenant=batch))
+            now[0] += 1.5 * RAMP_S
+        assert batch.in_flight == 6 and b._free_slots() == (1, 8)
+        tb = await queue_up(b, batch, 4)
+        assert b.queued == 4 and b._free_slots() == (1, 8)
+        assert b.may_take(app) and b.acquire(tenant=app) is not None and b._free_slots() == (0, 8)
+        b.release(held.pop(), batch)
+        await asyncio.sleep(0)
+        assert b._free_slots() == (1, 8) and not any(t.done() for t in tb)
+        assert b.may_take(app) and b.acquire(tenant=app) is not None
+        assert app.in_flight == 3 and batch.in_flight == 5
+        for _ in range(3):      # app's requests end
+            now[0] += 1.5 * RAMP_S
+            b.release(next(x for x in b.backends.values() if x.in_flight and x not in held), app)
+            await asyncio.sleep(0)
+            assert b._free_slots() == (1, 8)
+        assert [t.done() for t in tb] == [True, True, False, False] and batch.in_flight == 7
+        now[0] += RESERVE_ACTIVE_S + 1       # app was last seen longer ago than that: nobody to keep it for
+        b.release(held.pop(), batch)
+        await asyncio.sleep(0)
+        assert all(t.done() for t in tb) and b.queued == 0 and b._free_slots() == (0, 8) and batch.in_flight == 8
+    asyncio.run(run())
+
+
+@pytest.mark.unit
+def test_without_a_reserve_or_another_active_tenant_a_flooding_tenant_takes_every_slot():
+    """1. reserve 0: batch takes all 8 slots beside app's; 2. reserve 1 but batch alone (no other tenant
+    active in the pool): it takes all 8 too; the reserve never costs a tenant that is alone."""
+    b, _ = reserved(8, reserve=0)
+    app, batch = Tenant("app"), Tenant("batch")
+    b.acquire(tenant=app)
+    while b.may_take(batch) and b.acquire(tenant=batch) is not None:
+        pass
+    assert batch.in_flight == 7 and b._free_slots() == (0, 8)
+    b, _ = reserved(8)
+    batch = Tenant("batch")
+    while b.may_take(batch) and b.acquire(tenant=batch) is not None:
+        pass
+    assert batch.in_flight == 8
+
+
+@pytest.mark.unit
+def test_two_backlogged_tenants_leave_no_slot_idle_with_a_reserve():
+    """Reserve 1, 8 slots, gold (weight 3) and lead (weight 1) both keep 40 waiting: after each of 30
+    releases every slot is taken again (one of them is always at or below its share, so it takes the last
+    free slot), and gold holds 5 to 7 of the 8 (its share is 6)."""
+    async def run():
+        b, _ = reserved(8)
+        gold, lead = Tenant("gold", TenantConfig(weight=3)), Tenant("lead")
+        tasks = await queue_up(b, gold, 40) + await queue_up(b, lead, 40)
+        assert b._free_slots() == (0, 8)
+        for i in range(30):
+            busy = next(x for x in b.backends.values() if x.in_flight)
+            b.release(busy, gold if gold.in_flight > 6 or (i % 2 and gold.in_flight) or not lead.in_flight else lead)
+            await asyncio.sleep(0)
+            assert b._free_slots() == (0, 8), i
+            assert 5 <= gold.in_flight <= 7, i
+        for t in tasks:
+            t.cancel()
+        await asyncio.sleep(0)
+    asyncio.run(run())
+
+
+@pytest.mark.unit
+def test_above_its_share_a_flood_takes_the_idle_slots_one_per_ramp_interval():
+    """8 slots, reserve 1, app holds 1 and is active (its share and batch's: 4). 1. batch's requests take
+    its share at once and one more (5); 2. its next waits though 2 slots are free; RAMP_S later (the
+    pool's own timer dispatches then) it has the slot (6); 3. the last free slot is the reserve: batch's
+    third waiter stays waiting whatever the time."""
+    from proxy.admission import RAMP_S
+
+    async def run():
+        b = balancer(n=8)
+        b.set_reserve(1)
+        app, batch = Tenant("app"), Tenant("batch")
+        b.acquire(tenant=app)
+        while b.may_take(batch):
+            b.acquire(tenant=batch)
+        assert batch.in_flight == 5 and b._free_slots() == (2, 8)
+        tb = await queue_up(b, batch, 2)
+        assert not any(t.done() for t in tb)
+        await asyncio.wait_for(tb[0], 20 * RAMP_S)
+        assert batch.in_flight == 6 and b._free_slots() == (1, 8)
+        await asyncio.sleep(3 * RAMP_S)
+        assert not tb[1].done() and b.queued == 1
+        tb[1].cancel()
+        await asyncio.sleep(0)
+    asyncio.run(run())
