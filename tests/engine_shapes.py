@@ -55,8 +55,10 @@ def prefix_cache_series(text: str) -> dict[str, list[str]]:
     return out
 
 
-async def first_chunk_waits_while_queued(port: int, model: str, slots: int, max_tokens: int = 400) -> list[dict]:
-    """Fill an engine's `slots` with long streams, queue as many more, then send one more, the extra:
+async def first_chunk_waits_while_queued(port: int, model: str, slots: int, max_tokens: int = 400,
+                                        waves: int = 2) -> list[dict]:
+    """Fill an engine's `slots` with long streams, queue `waves` - 1 times as many more, then send one more,
+    the extra:
     while /metrics says it waits, its stream (headers sent) has no data event; once it runs, its first
     event is the role delta and the next a content delta, as on every stream. Returns the extra stream's
     events.
@@ -68,7 +70,7 @@ async def first_chunk_waits_while_queued(port: int, model: str, slots: int, max_
     base = f"http://127.0.0.1:{port}"
     body = {"model": model, "messages": [{"role": "user", "content": "count slowly"}], "stream": True,
             "max_tokens": max_tokens, "ignore_eos": True}
-    events: dict[int, list[dict]] = {i: [] for i in range(2 * slots + 1)}
+    events: dict[int, list[dict]] = {i: [] for i in range(waves * slots + 1)}
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         async def metrics() -> str:
@@ -109,15 +111,16 @@ async def first_chunk_waits_while_queued(port: int, model: str, slots: int, max_
             await asyncio.sleep(0.01)
         else:
             raise AssertionError(f"timed out waiting for {slots} running (events: {[len(e) for e in events.values()]})")
-        # A second wave queued behind the first, then the extra last: it waits through two streams' time (one
-        # was too short to be seen waiting twice in a row on a loaded machine). The engine admits in
+        # waves - 1 more waves queued behind the first, then the extra last: it waits through `waves` streams'
+        # time (one was too short to be seen waiting twice in a row on a loaded machine; the real engine's
+        # tiny model, on a quiet one, writes a wave too fast for two: it takes three). The engine admits in
         # arrival order, so while anyone waits, the extra does.
         queued = []
-        for i in range(slots, 2 * slots + 1):
+        for i in range(slots, waves * slots + 1):
             headers = asyncio.Event()
             queued.append(asyncio.create_task(stream(i, headers)))
             await headers.wait()
-        extra, last = queued[-1], 2 * slots
+        extra, last = queued[-1], waves * slots
         checked = False
         while not checked and not extra.done():
             before = gauge(await until(lambda t: True, "metrics"), "vllm:num_requests_waiting")

@@ -467,8 +467,8 @@ def test_engine_request_metrics_are_the_sims_and_the_dashboards(cluster):
 
 
 def test_engine_first_chunk_comes_with_the_first_token(cluster):
-    """As the sim (tests/engine_shapes.py, run on both): the engine's 4 slots busy with long streams and 4
-    more queued, a ninth request's stream has its headers but no chunk while /metrics says it waits; every
+    """As the sim (tests/engine_shapes.py, run on both): the engine's 4 slots busy with long streams and 8
+    more queued, a 13th request's stream has its headers but no chunk while /metrics says it waits; every
     stream opens with the role delta, then content. (vLLM 0.32 sends the role chunk on the engine's first
     output.)"""
     from engine_shapes import first_chunk_waits_while_queued
@@ -479,7 +479,8 @@ def test_engine_first_chunk_comes_with_the_first_token(cluster):
     # either way; then the round is run again.
     for attempt in range(3):
         try:
-            events = asyncio.run(first_chunk_waits_while_queued(cluster.ports[0], NAME, slots=4, max_tokens=480))
+            events = asyncio.run(first_chunk_waits_while_queued(cluster.ports[0], NAME, slots=4, max_tokens=480,
+                                                                  waves=3))
             break
         except AssertionError as e:
             if ("never seen waiting" not in str(e) and "ended before" not in str(e)) or attempt == 2:
