@@ -49,7 +49,7 @@ def cluster(tmp_path):
 @pytest.mark.cluster
 def test_proxy_restart_under_load_refuses_nothing(cluster):
     """1. 12 clients open a new connection per request and 12 keep theirs alive, closed loop, never
-    retrying, each request about 0.1 s (20 tokens): 24 in flight at any moment, not as many requests as
+    retrying, each request about 0.5 s (100 tokens): 24 in flight at any moment, not as many requests as
     the two cores can make (that load would only slow the suite's other tests). 2. `inv deploy --set proxy.max_body_mb=32` (a restart-only setting): the new proxy starts
     beside the old, is confirmed, the old one drains. 3. Deploy again without the override: a second
     restart, after the first left its steering program on the port. 4. Not one connection refused, not
@@ -59,8 +59,8 @@ def test_proxy_restart_under_load_refuses_nothing(cluster):
     port = st["proxy"]["port"]
     pids = [st["proxy"]["pid"]]
     spans, outputs = [], []
-    with Load(port, MODEL, clients=12, max_tokens=20) as fresh, \
-            Load(port, MODEL, clients=12, keepalive=True, max_tokens=20) as kept:
+    with Load(port, MODEL, clients=12, max_tokens=100) as fresh, \
+            Load(port, MODEL, clients=12, keepalive=True, max_tokens=100) as kept:
         for sets in (["--set", "proxy.max_body_mb=32"], []):
             # each load has 50 answers from the proxy about to be replaced (or the one before it)
             _answered_more(fresh, kept, 50)

@@ -135,7 +135,7 @@ def status_port(inventory) -> int:
 @pytest.mark.xdist_group("load")
 @pytest.mark.cluster
 def test_swap_under_load_and_in_flight_streams_survive(cluster):
-    """1. 32 clients send chat completions (about 0.1 s each) back to back through the entry port, never
+    """1. 32 clients send chat completions (about 0.3 s each) back to back through the entry port, never
     retrying.
     2. Four SSE streams (about 1.5 s each) are open when each swap starts.
     3. swap-to-nginx, then swap-to-proxy: both succeed and say how long the port refused connections.
@@ -160,8 +160,8 @@ def test_swap_under_load_and_in_flight_streams_survive(cluster):
             return load.outcomes[f"ok {front}"] > more_than
 
     outputs, spans = [], []
-    # about 0.1 s a request (20 tokens): 32 in flight at every moment of the swaps
-    with Load(port, MODEL, clients=32, max_tokens=20) as load:
+    # about 0.3 s a request (60 tokens): 32 in flight at every moment of the swaps
+    with Load(port, MODEL, clients=32, max_tokens=60) as load:
         for verb, leaving in (("swap-to-nginx", "proxy"), ("swap-to-proxy", "nginx")):
             # the front being left has served its share of the load before it goes (asserted below)
             wait_until(lambda: answered_by(leaving, 50), what=f"50 answers by the {leaving}")

@@ -655,7 +655,7 @@ def test_sigkill_of_engine_core_alone_then_restart_brings_it_back_with_the_inven
 def test_changed_max_num_seqs_rolls_the_stale_engines_under_light_load(cluster):
     """1. max_num_seqs 4 -> 3 in the inventory (the test before restarted instance 0 with 3 already: it is
     current, instance 1 stale); 2. `inv deploy` while two clients (one streamed, one not) send short
-    requests through the proxy, each a moment apart (a light load: the two cores stay free for the
+    requests through the proxy, each 4 s apart (a light load: the two cores stay free for the
     engine's restart): it rolls each stale instance (drain, stop, start, /health, enable) and leaves a
     current one running (its pid); 3. no request failed, both engines' command lines say
     --max-num-seqs 3, status marks both current. (Rolling every instance in turn is the sim's,
@@ -678,7 +678,10 @@ def test_changed_max_num_seqs_rolls_the_stale_engines_under_light_load(cluster):
                 results.append(bool(r))
             except openai.OpenAIError:
                 results.append(False)
-            stop.wait(0.5)
+            # 4 s apart: vLLM's engine core and worker each spin on their message queue for a second after
+            # every step, so a request every half second held more than a core for the whole restart (108 CPU
+            # seconds in 98 s), slowing the instance being loaded and every other test
+            stop.wait(4.0)
     threads = [threading.Thread(target=client, args=(s,)) for s in (True, False)]
     for t in threads:
         t.start()
