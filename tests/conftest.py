@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import atexit
+import collections
 import os
 import random
 import shutil
@@ -23,6 +24,8 @@ PYTHON = sys.executable
 # exactly their lines.
 os.environ["FLEET_BOOT_HOOK"] = "off"
 _rng = random.Random()   # seeded from the OS: concurrent runs pick different ports
+_HANDED_OUT: set[int] = set()
+_handed_order: collections.deque[int] = collections.deque()
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -61,7 +64,14 @@ def free_ports(n: int) -> int:
         bottom, top = bottom + worker * size, bottom + (worker + 1) * size
     for _ in range(500):
         base = _rng.randrange(bottom, top - n)
-        if all(_bindable(p) for p in range(base, base + n)):
+        run = range(base, base + n)
+        # Nothing listens on a port handed out a moment ago until its test starts the server: two hosts of
+        # one inventory got overlapping runs once (the inventory refused them, as it should).
+        if not _HANDED_OUT.intersection(run) and all(_bindable(p) for p in run):
+            _HANDED_OUT.update(run)
+            _handed_order.extend(run)
+            while len(_handed_order) > 1024:      # the last 1,024 ports handed out in this process
+                _HANDED_OUT.discard(_handed_order.popleft())
             return base
     raise RuntimeError(f"no run of {n} free ports found")
 
