@@ -74,7 +74,7 @@ async def poll(proxy) -> None:
                 log.info("share: entries serving %s (were %s): this proxy's slots now %s", sorted(
                     share.entries[i].name for i in alive), "unknown" if was is None else sorted(
                     share.entries[i].name for i in was), proxy.router.slot_summary())
-            learners = [pool.policy for pool in proxy.router.pools.values() if hasattr(pool.policy, "adopt")]
+            learners = [pool.policy for pool in proxy.router.pools.values() if pool.policy.shares_routing]
             for policy in learners:
                 policy.keep_feed()    # a policy made anew by a reload starts its feed here
             if learners:
@@ -97,7 +97,7 @@ def feed(proxy, since: int, feed_id: str | None, remote: str | None) -> dict | N
         since = 0
     pools, last = {}, since
     for name, pool in proxy.router.pools.items():
-        if hasattr(pool.policy, "decisions_since"):
+        if pool.policy.shares_routing:
             got = pool.policy.decisions_since(since, FEED_LIMIT)
             pools[name] = [[backend, blocks] for _, backend, blocks in got]
             last = max([last] + [d[0] for d in got])
@@ -125,7 +125,7 @@ async def _learn(proxy, name: str, health: str, timeout: aiohttp.ClientTimeout) 
     proxy.router.peer_feeds[name] = (str(got.get("id", "")), int(got.get("seq", 0)))
     for pool_name, decisions in (got.get("pools") or {}).items():
         pool = proxy.router.pools.get(pool_name)
-        if pool is None or not hasattr(pool.policy, "adopt"):
+        if pool is None or not pool.policy.shares_routing:
             continue
         for backend, blocks in decisions:
             if backend in pool.backends:

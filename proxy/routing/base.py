@@ -84,6 +84,7 @@ class Policy:
     """
 
     needs_body = False   # True: the body is read before the pick; False keeps the count before the body
+    shares_routing = False   # True: peer entries learn its decisions (keep_feed, decisions_since, adopt)
 
     def __init__(self, config: RoutingConfig):
         self.config = config
@@ -117,6 +118,16 @@ class Policy:
         one of candidates (the backends with a free slot) now; None: pick now. The balancer queues the
         request for that backend's next slot and, the time up, hands it any free slot."""
         return None
+
+    def keep_feed(self) -> None:
+        """Keep the latest routing decisions from now on, for a peer entry to read (shares_routing)."""
+
+    def decisions_since(self, seq: int, limit: int) -> list[tuple[int, str, list[int]]]:
+        """The decisions after seq, oldest first, at most the newest limit of them (shares_routing)."""
+        return []
+
+    def adopt(self, backend: str, blocks: list[int]) -> None:
+        """A peer entry's proxy sent a prompt of these blocks to backend: remember it (shares_routing)."""
 
     def waiter(self, queue: Collection[Waiter], backends: Sequence[Backend]) -> Waiter | None:
         """The waiter a freed slot goes to instead of the queue's first (None: the first); queue iterates

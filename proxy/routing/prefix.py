@@ -297,6 +297,7 @@ class Prefix(Policy):
     for a waiter whose prefix is on the backend that freed a slot."""
 
     needs_body = True
+    shares_routing = True
 
     def __init__(self, config: RoutingConfig):
         super().__init__(config)
