@@ -116,6 +116,18 @@ class _LastResort(logging.Handler):
         sys.stderr.write(self.format(record) + "\n")
 
 
+def _put_back_environ(saved: dict) -> None:
+    """Make os.environ what it was, changing only the variables that differ. Not clear() then update():
+    each setenv may move the C environment, and a thread of the test that starts a process meanwhile
+    (CPython starts it with vfork, sharing this memory) would exec with a moved or empty one (OSError
+    EFAULT, "Bad address", seen from a sampler thread while an in-process deploy ended)."""
+    for key in [k for k in os.environ if k not in saved]:
+        del os.environ[key]
+    for key, value in saved.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
+
+
 def _inv_here(argv: list[str], env: dict | None) -> InvResult:
     """Run invoke's Program on the project's tasks in this process, as `python -m invoke ARGV` would run
     from the project root: its output captured, its exit code returned, what it changes in this process
@@ -170,8 +182,7 @@ def _inv_here(argv: list[str], env: dict | None) -> InvResult:
         logging.getLogger().removeHandler(last_resort)
         threading.excepthook = saved_hook
         os.chdir(cwd)
-        os.environ.clear()
-        os.environ.update(saved_env)
+        _put_back_environ(saved_env)
         for s, handler in saved_signals.items():
             signal.signal(s, handler)
         _reset_interrupt()

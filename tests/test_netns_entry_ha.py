@@ -53,15 +53,17 @@ class Sampler:
         self.thread.start()
 
     def _run(self) -> None:
+        env = {"PATH": os.environ["PATH"]}     # its own: the test's in-process `inv` runs change os.environ
         while not self.stopping.is_set():
             for i in (0, 1):
                 out = subprocess.run(["ip", "-n", self.fleet.hosts[i].netns, "-o", "-4", "addr", "show", "dev",
-                                      "eth0"], capture_output=True, text=True).stdout
+                                      "eth0"], capture_output=True, text=True, env=env).stdout
                 self.reads.append((time.monotonic(), ENTRIES[i], {a for a in self.addresses if f" {a}/" in out}))
             time.sleep(0.01)
 
     def holder(self, address: str) -> set[str]:
         """Who had address at each entry's last read."""
+        assert self.thread.is_alive() or self.stopping.is_set(), "the address sampler died (its traceback is above)"
         last = {}
         for _, entry, held in list(self.reads)[-2:]:
             last[entry] = address in held
