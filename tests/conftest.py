@@ -239,6 +239,12 @@ _TIMELINE = os.environ.get("FLEET_TEST_TIMELINE")
 def _cpu_meter():
     """A function returning the CPU seconds this worker's process tree has used, or None."""
     group = Path(f"/sys/fs/cgroup/cpuacct/fleet-test-{os.getpid()}")
+    for old in group.parent.glob("fleet-test-*"):     # an earlier run's, left while a child of it lived on
+        if not Path(f"/proc/{old.name.rsplit('-', 1)[1]}").exists():
+            try:
+                old.rmdir()
+            except OSError:                           # a process is still in it
+                pass
     try:
         group.mkdir(exist_ok=True)
         (group / "cgroup.procs").write_text(str(os.getpid()))

@@ -584,8 +584,9 @@ def test_top_shows_the_real_engines_at_work(cluster):
     shows the instance healthy with its requests per second and a time to first token from vLLM's
     histogram. The frame's window is the time between its two reads (`--interval 3`: a one-second window
     missed a first token on one engine or the other on a loaded machine, and each new frame costs seconds
-    of two spinning engines). One client per engine, on the engine's own port: through the proxy, the
-    prefix policy keeps one prompt's chats on one instance, and the other's line stays empty."""
+    of two busy engines). One client per engine, on the engine's own port, a chat every 2 s (an engine
+    spins on a core for a second after each step, so chats back to back held two cores): through the
+    proxy, the prefix policy keeps one prompt's chats on one instance, and the other's line stays empty."""
     import threading
     c = cluster
     stop = threading.Event()
@@ -595,6 +596,7 @@ def test_top_shows_the_real_engines_at_work(cluster):
         while not stop.is_set() and time.monotonic() < deadline:
             client.chat.completions.create(model=NAME, max_tokens=4,
                                            messages=[{"role": "user", "content": "count to three"}])
+            stop.wait(2.0)      # a first token every 2 s in the 3 s window; the engine idles between
     workers = [threading.Thread(target=chats, args=(port,), daemon=True) for port in c.ports[:2]]
     for w in workers:
         w.start()
