@@ -41,6 +41,9 @@ def nginx_quote(value) -> str:
 
 
 MIB = 1024 * 1024
+# How long a backend's /health may take before the front calls it down: the proxy's health.timeout_s and
+# nginx mode's watcher alike, so both fronts call the same backend healthy.
+BACKEND_HEALTH_TIMEOUT_S = 3
 
 
 def nginx_size(mib: float) -> str:
@@ -295,6 +298,7 @@ def context(hv: HostVars) -> dict:
         "cards": hv.cards,
         "pools": hv.pools,
         # Plain: the slots the proxy gives each backend (what it serves runs max_num_seqs, plus headroom).
+        "backend_health_timeout_s": BACKEND_HEALTH_TIMEOUT_S,
         "proxy_slots": (hv.served_max_num_seqs or v["max_num_seqs"]) + v["proxy"]["queue"]["headroom"],
         "scrape_targets": scrape_targets(hv),
         "smi_candidates": accelerators.kind(v["accelerator"]).smi_candidates,

@@ -15,10 +15,6 @@ from .config import at
 from .errors import FrontError
 from .parts import ours, stop_group, tagged_env
 
-# How long a backend's /health may take in nginx mode: the proxy's own health.timeout_s
-# (fleet/templates/proxy.yaml.j2), so both fronts call the same backend healthy.
-HEALTH_TIMEOUT_S = 3.0
-
 # Where nginx lives when it is not on PATH (a user's PATH often lacks the sbin directories).
 NGINX_CANDIDATES = ("/usr/sbin/nginx", "/usr/local/sbin/nginx", "/usr/local/nginx/sbin/nginx", "/sbin/nginx")
 
@@ -78,10 +74,10 @@ def workers(master: int) -> set[int]:
 
 
 def check_health(cfg: dict) -> set[str]:
-    """The backends whose /health does not answer 200 right now (within HEALTH_TIMEOUT_S: a busy engine's
-    /health may be slow, and a backend marked down for it is one request path fewer; the only one's mark
-    turns every request into nginx's 502)."""
-    timeout = HEALTH_TIMEOUT_S
+    """The backends whose /health does not answer 200 right now (within health_timeout_s, the proxy's own:
+    a busy engine's /health may be slow, and a backend marked down for it is one request path fewer; the
+    only one's mark turns every request into nginx's 502)."""
+    timeout = float(cfg["health_timeout_s"])
 
     def ok(backend: str) -> bool:
         return httpcall.get(f"http://{backend}{cfg['health_path']}", timeout).status == 200

@@ -24,8 +24,7 @@ PYTHON = sys.executable
 # exactly their lines.
 os.environ["FLEET_BOOT_HOOK"] = "off"
 _rng = random.Random()   # seeded from the OS: concurrent runs pick different ports
-_HANDED_OUT: set[int] = set()
-_handed_order: collections.deque[int] = collections.deque()
+_HANDED_OUT: collections.deque[int] = collections.deque(maxlen=1024)   # the last ports free_ports handed out
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -67,11 +66,8 @@ def free_ports(n: int) -> int:
         run = range(base, base + n)
         # Nothing listens on a port handed out a moment ago until its test starts the server: two hosts of
         # one inventory got overlapping runs once (the inventory refused them, as it should).
-        if not _HANDED_OUT.intersection(run) and all(_bindable(p) for p in run):
-            _HANDED_OUT.update(run)
-            _handed_order.extend(run)
-            while len(_handed_order) > 1024:      # the last 1,024 ports handed out in this process
-                _HANDED_OUT.discard(_handed_order.popleft())
+        if not set(run).intersection(_HANDED_OUT) and all(_bindable(p) for p in run):
+            _HANDED_OUT.extend(run)
             return base
     raise RuntimeError(f"no run of {n} free ports found")
 
