@@ -688,9 +688,10 @@ NOT_OFFERED = {f"-{n}" if len(n) == 1 else f"--{n}" for arg in Program.core_args
 
 
 @contextmanager
-def _parse_errors():
+def _parse_errors(binary: str = NAME, core_names=None):
     """Turn invoke's ParseError into the toolkit's user error (see _error): an option of invoke's the tool
-    does not offer is named as such, an unknown word gets the closest task or option name."""
+    does not offer is named as such, an unknown word gets the closest task or option name. binary: the
+    command the user typed (vllm-fleet or inv), named in what to do; core_names: that program's core flags."""
     try:
         yield
     except ParseError as e:
@@ -698,7 +699,7 @@ def _parse_errors():
         context = getattr(e, "context", None)
         task = getattr(context, "name", None) if context is not None else None
         unknown = re.match(r"No idea what '(.*)' is$", message)
-        if unknown and unknown.group(1).split("=")[0] in NOT_OFFERED:
+        if unknown and binary == NAME and unknown.group(1).split("=")[0] in NOT_OFFERED:
             raise _error(f"{unknown.group(1)} is one of invoke's own options, which vllm-fleet does not offer "
                          "(it runs its commands itself, not through invoke); drop it.") from None
         missing = re.match(r"Flag <\w+: ([\w-]+)", message)
@@ -708,17 +709,46 @@ def _parse_errors():
         if unknown:
             word = unknown.group(1)
             names = list(context.flags) if task else (
-                [f"--{n}" if len(n) > 1 else f"-{n}" for a in program().core_args() for n in a.names]
-                if word.startswith("-") else list(ns.task_names))
+                (core_names or _flag_names(program().core_args())) if word.startswith("-") else list(ns.task_names))
             bare = {n.lstrip("-"): n for n in names}       # the dashes alone would make --bogus near --host
             close = difflib.get_close_matches(word.lstrip("-"), list(bare), n=1)
             if close:
                 message += f" (did you mean {bare[close[0]]}?)"
         if task:
-            message += f"; `{NAME} {task} --help` lists its options"
+            message += f"; `{binary} {task} --help` lists its options"
         else:
-            message += f"; `{NAME} --list` lists the tasks"
+            message += f"; `{binary} --list` lists the tasks"
         raise _error(message + ".") from None
+
+
+def _flag_names(core_args) -> list:
+    """Core arguments' flags as typed (--list, -l)."""
+    return [f"--{n}" if len(n) > 1 else f"-{n}" for a in core_args for n in a.names]
+
+
+def guard_inv() -> None:
+    """Give `inv`'s parse errors the console script's form (one `error: ` sentence, the closest name, exit 2).
+
+    `inv` is invoke's own Program, which has parsed its core options and imported tasks.py (this is called
+    from there) before it parses the task names and their options: the last two steps, parse_tasks and
+    parse_cleanup, are looked up on the class when they run, so wrapping them there reaches the running
+    program. Only a program whose collection holds this toolkit's tasks is changed (another project's
+    collection in the same process keeps invoke's messages), and vllm-fleet's own program has its own."""
+    if getattr(Program, "_fleet_guarded", False):
+        return
+
+    def guarded(step):
+        def run(self, *args, **kwargs):
+            ours = not isinstance(self, FleetProgram) and any(
+                isinstance(t, FleetTask) for t in getattr(self.collection, "tasks", {}).values())
+            if not ours:
+                return step(self, *args, **kwargs)
+            with _parse_errors("inv", _flag_names(self.core_args())):
+                return step(self, *args, **kwargs)
+        return run
+    Program.parse_tasks = guarded(Program.parse_tasks)
+    Program.parse_cleanup = guarded(Program.parse_cleanup)
+    Program._fleet_guarded = True
 
 
 def program() -> FleetProgram:

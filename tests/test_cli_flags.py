@@ -5,8 +5,10 @@ before an UNREACHABLE line. In-process through invoke's Program where no signal 
 (or where SystemExit carries it), real processes for the rest."""
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
+import io
 import json
 import os
 import shlex
@@ -21,6 +23,7 @@ import pytest
 from invoke import Collection
 
 from conftest import PYTHON, ROOT, free_port, free_ports
+from fleet_helpers import inv
 
 import fleet.cli
 from fleet import inventory as inv_mod
@@ -226,6 +229,44 @@ def test_errors_from_inv_and_the_console_script_are_the_same(inventory_file):
         r = run_proc([*argv, "status", "-H", "t", "-i", str(inventory_file), "--forks", "x"])
         assert r.returncode == 2 and r.stdout == "", (argv, r.stdout, r.stderr)
         assert r.stderr == "error: --forks takes a whole number of at least 1, got 'x'.\n", (argv, r.stderr)
+
+
+INVOKES_OWN_MISTAKES = [
+    (["stauts", "-H", "t"], "no idea what 'stauts' is (did you mean status?); `{b} --list` lists the tasks."),
+    (["status", "--hots", "t"], "no idea what '--hots' is (did you mean --host?); `{b} status --help` lists its options."),
+    (["render", "-H", "t", "--out"], "--out needs a value; `{b} render --help` lists its options."),
+    (["--lsit"], "no idea what '--lsit' is (did you mean --list?); `{b} --list` lists the tasks."),
+    (["--help", "stauts"], "no idea what 'stauts' is (did you mean status?); `{b} --list` lists the tasks."),
+]
+
+
+@pytest.mark.parametrize("argv, message", INVOKES_OWN_MISTAKES)
+def test_inv_says_what_invoke_itself_catches_as_the_console_script_does(argv, message, capsys):
+    """Invoke parses the task names and options after it imported tasks.py: the same sentence, exit 2."""
+    r = inv(*argv)
+    assert r.returncode == 2 and r.stdout == "", r
+    assert one_error_line(r.stderr) == "error: " + message.format(b="inv"), r.stderr
+    code, out, err = run_cli(argv, capsys)
+    assert code == 2 and one_error_line(err) == "error: " + message.format(b="vllm-fleet"), err
+
+
+def test_a_real_inv_process_says_an_unknown_task_in_one_sentence_exit_2():
+    r = run_proc([PYTHON, "-m", "invoke", "stauts", "--host", "local"])
+    assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
+    assert r.stderr == "error: no idea what 'stauts' is (did you mean status?); `inv --list` lists the tasks.\n"
+
+
+def test_another_projects_collection_keeps_invokes_own_messages(tmp_path):
+    """The guard installed by tasks.py changes only a program running this toolkit's tasks."""
+    importlib.import_module("tasks")
+    from invoke import Program, task as plain_task
+
+    @plain_task
+    def hello(c):
+        pass
+    with pytest.raises(SystemExit) as e, contextlib.redirect_stderr(io.StringIO()) as err:
+        Program(namespace=Collection(hello)).run(["inv", "helo"])
+    assert e.value.code == 1 and err.getvalue() == "No idea what 'helo' is!\n"
 
 
 def test_the_default_inventory_is_the_current_directorys(tmp_path, inventory_file, capsys, monkeypatch):
