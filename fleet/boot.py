@@ -40,6 +40,14 @@ def _run(conn, hv: HostVars, args: list[str]) -> dict:
     return out
 
 
+def held_back(conn, hv: HostVars, report: Report, why: str) -> None:
+    """deploy's last step when the front failed: no hook installed (it would bring back a deployment that
+    does not serve); one an earlier deploy installed stays, and is named."""
+    shown = _run(conn, hv, ["show", hv.deployment_id])["boot"]
+    report.add("boot hook", "skipped", f"not changed: {why}; the {shown['kind']} hook of an earlier deploy stays "
+               f"(`inv stop --host {hv.name}` removes it)" if shown else f"not installed: {why}")
+
+
 def deploy(conn, hv: HostVars, report: Report, emit: Emit, check: bool) -> None:
     """deploy's last step: install the hook (or, with boot_hook off, remove one left installed)."""
     kind = wanted(hv)

@@ -119,6 +119,12 @@ def _deploy(conn: Transport, hv: HostVars, emit: Emit, check: bool, diff: bool, 
             report.add(f"port {port}", "failed", sentence)
         report.status = facts.status_of(hv, found)
         return report
+    keys = found.get("api_keys") or {}
+    if keys.get("error") and found.get("mode") != "nginx" and not found["proxy"].get("alive"):
+        # The proxy would exit at start, after the engines loaded (with the doctor on, it said so first).
+        report.add("api keys", "failed", f"{keys['error']} The proxy cannot start with it: nothing was started.")
+        report.status = facts.status_of(hv, found)
+        return report
     d = hv["deploy_dir"]
 
     changed_files = sync.put_files(conn, hv, files, found, report, emit, check, diff)
@@ -181,15 +187,28 @@ def _deploy(conn: Transport, hv: HostVars, emit: Emit, check: bool, diff: bool, 
         changed_files, found = _converge(conn, hv, found, to_roll, retired, changed_files, report, emit)
     # Once the front serves: its track script then finds /health 200, and the address can come here.
     fleet_vrrp.deploy(conn, hv, changed_files, report, emit, check)
-    if hv["instances"]:
-        fleet_keeper.deploy(conn, hv, found, changed_files, report, emit, check)
-    # Last, once what it would start runs: after a reboot, bin/boot.sh starts it all again.
-    boot.deploy(conn, hv, report, emit, check)
+    if not check and any(s.status == "failed" and s.name in ("proxy", "front") for s in report.steps):
+        _hold_back(conn, hv, found, report)
+    else:
+        if hv["instances"]:
+            fleet_keeper.deploy(conn, hv, found, changed_files, report, emit, check)
+        # Last, once what it would start runs: after a reboot, bin/boot.sh starts it all again.
+        boot.deploy(conn, hv, report, emit, check)
     for step in report.steps:
         if step.message:
             emit(step.line())
     report.status = facts.status_of(hv, facts.probe(conn, hv, readonly=check, boot=True))
     return report
+
+
+def _hold_back(conn, hv: HostVars, found: dict, report: Report) -> None:
+    """The front failed: this run starts no keeper and installs no boot hook, which would keep bringing
+    back a deployment that does not serve; what an earlier deploy left of them is named."""
+    why = "the front failed above"
+    k = found.get("keeper") or {}
+    report.add("keeper", "skipped", f"not changed: {why}; the keeper of an earlier deploy still runs (pid "
+               f"{k['pid']})" if k.get("alive") else f"not started: {why}")
+    boot.held_back(conn, hv, report, why)
 
 
 def _start_instances(conn, hv, to_start, report, emit):

@@ -2,7 +2,8 @@
 
 One probe-style script (hostagent/probes/doctor.py) reads the facts on the host after env_setup; the checks
 here judge them: the engine is there (its version from its package metadata; `deep`: it runs), the model
-path exists (and its size), each port is free or ours, each card has gpu_memory_utilization x total free
+path holds a config and weights, the API key file is one the proxy can start with (private, keys long
+enough: warnings), each port is free or ours, each card has gpu_memory_utilization x total free
 (else its holders), smi/fuser/ss are found, which boot hook brings the deployment back after a reboot (or
 what is missing), and there is room for logs.
 """
@@ -12,7 +13,7 @@ import ipaddress
 import math
 from dataclasses import dataclass
 
-from hostagent import layout
+from hostagent import apikeys, layout
 
 from . import agent, boot, facts, release, smi, vrrp
 from .inventory import HostVars
@@ -70,6 +71,8 @@ def read_facts(conn, hv: HostVars, deep: bool = False) -> dict:
     engine = {"kind": hv["engine"], "cmd": engine_cmd(hv), "deep": deep}
     spec = {"deploy_dir": hv["deploy_dir"], "deployment_id": dep, "engine": engine, "model": hv["model"],
             "check_model": hv["engine"] != "sim", "ports": ports,
+            "api_keys_file": hv["proxy"]["api_keys_file"] or None,
+            "tenants": sorted({*hv["proxy"]["tenants"], apikeys.DEFAULT}),
             # accelerator cpu: no card to read (its check is the cores and RAM); its smi is a Python run
             "smi_cmd": smi.smi_command(hv) if hv["accelerator"] != "cpu" else None, "vrrp": vrrp.spec(hv)}
     return agent.run_script(conn, hv, "doctor", spec, "the doctor's probe", timeout=300, env_setup=True)
@@ -78,20 +81,8 @@ def read_facts(conn, hv: HostVars, deep: bool = False) -> dict:
 def checks(conn, hv: HostVars, f: dict) -> list[Check]:
     """Judge the facts: one Check per line (holders are looked up only for a card that is short)."""
     out: list[Check] = [_engine_check(hv, f["engine"])]
-    # model
-    m = f["model"]
-    if hv["engine"] == "sim":
-        out.append(Check("model", "ok", f"engine sim: the model {hv['model']!r} is only a name, no path to check"))
-    elif m["exists"]:
-        status = "ok" if m["bytes"] > 0 else "warn"
-        out.append(Check("model", status, f"{hv['model']} exists, {_gib(m['bytes'])} in {m['files']} file(s)",
-                         "" if status == "ok" else "the model directory is empty: copy the weights there"))
-    elif not hv["model"].startswith(("/", "~", ".")):
-        out.append(Check("model", "warn", f"{hv['model']!r} is not a path: vLLM will try to download it",
-                         "set model to the weights' directory on the host"))
-    else:
-        out.append(Check("model", "fail", f"the model path {hv['model']} does not exist on the host",
-                         "copy the weights there, or set model to where they are"))
+    out.append(_model_check(hv, f["model"]))
+    out += key_file_checks(hv, f.get("api_keys"))
     # ports
     for p in f["ports"]:
         label = f"port {p['port']} ({p['what']})"
@@ -132,6 +123,52 @@ def checks(conn, hv: HostVars, f: dict) -> list[Check]:
     out.append(Check("logs", status, f"{_gib(d['free'])} free under {d['dir']}",
                      "" if status == "ok" else "free disk space there, or move deploy_dir"))
     return out
+
+
+def _model_check(hv: HostVars, m: dict) -> Check:
+    """The model path: there, with a config and weights vLLM can load (from the directory's own entries)."""
+    if hv["engine"] == "sim":
+        return Check("model", "ok", f"engine sim: the model {hv['model']!r} is only a name, no path to check")
+    if not m["exists"] and not hv["model"].startswith(("/", "~", ".")):
+        return Check("model", "warn", f"{hv['model']!r} is not a path: vLLM will try to download it",
+                     "set model to the weights' directory on the host")
+    if not m["exists"]:
+        return Check("model", "fail", f"the model path {hv['model']} does not exist on the host",
+                     "copy the weights there, or set model to where they are")
+    missing = [what for what, have in (("config.json", m.get("config")), ("weights (" + ", ".join(
+        f"*{w}" for w in ("safetensors", "bin", "pt", "gguf")) + ")", m.get("weights"))) if not have]
+    if missing:
+        return Check("model", "fail", f"{hv['model']} has no {' and no '.join(missing)}: not a model directory "
+                     "vLLM can load", "set model to the directory that holds the model's config.json and weights")
+    return Check("model", "ok", f"{hv['model']}: config.json and {m['weights']} weight file(s), "
+                 f"{_gib(m['bytes'])}")
+
+
+def key_file_checks(hv: HostVars, k: dict | None) -> list[Check]:
+    """The API key file, as the proxy will read it at start: there, readable, with keys, naming only
+    defined tenants (else the proxy exits at start, after the engines loaded); private to the deployment's
+    user, and keys long enough (warnings)."""
+    path = hv["proxy"]["api_keys_file"]
+    if not path or k is None:
+        return []
+    label = "api keys"
+    if k["error"]:
+        return [Check(label, "fail", k["error"].split("; ")[0].rstrip(".") + ": the proxy would exit at start",
+                      f"write one key per line into {path} (`umask 077; openssl rand -hex 24 > {path}`), or "
+                      "set proxy.api_keys_file to the right file")]
+    if k["undefined"]:
+        return [Check(label, "fail", f"{path} names the tenant(s) {', '.join(k['undefined'])}, which proxy.tenants "
+                      "does not define: the proxy would exit at start",
+                      "add them under proxy.tenants, or fix those lines of the key file")]
+    out = []
+    if k["mode"] & 0o077:
+        out.append(Check(label, "warn", f"{path} is readable by group or others (mode {k['mode']:04o})",
+                         f"chmod 600 {path}"))
+    if k["short"]:
+        out.append(Check(label, "warn", f"{k['short']} of the {k['keys']} key(s) in {path} are shorter than "
+                         f"{apikeys.SHORT_KEY} characters: within reach of guessing",
+                         "use longer keys, such as `openssl rand -hex 24`"))
+    return out or [Check(label, "ok", f"{path}: {k['keys']} key(s), readable by the deployment's user only")]
 
 
 def _engine_check(hv: HostVars, e: dict) -> Check:
@@ -197,7 +234,7 @@ def _cpu_checks(hv: HostVars, f: dict) -> list[Check]:
         return out + [Check("memory", "warn", "cannot read MemAvailable from /proc/meminfo",
                             "check free memory by hand")]
     running = {i for i, p in enumerate(f["ports"][:n]) if p["ours"]}
-    weights = f["model"]["bytes"] if f["model"]["exists"] else 0
+    weights = f["model"]["bytes"] if f["model"]["exists"] else 0    # the weight files' bytes
     each = hv["cpu_kvcache_gib"] * 2**30 + weights + CPU_ENGINE_OVERHEAD_BYTES
     need = each * (n - len(running))
     said = (f"{n - len(running)} instance(s) to start x {_gib(each)} (KV cache {hv['cpu_kvcache_gib']:g} GiB "

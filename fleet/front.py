@@ -226,11 +226,21 @@ def deploy_front(conn: Transport, hv: HostVars, found: dict, changed_files: set[
             report.add("proxy", "changed", f"{verb}ed, pid {f['pid']}, healthy on :{f['port']}")
             return
         if not f["alive"] or time.monotonic() - t0 > 30:
-            tail = facts.log_tail(conn, hv, layout.PROXY_LOG)
-            why = "exited" if not f["alive"] else "not healthy after 30s (no backend healthy?)"
-            report.add("proxy", "failed", f"{why}; last lines of logs/proxy.log:\n{tail}")
+            report.add("proxy", "failed", _start_failure(conn, hv, f["alive"]))
             return
         time.sleep(0.2)
+
+
+def _start_failure(conn, hv: HostVars, alive: bool) -> str:
+    """Why the proxy did not come up, in one sentence: the proxy's own (`proxy: cannot read api_keys_file
+    ...`, the last line of its log when it exited at start), not its log's older lines."""
+    last = facts.log_tail(conn, hv, layout.PROXY_LOG, n=1).strip()
+    see = f"`inv logs --host {hv.name} --proxy` shows its log"
+    if alive:
+        return f"not healthy after 30s (no backend healthy?); {see}"
+    if last.startswith("proxy: "):
+        return f"exited at start: {last.removeprefix('proxy: ')}"
+    return f"exited at start (the last line of logs/proxy.log: {last}); {see}"
 
 
 def _restart_proxy(conn, hv, state, report, emit) -> None:

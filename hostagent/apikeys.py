@@ -13,12 +13,14 @@ and digits is written as `\\xHH`, so nothing in a key is read by nginx's parser 
 The state probe imports this module (the key file's digest), so it stays Python 3.6 like the probes.
 """
 import hashlib
+import os
 
 from . import files
 
 DEFAULT = "default"                 # the tenant of a key written alone (proxy/admission.py's)
 VARIABLE = "$fleet_authorized"
 DIGEST_LINE = "# keys digest: "     # then apikeys.digest of the keys in the map: what a deploy compares
+SHORT_KEY = 16                      # a key shorter than this is within reach of guessing (doctor warns)
 
 
 class KeysError(Exception):
@@ -49,8 +51,7 @@ def _in_order(path: str) -> list:
         with open(path, "rb") as f:
             data = f.read()
     except OSError as e:
-        raise KeysError("cannot read api_keys_file %s: %s; fix the file or proxy.api_keys_file."
-                        % (path, e.strerror or e)) from None
+        raise _unreadable(path, e) from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
@@ -67,6 +68,28 @@ def _in_order(path: str) -> list:
     if not keys:
         raise KeysError("api_keys_file %s holds no key; put one key per line, or drop the setting." % path)
     return keys
+
+
+def inspect(path: str, tenants=(DEFAULT,)) -> dict:
+    """What the doctor judges of the key file, no key in it: {"error"} (one sentence) when the proxy could
+    not read it; else how many keys, how many shorter than SHORT_KEY, the tenants its lines name that
+    tenants (proxy.tenants, with default) does not define, and the file's permission bits."""
+    out = {"error": None, "keys": 0, "short": 0, "undefined": [], "mode": None}
+    try:
+        out["mode"] = os.stat(path).st_mode & 0o777
+        lines = _in_order(path)
+    except (OSError, KeysError) as e:
+        out["error"] = str(e) if isinstance(e, KeysError) else str(_unreadable(path, e))
+        return out
+    out["keys"] = len({k for k, _ in lines})
+    out["short"] = len({k for k, _ in lines if len(k) < SHORT_KEY})
+    out["undefined"] = sorted({t for _, t in lines if t is not None and t not in tenants})
+    return out
+
+
+def _unreadable(path: str, e: OSError) -> KeysError:
+    return KeysError("cannot read api_keys_file %s: %s; fix the file or proxy.api_keys_file."
+                     % (path, e.strerror or e))
 
 
 def digest(keys: list) -> str:

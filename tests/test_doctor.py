@@ -69,8 +69,12 @@ def test_doctor_names_a_missing_model_path_and_a_taken_port(tmp_path):
     moved.mkdir(parents=True)
     (moved / "model.safetensors").write_bytes(b"\0" * 4096)
     r = inv("doctor", "--host", "t", inventory=inventory)
+    assert re.search(r"^fail  model: \S+ has no config.json: not a model directory vLLM can load\n      fix: set "
+                     r"model to the directory that holds the model's config.json and weights$", r.stdout, re.M), r.stdout
+    (moved / "config.json").write_text("{}")
+    r = inv("doctor", "--host", "t", inventory=inventory)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert re.search(r"^ok    model: \S+ exists, 0.0 GiB in 1 file\(s\)$", r.stdout, re.M), r.stdout
+    assert re.search(r"^ok    model: \S+: config.json and 1 weight file\(s\), 0.0 GiB$", r.stdout, re.M), r.stdout
     r = inv("deploy", "--host", "t", "--check", "--no-doctor", inventory=inventory)
     assert r.returncode == 0 and "would start" in r.stdout and "model:" not in r.stdout, r.stdout + r.stderr
 
@@ -234,3 +238,67 @@ def test_doctor_reads_the_engine_version_without_running_it_and_deep_runs_it(tmp
     assert re.search(rf"^ok    engine: `{bare} --version` runs \(0\.8\.0\); no package metadata of vllm found "
                      r"beside its Python$", r.stdout, re.M), r.stdout
     assert (tmp_path / "bare" / "ran").exists()
+
+
+@pytest.mark.unit
+def test_a_model_directory_is_judged_by_its_own_entries_not_its_tree(tmp_path):
+    """/tmp as a model walked 68,896 files and passed: the probe reads the directory's own entries only, and
+    a directory without config.json or weights is no model."""
+    from hostagent.probes.doctor import model_facts
+    deep = tmp_path / "a" / "b"
+    deep.mkdir(parents=True)
+    (deep / "model.safetensors").write_bytes(b"\0" * 10)
+    (tmp_path / "notes.txt").write_text("x")
+    assert model_facts(str(tmp_path)) == {"exists": True, "bytes": 0, "files": 2, "config": False, "weights": 0}
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"\0" * 100)
+    (tmp_path / "model.gguf").write_bytes(b"\0" * 20)
+    assert model_facts(str(tmp_path)) == {"exists": True, "bytes": 120, "files": 5, "config": True, "weights": 2}
+    assert model_facts(str(tmp_path / "model.gguf"))["weights"] == 1
+
+
+KEY_FILE_CASES = [
+    # (what the file is, its text (None: no file), its mode, the line doctor says)
+    ("missing", None, 0o600, r"^fail  api keys: cannot read api_keys_file {path}: No such file or directory: "
+                             r"the proxy would exit at start\n      fix: write one key per line into {path}"),
+    ("empty", "# no key yet\n", 0o600, r"^fail  api keys: api_keys_file {path} holds no key: the proxy would exit"),
+    ("undefined tenant", "k" * 24 + " gold\n", 0o600,
+     r"^fail  api keys: {path} names the tenant\(s\) gold, which proxy.tenants does not define: the proxy would "
+     r"exit at start\n      fix: add them under proxy.tenants"),
+    ("shared", "k" * 24 + "\n", 0o644, r"^warn  api keys: {path} is readable by group or others \(mode 0644\)\n"
+                                      r"      fix: chmod 600 {path}$"),
+    ("short", "sk-1\n" + "k" * 24 + "\n", 0o600, r"^warn  api keys: 1 of the 2 key\(s\) in {path} are shorter than "
+                                                 r"16 characters: within reach of guessing"),
+    ("good", "k" * 24 + "\n", 0o600, r"^ok    api keys: {path}: 1 key\(s\), readable by the deployment's user only$"),
+]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("case, text, mode, line", KEY_FILE_CASES, ids=[c[0] for c in KEY_FILE_CASES])
+def test_the_key_file_is_judged_as_the_proxy_will_read_it(tmp_path, case, text, mode, line):
+    """What made the proxy exit after the engines loaded (a missing or empty key file, a tenant the
+    inventory does not define) fails the check; a file others may read, or a short key, warns."""
+    from fleet import doctor
+    from fleet.inventory import load
+    from hostagent import apikeys
+    from fleet_helpers import write_inventory
+    path = tmp_path / "keys"
+    if text is not None:
+        path.write_text(text)
+        path.chmod(mode)
+    hv = load(write_inventory(tmp_path, instances=1)).host_vars("t", [f"proxy.api_keys_file={path}"])
+    lines = "\n".join(c.line() for c in doctor.key_file_checks(hv, apikeys.inspect(str(path), ["default"])))
+    assert re.search(line.format(path=re.escape(str(path))), lines, re.M), lines
+    assert "k" * 16 not in lines and "sk-1" not in lines          # never a key in what it says
+
+
+@pytest.mark.process
+def test_deploy_check_fails_on_a_missing_key_file_before_anything_starts(tmp_path):
+    """1. deploy --check with a key file that does not exist: the doctor's check fails it, exit 2, nothing
+    put on the host (the proxy would have exited at start, after the engines loaded)."""
+    from fleet_helpers import write_inventory
+    inventory = write_inventory(tmp_path, instances=1)
+    r = inv("deploy", "--host", "t", "--check", "-e", f"proxy.api_keys_file={tmp_path / 'nope'}", inventory=inventory)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert re.search(r"^fail  api keys: cannot read api_keys_file \S+/nope: No such file or directory", r.stdout, re.M)
+    assert "FAILED: doctor api keys" in r.stderr and "would start" not in r.stdout

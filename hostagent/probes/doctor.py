@@ -11,7 +11,7 @@ import shutil
 import subprocess
 import sys
 
-from hostagent import boothook, instances, processes, vrrp
+from hostagent import apikeys, boothook, instances, processes, vrrp
 
 
 def which(name):
@@ -137,22 +137,42 @@ def engine_facts(spec):
     return out
 
 
-def model_size(path):
-    """(exists, bytes, files) of a model path (a directory of weights or one file)."""
+# What a model directory holds for vLLM: its config, and its weights in one of these formats.
+MODEL_CONFIGS = ("config.json", "params.json")        # Hugging Face's, or Mistral's own format
+WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+MODEL_ENTRIES_READ = 10000       # a directory's own entries read at most (not its tree: /tmp is no model)
+
+
+def model_facts(path):
+    """What a model path holds, from the directory's own entries (never its subdirectories): whether it
+    exists, the bytes and count of its weight files, whether it has a config (a single file: its size)."""
     path = os.path.expanduser(path)
-    if not os.path.exists(path):
-        return False, 0, 0
+    out = {"exists": os.path.exists(path), "bytes": 0, "files": 0, "config": False, "weights": 0}
     if os.path.isfile(path):
-        return True, os.path.getsize(path), 1
-    total = count = 0
-    for root, _dirs, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.path.getsize(os.path.join(root, f))
-                count += 1
-            except OSError:
-                pass
-    return True, total, count
+        out.update(bytes=os.path.getsize(path), files=1, config=True, weights=1)
+    if not os.path.isdir(path):
+        return out
+    try:
+        with os.scandir(path) as entries:
+            for n, entry in enumerate(entries):
+                if n >= MODEL_ENTRIES_READ:
+                    break
+                out["config"] = out["config"] or entry.name in MODEL_CONFIGS
+                if entry.name.endswith(WEIGHTS) and entry.is_file():
+                    out["weights"] += 1
+                    out["bytes"] += entry.stat().st_size
+                out["files"] += 1
+    except OSError:
+        pass
+    return out
+
+
+def key_file_facts(spec):
+    """The API key file as the proxy will read it (relative to deploy_dir), or None without one."""
+    if not spec.get("api_keys_file"):
+        return None
+    path = os.path.join(os.path.expanduser(spec["deploy_dir"]), os.path.expanduser(spec["api_keys_file"]))
+    return apikeys.inspect(path, spec["tenants"])
 
 
 def pidfile_pid(path, tag):
@@ -223,12 +243,13 @@ def cores():
 def main():
     spec = json.loads(sys.argv[1])
     engine = engine_facts(spec["engine"])
-    exists, size, files = model_size(spec["model"]) if spec["check_model"] else (None, 0, 0)
+    model = model_facts(spec["model"]) if spec["check_model"] else {"exists": None, "bytes": 0, "files": 0}
     smi_code, smi_out = run(spec["smi_cmd"], 60, shell=True) if spec["smi_cmd"] else (None, "")
     where, free = disk(spec["deploy_dir"])
     json.dump({
         "engine": dict(engine, output=engine["output"][-300:]),
-        "model": {"exists": exists, "bytes": size, "files": files},
+        "model": model,
+        "api_keys": key_file_facts(spec),
         "ports": port_facts(spec),
         "smi": {"exit": smi_code, "output": smi_out},
         "tools": {name: which(name) for name in ("fuser", "ss")},

@@ -1,0 +1,46 @@
+"""A key file deploy would trip on: said before any engine starts, and a proxy that exits at start said in
+its own one sentence, with no keeper or boot hook left claiming a deployment that does not serve."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from fleet_helpers import deployment_id, inv, stop_by_own_scripts, tagged_pids, write_inventory
+
+pytestmark = pytest.mark.cluster
+
+
+def test_a_proxy_that_exits_at_start_is_its_one_sentence_and_no_keeper_starts(tmp_path):
+    """1. a key file naming a tenant the inventory does not define, deployed with --no-doctor (the doctor
+    would have refused it); 2. the instances start, the proxy exits at start: its step is the proxy's own
+    sentence, not a dump of its log; 3. no keeper runs and no boot hook is installed, each said."""
+    keys = tmp_path / "keys"
+    keys.write_text("k" * 24 + " gold\n")
+    keys.chmod(0o600)
+    inventory = write_inventory(tmp_path, instances=1)
+    try:
+        r = inv("deploy", "--host", "t", "--no-doctor", "-e", f"proxy.api_keys_file={keys}", inventory=inventory)
+        assert r.returncode == 2, r.stdout + r.stderr
+        failed = re.findall(r"^failed: proxy: (.*)$", r.stdout, re.M)
+        assert failed == [f"exited at start: api_keys_file {keys} line 1 names the tenant 'gold', which "
+                          "proxy.tenants does not define (it has default); add it there or fix the line."], r.stdout
+        assert r.stdout.count("names the tenant") == 1 and "k" * 16 not in r.stdout + r.stderr, r.stdout
+        assert "skipped: keeper: not started: the front failed above" in r.stdout, r.stdout
+        assert "skipped: boot hook: not installed: the front failed above" in r.stdout, r.stdout
+        assert not [p for p in tagged_pids(deployment_id(inventory) + "/keeper")], "a keeper runs"
+    finally:
+        stop_by_own_scripts(inventory, ["t"])
+
+
+@pytest.mark.process
+def test_deploy_without_the_doctor_refuses_a_missing_key_file_before_any_engine_starts(tmp_path):
+    """--no-doctor skips the doctor's checks; the state read before anything starts still finds a key file the
+    proxy could not start with, and the deploy stops there."""
+    inventory = write_inventory(tmp_path, instances=1)
+    r = inv("deploy", "--host", "t", "--no-doctor", "-e", f"proxy.api_keys_file={tmp_path / 'nope'}",
+            inventory=inventory)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"FAILED: api keys: cannot read api_keys_file {tmp_path / 'nope'}: No such file or directory" in r.stderr
+    assert "nothing was started" in r.stderr and not (tmp_path / "deploy" / "bin").exists()
+    assert not tagged_pids(deployment_id(inventory) + "/")
