@@ -51,6 +51,7 @@ def engine_cmd(hv: HostVars) -> list[str]:
 
 
 KEEPER_METRICS = "keeper metrics"
+KEY_FILE = "api keys"
 
 
 def read_facts(conn, hv: HostVars, deep: bool = False) -> dict:
@@ -151,7 +152,7 @@ def key_file_checks(hv: HostVars, k: dict | None) -> list[Check]:
     path = hv["proxy"]["api_keys_file"]
     if not path or k is None:
         return []
-    label = "api keys"
+    label = KEY_FILE
     if k["error"]:
         return [Check(label, "fail", k["error"].split("; ")[0].rstrip(".") + ": the proxy would exit at start",
                       f"write one key per line into {path} (`umask 077; openssl rand -hex 24 > {path}`), or "
@@ -328,4 +329,6 @@ def doctor(conn, hv: HostVars, emit: Emit = lambda line: None, report: Report | 
         # the failure list show it), so deploy does not print every check twice.
         report.add(f"doctor {c.name}", "failed" if c.status == "fail" else "ok",
                    c.message + (f"; fix: {c.fix}" if c.fix else "") if c.status == "fail" else "")
+        if c.status == "warn" and c.name == KEY_FILE:     # a secret others may read: said beside the recap too
+            report.warn(f"{c.name}: {c.message}; {c.fix}")
     return report

@@ -302,3 +302,16 @@ def test_deploy_check_fails_on_a_missing_key_file_before_anything_starts(tmp_pat
     assert r.returncode == 2, r.stdout + r.stderr
     assert re.search(r"^fail  api keys: cannot read api_keys_file \S+/nope: No such file or directory", r.stdout, re.M)
     assert "FAILED: doctor api keys" in r.stderr and "would start" not in r.stdout
+
+
+@pytest.mark.process
+def test_deploy_check_warns_beside_the_recap_of_a_key_file_others_can_read(tmp_path):
+    """The rotation recipe once left the key file 0644: deploy (here --check) says so above the recap."""
+    from fleet_helpers import write_inventory
+    inventory = write_inventory(tmp_path, instances=1)
+    keys = tmp_path / "keys"
+    keys.write_text("k" * 32 + "\n")
+    keys.chmod(0o644)
+    r = inv("deploy", "--host", "t", "--check", "-e", f"proxy.api_keys_file={keys}", inventory=inventory)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"t: WARNING: api keys: {keys} is readable by group or others (mode 0644); chmod 600 {keys}" in r.stdout
