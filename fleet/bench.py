@@ -32,7 +32,7 @@ from typing import Callable
 import aiohttp
 
 from . import smi
-from .client import entry_url
+from .client import auth_headers, entry_url, key_refused
 from .errors import FleetError
 from .facts import prepare
 from .inventory import HostVars
@@ -488,15 +488,17 @@ def check_entry(hv: HostVars, url: str) -> None:
                          f"`inv deploy --host {hv.name}` first.") from None
 
 
-async def _sweep(hv, url, model, scenarios, levels, requests, image, timeout_s, sampler, progress):
+async def _sweep(hv, url, model, scenarios, levels, requests, image, timeout_s, sampler, progress, key=""):
     out = []
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
-    async with aiohttp.ClientSession(connector=connector) as session:
+    async with aiohttp.ClientSession(connector=connector, headers=auth_headers(key)) as session:
         for sc in scenarios:
             body = request_body(sc, model, image["url"], f"fleet-bench-{sc.name}")
             # One request alone first: the latency the parallel check compares with (and a warm-up).
             single, _ = await run_level(session, url, body, 1, 1, timeout_s, lambda d, f: None)
             first = single[0]
+            if first.status == "401":
+                raise BenchError(key_refused(hv, url, key))
             if image["url"] is not None and not first.ok and _NOT_MULTIMODAL.search(first.error or ""):
                 raise BenchError(f"{hv.name}: the model {model} answers that it takes no image "
                                  f"({' '.join((first.error or '').split())[:160]}); bench it with --image none.")
@@ -537,9 +539,9 @@ async def _until_interrupted(host: str, coro):
 
 def run(hv: HostVars, scenarios: list[Scenario], levels: list[int], requests: int = 0,
         image_path: str | None = None, timeout_s: float | None = None, progress: Progress | None = None,
-        model: str = "") -> dict:
+        model: str = "", key: str = "") -> dict:
     """Benchmark one model of a host through its entry port (model: a served name; the first when
-    empty); every raw figure and the findings, as plain data.
+    empty; key: the API key sent, if any); every raw figure and the findings, as plain data.
 
     requests: requests per level (default and minimum: one per concurrent client, one wave as the
     seed's test sent); hv: prepared (absolute deploy_dir) host variables.
@@ -558,7 +560,7 @@ def run(hv: HostVars, scenarios: list[Scenario], levels: list[int], requests: in
     try:
         results = asyncio.run(_until_interrupted(hv.name, _sweep(
             hv, url + "/v1/chat/completions", served["name"], scenarios, levels, requests, image, timeout_s, sampler,
-            progress or Progress())))
+            progress or Progress(), key)))
     finally:
         close()
     for r in results:
@@ -746,7 +748,7 @@ def default_out(host: str) -> Path:
 
 def run_host(conn, hv: HostVars, emit: Callable[[str], None], scenarios: list[Scenario], levels: list[int],
              requests: int = 0, image_path: str | None = None, out_dir: str | os.PathLike | None = None,
-             progress: Progress | None = None, model: str = ""):
+             progress: Progress | None = None, model: str = "", key: str = ""):
     """The `inv bench` action on one host: run, write the reports, print the tables; a Report back.
     Every model the host serves in turn, one table each (model: only that one); with several, each
     model's reports go to OUT/MODEL.
@@ -759,7 +761,7 @@ def run_host(conn, hv: HostVars, emit: Callable[[str], None], scenarios: list[Sc
     check_writable(out_dir)   # before any load is sent: a sweep's results are not to be lost at the end
     hv = prepare(conn, hv)
     for name in models:
-        result = run(hv, scenarios, levels, requests, image_path, progress=progress, model=name)
+        result = run(hv, scenarios, levels, requests, image_path, progress=progress, model=name, key=key)
         written = write_reports(result, out_dir / name if len(models) > 1 else out_dir)
         emit(terminal_report(result))
         emit("")

@@ -35,6 +35,7 @@ from . import restart as restart_mod
 from . import remove as fleet_remove
 from . import stop as fleet_stop
 from . import top as top_mod
+from .client import api_key as key_to_send
 from .client import chat as chat_request
 from .errors import FleetError
 
@@ -50,6 +51,8 @@ COMMON_HELP = {
     "set": "KEY=VALUE: override an inventory key for this run, dotted for nested keys (repeatable)",
     "forks": "how many hosts to work on at once (default 5)",
     "wait": "when another run holds the deployment's lock, wait for it to end instead of failing at once",
+    "api_key": "the API key to send when the entry port wants one (default: $OPENAI_API_KEY, which keeps it out "
+               "of the process list); never printed",
 }
 # The only short flags, each with one meaning on every task (invoke's automatic ones are off).
 SHORT_FLAGS = {"host": "H", "inventory_": "i", "set_": "e", "forks": "f", "lines": "n"}
@@ -387,17 +390,17 @@ def render_(c, host="", out="", set_=None, inventory_=""):
         raise _error(f"cannot write {where} ({e.strerror}); choose another --out.")
 
 
-@command(help=_help("inventory", "set", host="the host whose entry port to send to", prompt="the user message",
+@command(help=_help("inventory", "set", "api_key", host="the host whose entry port to send to", prompt="the user message",
                     max_tokens="max_tokens of the request",
                     model="the model to ask (a served name, alias or adapter; default: the host's first)"))
 def chat(c, host="local", prompt="Describe a sunrise over the sea in one sentence.", max_tokens=64, set_=None,
-         inventory_="", model=""):
+         inventory_="", model="", api_key=""):
     """Send one chat completion through the host's entry port and print the answer and its backend."""
     tokens = _number(max_tokens, "--max-tokens", minimum=1)
     try:
         inv = _inventory(inventory_)
         hv = inv.host_vars(inv.select(host)[0], set_)
-        r = chat_request(hv, prompt, max_tokens=tokens, model=model)
+        r = chat_request(hv, prompt, max_tokens=tokens, model=model, key=key_to_send(api_key))
     except FleetError as e:
         raise _error(str(e))
     print(f"answer ({r['completion_tokens']} tokens, finish_reason={r['finish_reason']}, "
@@ -518,7 +521,7 @@ def doctor(c, host="", set_=None, inventory_="", forks=5, deep=False):
     _finish(_run(host, inventory_, set_, action, forks, readonly=True)[1])
 
 
-@command(help=_help("host", "inventory", "set",
+@command(help=_help("host", "inventory", "set", "api_key",
                     scenario="comma list of short, detailed, thinking (default: all three)",
                     concurrency="comma list of concurrency levels (default 8,16,32,48,64)",
                     requests="requests per level (default 0: one per concurrent client, a single wave)",
@@ -529,7 +532,7 @@ def doctor(c, host="", set_=None, inventory_="", forks=5, deep=False):
                         "directory per model under it)",
                     model="the model to load (default: every model the host serves, in turn, one table each)"))
 def bench(c, host="", inventory_="", set_=None, scenario="short,detailed,thinking",
-          concurrency="8,16,32,48,64", requests=0, image="", out="", model=""):
+          concurrency="8,16,32,48,64", requests=0, image="", out="", model="", api_key=""):
     """Load-test a host through its entry port: a concurrency sweep per scenario, tables, JSON, Markdown, SVG."""
     try:
         scenarios = bench_mod.parse_scenarios(scenario)
@@ -542,7 +545,8 @@ def bench(c, host="", inventory_="", set_=None, scenario="short,detailed,thinkin
 
     def action(conn, hv, emit):
         target = (Path(out) / hv.name if many else Path(out)) if out else None
-        return bench_mod.run_host(conn, hv, emit, scenarios, levels, n, image or None, target, model=model)
+        return bench_mod.run_host(conn, hv, emit, scenarios, levels, n, image or None, target, model=model,
+                                  key=key_to_send(api_key))
     _finish(_run(host, loaded, set_, action, forks=1, readonly=True)[1])
 
 

@@ -64,7 +64,8 @@ def test_instances_listen_on_loopback_and_the_key_is_the_only_door(tmp_path):
     4. status and doctor still see the instances (they probe the bind address)."""
     outside = outside_address()
     keys = tmp_path / "keys"
-    keys.write_text("sk-test-1\n")
+    keys.write_text("sk-test-1-long-enough\n")
+    keys.chmod(0o600)
     path = write_inventory(tmp_path, instances=2)
     path.write_text(path.read_text().replace(
         "      health_interval_s: 0.5\n", f"      health_interval_s: 0.5\n      api_keys_file: {keys}\n"))
@@ -82,7 +83,7 @@ def test_instances_listen_on_loopback_and_the_key_is_the_only_door(tmp_path):
         assert reachable(outside, proxy_port)
         assert post(proxy_port, None) == 401
         assert post(proxy_port, "sk-wrong") == 401
-        assert post(proxy_port, "sk-test-1") == 200
+        assert post(proxy_port, "sk-test-1-long-enough") == 200
         doctor = inv("doctor", "--host", "t", inventory=path)
         assert "instance 0" in doctor.stdout + doctor.stderr
         assert "WARNING" not in r.stdout + r.stderr       # open beyond loopback, with keys: no warning
@@ -181,7 +182,8 @@ def test_the_demo_host_listens_on_loopback_and_an_open_entry_port_without_keys_i
     path.write_text(yaml.safe_dump({"defaults": shipped["defaults"], "hosts": {"local": demo}}))
     dep, entry = deployment_id(path, "local"), base + 1
     keys = tmp_path / "keys"
-    keys.write_text("sk-test-1\n")
+    keys.write_text("sk-test-1-long-enough\n")
+    keys.chmod(0o600)
     try:
         r = inv("deploy", "--host", "local", inventory=path)
         assert r.returncode == 0, r.stdout + r.stderr

@@ -44,3 +44,32 @@ def test_deploy_without_the_doctor_refuses_a_missing_key_file_before_any_engine_
     assert f"FAILED: api keys: cannot read api_keys_file {tmp_path / 'nope'}: No such file or directory" in r.stderr
     assert "nothing was started" in r.stderr and not (tmp_path / "deploy" / "bin").exists()
     assert not tagged_pids(deployment_id(inventory) + "/")
+
+
+def test_chat_and_bench_send_the_key_from_the_option_or_the_environment(tmp_path, monkeypatch):
+    """1. a host with keys on; 2. chat and bench without a key: one sentence naming --api-key, exit 2 (not
+    `answered 401 ...; see inv status`); 3. with --api-key, or OPENAI_API_KEY, they are served; the key is
+    never printed nor written into bench's reports."""
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    key = "sk-" + "7" * 29
+    keys = tmp_path / "keys"
+    keys.write_text(key + "\n")
+    keys.chmod(0o600)
+    inventory = write_inventory(tmp_path, instances=1)
+    inventory.write_text(inventory.read_text().replace("    proxy:\n", f"    proxy:\n      api_keys_file: {keys}\n", 1))
+    bench = ["bench", "--host", "t", "--scenario", "short", "--concurrency", "1", "--image", "none"]
+    try:
+        inv("deploy", "--host", "t", inventory=inventory, check=True)
+        wanted = "the entry port wants an API key: --api-key (or OPENAI_API_KEY).\n"
+        for argv in (["chat", "--host", "t"], [*bench, "--out", tmp_path / "b0"]):
+            r = inv(*argv, inventory=inventory)
+            assert r.returncode == 2 and r.stderr.endswith(wanted) and "see `inv status`" not in r.stderr, r
+        r = inv("chat", "--host", "t", "--api-key", key, inventory=inventory)
+        assert r.returncode == 0 and "X-Backend" in r.stdout and key not in r.stdout + r.stderr, r
+        r = inv(*bench, "--out", tmp_path / "b1", inventory=inventory, env={"OPENAI_API_KEY": key})
+        assert r.returncode == 0 and key not in r.stdout + r.stderr, r.stdout + r.stderr
+        assert key not in (tmp_path / "b1" / "bench.json").read_text()
+        r = inv("chat", "--host", "t", "--api-key", "sk-wrong-key-but-long", inventory=inventory)
+        assert r.returncode == 2 and "refused the API key sent (401); check --api-key" in r.stderr, r
+    finally:
+        stop_by_own_scripts(inventory, ["t"])

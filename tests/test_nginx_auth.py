@@ -70,7 +70,8 @@ def test_keys_hold_on_both_fronts_and_a_changed_key_file_is_taken(tmp_path):
     nginx, NEW_KEY gets 200 and KEY 401, with no command;
     4. swap-to-proxy and the key file changed back: `deploy --check` says it would reload the proxy for
     it, `deploy` reloads it (same pid) and the old key is 401; a second deploy has nothing to do; an
-    emptied file fails the deploy's `api keys` step in one sentence and the proxy keeps its keys; SIGHUP
+    emptied file fails the doctor's check, and with --no-doctor the deploy's `api keys` step, in one
+    sentence, and the proxy keeps its keys; SIGHUP
     by hand takes a changed file too;
     5. no key appears in any file under logs/."""
     require_tool("nginx")
@@ -115,7 +116,9 @@ def test_keys_hold_on_both_fronts_and_a_changed_key_file_is_taken(tmp_path):
         r = inv("deploy", "--host", "t", inventory=inventory)
         assert "ok: proxy: already running" in r.stdout, r.stdout
         keys.write_text("# nobody yet\n")
-        r = inv("deploy", "--host", "t", inventory=inventory)
+        r = inv("deploy", "--host", "t", inventory=inventory)       # the doctor's check stops it first
+        assert r.returncode == 2 and "fail  api keys: api_keys_file" in r.stdout, r.stdout + r.stderr
+        r = inv("deploy", "--host", "t", "--no-doctor", inventory=inventory)
         assert r.returncode == 2, r.stdout + r.stderr
         assert (f"failed: api keys: api_keys_file {keys} holds no key; put one key per line, or drop the "
                 "setting. The front keeps the keys it had.") in r.stdout, r.stdout
