@@ -10,7 +10,7 @@ import shlex
 
 from hostagent import layout
 
-from . import agent, boot, entries, facts, front, launch, preflight, release, render, runlock, sync
+from . import agent, boot, drift, entries, facts, front, launch, preflight, release, render, runlock, sync
 from . import keeper as fleet_keeper
 from . import vrrp as fleet_vrrp
 from .cluster import backend_name
@@ -119,6 +119,10 @@ def _deploy(conn: Transport, hv: HostVars, emit: Emit, check: bool, diff: bool, 
             report.add(f"port {port}", "failed", sentence)
         report.status = facts.status_of(hv, found)
         return report
+    if found.get("deploy_dir_exists"):
+        for sentence in drift.sentences(hv, found, drift.read_deployed(conn, hv)):
+            emit(f"WARNING: {sentence}")        # before anything changes; beside the recap too
+            report.warn(sentence)
     keys = found.get("api_keys") or {}
     if keys.get("error") and found.get("mode") != "nginx" and not found["proxy"].get("alive"):
         # The proxy would exit at start, after the engines loaded (with the doctor on, it said so first).

@@ -13,7 +13,7 @@ import ipaddress
 import math
 from dataclasses import dataclass
 
-from hostagent import apikeys, layout
+from hostagent import layout
 
 from . import agent, boot, facts, release, smi, vrrp
 from .inventory import HostVars
@@ -73,7 +73,7 @@ def read_facts(conn, hv: HostVars, deep: bool = False) -> dict:
     spec = {"deploy_dir": hv["deploy_dir"], "deployment_id": dep, "engine": engine, "model": hv["model"],
             "check_model": hv["engine"] != "sim", "ports": ports,
             "api_keys_file": hv["proxy"]["api_keys_file"] or None,
-            "tenants": sorted({*hv["proxy"]["tenants"], apikeys.DEFAULT}),
+            "tenants": sorted(hv["proxy"]["tenants"]),
             # accelerator cpu: no card to read (its check is the cores and RAM); its smi is a Python run
             "smi_cmd": smi.smi_command(hv) if hv["accelerator"] != "cpu" else None, "vrrp": vrrp.spec(hv)}
     return agent.run_script(conn, hv, "doctor", spec, "the doctor's probe", timeout=300, env_setup=True)
@@ -167,7 +167,7 @@ def key_file_checks(hv: HostVars, k: dict | None) -> list[Check]:
                          f"chmod 600 {path}"))
     if k["short"]:
         out.append(Check(label, "warn", f"{k['short']} of the {k['keys']} key(s) in {path} are shorter than "
-                         f"{apikeys.SHORT_KEY} characters: within reach of guessing",
+                         f"{k['short_under']} characters: within reach of guessing",
                          "use longer keys, such as `openssl rand -hex 24`"))
     return out or [Check(label, "ok", f"{path}: {k['keys']} key(s), readable by the deployment's user only")]
 

@@ -70,11 +70,11 @@ def _in_order(path: str) -> list:
     return keys
 
 
-def inspect(path: str, tenants=(DEFAULT,)) -> dict:
+def inspect(path: str, tenants=()) -> dict:
     """What the doctor judges of the key file, no key in it: {"error"} (one sentence) when the proxy could
-    not read it; else how many keys, how many shorter than SHORT_KEY, the tenants its lines name that
-    tenants (proxy.tenants, with default) does not define, and the file's permission bits."""
-    out = {"error": None, "keys": 0, "short": 0, "undefined": [], "mode": None}
+    not read it; else how many keys, how many shorter than SHORT_KEY (short_under), the tenants its lines
+    name that neither tenants (proxy.tenants) nor DEFAULT is, and the file's permission bits."""
+    out = {"error": None, "keys": 0, "short": 0, "short_under": SHORT_KEY, "undefined": [], "mode": None}
     try:
         out["mode"] = os.stat(path).st_mode & 0o777
         lines = _in_order(path)
@@ -83,7 +83,7 @@ def inspect(path: str, tenants=(DEFAULT,)) -> dict:
         return out
     out["keys"] = len({k for k, _ in lines})
     out["short"] = len({k for k, _ in lines if len(k) < SHORT_KEY})
-    out["undefined"] = sorted({t for _, t in lines if t is not None and t not in tenants})
+    out["undefined"] = sorted({t for _, t in lines if t is not None and t != DEFAULT and t not in tenants})
     return out
 
 

@@ -49,7 +49,8 @@ def test_deploy_without_the_doctor_refuses_a_missing_key_file_before_any_engine_
 def test_chat_and_bench_send_the_key_from_the_option_or_the_environment(tmp_path, monkeypatch):
     """1. a host with keys on; 2. chat and bench without a key: one sentence naming --api-key, exit 2 (not
     `answered 401 ...; see inv status`); 3. with --api-key, or OPENAI_API_KEY, they are served; the key is
-    never printed nor written into bench's reports."""
+    never printed nor written into bench's reports; 4. deploy --check from another inventory file that
+    has no key file says first that the host was deployed from the other file and that keys would be off."""
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     key = "sk-" + "7" * 29
     keys = tmp_path / "keys"
@@ -71,5 +72,32 @@ def test_chat_and_bench_send_the_key_from_the_option_or_the_environment(tmp_path
         assert key not in (tmp_path / "b1" / "bench.json").read_text()
         r = inv("chat", "--host", "t", "--api-key", "sk-wrong-key-but-long", inventory=inventory)
         assert r.returncode == 2 and "refused the API key sent (401); check --api-key" in r.stderr, r
+
+        # The same host from another inventory file without the keys (FLEET_INVENTORY forgotten): said first.
+        other = tmp_path / "other.yml"
+        other.write_text(inventory.read_text().replace(f"      api_keys_file: {keys}\n", ""))
+        r = inv("deploy", "--host", "t", "--check", inventory=other)
+        warnings = [line for line in r.stdout.splitlines() if line.startswith("WARNING: ")]
+        assert warnings == [
+            f"WARNING: t was deployed from {inventory}; this run uses {other} (set FLEET_INVENTORY or -i to the "
+            "first if that is the one you mean)",
+            "WARNING: the running proxy checks API keys and this inventory sets no proxy.api_keys_file: the entry "
+            "port would take requests without a key"], r.stdout
+        assert r.stdout.index(warnings[0]) < r.stdout.index("changed: proxy: would")
     finally:
         stop_by_own_scripts(inventory, ["t"])
+
+
+@pytest.mark.unit
+def test_settings_a_deploy_would_switch_off_are_named(tmp_path):
+    """Tenants and keepalived, from the running proxy's config and the deployed files (keys: above)."""
+    from fleet import drift
+    from fleet.inventory import load
+    hv = load(write_inventory(tmp_path, instances=1)).host_vars("t")
+    found = {"proxy": {"config": {"api_keys": False, "tenants": [{"name": "default"}, {"name": "batch"}]}}}
+    said = drift.sentences(hv, found, {"inventory": hv.inventory_path, "keepalived": True})
+    assert said == ["the running proxy shares its slots among the tenant(s) batch, which this inventory's "
+                    "proxy.tenants does not define: the deploy turns them off",
+                    "keepalived of an earlier deploy runs here and this inventory sets no vrrp: the deploy leaves "
+                    "it running its old config"]
+    assert drift.sentences(hv, {"proxy": {"config": None}}, {"inventory": None, "keepalived": False}) == []

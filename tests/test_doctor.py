@@ -287,7 +287,7 @@ def test_the_key_file_is_judged_as_the_proxy_will_read_it(tmp_path, case, text, 
         path.write_text(text)
         path.chmod(mode)
     hv = load(write_inventory(tmp_path, instances=1)).host_vars("t", [f"proxy.api_keys_file={path}"])
-    lines = "\n".join(c.line() for c in doctor.key_file_checks(hv, apikeys.inspect(str(path), ["default"])))
+    lines = "\n".join(c.line() for c in doctor.key_file_checks(hv, apikeys.inspect(str(path))))
     assert re.search(line.format(path=re.escape(str(path))), lines, re.M), lines
     assert "k" * 16 not in lines and "sk-1" not in lines          # never a key in what it says
 

@@ -1,0 +1,54 @@
+"""What a deploy would undo of the running deployment without the inventory saying so in words: a run
+from another inventory file than the one the host was deployed from (forgetting FLEET_INVENTORY in a new
+shell), and settings it would switch off (API keys, tenants, virtual addresses). Deploy and `deploy
+--check` say these first; the restarts they cause are listed as always.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+
+from hostagent import layout
+
+from .inventory import HostVars
+from .transport import Transport
+
+# The header every rendered conf/proxy.yaml begins with (fleet/templates/proxy.yaml.j2).
+HEADER = re.compile(r"rendered by vllm-fleet from (.+)\.$")
+KEEPALIVED = "keepalived"
+
+
+def _same_file(a: str, b: str) -> bool:
+    return a == b or os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b))
+
+
+def read_deployed(conn: Transport, hv: HostVars) -> dict:
+    """The inventory path the deployed files name, and whether keepalived of an earlier deploy runs."""
+    d = hv["deploy_dir"]
+    conf, pid = (shlex.quote(layout.path(d, rel)) for rel in (layout.PROXY_CONF, layout.KEEPALIVED_PID))
+    r = conn.run(f"head -n 1 {conf} 2>/dev/null; test -s {pid} && echo {KEEPALIVED}; true")
+    lines = r.stdout.splitlines()
+    found = HEADER.search(lines[0]) if lines else None
+    return {"inventory": found.group(1) if found else None, "keepalived": KEEPALIVED in lines[1:] + lines[:1]}
+
+
+def sentences(hv: HostVars, found: dict, deployed: dict) -> list[str]:
+    """One sentence per thing this run would undo (found: the state probe's; deployed: read_deployed's)."""
+    out = []
+    was = deployed.get("inventory")
+    if was and hv.inventory_path and not _same_file(was, hv.inventory_path):
+        out.append(f"{hv.name} was deployed from {was}; this run uses {hv.inventory_path} (set FLEET_INVENTORY "
+                   "or -i to the first if that is the one you mean)")
+    running = (found.get("proxy") or {}).get("config") or {}
+    if running.get("api_keys") and not hv["proxy"]["api_keys_file"]:
+        out.append("the running proxy checks API keys and this inventory sets no proxy.api_keys_file: the "
+                   "entry port would take requests without a key")
+    tenants = sorted({t["name"] for t in running.get("tenants") or []} - {"default"} - set(hv["proxy"]["tenants"]))
+    if tenants:
+        out.append(f"the running proxy shares its slots among the tenant(s) {', '.join(tenants)}, which this "
+                   "inventory's proxy.tenants does not define: the deploy turns them off")
+    if deployed.get("keepalived") and not hv.vrrp_group:
+        out.append("keepalived of an earlier deploy runs here and this inventory sets no vrrp: the deploy "
+                   "leaves it running its old config")
+    return out
