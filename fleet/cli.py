@@ -356,15 +356,17 @@ def remove(c, host="", check=False, set_=None, inventory_="", forks=5, wait=Fals
 
 @command(help=_help("host", "inventory", "set", out="directory to write the rendered files into"), name="render")
 def render_(c, host="", out="", set_=None, inventory_=""):
-    """Write what deploy would put on a host into a local directory (no host contacted)."""
+    """Write what deploy would put on a host into a local directory (no host contacted).
+
+    A local host's files are deploy's exactly; an SSH host's home, when its paths use it, is a placeholder
+    (said on standard error)."""
     if not host or not out:
         raise _error("render needs --host H and --out DIR.")
     try:
         inv = _inventory(inventory_)
         names = inv.select(host)
         for name in names:
-            hv = inv.host_vars(name, set_)
-            hv = render.offline(hv, "/home/" + ((hv["ssh"] or {}).get("user") or os.environ.get("USER", "user")))
+            hv, placeholder = _render_vars(inv.host_vars(name, set_))
             target = Path(out) / name if len(names) > 1 else Path(out)
             files = sync.host_files(hv)
             # A path in the way (a file where a directory must go) fails before anything is written.
@@ -383,11 +385,27 @@ def render_(c, host="", out="", set_=None, inventory_=""):
                     print(f"wrote {path}")
                 except BrokenPipeError:      # `| head`: the files are still all written
                     runner.output_closed(sys.stdout)
+            if placeholder:
+                print(f"{name}: {placeholder}", file=sys.stderr)
     except FleetError as e:
         raise _error(str(e))
     except OSError as e:
         where = e.filename or out
         raise _error(f"cannot write {where} ({e.strerror}); choose another --out.")
+
+
+def _render_vars(hv):
+    """A host's variables as deploy resolves them, without contacting it: a local host's home and Python
+    are this machine's (deploy's exactly); an SSH host's home is a placeholder, said (None when unused)."""
+    if hv["connection"] == "local":
+        return render.offline(hv, os.path.expanduser("~"), sys.executable), None
+    user = (hv["ssh"] or {}).get("user") or os.environ.get("USER", "user")
+    home = f"/home/{user}"
+    said = None
+    if render.needs_home(hv):
+        said = (f"{home} stands for the home of {user} on the host, which render does not contact; deploy "
+                "writes the host's own (an absolute deploy_dir and model paths render exactly).")
+    return render.offline(hv, home), said
 
 
 @command(help=_help("inventory", "set", "api_key", host="the host whose entry port to send to", prompt="the user message",

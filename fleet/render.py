@@ -317,12 +317,23 @@ def context(hv: HostVars) -> dict:
     }
 
 
-def offline(hv: HostVars, home: str) -> HostVars:
+def offline(hv: HostVars, home: str, python: str = "python3") -> HostVars:
     """hv as `inv render` writes it without contacting the host: `~` in deploy_dir and the model paths
-    becomes home, and python defaults to `python3` (deploy resolves them on the host: fleet.facts.prepare)."""
+    becomes home, a relative deploy_dir goes under it, and python defaults to python (deploy resolves them
+    on the host, the same way: fleet.facts.prepare)."""
     hv = hv.at_home(lambda: home)
-    hv.vars["python"] = hv.vars["python"] or "python3"
+    if not hv.vars["deploy_dir"].startswith("/"):
+        hv.vars["deploy_dir"] = home.rstrip("/") + "/" + hv.vars["deploy_dir"]
+    hv.vars["python"] = hv.vars["python"] or python
     return hv
+
+
+def needs_home(hv: HostVars) -> bool:
+    """Whether hv's paths depend on the host's home (`~`, or a relative deploy_dir): what render cannot know
+    of a host it does not contact."""
+    paths = [hv.vars["model"], *(g.model for g in hv.groups), *(p for g in hv.groups for p in g.lora_modules.values())]
+    return not hv.vars["deploy_dir"].startswith("/") or any(p == "~" or p.startswith("~/")
+                                                             for p in (hv.vars["deploy_dir"], *paths))
 
 
 def proxy_config(hv: HostVars, slots: dict[str, int] | None = None,

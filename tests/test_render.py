@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -290,3 +291,29 @@ def test_a_models_group_path_with_a_tilde_reaches_the_engine_under_the_hosts_hom
     script = rendered(hv)["bin/start_cluster.sh"].content
     assert "ENGINE=(vllm serve /home/ops/models/a --enable-prompt-tokens-details)" in script and "ENGINE=(vllm serve /data/b --enable-prompt-tokens-details)" in script
     assert "ocr=/home/ops/lora/ocr" in script and "~/" not in script
+
+
+@pytest.mark.unit
+def test_inv_render_writes_what_deploy_puts_on_a_local_host_and_names_an_ssh_hosts_placeholder(tmp_path):
+    """render once wrote DEPLOY_DIR=/home/user/... and PYTHON=python3 where deploy put /root/... and the
+    venv's Python: a local host's files are now deploy's own (fleet.facts.prepare, then sync.host_files);
+    an SSH host whose paths use `~` gets a line naming the placeholder."""
+    from fleet import facts, sync
+    from fleet.transport import LocalTransport
+    from fleet_helpers import inv, write_inventory
+    inventory_path = write_inventory(tmp_path, instances=2)
+    inventory_path.write_text(inventory_path.read_text().replace(f"deploy_dir: {tmp_path / 'deploy'}",
+                                                                 "deploy_dir: ~/fleet-t"))
+    out = tmp_path / "out"
+    r = inv("render", "--host", "t", "--out", out, inventory=inventory_path)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    hv = facts.prepare(LocalTransport(), inventory.load(inventory_path).host_vars("t"))
+    for f in sync.host_files(hv):
+        assert (out / f.path).read_text() == f.content, f.path
+    assert sys.executable in (out / "bin" / "start_proxy.sh").read_text()
+    assert os.path.expanduser("~/fleet-t") in (out / "bin" / "start_cluster.sh").read_text()
+    r = inv("render", "--host", "k100-01", "--out", tmp_path / "k", "-e", "deploy_dir=~/vllm-fleet",
+            inventory=ROOT / "inventory" / "hosts.yml")
+    assert r.returncode == 0 and r.stderr == (
+        "k100-01: /home/aiops stands for the home of aiops on the host, which render does not contact; deploy "
+        "writes the host's own (an absolute deploy_dir and model paths render exactly).\n"), r.stderr
