@@ -5,7 +5,7 @@ Each task settles its arguments, calls one library function and prints what come
 No logic of its own lives here.
 
 One meaning per short flag on every task: -H --host, -i --inventory, -e --set (as Ansible's -e),
--f --forks (as Ansible's), -n the lines of `logs`; -h is help, nothing else. Every other option is long only.
+-f --forks (as Ansible's), -n the lines of `logs`, -v deploy's --verbose; -h is help, nothing else. Every other option is long only.
 A user error is one sentence on standard error beginning `error: `, and exit 2.
 """
 from __future__ import annotations
@@ -55,7 +55,7 @@ COMMON_HELP = {
                "of the process list); never printed",
 }
 # The only short flags, each with one meaning on every task (invoke's automatic ones are off).
-SHORT_FLAGS = {"host": "H", "inventory_": "i", "set_": "e", "forks": "f", "lines": "n"}
+SHORT_FLAGS = {"host": "H", "inventory_": "i", "set_": "e", "forks": "f", "lines": "n", "verbose": "v"}
 # Options that take a whole number: shown as INT in help, checked with a one-sentence error.
 WHOLE_NUMBERS = {"forks", "lines", "instance", "max_tokens", "requests"}
 HELP_FLAGS = ("--help", "-h")
@@ -286,14 +286,16 @@ def _instance_number(instance):
                     diff="show a unified diff of every rendered file against the host's copy",
                     doctor="run the doctor's checks first and stop on a failure (default; --no-doctor skips)",
                     restart="restart each instance whose launch differs from the inventory's, one at a time "
-                            "(default; --no-restart leaves them running their previous settings, and says which)"))
+                            "(default; --no-restart leaves them running their previous settings, and says which)",
+                    verbose="list each new file put (else one line counts them)"))
 def deploy(c, host="", check=False, diff=False, set_=None, inventory_="", forks=5, doctor=True, wait=False,
-           restart=True):
-    """Render, put changed files, start the instances (staggered), roll those whose launch changed, start
-    the proxy, wait for /health."""
+           restart=True, verbose=False):
+    """Render, put changed files, start and roll the instances, start the proxy, wait for /health.
+
+    The instances start staggered; those whose launch changed roll one at a time."""
     def action(conn, hv, emit):
         report = fleet_deploy.deploy(conn, hv, emit, check=check, diff=diff, doctor=doctor, wait=wait,
-                                     restart=restart)
+                                     restart=restart, verbose=verbose)
         if report.status and not check:
             emit(display.status_table(report.status))
         return report
@@ -505,8 +507,9 @@ LORA_ACTIONS = ("add", "remove", "list")
                     name="add, remove: the adapter's name, which requests then give as their model",
                     path="add: the adapter's directory on the host (absolute)"))
 def lora(c, action, host="", model="", name="", path="", set_=None, inventory_="", forks=5, wait=False):
-    """Runtime LoRA adapters: add one to a model's running instances (recorded, so a restart loads it again),
-    remove one, or list each model's adapters."""
+    """Runtime LoRA adapters: add one to a model's running instances, remove one, or list them.
+
+    An added adapter is recorded, so a restart loads it again."""
     if action in HELP_FLAGS:        # as trace's id: invoke hands the first word to the action
         FleetProgram(namespace=ns, binary="inv[oke]").run(["inv", "--help", "lora"], exit=False)
         return

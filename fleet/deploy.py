@@ -10,7 +10,7 @@ import shlex
 
 from hostagent import layout
 
-from . import agent, boot, drift, entries, facts, front, launch, preflight, release, render, runlock, sync
+from . import agent, boot, display, drift, entries, facts, front, launch, preflight, release, render, runlock, sync
 from . import keeper as fleet_keeper
 from . import vrrp as fleet_vrrp
 from .cluster import backend_name
@@ -25,7 +25,7 @@ from .transport import Transport
 
 def deploy(conn: Transport, hv: HostVars, emit: Emit = lambda line: None,
            check: bool = False, diff: bool = False, doctor: bool = True, wait: bool = False,
-           restart: bool = True) -> Report:
+           restart: bool = True, verbose: bool = False) -> Report:
     """Put changed files, start what is not running, wait for /health, roll what runs a stale launch,
     start the proxy.
 
@@ -33,11 +33,12 @@ def deploy(conn: Transport, hv: HostVars, emit: Emit = lambda line: None,
     wait: when another run holds the deployment's lock, wait for it instead of failing at once.
     restart: roll each healthy instance whose recorded launch differs from the wanted one (False: leave
     it running as it is, and say so).
+    verbose: list each new file put (else one line counts them).
     """
     hv = facts.prepare(conn, hv)
     preflight.check(conn, hv, "deploy")   # the tools every step needs: one sentence naming what is missing
     with runlock.held_unless(check, conn, hv, "deploy", emit, wait):
-        return _deploy(conn, hv, emit, check, diff, doctor, restart)
+        return _deploy(conn, hv, emit, check, diff, doctor, restart, verbose)
 
 
 def entry_slots_first(conn: Transport, hv: HostVars, emit: Emit = lambda line: None, check: bool = False,
@@ -100,7 +101,7 @@ def _running_caps(hv: HostVars, running: dict) -> dict[str, tuple[int, int]]:
 
 
 def _deploy(conn: Transport, hv: HostVars, emit: Emit, check: bool, diff: bool, doctor: bool,
-            restart: bool = True) -> Report:
+            restart: bool = True, verbose: bool = False) -> Report:
     report = Report(hv.name)
     entry = entry_port_check(hv)
     if entry.status != "ok":         # said beside the recap, doctor or not: it is the inventory's choice
@@ -198,9 +199,8 @@ def _deploy(conn: Transport, hv: HostVars, emit: Emit, check: bool, diff: bool, 
             fleet_keeper.deploy(conn, hv, found, changed_files, report, emit, check)
         # Last, once what it would start runs: after a reboot, bin/boot.sh starts it all again.
         boot.deploy(conn, hv, report, emit, check)
-    for step in report.steps:
-        if step.message:
-            emit(step.line())
+    for line in display.step_lines(report.steps, verbose):
+        emit(line)
     report.status = facts.status_of(hv, facts.probe(conn, hv, readonly=check, boot=True))
     return report
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from .report import Report
+from .report import Report, Step
 
 
 def status_table(st: dict) -> str:
@@ -88,6 +88,21 @@ def failures(report: Report) -> list[str]:
     """One line per failed step."""
     lines = [f"{report.host}: UNREACHABLE: {report.unreachable}"] if report.unreachable else []
     lines += [f"{report.host}: FAILED: {s.name}: {s.message}" for s in report.steps if s.status == "failed"]
+    return lines
+
+
+def step_lines(steps: list[Step], verbose: bool = False) -> list[str]:
+    """A run's step lines, each step with a message; the new files it put as one line where the first was
+    (a first deploy puts about 80, which buried the lines that matter), each on its own with verbose."""
+    new = [s for s in steps if s.name.startswith("file ") and s.message.endswith("(new)")]
+    listed = {id(s) for s in new}
+    lines = []
+    for s in steps:
+        if new and not verbose and s is new[0]:
+            verb = s.message.removesuffix(" (new)")
+            lines.append(f"{s.status}: files: {verb} {len(new)} new file(s); -v lists them")
+        elif s.message and (verbose or id(s) not in listed):
+            lines.append(s.line())
     return lines
 
 

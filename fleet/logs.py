@@ -139,8 +139,9 @@ def trace(conn: Transport, hv: HostVars, emit: Emit, ident: str) -> Report:
     if found:
         report.add("trace", "ok", f"{len(found)} lines for {ident}")
     else:
-        report.add("trace", "ok", f"no results-log line has trace id, W3C trace id or request id {ident!r} "
+        # A failed step (exit 2, the sentence on standard error): a script must not take it for a find.
+        report.add("trace", "failed", f"no results-log line has trace id, W3C trace id or request id {ident!r} "
                    f"(searched {RESULTS_LOG}, {NGINX_ACCESS_LOG} and their "
-                   f"{hv['proxy']['results_log']['backups']} rotated files)")
-        emit(report.steps[-1].message)
+                   f"{hv['proxy']['results_log']['backups']} rotated files); check the id, and that --host is "
+                   "the entry host that served it")
     return report

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.metadata
+import inspect
 import io
 import json
 import os
@@ -30,7 +31,7 @@ from fleet import inventory as inv_mod
 
 pytestmark = pytest.mark.process
 
-SHORT = {"-H": "host", "-i": "inventory", "-e": "set", "-f": "forks", "-n": "lines"}
+SHORT = {"-H": "host", "-i": "inventory", "-e": "set", "-f": "forks", "-n": "lines", "-v": "verbose"}
 
 
 def run_cli(argv, capsys, program=None):
@@ -161,7 +162,7 @@ def test_short_flags_have_one_meaning_on_every_task():
                 seen.setdefault(flag, set()).add(name)
             if arg.name in ("host", "inventory_", "set_", "forks", "lines"):
                 assert shorts, (name, arg.name)        # the common options always have their short flag
-    assert seen["-n"] == {"logs"}
+    assert seen["-n"] == {"logs"} and seen["-v"] == {"deploy"}
     assert "h" not in {n for t in fleet.cli.ns.task_names for a in fleet.cli.ns[t].get_arguments() for n in a.names}
     # The program's own flags leave -e and -f to --set and --forks (invoke's are --echo and --config).
     core = {n for a in fleet.cli.program().core_args() for n in a.names}
@@ -529,3 +530,12 @@ def test_the_checkouts_inventory_is_named_when_used_from_another_directory(tmp_p
 def test_help_into_a_closed_pipe_ends_without_a_traceback():
     r = run_proc(["bash", "-c", f"{' '.join(map(shlex.quote, console_script()))} deploy -h | head -1"])
     assert r.returncode == 0 and r.stdout.startswith("Usage: vllm-fleet") and r.stderr == "", r.stderr
+
+
+def test_the_task_list_shows_each_tasks_whole_first_sentence(capsys):
+    """`inv --list` shows a docstring's first line: each is a whole sentence (deploy and lora were cut)."""
+    for name in fleet.cli.ns.task_names:
+        first, *rest = inspect.getdoc(fleet.cli.ns[name]).splitlines()
+        assert first.endswith(".") and (not rest or rest[0] == ""), (name, first)
+    code, out, _ = run_cli(["--list"], capsys)
+    assert code == 0 and "start and roll the instances, start the proxy, wait for /health." in " ".join(out.split())

@@ -60,7 +60,9 @@ def test_chat_and_bench_send_the_key_from_the_option_or_the_environment(tmp_path
     inventory.write_text(inventory.read_text().replace("    proxy:\n", f"    proxy:\n      api_keys_file: {keys}\n", 1))
     bench = ["bench", "--host", "t", "--scenario", "short", "--concurrency", "1", "--image", "none"]
     try:
-        inv("deploy", "--host", "t", inventory=inventory, check=True)
+        r = inv("deploy", "--host", "t", inventory=inventory, check=True)
+        assert re.search(r"^changed: files: put \d+ new file\(s\); -v lists them$", r.stdout, re.M), r.stdout
+        assert "put (new)" not in r.stdout
         wanted = "the entry port wants an API key: --api-key (or OPENAI_API_KEY).\n"
         for argv in (["chat", "--host", "t"], [*bench, "--out", tmp_path / "b0"]):
             r = inv(*argv, inventory=inventory)
@@ -101,3 +103,14 @@ def test_settings_a_deploy_would_switch_off_are_named(tmp_path):
                     "keepalived of an earlier deploy runs here and this inventory sets no vrrp: the deploy leaves "
                     "it running its old config"]
     assert drift.sentences(hv, {"proxy": {"config": None}}, {"inventory": None, "keepalived": False}) == []
+
+
+@pytest.mark.process
+def test_deploy_check_counts_the_new_files_in_one_line_and_lists_them_with_v(tmp_path):
+    inventory = write_inventory(tmp_path, instances=1)
+    r = inv("deploy", "--host", "t", "--check", inventory=inventory)
+    counted = re.findall(r"^changed: files: would put (\d+) new file\(s\); -v lists them$", r.stdout, re.M)
+    assert r.returncode == 0 and len(counted) == 1 and "(new)" not in r.stdout, r.stdout
+    r = inv("deploy", "--host", "t", "--check", "-v", inventory=inventory)
+    listed = re.findall(r"^changed: file (\S+): would put \(new\)$", r.stdout, re.M)
+    assert len(listed) == int(counted[0]) and "conf/proxy.yaml" in listed, r.stdout

@@ -54,7 +54,8 @@ def test_trace_finds_a_failed_request_after_rotation(procs, tmp_path):
     assert "request rid-bad-1" in by_otel.stdout and f"otel trace {OTEL_TRACE}" in by_otel.stdout
 
     none = inv("trace", "nobody", "--host", "t", inventory=inventory)
-    assert none.returncode == 0 and "no results-log line has trace id, W3C trace id or request id 'nobody'" in none.stdout
+    assert none.returncode == 2 and "no results-log line has trace id, W3C trace id or request id 'nobody'" in \
+        none.stderr and "no results-log line" not in none.stdout, none.stdout + none.stderr
 
     tail = inv("logs", "--host", "t", "--results", "-n", "3", inventory=inventory)
     assert tail.returncode == 0, tail.stderr
