@@ -20,7 +20,13 @@ KEEPALIVED = "keepalived"
 
 
 def _same_file(a: str, b: str) -> bool:
-    return a == b or os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b))
+    """Whether two inventory paths name one file. A relative path was relative to a directory no longer
+    known: it matches an absolute path that ends with it (the checkout's inventory/hosts.yml, from
+    vllm-fleet run elsewhere)."""
+    if a == b or os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b)):
+        return True
+    relative = [p for p in (a, b) if not os.path.isabs(os.path.expanduser(p))]
+    return len(relative) == 1 and (a if relative[0] == b else b).endswith("/" + os.path.normpath(relative[0]))
 
 
 def read_deployed(conn: Transport, hv: HostVars) -> dict:

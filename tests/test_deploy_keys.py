@@ -114,3 +114,13 @@ def test_deploy_check_counts_the_new_files_in_one_line_and_lists_them_with_v(tmp
     r = inv("deploy", "--host", "t", "--check", "-v", inventory=inventory)
     listed = re.findall(r"^changed: file (\S+): would put \(new\)$", r.stdout, re.M)
     assert len(listed) == int(counted[0]) and "conf/proxy.yaml" in listed, r.stdout
+
+
+@pytest.mark.unit
+def test_an_inventory_path_is_compared_as_a_file_not_as_text(tmp_path, monkeypatch):
+    from fleet.drift import _same_file
+    monkeypatch.chdir(tmp_path)
+    assert _same_file("inventory/hosts.yml", str(tmp_path / "inventory" / "hosts.yml"))
+    assert _same_file("inventory/hosts.yml", "/srv/checkout/inventory/hosts.yml")      # run from elsewhere
+    assert not _same_file("/etc/fleet/hosts.yml", str(tmp_path / "inventory" / "hosts.yml"))
+    assert not _same_file("hosts.yml", "/etc/fleet/other-hosts.yml")
