@@ -24,9 +24,9 @@ import pwd
 import re
 import shlex
 import shutil
+import stat
 import subprocess
 import sys
-import tempfile
 
 from hostagent import layout
 
@@ -159,13 +159,29 @@ def detect():
 
 # --- the crontab ----------------------------------------------------------------------------------
 
+def crontab_lock_path():
+    """~/.cache/vllm-fleet/crontab.lock: in the user's own home, not /tmp, where another local user could
+    make the name first and block (or, as a symlink, redirect) every install."""
+    return os.path.join(os.path.expanduser("~"), ".cache", "vllm-fleet", "crontab.lock")
+
+
 class _CrontabLock:
     """One edit of the user's crontab at a time (crontab -l, then crontab -: deploys of several hosts
     on one machine would otherwise lose each other's lines)."""
 
     def __enter__(self):
-        path = os.path.join(tempfile.gettempdir(), "vllm-fleet-crontab-%d.lock" % os.getuid())
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        path = crontab_lock_path()
+        try:
+            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+            # O_NOFOLLOW: a symlink there is refused, never followed; the owner is checked on the open file.
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise BootHookError("cannot take the crontab lock %s (%s): it must be a plain file of yours "
+                                "in a directory you can write" % (path, e.strerror or e))
+        st = os.fstat(self.fd)
+        if st.st_uid != os.getuid() or not stat.S_ISREG(st.st_mode):
+            os.close(self.fd)
+            raise BootHookError("the crontab lock %s is not a plain file of yours: remove it and retry" % path)
         fcntl.flock(self.fd, fcntl.LOCK_EX)
         return self
 

@@ -232,6 +232,58 @@ def test_install_picks_systemd_where_lingering_is_on_else_cron_and_remove_leaves
     assert boothook.show("h-1") is None
 
 
+@pytest.mark.process
+@pytest.mark.parametrize("squatter", ["held", "symlink"])
+def test_a_crontab_lock_made_first_in_tmp_neither_blocks_an_install_nor_is_followed(tmp_path, monkeypatch, squatter):
+    """The lock used to be /tmp/vllm-fleet-crontab-<uid>.lock, a name any local user can make first.
+    1. The old name is taken: a file of another user (uid 65534 when the suite is root) locked by its
+       holder for good, or a symlink to a file of ours.
+    2. install and remove (stand-in crontab) finish at once: the lock is ~/.cache/vllm-fleet/crontab.lock,
+       mode 0600, and the symlink's target is untouched.
+    3. That lock made a symlink in turn: install refuses with one sentence and follows nothing."""
+    import fcntl
+    import tempfile
+    import threading
+    tab = fake_tools(tmp_path / "bin", linger=False)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    old = Path(tempfile.gettempdir(), f"vllm-fleet-crontab-{os.getuid()}.lock")
+    target = tmp_path / "precious"
+    target.write_text("keep\n")
+    holder = None
+    if squatter == "held":
+        old.write_text("")
+        old.chmod(0o600)
+        if os.getuid() == 0:
+            os.chown(old, 65534, 65534)
+        holder = os.open(old, os.O_RDONLY)
+        fcntl.flock(holder, fcntl.LOCK_EX)
+    else:
+        old.symlink_to(target)
+    try:
+        done = []
+        t = threading.Thread(target=lambda: done.append((boothook.install("/srv/fleet", "h-1", "cron", True),
+                                                         boothook.remove("h-1"))), daemon=True)
+        t.start()
+        t.join(timeout=20)
+        assert done, "the install waited on the lock in /tmp"
+        assert done[0][0]["changed"] and done[0][1] == {"removed": ["cron"]}
+    finally:
+        if holder is not None:
+            os.close(holder)
+    assert target.read_text() == "keep\n" and not tab.exists()
+    lock = Path(boothook.crontab_lock_path())
+    assert lock.parent.parent.parent == tmp_path / "home" and lock.stat().st_mode & 0o777 == 0o600
+    lock.unlink()
+    lock.symlink_to(target)
+    with pytest.raises(boothook.BootHookError, match=r"^cannot take the crontab lock .*crontab\.lock"):
+        boothook.install("/srv/fleet", "h-1", "cron", True)
+    assert target.read_text() == "keep\n" and not tab.exists()
+
+
 # --- the local host ---------------------------------------------------------------------------------
 
 @GROUP
