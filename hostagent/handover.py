@@ -18,7 +18,8 @@ import signal
 import subprocess
 import time
 
-from . import apikeys, config, entryport, files, instances, keeper, layout, nginx_front, parts, processes, proxyadmin
+from . import (apikeys, config, entryport, files, instances, keeper, layout, logfiles, nginx_front, parts, processes,
+               proxyadmin)
 from .errors import FrontError
 
 
@@ -29,8 +30,10 @@ def ms(seconds: float) -> float:
 def preflight(cfg: dict, nginx: str | None = None) -> dict:
     """nginx found, its directories there, the upstream file written, `nginx -t` passing, the port usable."""
     nginx = nginx or nginx_front.find_nginx(cfg)
-    for d in (cfg["temp_dir"], cfg["log_dir"], config.at(cfg, layout.RUN)):
+    for d in (cfg["temp_dir"], config.at(cfg, layout.RUN)):
         os.makedirs(d, exist_ok=True)
+    logfiles.make_dir(cfg["log_dir"])
+    private_logs(cfg)                     # before `nginx -t`, which opens (and would create) them
     if not os.path.exists(cfg["upstream_file"]):
         nginx_front.write_upstream(cfg, nginx_front.check_health(cfg))
     try:
@@ -46,6 +49,19 @@ def preflight(cfg: dict, nginx: str | None = None) -> dict:
     if not nginx_front.nginx_pid(cfg) and not parts.proxy_pid(cfg)[0] and not entryport.port_free(cfg):
         raise FrontError(_stranger(cfg) + ".")
     return {"nginx": nginx, "version": _version(nginx)}
+
+
+def private_logs(cfg: dict) -> None:
+    """nginx's error and access logs made 0600 before nginx opens them (it keeps a file's mode; a file it
+    creates is 0644), a looser one tightened with a line in its error log saying so."""
+    logs = [(cfg["error_log"], 0)] + ([(cfg["access_log"], int(cfg["access_log_backups"]))]
+                                      if cfg.get("access_log") else [])
+    notes = [note for path, backups in logs for note in logfiles.tighten(path, backups)]
+    for path, _ in logs:
+        os.close(logfiles.open_fd(path))
+    if notes:
+        with logfiles.open_append(cfg["error_log"]) as f:
+            f.write("".join(f"{time.strftime('%Y/%m/%d %H:%M:%S')} [notice] vllm-fleet: {n}\n" for n in notes))
 
 
 def _stranger(cfg: dict) -> str:
@@ -74,7 +90,7 @@ def _spawn_nginx(cfg: dict, nginx: str, sock) -> int:
     fd = sock.fileno()
     os.set_inheritable(fd, True)
     env = {**parts.tagged_env(cfg, "nginx"), "NGINX": f"{fd};"}
-    err = open(cfg["error_log"], "a")
+    err = logfiles.open_append(cfg["error_log"])
     try:
         p = subprocess.Popen(nginx_front.nginx_argv(cfg, nginx), env=env, pass_fds=(fd,), cwd=cfg["deploy_dir"],
                              stdin=subprocess.DEVNULL, stdout=err, stderr=err, start_new_session=True)

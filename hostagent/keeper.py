@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import logging
-import logging.handlers
 import os
 import signal
 import socket
@@ -37,8 +36,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from . import (cards, config, exposition, files, httpcall, instances, layout, lock, parts, processes, proxyadmin,
-               restart, watch)
+from . import (cards, config, exposition, files, httpcall, instances, layout, lock, logfiles, parts, processes,
+               proxyadmin, restart, watch)
 from .errors import ConfigError, KeeperError
 from .keeper_decisions import (PROBE_RESULTS, REASONS, Crashloop, Log, MarkReady, Observed, Probe, Restart, Watch,
                                begin_restart, decide, end_restart, lock_refused)
@@ -384,19 +383,22 @@ def write_pidfile(cfg: dict) -> None:
 
 
 def setup_logging(cfg: dict) -> None:
-    """logs/keeper.log, rotated at log_max_mb, log_backups kept (as the results log)."""
+    """logs/keeper.log (0600), rotated at log_max_mb, log_backups kept (as the results log)."""
     path = config.at(cfg, layout.KEEPER_LOG)
-    handler = logging.handlers.RotatingFileHandler(path, maxBytes=int(float(cfg["log_max_mb"]) * 1024 * 1024),
-                                                   backupCount=int(cfg["log_backups"]))
+    notes = logfiles.tighten(path, int(cfg["log_backups"]))
+    handler = logfiles.RotatingFileHandler(path, maxBytes=int(float(cfg["log_max_mb"]) * 1024 * 1024),
+                                           backupCount=int(cfg["log_backups"]))
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
     root = logging.getLogger()
     root.addHandler(handler)
     root.setLevel(logging.INFO)
+    for note in notes:
+        log.warning("%s", note)
 
 
 def main(cfg: dict) -> int:
     """Run the keeper in this process until SIGTERM or SIGINT (handlers only set a flag)."""
-    os.makedirs(config.at(cfg, layout.LOGS), exist_ok=True)
+    logfiles.make_dir(config.at(cfg, layout.LOGS))
     setup_logging(cfg)
     nginx_cfg = None
     try:
@@ -428,7 +430,8 @@ def start(cfg: dict, config_path: str) -> int:
     wait until it wrote its pid file."""
     stop(cfg)
     pidfile = config.at(cfg, layout.KEEPER_PID)
-    out = open(config.at(cfg, layout.KEEPER_OUT), "a")
+    logfiles.make_dir(config.at(cfg, layout.LOGS))
+    out = logfiles.open_append(config.at(cfg, layout.KEEPER_OUT), say=True)
     p = subprocess.Popen([sys.executable, "-m", "hostagent", "keeper", "--config", config_path],
                          cwd=cfg["deploy_dir"], env=parts.tagged_env(cfg, "keeper"), stdin=subprocess.DEVNULL,
                          stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

@@ -19,6 +19,8 @@ import os
 import signal
 import sys
 
+from hostagent import logfiles
+
 CHUNK = 65536
 
 
@@ -32,14 +34,17 @@ def rotate(path: str, backups: int) -> None:
 
 
 def _open(path: str) -> int:
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    return logfiles.open_fd(path)         # 0600: the engine's output is the deployment user's alone
 
 
 def run(source: int, path: str, max_bytes: int, backups: int, rotate_first: bool = False) -> None:
     """Copy source to path until end of file, rotating by size."""
+    notes = logfiles.tighten(path, backups)
     if rotate_first and os.path.exists(path) and os.path.getsize(path) > 0:
         rotate(path, backups)
     fd = _open(path)
+    for note in notes:
+        os.write(fd, ("[hostagent.logwriter: %s]\n" % note).encode())
     size = os.fstat(fd).st_size
     dropped = 0
     while True:

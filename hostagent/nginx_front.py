@@ -10,7 +10,7 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-from . import apikeys, httpcall, layout, processes, upstream
+from . import apikeys, httpcall, layout, logfiles, processes, upstream
 from .config import at
 from .errors import FrontError
 from .parts import ours, stop_group, tagged_env
@@ -106,7 +106,7 @@ def start_watcher(cfg: dict, config_path: str, nginx: str) -> int:
     """Start the /health watcher in its own session, tagged; its pid goes to run/nginx_watch.pid."""
     stop_watcher(cfg)
     # nginx.log_dir, logs/ by default
-    log = open(os.path.join(cfg["log_dir"], os.path.basename(layout.NGINX_WATCH_LOG)), "a")
+    log = logfiles.open_append(os.path.join(cfg["log_dir"], os.path.basename(layout.NGINX_WATCH_LOG)), say=True)
     p = subprocess.Popen([sys.executable, "-m", "hostagent", "watch", "--config", config_path,
                           "--nginx", nginx], cwd=cfg["deploy_dir"], env=tagged_env(cfg, "nginx-watch"),
                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,

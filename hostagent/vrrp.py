@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 
-from hostagent import layout, parts, processes  # in the package, or bundled in front by fleet.hostcode
+from hostagent import layout, logfiles, parts, processes  # in the package, or bundled in front by fleet.hostcode
 
 CANDIDATES = ("/usr/sbin/keepalived", "/usr/local/sbin/keepalived")
 CAP_NET_ADMIN, CAP_NET_RAW = 12, 13
@@ -161,7 +161,7 @@ def start(cfg, config_path, reload, say):
         return {"action": "running", "pid": sup.pid}
     take_off(vrrp, say)
     d = cfg["deploy_dir"]
-    out = open(layout.path(d, layout.KEEPALIVED_LOG), "a")
+    out = logfiles.open_append(layout.path(d, layout.KEEPALIVED_LOG), say=True)
     env = dict(os.environ, **{layout.TAG_VAR: layout.tag(cfg["deployment_id"], "keepalived")})
     p = subprocess.Popen([sys.executable, "-m", "hostagent", "vrrp-run", "--config", config_path], cwd=d, env=env,
                          stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

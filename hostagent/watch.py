@@ -10,7 +10,7 @@ import os
 import signal
 import threading
 
-from . import apikeys, nginx_front, upstream
+from . import apikeys, logfiles, nginx_front, upstream
 
 log = logging.getLogger("hostagent.watch")
 
@@ -66,6 +66,7 @@ def rotate_access_log(cfg: dict) -> bool:
         if os.path.exists(f"{path}.{k}"):
             os.replace(f"{path}.{k}", f"{path}.{k + 1}")
     os.replace(path, f"{path}.1")
+    os.close(logfiles.open_fd(path))   # made 0600 here: one nginx makes at its reopen would be 0644
     if pid:
         os.kill(pid, signal.SIGUSR1)   # nginx: reopen log files
     log.info("access log rotated to %s.1 (kept %d)", path, backups)

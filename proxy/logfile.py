@@ -1,9 +1,13 @@
-"""The proxy's own log (logs/proxy.log): rotated by size while the proxy runs, one line per malformed request."""
+"""The proxy's own log (logs/proxy.log): rotated by size while the proxy runs, one line per malformed request.
+Both its logs (this one and the results log, which holds callers' `user` values and answer snippets) are
+the deployment user's alone: each file is created 0600 whatever the umask, rotated ones too, and one left
+looser is tightened at the proxy's start, with a line saying so."""
 from __future__ import annotations
 
 import logging
 import logging.handlers
 import os
+import stat
 import sys
 
 from aiohttp.http_exceptions import HttpProcessingError
@@ -12,6 +16,31 @@ from .config import LogConfig
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 DETAIL_CHARS = 200
+MODE, DIR_MODE = 0o600, 0o700
+
+
+def open_private(path: str, **text) -> object:
+    """path opened to append text, the file created 0600 (made so, when it was looser); text: open()'s
+    encoding and errors."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, MODE)
+    if os.fstat(fd).st_mode & 0o077:
+        os.fchmod(fd, MODE)
+    return os.fdopen(fd, "a", **text)
+
+
+def tighten(path: str, backups: int) -> list[str]:
+    """path and its rotated copies made 0600 where group or others could read them: a sentence per file
+    changed, to log (a symlink is left alone: not ours to chmod through)."""
+    notes = []
+    for p in [path] + [f"{path}.{k}" for k in range(1, backups + 1)]:
+        try:
+            st = os.lstat(p)
+            if stat.S_ISREG(st.st_mode) and st.st_mode & 0o077:
+                os.chmod(p, MODE)
+                notes.append(f"{p} was mode {stat.S_IMODE(st.st_mode):04o}, readable beyond its user: now {MODE:04o}")
+        except OSError:
+            continue
+    return notes
 
 
 class RotatingLog(logging.handlers.RotatingFileHandler):
@@ -20,10 +49,13 @@ class RotatingLog(logging.handlers.RotatingFileHandler):
     across each rotation."""
 
     def __init__(self, config: LogConfig):
-        os.makedirs(os.path.dirname(os.path.abspath(config.path)), exist_ok=True)
+        os.makedirs(os.path.dirname(os.path.abspath(config.path)), mode=DIR_MODE, exist_ok=True)
         super().__init__(config.path, maxBytes=config.max_bytes, backupCount=config.backups,
                          encoding="utf-8", errors="backslashreplace")
         self._take_std_streams()
+
+    def _open(self):
+        return open_private(self.baseFilename, encoding=self.encoding, errors=self.errors)
 
     def doRollover(self) -> None:
         super().doRollover()
@@ -56,9 +88,12 @@ class OneLineBadRequests(logging.Filter):
 def setup(config: LogConfig) -> None:
     """Log to config.path, rotated by size, when a path is given (the deployed proxy); else to standard
     error (by hand, in tests). Either way a malformed request is one line."""
+    notes = tighten(config.path, config.backups) if config.path else []
     handler: logging.Handler = RotatingLog(config) if config.path else logging.StreamHandler()
     handler.setFormatter(logging.Formatter(FORMAT))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)
     logging.getLogger("aiohttp.server").addFilter(OneLineBadRequests())
+    for note in notes:
+        logging.getLogger("proxy.logfile").warning("%s", note)

@@ -9,6 +9,7 @@ import re
 import threading
 import time
 
+from . import logfile
 from .config import ResultsLogConfig
 
 log = logging.getLogger("proxy")
@@ -202,7 +203,9 @@ class ResultsLog:
 
     def start(self) -> None:
         """Open the file (creating its directory) and start the writer thread."""
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        os.makedirs(os.path.dirname(self.path), mode=logfile.DIR_MODE, exist_ok=True)
+        for note in logfile.tighten(self.path, self.config.backups):
+            log.warning("%s", note)
         self._open()
         self._thread = threading.Thread(target=self._run, name="results-log", daemon=True)
         self._thread.start()
@@ -224,7 +227,8 @@ class ResultsLog:
     def _open(self) -> None:
         # backslashreplace: a lone surrogate (a client's broken `user`, a header byte aiohttp kept as
         # surrogateescape) is written as its JSON escape \udcff instead of killing the writer.
-        self._file = open(self.path, "a", encoding="utf-8", errors="backslashreplace")
+        # 0600: its lines hold callers' `user` values and answer snippets.
+        self._file = logfile.open_private(self.path, encoding="utf-8", errors="backslashreplace")
         self._size = self._file.tell()
 
     def _moved(self) -> bool:

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
 import urllib.request
 
 import openai
@@ -22,7 +24,11 @@ def deployed(tmp_path):
     the tests do (fleet_helpers.stop_by_own_scripts; `inv stop` is test_stop_leaves_no_tagged_process's)."""
     inventory = write_inventory(tmp_path)
     dep = deployment_id(inventory)
-    first = inv("deploy", "--host", "t", inventory=inventory)
+    loose = os.umask(0o022)       # the common default: the logs' modes below are the toolkit's own doing
+    try:
+        first = inv("deploy", "--host", "t", inventory=inventory)
+    finally:
+        os.umask(loose)
     try:
         assert first.returncode == 0, first.stdout + first.stderr
         yield inventory, dep, first, tmp_path
@@ -101,6 +107,23 @@ def test_a_changed_bind_address_restarts_the_proxy_on_it(cluster):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
     again = inv("deploy", "--host", "t", "--set", "proxy.bind=127.0.0.2", inventory=inventory)
     assert recap(again.stdout)["changed"] == 0, again.stdout
+
+
+@pytest.mark.xdist_group("deploy_local_shared")
+def test_logs_are_the_deployment_users_alone(shared_cluster):
+    """Deployed under umask 022: 1. one chat, so the results log (callers' `user` values, answer snippets)
+    has a line; 2. logs/ is 0700 and every log in it (proxy, results, keeper, each engine's) 0600."""
+    inventory, dep, _, tmp = shared_cluster
+    st = status_json(inventory)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{st['proxy']['port']}/v1", api_key="none")
+    client.chat.completions.create(model="Test-Model", max_tokens=2, user="who-reads-this",
+                                   messages=[{"role": "user", "content": "hello"}])
+    logs = tmp / "deploy" / "logs"
+    wait_until(lambda: "who-reads-this" in (logs / "req_results.log").read_text(), what="the results log line")
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in logs.iterdir()}
+    assert {"proxy.log", "req_results.log", "keeper.log", "keeper.out", "vllm_0.log", "vllm_3.log"} <= set(modes)
+    assert {name: mode for name, mode in modes.items() if mode != 0o600} == {}
+    assert stat.S_IMODE(logs.stat().st_mode) == 0o700
 
 
 @pytest.mark.xdist_group("deploy_local_shared")

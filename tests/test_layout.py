@@ -52,8 +52,8 @@ def test_layout_is_importable_alone():
 
 def test_each_probe_is_bundled_with_what_it_imports_in_dependency_order():
     assert hostcode.needs("probes.state") == ["files", "apikeys", "layout", "boothook", "httpcall", "processes", "instances",
-                                              "proxyadmin", "errors", "lora", "config", "parts", "vrrp", "observe"]
-    assert hostcode.needs("vrrp") == ["layout", "files", "processes", "errors", "config", "parts"]
+                                              "proxyadmin", "errors", "lora", "logfiles", "config", "parts", "vrrp", "observe"]
+    assert hostcode.needs("vrrp") == ["layout", "logfiles", "files", "processes", "errors", "config", "parts"]
     assert hostcode.needs("probes.top") == ["exposition", "httpcall", "layout", "files", "processes", "instances",
                                             "proxyadmin", "observe"]
     assert hostcode.needs("probes.holders") == ["files", "layout", "processes"]

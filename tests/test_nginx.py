@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import stat
 import subprocess
 import sys
 import threading
@@ -313,6 +314,8 @@ def test_request_id_forwarded_and_access_log(nginx_front):
     entry = wait_until(logged, timeout=5, what="the access-log line")[0]
     assert entry["status"] == 200 and entry["backend"] == r.getheader("X-Backend")
     assert entry["uri"] == "/v1/chat/completions" and float(entry["upstream_time"]) >= 0
+    for name in ("nginx_access.log", "nginx_error.log"):   # what callers sent: the deployment user's alone
+        assert stat.S_IMODE((deploy / "logs" / name).stat().st_mode) == 0o600, name
 
 
 @pytest.mark.xdist_group("nginx")
@@ -416,6 +419,7 @@ def test_watcher_rotates_the_access_log(tmp_path):
         assert watch.rotate_access_log(cfg)
     assert (tmp_path / "nginx_access.log.1").read_text().startswith("3\n")
     assert (tmp_path / "nginx_access.log.2").read_text().startswith("2\n")
-    assert not (tmp_path / "nginx_access.log.3").exists() and not log.exists()
+    assert not (tmp_path / "nginx_access.log.3").exists() and log.read_text() == ""
+    assert stat.S_IMODE(log.stat().st_mode) == 0o600     # made before nginx reopens it (nginx's own is 0644)
     log.write_text("small\n")
     assert not watch.rotate_access_log(cfg)

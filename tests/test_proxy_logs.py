@@ -2,8 +2,10 @@
 malformed request is one line, and a results log that cannot be written is named once with its OS error."""
 from __future__ import annotations
 
+import os
 import shutil
 import socket
+import stat
 import urllib.request
 
 import pytest
@@ -102,3 +104,36 @@ def test_unwritable_results_log_is_named_once_and_serving_goes_on(procs, tmp_pat
                what="the recovery logged with its count")
     assert "written again; 3 line(s) were dropped" in own_log.read_text()
     assert "lost-" not in results.read_text()
+
+
+def test_the_proxys_logs_are_its_users_alone_whatever_the_umask(procs, tmp_path):
+    """1. A results log and its .1 left 0644 by an earlier run; the proxy started under umask 022, its
+       own log in a directory it makes, both logs rotating at a few KiB.
+    2. The two loose files are 0600 once it runs, and proxy.log says so for each.
+    3. Chats and malformed requests until both logs rotated: every file, old and new, is 0600, and the
+       directory the proxy made is 0700."""
+    sims = start_sims(procs, tmp_path, 1)
+    logs, results = tmp_path / "logs", tmp_path / "results"
+    results.mkdir()
+    for name in ("req_results.log", "req_results.log.1"):
+        (results / name).write_text("{}\n")
+        (results / name).chmod(0o644)
+    loose = os.umask(0o022)
+    try:
+        port, _ = start_proxy(procs, tmp_path, sims, log={"path": str(logs / "proxy.log"), "max_mb": 0.004,
+                                                           "backups": 2},
+                              results_log={"path": str(results / "req_results.log"), "max_mb": 0.001, "backups": 3})
+    finally:
+        os.umask(loose)
+    said = (logs / "proxy.log").read_text()
+    for name in ("req_results.log", "req_results.log.1"):
+        assert f"{results / name} was mode 0644, readable beyond its user: now 0600" in said, said
+    for i in range(6):
+        assert chat(port, f"private-{i}") == 200
+    for i in range(40):
+        send_raw(port, BAD_REQUESTS[i % len(BAD_REQUESTS)])
+    wait_until(lambda: (results / "req_results.log.3").exists() and (logs / "proxy.log.1").exists(),
+               what="both logs rotated")
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for d in (logs, results) for p in d.iterdir()}
+    assert {name for name, mode in modes.items() if mode != 0o600} == set(), modes
+    assert stat.S_IMODE(logs.stat().st_mode) == 0o700

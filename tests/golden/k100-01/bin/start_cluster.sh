@@ -116,7 +116,7 @@ LAUNCH_OF=(
 )
 DIGEST_OF=(f85237e4bab8b975 14f6e96c18239312 5899ffd84bcd35ec dfd8a7f2aa1fcc65 6b486aa31e099941 1fae1674b0ee5a98 e94886b94694228c 3caa0b61c80f0e50)
 
-mkdir -p "$DEPLOY_DIR/run" "$DEPLOY_DIR/logs" || exit 1
+mkdir -p "$DEPLOY_DIR/run" && (umask 077 && mkdir -p "$DEPLOY_DIR/logs") || exit 1
 command -v ss >/dev/null || { echo "ss not found: install iproute2" >&2; exit 3; }
 command -v setsid >/dev/null || { echo "setsid not found: install util-linux" >&2; exit 3; }
 
