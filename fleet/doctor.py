@@ -5,7 +5,7 @@ here judge them: the engine is there (its version from its package metadata; `de
 path holds a config and weights, the API key file is one the proxy can start with (private, keys long
 enough: warnings), each port is free or ours, each card has gpu_memory_utilization x total free
 (else its holders), smi/fuser/ss are found, which boot hook brings the deployment back after a reboot (or
-what is missing), and there is room for logs.
+what is missing), there is room for logs, and the engines' IPC socket paths fit a Unix socket's.
 """
 from __future__ import annotations
 
@@ -123,6 +123,8 @@ def checks(conn, hv: HostVars, f: dict) -> list[Check]:
     status = "ok" if d["free"] >= LOG_WARN_BYTES else ("warn" if d["free"] >= LOG_FAIL_BYTES else "fail")
     out.append(Check("logs", status, f"{_gib(d['free'])} free under {d['dir']}",
                      "" if status == "ok" else "free disk space there, or move deploy_dir"))
+    if hv["engine"] == "vllm":
+        out.append(ipc_check(hv))
     return out
 
 
@@ -170,6 +172,18 @@ def key_file_checks(hv: HostVars, k: dict | None) -> list[Check]:
                          f"{k['short_under']} characters: within reach of guessing",
                          "use longer keys, such as `openssl rand -hex 24`"))
     return out or [Check(label, "ok", f"{path}: {k['keys']} key(s), readable by the deployment's user only")]
+
+
+def ipc_check(hv: HostVars) -> Check:
+    """vLLM's ZMQ sockets, deploy_dir/run/ipc/<uuid4>, must fit a Unix socket path (107 bytes): the path is
+    the rendered deploy_dir's, so the inventory alone says."""
+    n, most = layout.ipc_socket_bytes(hv["deploy_dir"]), layout.IPC_PATH_MAX
+    where = f"{layout.path(hv['deploy_dir'], layout.IPC_DIR)}/<uuid4>"
+    if n <= most:
+        return Check("ipc sockets", "ok", f"{where}: {n} of {most} bytes")
+    return Check("ipc sockets", "fail", f"{where} is {n} bytes, past the {most} a Unix socket path holds: "
+                 "the engines could not open their sockets",
+                 f"set deploy_dir to a path of {len(hv['deploy_dir'].encode()) - (n - most)} bytes or fewer")
 
 
 def _engine_check(hv: HostVars, e: dict) -> Check:

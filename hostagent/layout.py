@@ -7,7 +7,7 @@ front of scripts sent on standard input, and runs beside `processes.py` when tha
 
     run/      pid files (instance_<i>.pid, proxy.pid, keeper.pid, nginx.pid, ...), the launch each
               instance runs (instance_<i>.launch), the run lock, mode,
-              the keeper's state, the runtime LoRA adapters' record
+              the keeper's state, the runtime LoRA adapters' record, ipc/ (the engines' ZMQ sockets)
     logs/     vllm_<i>.log, proxy.log, req_results.log, keeper.log (+ rotated .1 ...)
     conf/     hostagent.json, proxy.yaml, nginx_front.json, nginx.conf, prometheus.yml, keepalived.conf
     bin/      start_cluster.sh, start_proxy.sh, stop_cluster.sh, boot.sh (what the boot hook runs),
@@ -49,6 +49,12 @@ NGINX_TEMP = RUN + "/nginx"                           # nginx's temporary files,
 KEEPALIVED_PID = RUN + "/keepalived.pid"
 KEEPALIVED_MAIN_PID = RUN + "/keepalived.main.pid"
 KEEPALIVED_VRRP_PID = RUN + "/keepalived.vrrp.pid"
+# The engines' ZMQ IPC sockets (VLLM_RPC_BASE_PATH; vLLM's default is /tmp): mode 0700, removed by a whole
+# stop. vLLM names each socket DIR/<uuid4>, and a Unix socket's path holds 107 bytes at most, so
+# deploy_dir may be IPC_PATH_MAX - len("/run/ipc/") - 36 = 62 bytes long.
+IPC_DIR = RUN + "/ipc"
+IPC_SOCKET_NAME_BYTES = 36                            # str(uuid4())
+IPC_PATH_MAX = 107                                    # sizeof(sockaddr_un.sun_path) - 1
 
 # logs/
 PROXY_LOG = LOGS + "/proxy.log"
@@ -122,6 +128,11 @@ def pidfile_instance(name):
     if name.startswith(head) and name.endswith(tail) and middle.isdigit():
         return int(middle)
     return None
+
+
+def ipc_socket_bytes(deploy_dir):
+    """The length in bytes of the longest path vLLM gives an IPC socket of this deployment."""
+    return len(path(deploy_dir, IPC_DIR).encode()) + 1 + IPC_SOCKET_NAME_BYTES
 
 
 def path(deploy_dir, rel):

@@ -21,6 +21,7 @@ fleet.hostcode) on standard input, so `inv stop` works where deploy never put th
 """
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -585,6 +586,9 @@ def stop(spec, only=None, proxy_only=False, check=False, kill=os.kill, say=print
         if n:
             say("%s: stopped %d process%s" % (t.name, n, "" if n == 1 else "es"))
     _remove_files(tlist, found, keep={members[p][0].name for p in live})
+    if whole and not live:
+        # The engines' IPC sockets (each engine's own, left behind by one killed): gone with the last engine.
+        shutil.rmtree(layout.path(spec["deploy_dir"], layout.IPC_DIR), ignore_errors=True)
     return sorted(live)
 
 

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -206,6 +207,16 @@ def procs():
     ps = Processes()
     yield ps
     ps.stop_all()
+
+
+@pytest.fixture
+def short_dir():
+    """A directory of its own with a short path, removed at the end: a deploy_dir for an engine-vllm host
+    whose doctor must pass. tmp_path's can pass 62 bytes, too long for vLLM's IPC sockets under it (the
+    doctor fails such a deploy_dir: docs/host.md)."""
+    d = Path(tempfile.mkdtemp(prefix="vf-"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture

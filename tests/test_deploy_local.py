@@ -110,9 +110,10 @@ def test_a_changed_bind_address_restarts_the_proxy_on_it(cluster):
 
 
 @pytest.mark.xdist_group("deploy_local_shared")
-def test_logs_are_the_deployment_users_alone(shared_cluster):
+def test_logs_are_the_deployment_users_alone_and_the_engines_ipc_directory_its_own(shared_cluster):
     """Deployed under umask 022: 1. one chat, so the results log (callers' `user` values, answer snippets)
-    has a line; 2. logs/ is 0700 and every log in it (proxy, results, keeper, each engine's) 0600."""
+    has a line; 2. logs/ is 0700 and every log in it (proxy, results, keeper, each engine's) 0600;
+    3. run/ipc, where vLLM would put its ZMQ sockets (VLLM_RPC_BASE_PATH), is 0700."""
     inventory, dep, _, tmp = shared_cluster
     st = status_json(inventory)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{st['proxy']['port']}/v1", api_key="none")
@@ -124,6 +125,7 @@ def test_logs_are_the_deployment_users_alone(shared_cluster):
     assert {"proxy.log", "req_results.log", "keeper.log", "keeper.out", "vllm_0.log", "vllm_3.log"} <= set(modes)
     assert {name: mode for name, mode in modes.items() if mode != 0o600} == {}
     assert stat.S_IMODE(logs.stat().st_mode) == 0o700
+    assert stat.S_IMODE((tmp / "deploy" / "run" / "ipc").stat().st_mode) == 0o700
 
 
 @pytest.mark.xdist_group("deploy_local_shared")

@@ -15,7 +15,7 @@ from fleet_helpers import inv
 
 
 @pytest.mark.process
-def test_doctor_names_a_missing_model_path_and_a_taken_port(tmp_path):
+def test_doctor_names_a_missing_model_path_and_a_taken_port(tmp_path, short_dir):
     """1. a vllm host whose model path does not exist and whose instance 1 port is taken by a process
     that is not the deployment's; 2. doctor fails naming both, each with its fix (a stranger on the keeper's
     metrics port is a warning only); 3. deploy runs the doctor first and stops before changing anything;
@@ -34,7 +34,7 @@ def test_doctor_names_a_missing_model_path_and_a_taken_port(tmp_path):
             instances: 2
             base_port: {base}
             model: {tmp_path / 'models' / 'MiniCPM-V-4_5'}
-            deploy_dir: {tmp_path / 'deploy'}
+            deploy_dir: {short_dir / 'deploy'}
             proxy: {{port: {base + 2}, admin_port: {base + 3}}}
         """))
     with socket.socket() as taken, socket.socket() as metrics:
@@ -62,7 +62,7 @@ def test_doctor_names_a_missing_model_path_and_a_taken_port(tmp_path):
 
         r = inv("deploy", "--host", "t", inventory=inventory)
         assert r.returncode == 2 and "doctor: a check failed" in r.stdout, r.stdout + r.stderr
-        assert not (tmp_path / "deploy" / "bin").exists()
+        assert not (short_dir / "deploy" / "bin").exists()
         assert "FAILED: doctor model:" in r.stderr and "FAILED: doctor port" in r.stderr
 
     moved = tmp_path / "models" / "MiniCPM-V-4_5"

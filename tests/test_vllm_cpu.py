@@ -760,15 +760,35 @@ def test_sigkill_of_api_servers_leaves_engines_that_stop_finds(cluster):
     assert [i["state"] for i in c.status()["instances"]] == ["stopped", "stopped"]
 
 
+def unix_socket_paths(pids) -> set[str]:
+    """The filesystem paths of the Unix sockets the processes pids hold (abstract ones left out)."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                m = re.fullmatch(r"socket:\[(\d+)\]", os.readlink(f"/proc/{pid}/fd/{fd}"))
+                inodes |= {m.group(1)} if m else set()
+        except OSError:
+            pass
+    rows = (line.split() for line in Path("/proc/net/unix").read_text().splitlines()[1:])
+    return {row[7] for row in rows if len(row) > 7 and row[6] in inodes and row[7].startswith("/")}
+
+
 def test_stop_leaves_no_process_and_no_listener(cluster):
     """What the tests before left running (the proxy, at least), then `inv stop`: no process in any
-    session an instance ever had, none with the tag, no listener on any port of the deployment."""
+    session an instance ever had, none with the tag, no listener on any port of the deployment. Before
+    the stop, the engines' ZMQ sockets are in deploy_dir/run/ipc (VLLM_RPC_BASE_PATH), none in /tmp;
+    after it, that directory is gone."""
     c = cluster
     proxy = c.status()["proxy"]["pid"]
     every = set(session_members(c.sessions)) | set(tagged_pids(c.dep + "/")) | {proxy}
     assert proxy and alive(proxy)
+    ipc = c.tmp / "deploy" / "run" / "ipc"
+    sockets = unix_socket_paths(session_members(c.sessions))
+    assert sockets and all(p.startswith(f"{ipc}/") for p in sockets), sockets
     r = c.inv("stop", timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
+    assert not ipc.exists(), sorted(os.listdir(ipc))
     wait_until(lambda: gone(every), timeout=30, what="every process of the deployment gone")
     assert not session_members(c.sessions) and not tagged_pids(c.dep + "/")
     for port in [*c.ports, c.proxy_port, c.admin_port]:

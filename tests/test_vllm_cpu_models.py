@@ -122,7 +122,7 @@ class Host:
 @pytest.fixture(scope="module")
 def host(tmp_path_factory):
     engine_venv()
-    tmp = tmp_path_factory.mktemp("vllm-cpu-models")
+    tmp = tmp_path_factory.mktemp("vcm")     # short: deploy_dir/run/ipc/<uuid4> must fit 107 bytes
     h = Host(tmp)
     make(tmp / "model-a", tmp / "model-b", h.adapter)
     r = h.inv("deploy")

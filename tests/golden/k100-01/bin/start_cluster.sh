@@ -116,7 +116,11 @@ LAUNCH_OF=(
 )
 DIGEST_OF=(f85237e4bab8b975 14f6e96c18239312 5899ffd84bcd35ec dfd8a7f2aa1fcc65 6b486aa31e099941 1fae1674b0ee5a98 e94886b94694228c 3caa0b61c80f0e50)
 
-mkdir -p "$DEPLOY_DIR/run" && (umask 077 && mkdir -p "$DEPLOY_DIR/logs") || exit 1
+# The engines' ZMQ IPC sockets: in the deployment's own directory (0700), not the world's /tmp; a whole
+# stop removes it. Set after env_setup, so this deployment's directory is the one every instance uses.
+export VLLM_RPC_BASE_PATH="$DEPLOY_DIR/run/ipc"
+mkdir -p "$DEPLOY_DIR/run" && (umask 077 && mkdir -p "$DEPLOY_DIR/logs" "$VLLM_RPC_BASE_PATH") &&
+    chmod 700 "$VLLM_RPC_BASE_PATH" || exit 1
 command -v ss >/dev/null || { echo "ss not found: install iproute2" >&2; exit 3; }
 command -v setsid >/dev/null || { echo "setsid not found: install util-linux" >&2; exit 3; }
 
