@@ -337,11 +337,13 @@ class TenantSettings(Section):
         "The most requests of the tenant that may wait for a slot; beyond, 429 with `Retry-After` naming "
         "the limit. Null: only `proxy.queue.max` bounds them.")
     requests_per_minute: _limit(1, 1_000_000_000) = doc(None,
-        "A token bucket of requests per minute (a full minute's burst); empty: 429 with `Retry-After`.")
+        "A token bucket of requests per minute (a full minute's burst); empty: 429 with `Retry-After`. In an "
+        "active-active entry pair each entry admits its weighted share, the whole once alone (docs/entry-ha.md).")
     tokens_per_minute: _limit(1, 1_000_000_000_000) = doc(None,
         "A token bucket of tokens per minute: a request takes its prompt's tokens as the proxy reckons them "
         "at admission (with `routing.policy: least_conn`, its body's bytes / 4), corrected by its answer's "
-        "`usage` when it ends; below 1: 429 with `Retry-After`.")
+        "`usage` when it ends; below 1: 429 with `Retry-After`. Split between active-active entries as "
+        "`requests_per_minute` is.")
 
 
 class OtlpSettings(Section):

@@ -262,7 +262,8 @@ def make_admin_app(proxy: Proxy) -> web.Application:
                                             "tenant_reserve": c.queue.tenant_reserve},
                                   "queued": proxy.router.queued,
                                   "tenants": [{"name": t.name, "weight": t.weight, "in_flight": t.in_flight,
-                                               "queued": t.queued, **{k: v for k, v in
+                                               "queued": t.queued, "admits_per_minute": t.admits_per_minute(),
+                                               **{k: v for k, v in
                                                                       dataclasses.asdict(t.config).items()
                                                                       if k != "weight"}}
                                               for t in proxy.tenants.by_name.values()],
