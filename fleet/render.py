@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 import posixpath
+import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,7 @@ from hostagent import layout
 
 from . import accelerators
 from . import cluster
+from . import schema
 from .cluster import address, backend_name
 from .errors import TemplateError
 from .inventory import HostVars
@@ -59,6 +61,23 @@ def nginx_time(seconds: float) -> str:
     """Seconds as an nginx time, to the millisecond (0.5 -> `500ms`; `| int` gave `0s`)."""
     ms = max(1, round(seconds * 1000))
     return f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms}ms"
+
+
+def nginx_routes(open_routes: list[str]) -> list[str]:
+    """The keys of nginx.conf's map of "$request_method $uri" to the routes that reach the engines: the
+    inference API and open_routes, each a case-sensitive regex (a map's plain strings ignore case)."""
+    keys = []
+    for method, path in [*schema.INFERENCE_ROUTES, *(_route(r) for r in open_routes)]:
+        pattern = "".join("[^/]+" if part.startswith("{") else re.escape(part)
+                          for part in re.split(r"(\{\w+\})", path))
+        keys.append(f"~^{method or '[A-Z]+'} {pattern}$")
+    return keys
+
+
+def _route(entry: str) -> tuple[str | None, str]:
+    """An open route as (method or None: every method, path)."""
+    method, _, path = entry.rpartition(" ")
+    return method or None, path
 
 
 def environment() -> jinja2.Environment:
@@ -314,6 +333,7 @@ def context(hv: HostVars) -> dict:
         "front_local": layout.local_address(v["proxy"]["bind"]),
         "share": share(hv),
         "hash_seed": hash_seed(hv),
+        "engine_routes": nginx_routes(v["proxy"]["open_routes"]),
     }
 
 

@@ -134,6 +134,40 @@ AcceleratorKind = Annotated[str, _fails(lambda v: v in accelerators.KINDS),
                             Field(description="one of " + ", ".join(accelerators.KINDS))]
 
 
+# The engines' routes the entry port passes on, on both fronts (proxy/routes.py has the same list;
+# tests/test_routes.py holds them equal): docs/proxy.md says why each is here.
+INFERENCE_ROUTES = (
+    ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/v1/models"),
+    ("POST", "/v1/responses"), ("POST", "/v1/embeddings"), ("POST", "/v1/score"), ("POST", "/v1/rerank"),
+    ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"), ("POST", "/v1/audio/transcriptions"),
+    ("POST", "/v1/audio/translations"))
+# vLLM 0.32's management routes: through the entry they would act on whichever instance the pick chose, for
+# any key holder; they are the operator's, on the instances' own ports (runtime adapters: `inv lora`).
+ENGINE_MANAGEMENT = (
+    "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/reset_prefix_cache", "/reset_mm_cache",
+    "/reset_encoder_cache", "/sleep", "/wake_up", "/release_kv_cache_memory", "/collective_rpc",
+    "/start_profile", "/stop_profile", "/pause", "/resume", "/abort_requests", "/inference/v1/abort_requests",
+    "/scale_elastic_ep", "/fault_tolerance/apply", "/init_weight_transfer_engine",
+    "/shutdown_weight_transfer_engine", "/start_weight_update", "/start_draft_weight_update",
+    "/update_weights", "/finish_weight_update", "/update_weight_version")
+ENTRY_OWN = ("/health", "/metrics", "/peer/prefixes")     # answered by the entry itself
+# `[METHOD ]/path`, segments literal or `{name}` (proxy/routes.py's OPEN_ROUTE).
+OPEN_ROUTE = re.compile(r"^(?:(GET|POST|PUT|PATCH|DELETE) )?((?:/(?:[A-Za-z0-9._~-]+|\{[A-Za-z_]\w*\}))+)$")
+
+
+def is_open_route(value: str) -> bool:
+    """A route proxy.open_routes may open: `[METHOD ]/path`, no dot segment, not the engines' management
+    and not a path the entry answers itself."""
+    m = OPEN_ROUTE.match(value)
+    return bool(m) and not any(s in (".", "..") for s in m.group(2).split("/")) and \
+        m.group(2) not in ENGINE_MANAGEMENT + ENTRY_OWN
+
+
+OpenRoutes = Annotated[list[Annotated[str, _fails(is_open_route)]], Field(
+    max_length=256, description="a list of routes, each `/path` or `METHOD /path` (a `{name}` segment takes any "
+    "one segment), none of them an engine's management route (docs/proxy.md) nor /health or /metrics")]
+
+
 class Section(BaseModel):
     """A mapping of the inventory: unknown keys refused, no type coercion (`'yes'` is not true)."""
 
@@ -303,11 +337,13 @@ class TenantSettings(Section):
         "The most requests of the tenant that may wait for a slot; beyond, 429 with `Retry-After` naming "
         "the limit. Null: only `proxy.queue.max` bounds them.")
     requests_per_minute: _limit(1, 1_000_000_000) = doc(None,
-        "A token bucket of requests per minute (a full minute's burst); empty: 429 with `Retry-After`.")
+        "A token bucket of requests per minute (a full minute's burst); empty: 429 with `Retry-After`. In an "
+        "active-active entry pair each entry admits its weighted share, the whole once alone (docs/entry-ha.md).")
     tokens_per_minute: _limit(1, 1_000_000_000_000) = doc(None,
         "A token bucket of tokens per minute: a request takes its prompt's tokens as the proxy reckons them "
         "at admission (with `routing.policy: least_conn`, its body's bytes / 4), corrected by its answer's "
-        "`usage` when it ends; below 1: 429 with `Retry-After`.")
+        "`usage` when it ends; below 1: 429 with `Retry-After`. Split between active-active entries as "
+        "`requests_per_minute` is.")
 
 
 class OtlpSettings(Section):
@@ -382,6 +418,12 @@ class ProxySettings(Section):
         "behind its weighted share of tokens; a tenant's own requests keep their order. Empty: one tenant, "
         "`default`, first come first served as before. A key file naming a tenant not defined here is refused. "
         "nginx mode cannot share slots by tenant: `swap-to-nginx` refuses a host with tenants.")
+    open_routes: OpenRoutes = doc([],
+        "Engine routes the entry port passes on beside the inference API (docs/proxy.md, \"Routes that reach "
+        "the engines\"), on both fronts, each `/path` (every method) or `METHOD /path`; e.g. `/tokenize`, "
+        "`/detokenize`, `/pooling`, `/classify`, `GET /v1/responses/{id}`. The engines' management routes "
+        "(adapters, cache resets, sleep, profiling, `/collective_rpc`) are refused: they stay the operator's, "
+        "on each instance's own port.")
 
 
 class NginxSettings(Section):

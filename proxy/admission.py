@@ -79,6 +79,13 @@ class Bucket:
         self._fill()
         self.level = min(self.capacity, self.level - amount)
 
+    def resize(self, per_minute: int) -> None:
+        """Take a new rate (this entry's share of a limit changed): the level keeps its fraction of the
+        capacity, so a share that grows does not hand out at once what the other entry already admitted."""
+        self._fill()
+        self.level *= per_minute / self.capacity
+        self.capacity, self.rate = float(per_minute), per_minute / 60.0
+
 
 @dataclass
 class Tenant:
@@ -94,22 +101,22 @@ class Tenant:
     def __post_init__(self) -> None:
         self.configure(self.config)
 
-    def configure(self, config: TenantConfig) -> None:
-        """Take new settings (a reload); a bucket whose rate changed starts full at the new rate."""
+    def configure(self, config: TenantConfig, part: Callable[[int], int] = int) -> None:
+        """Take new settings (a reload): a bucket whose limit changed starts full; part(limit) is what this
+        entry admits of a limit (its share in an active-active pair), and a bucket whose part alone
+        changed keeps its level's fraction (Bucket.resize)."""
         old, self.config = self.config, config
-        rpm, tpm = config.requests_per_minute, config.tokens_per_minute
-        if rpm is None:
-            self.requests = None
-        elif self.requests is None or old.requests_per_minute != rpm:
-            self.requests = Bucket(rpm)
-        if tpm is None:
-            self.tokens = None
-        elif self.tokens is None or old.tokens_per_minute != tpm:
-            self.tokens = Bucket(tpm)
+        self.requests = _bucket(self.requests, old.requests_per_minute, config.requests_per_minute, part)
+        self.tokens = _bucket(self.tokens, old.tokens_per_minute, config.tokens_per_minute, part)
 
     @property
     def weight(self) -> int:
         return self.config.weight
+
+    def admits_per_minute(self) -> dict:
+        """What this proxy admits of each per-minute limit (its part in an active-active pair); None: no limit."""
+        return {"requests": self.requests and int(self.requests.capacity),
+                "tokens": self.tokens and int(self.tokens.capacity)}
 
     @property
     def may_run(self) -> bool:
@@ -165,22 +172,39 @@ class Tenant:
             self.tokens.take(actual - estimate)
 
 
-class Tenants:
-    """The proxy's tenants by name: those of the config's `tenants`, and `default`, always there."""
+def _bucket(bucket: Bucket | None, was: int | None, limit: int | None, part: Callable[[int], int]) -> Bucket | None:
+    """The bucket of a limit now `limit` (None: no limit) that was `was`, this entry admitting part(limit)."""
+    if limit is None:
+        return None
+    if bucket is None or was != limit:
+        return Bucket(part(limit))
+    if bucket.capacity != part(limit):
+        bucket.resize(part(limit))
+    return bucket
 
-    def __init__(self, configs: dict[str, TenantConfig] | None = None):
+
+class Tenants:
+    """The proxy's tenants by name: those of the config's `tenants`, and `default`, always there.
+
+    part(limit): what this proxy admits of a per-minute limit; behind a virtual address with active-active
+    entries its share (proxy/share.py, as it splits slots), so the entries together admit the limit."""
+
+    def __init__(self, configs: dict[str, TenantConfig] | None = None, part: Callable[[int], int] = int):
         self.by_name: dict[str, Tenant] = {}
+        self.part = part
         self.update(configs or {})
 
     def update(self, configs: dict[str, TenantConfig]) -> None:
-        """Take a reloaded `tenants` section: a kept tenant keeps its counts; a dropped one keeps them
-        until its requests end (they hold its object), and is then forgotten."""
+        """Take a reloaded `tenants` section (or a new split: the same section again): a kept tenant keeps
+        its counts; a dropped one keeps them until its requests end (they hold its object), and is then
+        forgotten."""
         wanted = {DEFAULT: TenantConfig(), **configs}
         for name, config in wanted.items():
             if name in self.by_name:
-                self.by_name[name].configure(config)
+                self.by_name[name].configure(config, self.part)
             else:
-                self.by_name[name] = Tenant(name, config)
+                self.by_name[name] = tenant = Tenant(name)     # no limits yet: its buckets come from part
+                tenant.configure(config, self.part)
         for name in [n for n in self.by_name if n not in wanted]:
             del self.by_name[name]
 

@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .balancer import Backend
 from .config import ProxyConfig, keys_digest
-from .forward import TRACE_ID, json_error, list_models, proxy_handler
+from .forward import TRACE_ID, json_error, list_models, new_request_id, proxy_handler
 from . import share
 from .models import entries_of
 from .state import PROXY, Proxy
@@ -185,6 +185,20 @@ async def _on_prepare(request: web.Request, response: web.StreamResponse) -> Non
         response.headers["Connection"] = "close"  # headers are already prepared when this hook runs
 
 
+# nginx.conf.j2's @not_found says the same.
+NOT_SERVED = ("not found: the entry port serves the inference API (docs/proxy.md, Routes that reach the engines), "
+              "/health and /metrics")
+
+
+async def engine_route(request: web.Request) -> web.StreamResponse:
+    """Any other request: passed on to the engines when its route is on the list (proxy/routes.py), else
+    404 here, whatever the API key (nginx mode answers the same)."""
+    if request.app[PROXY].config.routes.allows(request.method, request.raw_path):
+        return await proxy_handler(request)
+    return json_error(404, NOT_SERVED, "NotFoundError",
+                      {"X-Request-Id": request.headers.get("X-Request-Id") or new_request_id()})
+
+
 async def peer_prefixes(request: web.Request) -> web.Response:
     """A peer entry's proxy reads this proxy's latest prefix decisions (proxy/share.py)."""
     try:
@@ -198,7 +212,7 @@ async def peer_prefixes(request: web.Request) -> web.Response:
 
 
 def make_app(config: ProxyConfig, config_path: str | None = None) -> web.Application:
-    """The public application: everything under /v1/ proxied, plus /health and /metrics."""
+    """The public application: the engines' inference routes proxied, plus /health and /metrics."""
     app = web.Application(client_max_size=config.max_body_bytes)
     app[PROXY] = Proxy(config, config_path)
     app.cleanup_ctx.append(_context)
@@ -207,7 +221,7 @@ def make_app(config: ProxyConfig, config_path: str | None = None) -> web.Applica
     app.router.add_get("/metrics", metrics)
     app.router.add_get(share.FEED_PATH, peer_prefixes)
     app.router.add_get("/v1/models", list_models)   # the models form answers it; the plain form forwards it
-    app.router.add_route("*", "/v1/{tail:.*}", proxy_handler)
+    app.router.add_route("*", "/{tail:.*}", engine_route)    # the allow-list: proxy/routes.py
     return app
 
 
@@ -248,11 +262,12 @@ def make_admin_app(proxy: Proxy) -> web.Application:
                                             "tenant_reserve": c.queue.tenant_reserve},
                                   "queued": proxy.router.queued,
                                   "tenants": [{"name": t.name, "weight": t.weight, "in_flight": t.in_flight,
-                                               "queued": t.queued, **{k: v for k, v in
+                                               "queued": t.queued, "admits_per_minute": t.admits_per_minute(),
+                                               **{k: v for k, v in
                                                                       dataclasses.asdict(t.config).items()
                                                                       if k != "weight"}}
                                               for t in proxy.tenants.by_name.values()],
-                                  "routing": dataclasses.asdict(c.routing),
+                                  "routing": dataclasses.asdict(c.routing), "open_routes": list(c.open_routes),
                                   "otlp": dataclasses.asdict(c.otlp),
                                   "share": None if c.share is None else {
                                       "me": c.share.entries[c.share.me].name,

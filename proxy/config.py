@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from .admission import DEFAULT, TENANT_KEYS, TenantConfig
+from .routes import Routes, compiled, parse_route
 from .routing import POLICIES, RoutingConfig
 
 MIB = 1024 * 1024
@@ -154,6 +155,12 @@ class ProxyConfig:
     otlp: OtlpConfig = OtlpConfig()
     tenants: dict = field(default_factory=dict)   # name -> TenantConfig; `default` is there without it
     share: ShareConfig | None = None  # active-active entries: this proxy's share of every backend's slots
+    open_routes: tuple[str, ...] = ()  # engine routes passed on beside the inference API (proxy/routes.py)
+
+    @property
+    def routes(self) -> Routes:
+        """The routes of the engines the public port passes on."""
+        return compiled(self.open_routes)
 
     @property
     def max_body_bytes(self) -> int:
@@ -164,7 +171,7 @@ class ProxyConfig:
 TOP_KEYS = ("listen", "admin", "backends", "health", "timeout_s", "connect_timeout_s",
             "max_body_mb", "results_log", "log", "retries", "max_fails", "shutdown_timeout_s",
             "fix_numeric_user", "api_keys_file", "slots", "queue", "models", "routing", "otlp", "tenants",
-            "share")
+            "share", "open_routes")
 ROUTING_KEYS = tuple(f.name for f in fields(RoutingConfig))
 POOL_KEYS = ("name", "aliases", "adapters", "slots", "backends")
 
@@ -286,7 +293,21 @@ def parse_config(data: Any, source: str = "config") -> ProxyConfig:
         otlp=_otlp(top.get("otlp", {})),
         tenants=_tenants(top.get("tenants")),
         share=_share(top.get("share")),
+        open_routes=_open_routes(top.get("open_routes")),
     )
+
+
+def _open_routes(value: Any) -> tuple[str, ...]:
+    """open_routes: a list of `[METHOD ]/path` (a `{name}` segment matches any one segment)."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise ConfigError("open_routes must be a list of routes, each `/path` or `METHOD /path`.")
+    for entry in value:
+        if parse_route(entry) is None:
+            raise ConfigError(f"open_routes: {entry!r} is not `/path` or `METHOD /path` (GET, POST, PUT, PATCH, "
+                              "DELETE; segments of letters, digits, '.', '_', '~', '-', or `{name}`).")
+    return tuple(value)
 
 
 def _share(value: Any) -> ShareConfig | None:

@@ -56,6 +56,7 @@ class Router:
         self.alive: frozenset[int] | None = None
         self.peer_feeds: dict[str, tuple[str, int]] = {}   # peer entry -> its feed's id and last seq read
         self.peer_mismatch: set[str] = set()                # peers whose block hashes differ (logged once)
+        self.peer_warned: set[tuple[str, str]] = set()     # (peer, kind) of trouble logged once (proxy/share.py)
         self.update(config)
 
     @property

@@ -48,7 +48,8 @@ def split(slots: int, weights: list[int]) -> list[int]:
 
 def my_slots(slots: int, share: ShareConfig | None, alive: frozenset[int] | None) -> int:
     """This proxy's slots of a backend that has `slots` (0: no limit, kept), given which entries serve
-    (None: not polled yet, so every entry counts: the smaller share until the peers are known)."""
+    (None: not polled yet, so every entry counts: the smaller share until the peers are known). A tenant's
+    per-minute limits are split the same way (proxy/state.py), so the entries together admit the limit."""
     if share is None or slots == 0 or not share.split:
         return slots
     serving = [i for i, _ in enumerate(share.entries) if alive is None or i in alive or i == share.me]
@@ -57,31 +58,51 @@ def my_slots(slots: int, share: ShareConfig | None, alive: frozenset[int] | None
 
 
 async def poll(proxy) -> None:
-    """Poll the peers' /health every health interval; when the set that serves changes, the router takes
-    the new shares (requests in flight keep their slots; new ones see the new count)."""
+    """Poll the peers every health interval. A round that fails (a bug, a peer's answer nothing checked
+    for) is logged, once for each kind, and the next round runs: the split must never freeze."""
     while True:
         share = proxy.config.share
         if share is not None:
-            timeout = aiohttp.ClientTimeout(total=min(proxy.config.health.timeout_s, 2.0))
-            found = await asyncio.gather(*(_answers(proxy.session, e.health, timeout)
-                                           for e in share.entries if e.health))
-            peers = [i for i, e in enumerate(share.entries) if e.health]
-            alive = frozenset([share.me] + [i for i, ok in zip(peers, found) if ok])
-            if alive != proxy.router.alive:
-                was = proxy.router.alive
-                proxy.router.alive = alive
-                proxy.router.update(proxy.config)
-                log.info("share: entries serving %s (were %s): this proxy's slots now %s", sorted(
-                    share.entries[i].name for i in alive), "unknown" if was is None else sorted(
-                    share.entries[i].name for i in was), proxy.router.slot_summary())
-            learners = [pool.policy for pool in proxy.router.pools.values() if pool.policy.shares_routing]
-            for policy in learners:
-                policy.keep_feed()    # a policy made anew by a reload starts its feed here
-            if learners:
-                for i in alive:
-                    if i != share.me:
-                        await _learn(proxy, share.entries[i].name, share.entries[i].health, timeout)
+            try:
+                await _round(proxy, share)
+            except Exception as e:
+                _warn_once(proxy, "", f"round {type(e).__name__}", "share: a poll round failed (%s: %s); the "
+                           "next one runs in proxy.health_interval_s", type(e).__name__, e)
         await asyncio.sleep(proxy.config.health.interval_s)
+
+
+async def _round(proxy, share: ShareConfig) -> None:
+    """One poll: the peers' /health; when the set that serves changes, the router takes the new shares of
+    the slots and the tenants of the per-minute limits (requests in flight keep their slots; new ones see
+    the new count); then what the serving peers' prefix routing decided since the last round."""
+    timeout = aiohttp.ClientTimeout(total=min(proxy.config.health.timeout_s, 2.0))
+    found = await asyncio.gather(*(_answers(proxy.session, e.health, timeout)
+                                   for e in share.entries if e.health))
+    peers = [i for i, e in enumerate(share.entries) if e.health]
+    alive = frozenset([share.me] + [i for i, ok in zip(peers, found) if ok])
+    if alive != proxy.router.alive:
+        was = proxy.router.alive
+        proxy.router.alive = alive
+        proxy.router.update(proxy.config)
+        proxy.tenants.update(proxy.config.tenants)
+        log.info("share: entries serving %s (were %s): this proxy's slots now %s", sorted(
+            share.entries[i].name for i in alive), "unknown" if was is None else sorted(
+            share.entries[i].name for i in was), proxy.router.slot_summary())
+    learners = [pool.policy for pool in proxy.router.pools.values() if pool.policy.shares_routing]
+    for policy in learners:
+        policy.keep_feed()    # a policy made anew by a reload starts its feed here
+    if learners:
+        for i in alive:
+            if i != share.me:
+                await _learn(proxy, share.entries[i].name, share.entries[i].health, timeout)
+
+
+def _warn_once(proxy, peer: str, kind: str, message: str, *args) -> None:
+    """Log a peer's trouble (peer "" : the poll's own) the first time it is of this kind; a good answer
+    from the peer clears its kinds (proxy.router.peer_warned), so trouble that comes back is told again."""
+    if (peer, kind) not in proxy.router.peer_warned:
+        proxy.router.peer_warned.add((peer, kind))
+        log.warning(message, *args)
 
 
 def feed(proxy, since: int, feed_id: str | None, remote: str | None) -> dict | None:
@@ -112,24 +133,49 @@ async def _learn(proxy, name: str, health: str, timeout: aiohttp.ClientTimeout) 
         async with proxy.session.get(url, params={"since": str(seen[1]), "id": seen[0]}, timeout=timeout) as r:
             if r.status != 200:
                 return
-            got = await r.json()
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+            got = await r.json(content_type=None)
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
         return
-    if not isinstance(got, dict) or got.get("probe") != HASH_PROBE:
+    except ValueError:
+        return _warn_once(proxy, name, "json", "share: %s's %s answer is not JSON; its routing is not learned "
+                          "until it is (asked again every round)", name, FEED_PATH)
+    if isinstance(got, dict) and got.get("probe") is not None and got.get("probe") != HASH_PROBE:
         if name not in proxy.router.peer_mismatch:
             proxy.router.peer_mismatch.add(name)
             log.warning("share: %s's prefix block hashes are not this proxy's (another PYTHONHASHSEED or "
                         "Python): its routing is not learned; start both with the rendered start script", name)
         return
+    feed_answer = _feed_answer(got)
+    if feed_answer is None:
+        return _warn_once(proxy, name, "shape", "share: %s's %s answer is not a feed ({id, seq, probe, pools}); "
+                          "its routing is not learned until it is (asked again every round)", name, FEED_PATH)
     proxy.router.peer_mismatch.discard(name)
-    proxy.router.peer_feeds[name] = (str(got.get("id", "")), int(got.get("seq", 0)))
-    for pool_name, decisions in (got.get("pools") or {}).items():
+    proxy.router.peer_warned -= {(name, kind) for kind in ("json", "shape")}
+    feed_id, seq, pools = feed_answer
+    proxy.router.peer_feeds[name] = (feed_id, seq)
+    for pool_name, decisions in pools.items():
         pool = proxy.router.pools.get(pool_name)
         if pool is None or not pool.policy.shares_routing:
             continue
         for backend, blocks in decisions:
             if backend in pool.backends:
                 pool.policy.adopt(backend, blocks)
+
+
+def _feed_answer(got) -> tuple[str, int, dict] | None:
+    """A peer's FEED_PATH answer as (feed id, seq, {pool: [[backend, blocks]]}), checked to the last block
+    hash (what feed() answers); None when it is anything else."""
+    if not isinstance(got, dict) or got.get("probe") != HASH_PROBE:
+        return None
+    feed_id, seq, pools = got.get("id"), got.get("seq"), got.get("pools")
+    if not isinstance(feed_id, str) or type(seq) is not int or seq < 0 or not isinstance(pools, dict):
+        return None
+    for decisions in pools.values():
+        if not isinstance(decisions, list) or len(decisions) > FEED_LIMIT or not all(
+                isinstance(d, list) and len(d) == 2 and isinstance(d[0], str) and isinstance(d[1], list)
+                and all(type(h) is int for h in d[1]) for d in decisions):
+            return None
+    return feed_id, seq, pools
 
 
 async def _answers(session: aiohttp.ClientSession, url: str, timeout: aiohttp.ClientTimeout) -> bool:

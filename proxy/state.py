@@ -15,6 +15,7 @@ from .metrics import Metrics
 from .models import Router
 from .otlp import SpanExport
 from .results_log import ResultsLog
+from .share import my_slots
 
 log = logging.getLogger("proxy")
 
@@ -26,8 +27,9 @@ class Proxy:
         self._use(config)
         self.config_path = config_path
         self.api_keys = load_api_keys(config.api_keys_file, tenant_names(config))
-        self.tenants = Tenants(config.tenants)   # `default` and those of config.tenants: counts, buckets
         self.router = Router(config)     # the pools: one of every backend, or one per served model
+        # `default` and those of config.tenants: counts, buckets of this proxy's part of their limits
+        self.tenants = Tenants(config.tenants, part=self.limit_part)
         self.metrics = Metrics(lambda: self.router, lambda: self.tenants)
         self.metrics.cover(self.router.backends)     # each backend's series at 0 from the start
         self.metrics.cover_tenants(self.tenants.names())
@@ -92,6 +94,11 @@ class Proxy:
                  ", ".join(added) or "none", ", ".join(removed) or "none",
                  ", API keys on" if keys is not None else "")
         return True
+
+    def limit_part(self, limit: int) -> int:
+        """What this proxy admits of a tenant's per-minute limit: all of it, or, with active-active entries,
+        its share, split as its slots are (proxy/share.py), so the entries together admit the limit."""
+        return my_slots(limit, self.config.share, self.router.alive)
 
     def _refused(self, why: str) -> bool:
         log.error("reload refused, the running config stays: %s", why)

@@ -433,6 +433,21 @@ def test_add_loads_the_adapter_on_every_instance_of_its_model(sim):
 
 @pytest.mark.cluster
 @pytest.mark.xdist_group("lora_deploy")
+def test_the_entry_port_refuses_the_adapter_routes(sim):
+    """runtime_lora: true, rt-a loaded by `inv lora` (through the instances' own ports): a caller's
+    unload of rt-a and load of its own adapter through the entry port are the proxy's 404; nothing changed."""
+    for path, body in (("/v1/unload_lora_adapter", {"lora_name": "rt-a"}),
+                       ("/v1/load_lora_adapter", {"lora_name": "mine", "lora_path": str(sim.adapter)})):
+        req = urllib.request.Request(f"http://127.0.0.1:{sim.base + 3}{path}", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=10)
+        assert e.value.code == 404 and "Routes that reach the engines" in json.loads(e.value.read())["error"]["message"]
+    assert all("rt-a" in sim.models(i) and "mine" not in sim.models(i) for i in (0, 1))
+
+
+@pytest.mark.cluster
+@pytest.mark.xdist_group("lora_deploy")
 def test_list_and_status_show_the_adapters(sim):
     r = sim.inv("lora", "list")
     assert r.returncode == 0, r.stdout + r.stderr

@@ -3,16 +3,20 @@ they never put more requests on an engine than it runs; one gone, the other take
 them back when it returns (proxy/share.py)."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import threading
+import time
+import urllib.error
 import urllib.request
 
 import pytest
 import yaml
 
 from conftest import PYTHON, ROOT, free_ports, http_status, wait_until
-from proxy.config import ShareConfig, ShareEntry
+from proxy.admission import TenantConfig, Tenants
+from proxy.config import ShareConfig, ShareEntry, parse_config
 from proxy.share import my_slots, split
 from proxy_helpers import start_sims
 
@@ -115,7 +119,7 @@ def test_the_backup_proxy_sends_a_conversation_where_the_master_sent_it(procs, t
     assert _slots(pb + 1) == "4" and _get(f"http://127.0.0.1:{pb + 1}/admin/config")["share"]["hashes_differ"] == []
 
 
-def _proxy(procs, tmp_path, name, ports, sims, me, peer_port, split=True, seed=None, routing=None):
+def _proxy(procs, tmp_path, name, ports, sims, me, peer_port, split=True, seed=None, routing=None, tenants=None):
     conf = {"listen": {"host": "127.0.0.1", "port": ports[0]}, "admin": {"host": "127.0.0.1", "port": ports[1]},
             "backends": [f"127.0.0.1:{p}" for p in sims], "slots": 4,
             "health": {"interval_s": 0.3, "timeout_s": 1},
@@ -125,6 +129,8 @@ def _proxy(procs, tmp_path, name, ports, sims, me, peer_port, split=True, seed=N
                 for i, n in enumerate(["a", "b"])]}}
     if routing:
         conf["routing"] = routing
+    if tenants:
+        conf["tenants"] = tenants
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(conf))
     env = {**os.environ, **({"PYTHONHASHSEED": str(seed)} if seed is not None else {})}
@@ -182,3 +188,126 @@ def test_two_proxies_split_slots_and_the_survivor_takes_them_all(procs, tmp_path
     wait_until(lambda: _slots(pa + 1) == "4", what="a takes every slot once b is gone")
     b = _proxy(procs, tmp_path, "b", (pb, pb + 1), sims, 1, pa)
     wait_until(lambda: _slots(pa + 1) == "2", what="a gives b's share back")
+
+
+def _admits(admin):
+    """This proxy's part of the default tenant's requests_per_minute (/admin/config)."""
+    tenants = _get(f"http://127.0.0.1:{admin}/admin/config")["tenants"]
+    return next(t for t in tenants if t["name"] == "default")["admits_per_minute"]["requests"]
+
+
+def _burst(ports, n):
+    """n short chats, sent in turn to each port; how many each port admitted (200) and the seconds it took."""
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).encode()
+    admitted, t0 = dict.fromkeys(ports, 0), time.monotonic()
+    for i in range(n):
+        port = ports[i % len(ports)]
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,
+                                     {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                r.read()
+                admitted[port] += 1
+        except urllib.error.HTTPError as e:
+            assert e.code == 429 and e.headers["Retry-After"], (e.code, e.read())
+    return admitted, time.monotonic() - t0
+
+
+@pytest.mark.process
+def test_the_pair_admits_a_tenants_requests_per_minute_once_and_a_survivor_all_of_it(procs, tmp_path):
+    """1. Proxies a and b in an active-active share; the tenant `default` has requests_per_minute N = 10.
+    2. Once each sees the other serve, each admits N/2 a minute (its part, as it splits slots).
+    3. 3N requests spread over both at once: the pair admits N (plus what refills while they run), not 2N.
+    4. b stops: a's part becomes N. 5. A proxy whose peer is down from the start admits N of a burst of 2N."""
+    n = 10
+    tenants = {"default": {"requests_per_minute": n}}
+    sims = start_sims(procs, tmp_path, 2, seqs=4, token_ms=1)
+    pa, pb, pc = free_ports(2), free_ports(2), free_ports(2)
+    _proxy(procs, tmp_path, "a", (pa, pa + 1), sims, 0, pb, tenants=tenants)
+    b = _proxy(procs, tmp_path, "b", (pb, pb + 1), sims, 1, pa, tenants=tenants)
+    wait_until(lambda: _admits(pa + 1) == n // 2 and _admits(pb + 1) == n // 2, what="each proxy at half the limit")
+    admitted, took = _burst([pa, pb], 3 * n)
+    refill = int(took * n / 60) + 1
+    assert n <= sum(admitted.values()) <= n + refill and min(admitted.values()) >= n // 2, (admitted, took)
+    procs.stop(b)
+    wait_until(lambda: _admits(pa + 1) == n, what="a admits the whole limit once b is gone")
+    _proxy(procs, tmp_path, "c", (pc, pc + 1), sims, 0, pb, tenants=tenants)     # b's port: nobody answers
+    wait_until(lambda: _admits(pc + 1) == n, what="c, alone, admits the whole limit")
+    admitted, took = _burst([pc], 2 * n)
+    assert n <= admitted[pc] <= n + int(took * n / 60) + 1, (admitted, took)
+
+
+@pytest.mark.unit
+def test_a_tenants_limit_follows_this_entrys_share():
+    """1. A peer serves: this proxy admits 5 of 10. 2. The peer gone: 10, the bucket keeping its fraction
+    (emptied, it stays empty: the peer's admissions are not handed out again). 3. The peer back: 5 again.
+    4. Without a share the whole limit, and no bucket without a limit."""
+    share = ShareConfig(0, (ShareEntry("a", 1, None), ShareEntry("b", 1, "http://b/health")))
+    alive = [frozenset({0, 1})]
+    tenants = Tenants({"t": TenantConfig(requests_per_minute=10)}, part=lambda n: my_slots(n, share, alive[0]))
+    t = tenants["t"]
+    assert t.admits_per_minute() == {"requests": 5, "tokens": None}
+    for _ in range(5):
+        t.admitted(0)
+    alive[0] = frozenset({0})
+    tenants.update({"t": TenantConfig(requests_per_minute=10)})
+    assert t.admits_per_minute()["requests"] == 10 and t.requests.level < 1 and t.refusal() is not None
+    alive[0] = frozenset({0, 1})
+    tenants.update({"t": TenantConfig(requests_per_minute=10)})
+    assert t.requests.capacity == 5
+    assert Tenants({"t": TenantConfig(requests_per_minute=10)})["t"].admits_per_minute()["requests"] == 10
+
+
+@pytest.mark.unit
+async def test_the_poll_lives_through_a_peer_that_answers_garbage_and_learns_once_it_answers_well(tmp_path, caplog):
+    """1. A fake peer entry: /health 200; its feed answers, round after round, text that is not JSON, then
+    JSON of wrong shapes (a list, a seq that is no number, pools that are no mapping, a decision that is no
+    [backend, blocks]), then a good feed. 2. This proxy polls it every 0.05 s: the poll task lives through
+    it all, logs each kind once (not each round), and learns the good feed's decision."""
+    from aiohttp import web
+    import aiohttp
+    from proxy import share
+    from proxy.routing.prefix import HASH_PROBE
+    from proxy.state import Proxy
+    good = {"id": "feed1", "seq": 7, "probe": HASH_PROBE, "pools": {"": [["127.0.0.1:9", [11, 12, 13]]]}}
+    answers = [b"<html>oops", b"<html>oops", b"[1]", json.dumps({**good, "seq": "x"}).encode(),
+               json.dumps({**good, "pools": [1]}).encode(), json.dumps({**good, "pools": {"": [[1]]}}).encode(),
+               json.dumps({**good, "pools": {"": [["127.0.0.1:9", ["a"]]]}}).encode(), json.dumps(good).encode()]
+    served = []
+
+    async def feed(request):
+        served.append(request.query.get("since"))
+        return web.Response(body=answers[min(len(served), len(answers)) - 1], content_type="application/json")
+    async def health(request):
+        return web.json_response({"status": "ok"})
+    peer = web.Application()
+    peer.router.add_get("/health", health)
+    peer.router.add_get(share.FEED_PATH, feed)
+    runner = web.AppRunner(peer)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    config = parse_config({"backends": ["127.0.0.1:9"], "routing": {"policy": "prefix"},
+                           "health": {"interval_s": 0.05, "timeout_s": 1},
+                           "results_log": {"path": str(tmp_path / "results.log")},
+                           "share": {"me": 0, "entries": [{"name": "a", "weight": 1, "health": None}, {
+                               "name": "b", "weight": 1, "health": f"http://127.0.0.1:{port}/health"}]}})
+    proxy = Proxy(config)
+    proxy.session = aiohttp.ClientSession()
+    task = asyncio.create_task(share.poll(proxy))
+    try:
+        for _ in range(200):
+            if proxy.router.peer_feeds.get("b") == ("feed1", 7) or task.done():
+                break
+            await asyncio.sleep(0.05)
+        assert not task.done() and proxy.router.peer_feeds.get("b") == ("feed1", 7), served
+        assert len(served) >= len(answers)
+        pool = next(iter(proxy.router.pools.values()))
+        assert pool.policy.index.match([11, 12, 13]) == {"127.0.0.1:9": 3}
+        said = [r.getMessage() for r in caplog.records if "share: b's" in r.getMessage()]
+        assert [m.split(" answer ")[1][:10] for m in said] == ["is not JSO", "is not a f"], said
+    finally:
+        task.cancel()
+        await proxy.session.close()
+        await runner.cleanup()
