@@ -1,6 +1,7 @@
 """Rendering: host variables -> the files put on a host. A pure function: no I/O but reading templates."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import posixpath
@@ -133,8 +134,10 @@ def nginx_time(seconds: float) -> str:
     return f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms}ms"
 
 
+@functools.lru_cache(maxsize=None)
 def environment() -> jinja2.Environment:
-    """The one Jinja environment: a missing variable is an error, files keep their last newline."""
+    """The one Jinja environment: a missing variable is an error, files keep their last newline. Made once:
+    it keeps its compiled templates (compiling them all took 0.4 s, for every host rendered)."""
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(TEMPLATES)),
         undefined=jinja2.StrictUndefined,

@@ -29,9 +29,10 @@ HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 DNS_NAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,62}))*\.?$")
 USER_GROUP = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*( [A-Za-z_][A-Za-z0-9_.-]*)?$")
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-# A served name, alias or adapter name: what a request's `model` says; no blank, no control character and
-# no '=' (the `--lora-modules name=path` form splits there).
-SERVED_NAME = re.compile(r"^[^\s=\x00-\x1f\x7f]{1,200}$")
+# A served name, alias or adapter name: what a request's `model` says; no blank, no control character,
+# no '=' (the `--lora-modules name=path` form splits there) and no leading '-' (an engine would read an
+# option: the names follow `--served-model-name` as arguments of their own).
+SERVED_NAME = re.compile(r"^(?!-)[^\s=\x00-\x1f\x7f]{1,200}$")
 # A network interface name as Linux takes it (at most 15 bytes, no '/', ':' or blank), narrowed to the
 # characters real names use; an IPv6 zone id (`fe80::1%eth0`) is one.
 INTERFACE = re.compile(r"^(?!\.\.?$)[A-Za-z0-9_.-]{1,15}$")
@@ -103,8 +104,9 @@ def _number(lo: float, hi: float, what: str, low_open: bool = False):
 Flag = Annotated[bool, Field(description="true or false")]
 Port = Annotated[int, Field(ge=1, le=65535, description="a port number (1-65535)")]
 Text = Annotated[str, Field(description="a string")]
-Path = Annotated[str, _fails(lambda v: not CONTROL.search(v)),
-                 Field(description="a path (a string without control characters)")]
+# No leading '-': a path is a command's argument (`mkdir -p`, `vllm serve MODEL`), never its option.
+Path = Annotated[str, _fails(lambda v: not CONTROL.search(v) and not v.startswith("-")),
+                 Field(description="a path (a string without control characters, not beginning with '-')")]
 Address = Annotated[str, _fails(is_address),
                     Field(description="an IP address (IPv6 may end in %INTERFACE) or a host name")]
 # nginx's `listen` takes no zone id (`[fe80::1%eth0]:8000` is an invalid IPv6 address to it).
@@ -116,7 +118,8 @@ Strings = Annotated[list[Annotated[str, BeforeValidator(_as_text)]], Field(max_l
 HostNames = Annotated[list[Annotated[str, _fails(HOST_NAME.match)]], Field(max_length=MAX_INSTANCES,
                                                                             description="a list of host names")]
 ServedName = Annotated[str, _fails(SERVED_NAME.match),
-                      Field(description="a name without blanks, control characters or '=' (at most 200 characters)")]
+                      Field(description="a name without blanks, control characters or '=', not beginning "
+                                        "with '-' (at most 200 characters)")]
 ServedNames = Annotated[list[ServedName], Field(max_length=1024, description="a list of names")]
 Adapters = Annotated[dict[ServedName, Path], Field(max_length=1024,
                                                    description="a mapping of adapter names to paths")]
