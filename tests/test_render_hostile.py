@@ -90,12 +90,19 @@ def dotted(path) -> str:
 
 # --- the inventory ---------------------------------------------------------------------------------
 
+def interface() -> str:
+    """An interface this machine has, so that `keepalived -t` goes on to check the track script (it stops
+    at a missing one); loopback when there is no other (keepalived ignores it for VRRP, and goes on)."""
+    names = sorted(p.name for p in Path("/sys/class/net").iterdir()) if Path("/sys/class/net").is_dir() else []
+    return next((n for n in names if n != "lo" and schema.INTERFACE.match(n)), "lo")
+
+
 def base(sandbox: Path) -> dict:
     """e1 and e2: entries sharing a virtual address (e1 is rendered), fronting m2, a plain vLLM host; m1: a
     local models host.
     API keys, tenants, adapters and both OTLP settings are set, so every template's optional part renders."""
     entry = {"engine": "vllm", "accelerator": "nvidia", "accelerators": 2, "instances": 2, "model": "/models/m",
-             "vrrp": {"addresses": ["10.9.0.100/24"], "interface": "eth1"}, "fronts": ["m2"],
+             "vrrp": {"addresses": ["10.9.0.100/24"], "interface": interface()}, "fronts": ["m2"],
              "proxy": {"api_keys_file": "/keys/api_keys", "tenants": {"team": {"weight": 2}},
                        "otlp": {"endpoint": "http://collector:4318/v1/traces"}},
              "otlp_traces_endpoint": "http://collector:4317", "lora_modules": {"ad": "/adapters/ad"}}
@@ -330,8 +337,8 @@ def test_nginx_conf_passes_nginx_t_with_every_path_where_the_watcher_config_says
 
 @pytest.mark.unit
 def test_keepalived_conf_passes_keepalived_t_and_finds_its_script(case, tmp_path):
-    """keepalived -t: nothing but this machine's missing interface; the track script, made where the
-    deploy puts it, is found (keepalived splits its command as a shell would)."""
+    """keepalived -t: the track script, made where the deploy puts it, is found (keepalived splits its
+    command as a shell would); nothing else is said but a word on the interface and on script security."""
     keepalived = require_tool("keepalived")
     files, hv = case.files["e1"]
     script = Path(hv["deploy_dir"]) / "bin" / "check_front.sh"
