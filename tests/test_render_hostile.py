@@ -141,16 +141,14 @@ def field_layer(path: tuple, kind: str, value: str) -> dict:
 
 
 def render_all(data: dict, sandbox: Path, name: str) -> dict:
-    """Load the inventory and render e1, m1 and m2 as deploy does, with the sandbox for the hosts' home
-    (`~` and a relative deploy_dir are there: fleet.facts.prepare): {host: ({path: file}, host vars)}."""
+    """Load the inventory and render e1, m1 and m2 as `inv render` does, with the sandbox for the hosts'
+    home (`~` and a relative deploy_dir are there): {host: ({path: file}, host vars)}."""
     path = sandbox / f"{name}.yml"
     path.write_text(yaml.safe_dump(data, sort_keys=False, allow_unicode=False))
     inv = inventory.load(path)
     out = {}
     for host in ("e1", "m1", "m2"):
         hv = render.offline(inv.host_vars(host), str(sandbox))
-        if not hv["deploy_dir"].startswith("/"):
-            hv.vars["deploy_dir"] = f"{sandbox}/{hv['deploy_dir']}"
         out[host] = ({f.path: f for f in render.render_host(hv)}, hv)
     return out
 
