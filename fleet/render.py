@@ -1,6 +1,7 @@
 """Rendering: host variables -> the files put on a host. A pure function: no I/O but reading templates."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import posixpath
@@ -32,14 +33,94 @@ class RenderedFile:
     mode: int = 0o644
 
 
+def _refuse(value: str, where: str, why: str, fix: str):
+    raise TemplateError(f"{where} cannot hold {value!r}: {why}; {fix}.")
+
+
 def quote(value) -> str:
     """Quote a value for a POSIX shell line, so it reaches the command as one literal argument."""
-    return shlex.quote(str(value))
+    text = str(value)
+    if "\x00" in text:
+        _refuse(text, "a shell script", "a NUL character ends a shell word early", "remove it from the inventory")
+    return shlex.quote(text)
 
 
-def nginx_quote(value) -> str:
-    """Quote a value for nginx.conf: double quotes, with backslashes and quotes escaped."""
-    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+# nginx expands `$name` in some directives (access_log's path among them) and has no escape for '$';
+# `include` reads '*', '?' and '[' as a glob.
+NGINX_GLOB = re.compile(r"[*?\[]")
+NGINX_WORD = re.compile(r"^[A-Za-z0-9_.:/\[\]-]+$")
+
+
+def nginx_quote(value, include: bool = False) -> str:
+    """Quote a value for nginx.conf: double quotes, with backslashes and quotes escaped; a '$' (a
+    variable to nginx), a control character or (include) a glob character is refused."""
+    text = str(value)
+    fix = "choose deploy_dir, nginx.log_dir and nginx.temp_dir without it"
+    if "$" in text:
+        _refuse(text, "conf/nginx.conf", "nginx reads '$' as a variable there", fix)
+    if schema.CONTROL.search(text):
+        _refuse(text, "conf/nginx.conf", "it holds a control character", fix)
+    if include and NGINX_GLOB.search(text):
+        _refuse(text, "conf/nginx.conf", "nginx's include reads '*', '?' and '[' as a pattern", fix)
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def nginx_pattern(value) -> str:
+    """A map key of nginx.conf's route table: a regex built by nginx_routes from checked routes, whose
+    closing '$' is the regex's end of line, not a variable; quoted, with a control character refused."""
+    text = str(value)
+    if schema.CONTROL.search(text) or '"' in text:
+        _refuse(text, "conf/nginx.conf", "a route holds a control character or a quote",
+                "name proxy.open_routes with URL characters only")
+    return '"' + text.replace("\\", "\\\\") + '"'
+
+
+def nginx_word(value) -> str:
+    """A value nginx reads as one bare word (an address:port, a number), else quoted by nginx_quote."""
+    text = str(value)
+    return text if NGINX_WORD.match(text) else nginx_quote(text)
+
+
+def keepalived_script(path) -> str:
+    """A script path for keepalived's `script`: keepalived splits the quoted command as a shell would,
+    so the path goes single-quoted inside double quotes; it has no escape for those quotes or '\\'."""
+    text = str(path)
+    if re.search(r"[\"'\\]", text) or schema.CONTROL.search(text):
+        _refuse(text, "conf/keepalived.conf", "keepalived has no escape for a quote, an apostrophe, a "
+                "backslash or a control character in a script's path", "choose a deploy_dir without them")
+    return '"' + shlex.quote(text) + '"'
+
+
+def keepalived_word(value) -> str:
+    """A value keepalived reads as one bare word (a host name, an interface, an address): checked, since
+    keepalived.conf has no quoting for these."""
+    text = str(value)
+    if not re.match(r"^[A-Za-z0-9_.:/%@-]+$", text):
+        _refuse(text, "conf/keepalived.conf", "keepalived reads it as more than one word",
+                "use a host name, an interface name and addresses")
+    return text
+
+
+def yaml_scalar(value) -> str:
+    """A value in YAML's flow style, JSON-shaped like tojson's (keys sorted), every character kept: a string is
+    double-quoted with escapes for quotes, backslashes and anything outside printable ASCII (a
+    character beyond U+FFFF as \\U........, since YAML reads a JSON surrogate pair as two characters)."""
+    if isinstance(value, str):
+        return '"' + "".join(_yaml_char(c) for c in value) + '"'
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{yaml_scalar(str(k))}: {yaml_scalar(v)}" for k, v in sorted(value.items())) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(yaml_scalar(v) for v in value) + "]"
+    return json.dumps(value)
+
+
+def _yaml_char(c: str) -> str:
+    if c in '"\\':
+        return "\\" + c
+    if " " <= c <= "~":
+        return c
+    n = ord(c)
+    return f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}"
 
 
 MIB = 1024 * 1024
@@ -80,8 +161,10 @@ def _route(entry: str) -> tuple[str | None, str]:
     return method or None, path
 
 
+@functools.lru_cache(maxsize=None)
 def environment() -> jinja2.Environment:
-    """The one Jinja environment: a missing variable is an error, files keep their last newline."""
+    """The one Jinja environment: a missing variable is an error, files keep their last newline. Made once:
+    it keeps its compiled templates (compiling them all took 0.4 s, for every host rendered)."""
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(TEMPLATES)),
         undefined=jinja2.StrictUndefined,
@@ -94,6 +177,11 @@ def environment() -> jinja2.Environment:
     env.filters["shjoin"] = lambda argv: " ".join(quote(a) for a in argv)
     env.filters["oneline"] = lambda text: " ".join(str(text).split())   # safe inside a # comment
     env.filters["nginx_quote"] = nginx_quote
+    env.filters["nginx_word"] = nginx_word
+    env.filters["nginx_pattern"] = nginx_pattern
+    env.filters["keepalived_script"] = keepalived_script
+    env.filters["keepalived_word"] = keepalived_word
+    env.filters["yaml"] = yaml_scalar
     env.filters["nginx_size"] = nginx_size
     env.filters["nginx_time"] = nginx_time
     env.filters["basename"] = posixpath.basename      # a layout path's file name, put in another directory

@@ -7,8 +7,9 @@ text is what the reference (docs/inventory.md, written by fleet.schema_doc) says
 nested block (say `keeper:`) is a new `Section` subclass plus one field on `HostSettings`.
 
 Durations are finite seconds; "0 turns it off" where a field says so, otherwise they are above 0.
-Everything that reaches a shell line is quoted there; everything that reaches nginx.conf is checked
-here (numbers, `auto`, addresses, user names) or quoted by the template.
+Values are checked, then quoted: each string is checked here for what it is (an address, an interface
+name, a served name, a path without control characters) and quoted by the template for the file it lands
+in (fleet.render's filters: `quote` for shell, `nginx_quote`, `keepalived_script`, `yaml` and `tojson`).
 """
 from __future__ import annotations
 
@@ -28,9 +29,13 @@ HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 DNS_NAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,62}))*\.?$")
 USER_GROUP = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*( [A-Za-z_][A-Za-z0-9_.-]*)?$")
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-# A served name, alias or adapter name: what a request's `model` says; no blank and no '=' (the
-# `--lora-modules name=path` form splits there).
-SERVED_NAME = re.compile(r"^[^\s=]{1,200}$")
+# A served name, alias or adapter name: what a request's `model` says; no blank, no control character,
+# no '=' (the `--lora-modules name=path` form splits there) and no leading '-' (an engine would read an
+# option: the names follow `--served-model-name` as arguments of their own).
+SERVED_NAME = re.compile(r"^(?!-)[^\s=\x00-\x1f\x7f]{1,200}$")
+# A network interface name as Linux takes it (at most 15 bytes, no '/', ':' or blank), narrowed to the
+# characters real names use; an IPv6 zone id (`fe80::1%eth0`) is one.
+INTERFACE = re.compile(r"^(?!\.\.?$)[A-Za-z0-9_.-]{1,15}$")
 
 
 def _fails(check):
@@ -42,13 +47,16 @@ def _fails(check):
     return AfterValidator(validate)
 
 
-def is_address(value: str) -> bool:
-    """An IP address (v4 or v6) or a DNS name: what nginx's `listen`, aiohttp and `vllm --host` take."""
+def is_address(value: str, zone: bool = True) -> bool:
+    """An IP address (v4 or v6) or a DNS name: what nginx's `listen`, aiohttp and `vllm --host` take. An
+    IPv6 address may name its zone (`fe80::1%eth0`) when `zone`: an interface name, nothing else (Python's
+    ipaddress takes any text after the '%', a newline and `$(...)` included)."""
+    ip, percent, zone_id = value.partition("%")
     try:
-        ipaddress.ip_address(value)
-        return True
+        parsed = ipaddress.ip_address(ip)
     except ValueError:
-        return bool(DNS_NAME.match(value))
+        return not percent and bool(DNS_NAME.match(value))
+    return not percent or (zone and parsed.version == 6 and bool(INTERFACE.match(zone_id)))
 
 
 def is_otlp_url(value: str) -> bool:
@@ -96,19 +104,28 @@ def _number(lo: float, hi: float, what: str, low_open: bool = False):
 Flag = Annotated[bool, Field(description="true or false")]
 Port = Annotated[int, Field(ge=1, le=65535, description="a port number (1-65535)")]
 Text = Annotated[str, Field(description="a string")]
-Path = Annotated[str, _fails(lambda v: not CONTROL.search(v)),
-                 Field(description="a path (a string without control characters)")]
-Address = Annotated[str, _fails(is_address), Field(description="an IP address or a host name")]
+# No leading '-': a path is a command's argument (`mkdir -p`, `vllm serve MODEL`), never its option.
+Path = Annotated[str, _fails(lambda v: not CONTROL.search(v) and not v.startswith("-")),
+                 Field(description="a path (a string without control characters, not beginning with '-')")]
+Address = Annotated[str, _fails(is_address),
+                    Field(description="an IP address (IPv6 may end in %INTERFACE) or a host name")]
+# nginx's `listen` takes no zone id (`[fe80::1%eth0]:8000` is an invalid IPv6 address to it).
+EntryAddress = Annotated[str, _fails(lambda v: is_address(v, zone=False)),
+                         Field(description="an IP address or a host name (no %zone: nginx's listen takes none)")]
 MiB = _number(0.001, 1048576, "a size in MiB from 0.001 to 1048576")
 Strings = Annotated[list[Annotated[str, BeforeValidator(_as_text)]], Field(max_length=1024,
                                                                             description="a list of strings")]
 HostNames = Annotated[list[Annotated[str, _fails(HOST_NAME.match)]], Field(max_length=MAX_INSTANCES,
                                                                             description="a list of host names")]
 ServedName = Annotated[str, _fails(SERVED_NAME.match),
-                      Field(description="a name without blanks or '=' (at most 200 characters)")]
+                      Field(description="a name without blanks, control characters or '=', not beginning "
+                                        "with '-' (at most 200 characters)")]
 ServedNames = Annotated[list[ServedName], Field(max_length=1024, description="a list of names")]
 Adapters = Annotated[dict[ServedName, Path], Field(max_length=1024,
                                                    description="a mapping of adapter names to paths")]
+# A login name (`inv render` makes /home/USER of it): letters, digits, '.', '_', '-', and '@' after the first.
+UserName = Annotated[str, _fails(re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.@-]{0,255}$").match),
+                     Field(description="a user name (letters, digits, '.', '_', '-', '@')")]
 CardsPerInstance = Annotated[int, Field(ge=1, le=64, description="an integer from 1 to 64")]
 WorkerProcesses = Annotated[Literal["auto"] | Annotated[int, Field(ge=1, le=1024)],
                             Field(description="auto or a number of worker processes from 1 to 1024")]
@@ -128,7 +145,7 @@ def is_virtual_address(value: str) -> bool:
 VirtualAddresses = Annotated[list[Annotated[str, _fails(is_virtual_address)]],
                              Field(max_length=16, description="a list of IPv4 addresses with their prefix "
                                                               "length (10.9.0.100/24)")]
-Interface = Annotated[str, _fails(lambda v: v == "" or re.match(r"^[A-Za-z0-9_.:@-]{1,15}$", v)),
+Interface = Annotated[str, _fails(lambda v: v == "" or INTERFACE.match(v)),
                       Field(description="a network interface name (at most 15 letters, digits, '.', '-', '_')")]
 AcceleratorKind = Annotated[str, _fails(lambda v: v in accelerators.KINDS),
                             Field(description="one of " + ", ".join(accelerators.KINDS))]
@@ -183,7 +200,7 @@ class SSHSettings(Section):
         "inventory keys win over them).")
     port: Port | None = doc(None,
         "The SSH port. Unset: `~/.ssh/config`'s Port, else 22.")
-    user: Text | None = doc(None,
+    user: UserName | None = doc(None,
         "The login user. Unset: `~/.ssh/config`'s User, else your own user name.")
     key_file: Path | None = doc(None,
         "The private key file. Unset: `~/.ssh/config`'s IdentityFile, else ssh's own default.")
@@ -370,7 +387,7 @@ class ProxySettings(Section):
         "The entry port (nginx mode listens on it too).")
     admin_port: Port = doc(8001,
         "The proxy's admin listener, bound to 127.0.0.1 only.")
-    bind: Address = doc("0.0.0.0",
+    bind: EntryAddress = doc("0.0.0.0",
         "The entry port's address (nginx mode's too). The demo host `local` sets 127.0.0.1; beyond "
         "loopback, set `proxy.api_keys_file` too.")
     health_interval_s: _seconds() = doc(5.0,
@@ -530,7 +547,7 @@ class ModelGroup(Section):
     name: ServedName | None = doc(None,
         "The served name clients put in `model` (`--served-model-name`). Unset: the model path's last "
         "part.")
-    model: Text | None = doc(None,
+    model: Path | None = doc(None,
         "The model path. Unset: the host's `model`.")
     instances: _int(1, MAX_INSTANCES) = doc(1,
         "Instances of this model; they take the next `instances x tensor_parallel_size` cards.")
@@ -587,9 +604,9 @@ class HostSettings(Section):
         "The address the engines listen on (`--host`); set it (`0.0.0.0`) only to reach instances "
         "directly, which bypasses the proxy and its API keys. Unset: 127.0.0.1, or the host's "
         "`address` when another host's proxy fronts it.")
-    model: Text = doc("",
+    model: Path = doc("",
         "The model path, required for engine `vllm`; a leading `~/` is the host user's home.")
-    served_model_name: Text | None = doc(None,
+    served_model_name: ServedName | None = doc(None,
         "The model's name in the API (`--served-model-name`). Unset: the model path's last part.")
     max_num_seqs: _int(1, 65536) = doc(4,
         "`--max-num-seqs` of each instance: the sequences it runs at once.")

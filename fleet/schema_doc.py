@@ -81,7 +81,8 @@ Refused there rather than later:
 - a count below its minimum, and a size in MiB below 0.001;
 - an address (`address`, `bind`, `proxy.bind`, `ssh.host`) that is not an IP address or a host name;
 - `nginx.worker_processes` other than `auto` or a number, `nginx.user` other than `USER [GROUP]`, and a
-  path with a control character.
+  path with a control character;
+- what could become code or an option where it lands (below).
 
 Across the keys of one host: more instances than accelerators, an instance port past 65535,
 `proxy.port` or `proxy.admin_port` on an instance's port, and engine `vllm` with no `accelerator` (no
@@ -89,8 +90,34 @@ kind is guessed: a wrong one puts every instance on one card; an entry host that
 needs none). Across hosts: a `fronts` cycle (`a` fronts
 `b`, `b` fronts `a`), an entry host fronting another entry host, and two hosts on one machine (both
 `local`, or the same `ssh.host` and `ssh.port`; ssh to a loopback address counts as local) listening on
-one port. What reaches nginx.conf is either checked as above or quoted, and sizes and times render
-exactly (`proxy.max_body_mb: 0.5` is `client_max_body_size 512k`, `proxy.timeout_s: 0.5` is `500ms`).
+one port. Sizes and times render exactly (`proxy.max_body_mb: 0.5` is `client_max_body_size 512k`,
+`proxy.timeout_s: 0.5` is `500ms`).
+
+### Values are checked, then quoted
+
+Whoever edits the inventory must not run code on the hosts through it: every value is checked for what it
+is, then quoted for the file it lands in (`env_setup` alone is shell code, by design).
+
+| kind | keys | takes |
+|---|---|---|
+| address | `bind`, `address`, `ssh.host` | an IPv4 or IPv6 address or a host name; an IPv6 address may end in a zone id, `%` and an interface name (`fe80::1%eth0`) |
+| entry address | `proxy.bind` | the same without a zone id (nginx's `listen` takes none) |
+| interface | `vrrp.interface`, a zone id | 1 to 15 letters, digits, `.`, `_`, `-` (what Linux names interfaces with) |
+| path | `deploy_dir`, `model`, `python`, `vllm_bin`, `smi`, `nginx.*` paths, `ssh.key_file`... | any text without a control character (newline, NUL) that does not begin with `-` (it would be read as an option) |
+| served name | `served_model_name`, `aliases`, adapter names, `models[].name` | up to 200 characters without blanks, control characters or `=`, not beginning with `-` |
+| tenant, host | `proxy.tenants` names, host names, `fronts` | letters, digits, `.`, `_`, `-` |
+| user | `ssh.user`, `nginx.user` | a user name (and a group for `nginx.user`) |
+
+Then quoted where they land: the shell scripts take each value through one `quote` filter (POSIX single
+quotes), their environment overrides included (`BIND=${BIND:-'…'}`: the default is never expanded);
+`conf/proxy.yaml` and `conf/prometheus.yml` hold every string double-quoted with escapes, the JSON files
+through `tojson`; nginx.conf double-quotes its paths and refuses a `$` in them (nginx reads a variable
+there; it has no escape for it) and a `*`, `?` or `[` in an included path (a pattern to `include`);
+keepalived.conf single-quotes its track script's path inside double quotes and refuses a quote or a
+backslash there (keepalived has no escape for them). A value a file cannot hold is refused in one sentence
+when the host is rendered: `conf/nginx.conf cannot hold '/srv/$x/run/nginx.master.pid': nginx reads '$' as
+a variable there; choose deploy_dir, nginx.log_dir and nginx.temp_dir without it.`
+`tests/test_render_hostile.py` sets every string key of the schema to hostile values and checks each file.
 
 ## Connection
 

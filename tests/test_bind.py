@@ -131,7 +131,7 @@ def test_fronted_instances_listen_on_their_address(tmp_path):
 
     override = inventory.load(path).host_vars("m", ["bind=0.0.0.0"])
     script = {f.path: f.content for f in render.render_host(override)}["bin/start_cluster.sh"]
-    assert 'BIND="${BIND:-0.0.0.0}"' in script and '--host "$BIND"' in script
+    assert 'BIND=${BIND:-0.0.0.0}\n' in script and '--host "$BIND"' in script
     assert override.instance_host == "127.0.0.1"
     assert inventory.load(path).host_vars("e")["bind"] == "127.0.0.1"     # nobody fronts e: loopback
 

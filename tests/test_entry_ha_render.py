@@ -63,7 +63,8 @@ def test_each_entry_gets_a_keepalived_conf_with_unicast_peers_and_priorities_by_
     assert "nopreempt" not in conf and "10.9.0.100/24 dev eth1" in conf
     assert "virtual_router_id 51\n    priority 140" in two["conf/keepalived.conf"].content
     check = one["bin/check_front.sh"]
-    assert check.mode == 0o755 and "/dev/tcp/127.0.0.1/8000" in check.content
+    assert check.mode == 0o755 and "FRONT=127.0.0.1\n" in check.content
+    assert 'exec 3<>"/dev/tcp/$FRONT/8000"' in check.content
     path = tmp_path / "k.conf"
     path.write_text(conf)
     r = subprocess.run(["keepalived", "-t", "-f", str(path), "-l"], capture_output=True, text=True)

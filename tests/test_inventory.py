@@ -260,7 +260,8 @@ BAD = [
      "--set: nginx.worker_processes: expected auto or a number of worker processes from 1 to 1024, "
      "got '1; load_module /tmp/evil.so'."),
     ("proxy-bind-injection", "", ["proxy.bind=0.0.0.0:80; include /etc/passwd"],
-     "--set: proxy.bind: expected an IP address or a host name, got '0.0.0.0:80; include /etc/passwd'."),
+     "--set: proxy.bind: expected an IP address or a host name (no %zone: nginx's listen takes none), "
+     "got '0.0.0.0:80; include /etc/passwd'."),
     ("max-body-too-small", "    proxy_: {{max_body_mb: 0.0001}}\n", [],
      "hosts.a.proxy.max_body_mb: expected a size in MiB from 0.001 to 1048576, got 0.0001."),
 ]

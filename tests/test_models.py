@@ -103,7 +103,7 @@ BAD = [
     ("models: [{name: a, lora_modules: {x: /l}}, {name: b, aliases: [x]}]", "the name 'x' is used by groups 0 (a) and 1 (b)"),
     ("models: [{name: a, instances: 1, extra_args: [--served-model-name, b]}]",
      "hosts.h.models[0].extra_args: --served-model-name is set by the key"),
-    ("models: [{name: 'a b'}]", "hosts.h.models.name: expected a name without blanks or '='"),
+    ("models: [{name: 'a b'}]", "hosts.h.models.name: expected a name without blanks, control characters or '='"),
     ("models: []", "hosts.h.models: expected a list of model groups"),
 ]
 

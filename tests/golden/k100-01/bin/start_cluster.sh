@@ -70,8 +70,9 @@ MAX_SEQS="${MAX_SEQS:-4}"
 EAGER="${EAGER:-0}"
 STAGGER_S="${STAGGER_S:-5}"
 # Loopback unless another host's proxy fronts these instances (then the address it reaches): the proxy
-# is the only door, and its API keys are not bypassed through base_port + i.
-BIND="${BIND:-127.0.0.1}"
+# is the only door, and its API keys are not bypassed through base_port + i. Unquoted on purpose: the
+# default is shell-quoted, and in this form the quotes are removed rather than kept (no expansion in it).
+BIND=${BIND:-127.0.0.1}
 ONLY="${ONLY:-}"
 
 # The host's environment (env_setup from the inventory: shell code by design), run in this shell.
