@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from .admission import DEFAULT, TENANT_KEYS, TenantConfig
+from .body import Limits
 from .routing import POLICIES, RoutingConfig
 
 MIB = 1024 * 1024
@@ -154,6 +155,7 @@ class ProxyConfig:
     otlp: OtlpConfig = OtlpConfig()
     tenants: dict = field(default_factory=dict)   # name -> TenantConfig; `default` is there without it
     share: ShareConfig | None = None  # active-active entries: this proxy's share of every backend's slots
+    limits: Limits = Limits()     # what one request body may expand into (proxy/body.py)
 
     @property
     def max_body_bytes(self) -> int:
@@ -164,7 +166,8 @@ class ProxyConfig:
 TOP_KEYS = ("listen", "admin", "backends", "health", "timeout_s", "connect_timeout_s",
             "max_body_mb", "results_log", "log", "retries", "max_fails", "shutdown_timeout_s",
             "fix_numeric_user", "api_keys_file", "slots", "queue", "models", "routing", "otlp", "tenants",
-            "share")
+            "share", "limits")
+LIMIT_KEYS = tuple(f.name for f in fields(Limits))
 ROUTING_KEYS = tuple(f.name for f in fields(RoutingConfig))
 POOL_KEYS = ("name", "aliases", "adapters", "slots", "backends")
 
@@ -286,7 +289,15 @@ def parse_config(data: Any, source: str = "config") -> ProxyConfig:
         otlp=_otlp(top.get("otlp", {})),
         tenants=_tenants(top.get("tenants")),
         share=_share(top.get("share")),
+        limits=_limits(top.get("limits", {})),
     )
+
+
+def _limits(value: Any) -> Limits:
+    """The `limits` mapping: whole numbers of at least 1 (proxy/body.py Limits, its defaults)."""
+    m = _mapping(value, "limits", LIMIT_KEYS)
+    defaults = Limits()
+    return Limits(**{k: _count(m, k, getattr(defaults, k), minimum=1, prefix="limits.") for k in LIMIT_KEYS})
 
 
 def _share(value: Any) -> ShareConfig | None:

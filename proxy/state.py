@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import threading
@@ -34,6 +35,9 @@ class Proxy:
         self.results = ResultsLog(config.results_log, self.metrics.results_dropped.inc)
         self.spans = self._span_export(config)   # None: no export (otlp.endpoint unset)
         self.session: aiohttp.ClientSession | None = None
+        # Where bodies over proxy.limits.inline_kb are parsed and hashed (forward._read_body): off the event
+        # loop; two threads, as the GIL lets little more run at once, and a burst of large bodies queues here.
+        self.parser = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="proxy-body")
         self.log = log
         self.check_now = asyncio.Event()  # wakes the health loop early (after a reload)
         self.checked = asyncio.Event()    # the first round of health checks is done
