@@ -2,7 +2,7 @@
 
 `python bench/profile_body.py` prints, for each body shape, the time its parse takes (proxy/body.py; where it
 runs: the loop up to limits.inline_kb, a worker thread beyond), the longest the event loop went without
-running meanwhile (a 1 ms ticker on the loop while the body is digested as forward._read_body does), and the
+running meanwhile (the median over ROUNDS of the worst gap of a 1 ms ticker on the loop while the body is digested as forward._read_body does), and the
 peak memory the digest allocated over the body's size (tracemalloc: the parse's own, slower under it). No server: the proxy's own functions on its own loop.
 """
 from __future__ import annotations
@@ -12,6 +12,7 @@ import base64
 import concurrent.futures
 import json
 import os
+import statistics
 import sys
 import time
 import tracemalloc
@@ -36,13 +37,17 @@ def shapes() -> dict[str, bytes]:
         "4 images x 1.5 MB": json.dumps(four).encode(),
         "4,000,000 {} parts": json.dumps({"model": "m", "messages": [{"role": "user", "content": [{}] * 4_000_000}]},
                                          separators=(",", ":")).encode(),
-        "199,000 short strings": json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}],
-                                             "stop": ["ab"] * 199_000}).encode(),
+        "49,000 short strings": json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                            "stop": ["ab"] * 49_000}).encode(),
         "nested 100,000 deep": b'{"model": "m", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        "nested 1,000 deep": b'{"model": "m", "x": ' + b"[" * 1000 + b"]" * 1000 + b"}",
     }
 
 
-async def measure(body: bytes, limits: Limits, pool) -> tuple[str, float, float]:
+ROUNDS = 5   # each shape's figures: the median of this many rounds (the machine may be shared)
+
+
+async def measure(body: bytes | None, limits: Limits, pool) -> tuple[str, float, float]:
     """(outcome, digest ms, worst loop gap ms) for one body handled as the request path handles it."""
     loop, worst, done = asyncio.get_running_loop(), 0.0, False
     policy = POLICIES["prefix"](RoutingConfig())
@@ -58,6 +63,9 @@ async def measure(body: bytes, limits: Limits, pool) -> tuple[str, float, float]
     await asyncio.sleep(0.01)
     t0 = time.perf_counter()
     try:
+        if body is None:       # the baseline: the ticker alone, what the machine's own noise is
+            await asyncio.sleep(0.05)
+            raise Refused("-")
         if len(body) > limits.inline_kb * 1024:
             out = await loop.run_in_executor(pool, _digest, body, limits, policy, True)
         else:
@@ -76,13 +84,17 @@ def main() -> None:
     limits = Limits()
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
     print(f"{'body':24} {'size':>9} {'digest':>9} {'loop gap':>9} {'mem/body':>8}  outcome")
-    for name, body in shapes().items():
-        outcome, took, gap = asyncio.run(measure(body, limits, pool))
+    for name, body in {"idle (no body)": None, **shapes()}.items():
+        runs = sorted(asyncio.run(measure(body, limits, pool)) for _ in range(ROUNDS))
+        outcome = runs[0][0]
+        took = statistics.median(r[1] for r in runs)
+        gap = statistics.median(r[2] for r in runs)
         tracemalloc.start()        # a second run for memory: tracing slows the first's figures tenfold
         asyncio.run(measure(body, limits, pool))
         grown = tracemalloc.get_traced_memory()[1]       # the peak of what the digest allocated
         tracemalloc.stop()
-        print(f"{name:24} {len(body) / 1e6:>7.2f}MB {took:>7.1f}ms {gap:>7.1f}ms {grown / len(body):>8.1f}  {outcome}")
+        size = len(body or b"")
+        print(f"{name:24} {size / 1e6:>7.2f}MB {took:>7.1f}ms {gap:>7.1f}ms {grown / size if size else 0:>8.1f}  {outcome}")
 
 
 if __name__ == "__main__":

@@ -313,10 +313,11 @@ class TenantSettings(Section):
 class LimitsSettings(Section):
     """What one request body may expand into at the proxy (docs/proxy.md, "Hostile and careless callers")."""
 
-    max_json_values: _int(1, 100_000_000) = doc(200_000,
+    max_json_values: _int(1, 100_000_000) = doc(50_000,
         "JSON values (objects, arrays and the items after each comma) a body may hold, counted before it is "
-        "parsed; beyond, 400. Bounds the proxy's parse (about 10-30 ms at the bound, off the event loop) and "
-        "its memory (8 MB of `{}` would be 4 million dicts); a long multimodal chat holds a few thousand.")
+        "parsed; beyond, 400. Bounds the proxy's parse (one C call that holds the GIL: a few ms at the bound) "
+        "and its memory (8 MB of `{}` would be 4 million dicts); a long multimodal chat with tools holds a "
+        "few thousand. A completion prompt sent as token ids counts one per token: raise it for those.")
     max_json_depth: _int(1, 512) = doc(128,
         "How deep a body's JSON may nest; beyond, 400 (deeper than any request schema or tool needs; "
         "100,000 levels used to crash the parse).")

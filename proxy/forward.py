@@ -500,8 +500,8 @@ async def _turned_away(ex: Exchange, proxy, response: web.Response) -> web.Respo
     _ended(ex, response)
     if ex.logged and not ex.read and (ex.request.content_length or 0) <= proxy.config.max_body_bytes:
         try:
-            ex.trace_id = trace_id_of(user_value(await ex.request.read()))
-        except web.HTTPRequestEntityTooLarge:
+            ex.trace_id = (await _digested(proxy, await ex.request.read(), None, False))[2]
+        except (web.HTTPRequestEntityTooLarge, Refused):
             pass
     return response
 
@@ -553,17 +553,21 @@ async def _read_body(ex: Exchange, proxy, backend: Backend | None) -> web.Respon
     policy = next(iter(router.pools.values())).policy if router.needs_body and ex.logged else None
     fix = ex.logged and config.fix_numeric_user
     try:
-        if len(ex.body) > config.limits.inline_kb * 1024:
-            digest = await asyncio.get_running_loop().run_in_executor(
-                proxy.parser, _digest, ex.body, config.limits, policy, fix)
-        else:
-            digest = _digest(ex.body, config.limits, policy, fix)
+        digest = await _digested(proxy, ex.body, policy, fix)
     except Refused as refused:
         return json_error(400, f"{refused}.", "BadRequestError", ids)
     ex.parsed, ex.route, ex.trace_id, fixed = digest
     if fixed is not None:
         ex.body, ex.fixups = fixed, ["user-to-string"]
     return None
+
+
+async def _digested(proxy, body: bytes, policy, fix: bool) -> tuple:
+    """_digest of body: on the event loop up to proxy.limits.inline_kb, in a worker thread beyond."""
+    limits = proxy.config.limits
+    if len(body) <= limits.inline_kb * 1024:
+        return _digest(body, limits, policy, fix)
+    return await asyncio.get_running_loop().run_in_executor(proxy.parser, _digest, body, limits, policy, fix)
 
 
 def _digest(body: bytes, limits, policy, fix: bool) -> tuple:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from proxy.body import LONG_STRING, Limits, Refused, parse
+from proxy.body import SCAN_CHUNK, Limits, Refused, parse
 from proxy.routing.prefix import BLOCK_BYTES, PrefixIndex, prompt_blocks
 from proxy.share import _within
 
@@ -18,9 +18,10 @@ def chat(*content, **extra) -> bytes:
 
 @pytest.mark.unit
 @pytest.mark.parametrize("body, says", [
-    (json.dumps({"model": "m", "messages": [{"role": "user", "content": [{}] * 300_000}]}).encode(),
+    (json.dumps({"model": "m", "messages": [{"role": "user", "content": [{}] * 60_000}]}).encode(),
      "proxy.limits.max_json_values"),
-    (b'{"model": "m", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "proxy.limits.max_json_depth"),
+    (b'{"model": "m", "x": ' + b"[" * 1000 + b"]" * 1000 + b"}", "proxy.limits.max_json_depth"),
+    (b'{"model": "m", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "proxy.limits.max_json_values"),
     (chat(*["hi"] * 9000), "proxy.limits.max_messages"),
     (chat(["a"] * 5000), "a message has 5000 content parts; at most 4096"),
     (chat("x" * (8192 * BLOCK_BYTES + 1)), "proxy.limits.max_prompt_blocks"),
@@ -35,16 +36,16 @@ def test_a_body_past_a_limit_is_refused_naming_it(body, says):
 @pytest.mark.unit
 def test_long_strings_are_stood_in_for_and_come_back_byte_for_byte():
     image = "data:image/png;base64," + "QUJD" * 50_000
-    body = chat([{"type": "text", "text": "caf\u00e9 \"quoted\"\n" * 300},
-                 {"type": "image_url", "image_url": {"url": image}}, "Describe it. " * 20], user=42)
+    body = chat([{"type": "text", "text": "caf\u00e9 \"quoted\"\n" * 10_000},
+                 {"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": "Describe it. " * 20}], user=42)
     parsed = parse(body)
     assert parsed.spans and parsed.model == "m" and parsed.user == 42
     text = parsed.text(parsed.request["messages"][0]["content"][0]["text"])
-    assert text == "caf\u00e9 \"quoted\"\n" * 300 and len(text) > LONG_STRING
+    assert text == "caf\u00e9 \"quoted\"\n" * 10_000 and len(text) > SCAN_CHUNK and len(parsed.spans) == 2
     again = json.loads(parsed.with_user("42"))
     assert again == {**json.loads(body), "user": "42"}
-    other = parse(chat([{"type": "text", "text": "caf\u00e9 \"quoted\"\n" * 300},
-                        {"type": "image_url", "image_url": {"url": image[:-4] + "QUJE"}}, "Describe it. " * 20]))
+    other = parse(chat([{"type": "text", "text": "caf\u00e9 \"quoted\"\n" * 10_000},
+                        {"type": "image_url", "image_url": {"url": image[:-4] + "QUJE"}}, {"type": "text", "text": "Describe it. " * 20}]))
     assert prompt_blocks(parsed)[-1] != prompt_blocks(other)[-1]     # the image counts by its bytes
     assert prompt_blocks(parsed) == prompt_blocks(body)
 
