@@ -22,7 +22,7 @@ import secrets
 from dataclasses import dataclass, field
 from itertools import accumulate
 
-SCAN_CHUNK = 64 * 1024    # bytes scanned per C call (~0.5-1.5 ms): the longest the scan holds the GIL at once
+SCAN_CHUNK = 16 * 1024    # bytes scanned per C call (at most ~2 ms, a chunk of nothing but tiny strings): the longest the scan holds the GIL at once
 DEPTH_STEP = 8192         # brackets summed per C call (~0.3 ms) for the depth
 FIND_WINDOW = 1024 * 1024  # bytes searched for a string's closing quote per call (memchr: ~0.1 ms)
 LONG_STRING = 4096        # a string longer than a scan window and this is stood in for, not decoded

@@ -168,6 +168,7 @@ TOP_KEYS = ("listen", "admin", "backends", "health", "timeout_s", "connect_timeo
             "fix_numeric_user", "api_keys_file", "slots", "queue", "models", "routing", "otlp", "tenants",
             "share", "limits")
 LIMIT_KEYS = tuple(f.name for f in fields(Limits))
+MAX_JSON_DEPTH = 512              # fleet/schema.py has the same
 ROUTING_KEYS = tuple(f.name for f in fields(RoutingConfig))
 POOL_KEYS = ("name", "aliases", "adapters", "slots", "backends")
 
@@ -297,7 +298,10 @@ def _limits(value: Any) -> Limits:
     """The `limits` mapping: whole numbers of at least 1 (proxy/body.py Limits, its defaults)."""
     m = _mapping(value, "limits", LIMIT_KEYS)
     defaults = Limits()
-    return Limits(**{k: _count(m, k, getattr(defaults, k), minimum=1, prefix="limits.") for k in LIMIT_KEYS})
+    limits = Limits(**{k: _count(m, k, getattr(defaults, k), minimum=1, prefix="limits.") for k in LIMIT_KEYS})
+    if limits.max_json_depth > MAX_JSON_DEPTH:   # deeper, Python's own parse and dump would give up first
+        raise ConfigError(f"limits.max_json_depth must be at most {MAX_JSON_DEPTH}, not {limits.max_json_depth}.")
+    return limits
 
 
 def _share(value: Any) -> ShareConfig | None:

@@ -21,7 +21,7 @@ def chat(*content, **extra) -> bytes:
     (json.dumps({"model": "m", "messages": [{"role": "user", "content": [{}] * 60_000}]}).encode(),
      "proxy.limits.max_json_values"),
     (b'{"model": "m", "x": ' + b"[" * 1000 + b"]" * 1000 + b"}", "proxy.limits.max_json_depth"),
-    (b'{"model": "m", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "proxy.limits.max_json_values"),
+    (b'{"model": "m", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "proxy.limits.max_json_depth"),
     (chat(*["hi"] * 9000), "proxy.limits.max_messages"),
     (chat(["a"] * 5000), "a message has 5000 content parts; at most 4096"),
     (chat("x" * (8192 * BLOCK_BYTES + 1)), "proxy.limits.max_prompt_blocks"),
@@ -84,3 +84,17 @@ def test_the_feed_answer_is_bounded_in_blocks_newest_first():
     decisions = [(i, "b0", list(range(3000))) for i in range(1, 6)]
     assert [d[0] for d in _within(decisions, 8192)] == [4, 5]
     assert [d[0] for d in _within([(9, "b0", list(range(20000)))], 8192)] == [9]   # at least one
+
+
+@pytest.mark.unit
+def test_the_limits_section_of_the_proxy_config(tmp_path):
+    from proxy.config import ConfigError, load_config
+    path = tmp_path / "proxy.yaml"
+    path.write_text("backends: ['127.0.0.1:9']\nlimits: {max_content_parts: 16, inline_kb: 8}\n")
+    limits = load_config(path).limits
+    assert (limits.max_content_parts, limits.inline_kb, limits.max_messages) == (16, 8, Limits().max_messages)
+    for bad, says in (("{max_json_depth: 5000}", "at most 512"), ("{max_messages: 0}", "at least 1"),
+                      ("{max_parts: 3}", "unknown config key 'limits.max_parts'")):
+        path.write_text(f"backends: ['127.0.0.1:9']\nlimits: {bad}\n")
+        with pytest.raises(ConfigError, match=says):
+            load_config(path)
