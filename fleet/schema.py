@@ -363,6 +363,31 @@ class TenantSettings(Section):
         "`requests_per_minute` is.")
 
 
+class LimitsSettings(Section):
+    """What one request body may expand into at the proxy (docs/proxy.md, "Hostile and careless callers")."""
+
+    max_json_values: _int(1, 100_000_000) = doc(50_000,
+        "JSON values (objects, arrays and the items after each comma) a body may hold, counted before it is "
+        "parsed; beyond, 400. Bounds the proxy's parse (one C call that holds the GIL: a few ms at the bound) "
+        "and its memory (8 MB of `{}` would be 4 million dicts); a long multimodal chat with tools holds a "
+        "few thousand. A completion prompt sent as token ids counts one per token: raise it for those.")
+    max_json_depth: _int(1, 512) = doc(128,
+        "How deep a body's JSON may nest; beyond, 400 (deeper than any request schema or tool needs; "
+        "100,000 levels used to crash the parse).")
+    max_messages: _int(1, 10_000_000) = doc(8192,
+        "Messages in one chat request; beyond, 400.")
+    max_content_parts: _int(1, 10_000_000) = doc(4096,
+        "Content parts (text, images) in one message; beyond, 400. Thousands of images in a message are "
+        "far past what MiniCPM-V or any engine's context takes.")
+    max_prompt_blocks: _int(1, 10_000_000) = doc(8192,
+        "Prefix-routing blocks (64 bytes of prompt text each, 512 KiB at the default: about 130,000 "
+        "tokens) in one prompt; beyond, 400. Bounds the hashing per request and what one request adds to "
+        "the prefix index.")
+    inline_kb: _int(1, 1_048_576) = doc(64,
+        "Bodies up to this size are parsed on the event loop (well under a millisecond); larger ones in a "
+        "worker thread, so a large body never stalls other requests' streams or `/health`.")
+
+
 class OtlpSettings(Section):
     """The proxy's export of its spans (OpenTelemetry, OTLP/HTTP protobuf)."""
 
@@ -427,6 +452,8 @@ class ProxySettings(Section):
         "How the proxy picks a backend: least connections, or prefix-aware.")
     otlp: OtlpSettings = doc(OtlpSettings(),
         "The proxy's OpenTelemetry spans.")
+    limits: LimitsSettings = doc(LimitsSettings(),
+        "What one request body may expand into at the proxy: past a limit, a 400 naming it.")
     tenants: Annotated[dict[TenantName, TenantSettings], Field(max_length=1024,
                        description="a mapping of tenant names to their settings")] = doc({},
         "The tenants API keys name (`proxy.api_keys_file` lines `KEY TENANT`; a key alone is `default`'s), "

@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from .admission import DEFAULT, TENANT_KEYS, TenantConfig
+from .body import Limits
 from .routes import Routes, compiled, parse_route
 from .routing import POLICIES, RoutingConfig
 
@@ -156,6 +157,7 @@ class ProxyConfig:
     tenants: dict = field(default_factory=dict)   # name -> TenantConfig; `default` is there without it
     share: ShareConfig | None = None  # active-active entries: this proxy's share of every backend's slots
     open_routes: tuple[str, ...] = ()  # engine routes passed on beside the inference API (proxy/routes.py)
+    limits: Limits = Limits()     # what one request body may expand into (proxy/body.py)
 
     @property
     def routes(self) -> Routes:
@@ -171,7 +173,9 @@ class ProxyConfig:
 TOP_KEYS = ("listen", "admin", "backends", "health", "timeout_s", "connect_timeout_s",
             "max_body_mb", "results_log", "log", "retries", "max_fails", "shutdown_timeout_s",
             "fix_numeric_user", "api_keys_file", "slots", "queue", "models", "routing", "otlp", "tenants",
-            "share", "open_routes")
+            "share", "open_routes", "limits")
+LIMIT_KEYS = tuple(f.name for f in fields(Limits))
+MAX_JSON_DEPTH = 512              # fleet/schema.py has the same
 ROUTING_KEYS = tuple(f.name for f in fields(RoutingConfig))
 POOL_KEYS = ("name", "aliases", "adapters", "slots", "backends")
 
@@ -294,6 +298,7 @@ def parse_config(data: Any, source: str = "config") -> ProxyConfig:
         tenants=_tenants(top.get("tenants")),
         share=_share(top.get("share")),
         open_routes=_open_routes(top.get("open_routes")),
+        limits=_limits(top.get("limits", {})),
     )
 
 
@@ -308,6 +313,16 @@ def _open_routes(value: Any) -> tuple[str, ...]:
             raise ConfigError(f"open_routes: {entry!r} is not `/path` or `METHOD /path` (GET, POST, PUT, PATCH, "
                               "DELETE; segments of letters, digits, '.', '_', '~', '-', or `{name}`).")
     return tuple(value)
+
+
+def _limits(value: Any) -> Limits:
+    """The `limits` mapping: whole numbers of at least 1 (proxy/body.py Limits, its defaults)."""
+    m = _mapping(value, "limits", LIMIT_KEYS)
+    defaults = Limits()
+    limits = Limits(**{k: _count(m, k, getattr(defaults, k), minimum=1, prefix="limits.") for k in LIMIT_KEYS})
+    if limits.max_json_depth > MAX_JSON_DEPTH:   # deeper, Python's own parse and dump would give up first
+        raise ConfigError(f"limits.max_json_depth must be at most {MAX_JSON_DEPTH}, not {limits.max_json_depth}.")
+    return limits
 
 
 def _share(value: Any) -> ShareConfig | None:

@@ -18,8 +18,9 @@ from yarl import URL  # aiohttp's own URL type; encoded=True passes the client's
 
 from .admission import DEFAULT, Tenant
 from .balancer import Backend, Balancer, QueueFull, QueueTimeout, TenantFull
-from .fixups import fix_numeric_user
-from .models import NO_MODEL, model_of
+from .body import Parsed, Refused, parse
+from .fixups import numeric_user
+from .models import NO_MODEL
 from .results_log import LOGGED_PATHS, ResponseObserver, trace_id_of, user_value
 from .routing import Route
 from .state import PROXY
@@ -98,6 +99,7 @@ class Exchange:
     request_id: str
     t0: float = field(default_factory=time.monotonic)
     body: bytes = b""
+    parsed: Parsed | None = None   # the body's one parse (proxy/body.py), when anything reads inside it
     logged: bool = False           # a chat/completions request: it gets results-log lines
     trace_id: str | None = None
     fixups: list = field(default_factory=list)
@@ -321,9 +323,10 @@ def _prompt_tokens(ex: Exchange) -> int:
 
 
 def _route(ex: Exchange, pool: Balancer) -> None:
-    """What the pool's policy makes of the request's body (a prefix route: its prompt's blocks), before the pick."""
-    if pool.policy.needs_body and ex.logged:
-        ex.route = pool.policy.route_of(ex.body)
+    """What the pool's policy made of the request's body (a prefix route: its prompt's blocks, taken with
+    the body's parse in _read_body: every pool has the same policy), before the pick."""
+    if not pool.policy.needs_body or not ex.logged:
+        ex.route = None
 
 
 def _hold(ex: Exchange, backend: Backend) -> None:
@@ -424,7 +427,7 @@ async def _pool_of(ex: Exchange, proxy) -> Balancer | web.Response:
     if not router.by_model:
         return router.only()     # the body was read for the routing policy
     ids = {"X-Request-Id": ex.request_id}
-    name = model_of(ex.body) if ex.body else NO_MODEL
+    name = ex.parsed.model if ex.parsed is not None else NO_MODEL
     ex.model = name or None
     if not name:
         only = router.only()
@@ -497,8 +500,8 @@ async def _turned_away(ex: Exchange, proxy, response: web.Response) -> web.Respo
     _ended(ex, response)
     if ex.logged and not ex.read and (ex.request.content_length or 0) <= proxy.config.max_body_bytes:
         try:
-            ex.trace_id = trace_id_of(user_value(await ex.request.read()))
-        except web.HTTPRequestEntityTooLarge:
+            ex.trace_id = (await _digested(proxy, await ex.request.read(), None, False))[2]
+        except (web.HTTPRequestEntityTooLarge, Refused):
             pass
     return response
 
@@ -529,12 +532,13 @@ def _tenant_of(request: web.Request, keys: dict) -> str | None:
 
 
 async def _read_body(ex: Exchange, proxy, backend: Backend | None) -> web.Response | None:
-    """Read and fix the body; a response when the request ends here (413). backend: the one picked
-    (None: the models form reads the body before the pick)."""
+    """Read the body and read inside it once (_digest: in a worker thread past proxy.limits.inline_kb);
+    a response when the request ends here (413, or a 400 past proxy.limits). backend: the one picked
+    (None: the models form, or a policy that reads the body, reads it before the pick)."""
     request, config = ex.request, proxy.config
+    ids = {"X-Request-Id": ex.request_id, **({"X-Backend": backend.name} if backend else {})}
 
     def too_large() -> web.Response:
-        ids = {"X-Request-Id": ex.request_id, **({"X-Backend": backend.name} if backend else {})}
         return json_error(413, f"request body over {config.max_body_mb:g} MiB", "too_large", ids)
     if (request.content_length or 0) > config.max_body_bytes:
         return too_large()
@@ -543,12 +547,43 @@ async def _read_body(ex: Exchange, proxy, backend: Backend | None) -> web.Respon
     except web.HTTPRequestEntityTooLarge:
         return too_large()
     ex.read = True
-    if ex.logged:
-        raw_user = user_value(ex.body)   # one scan of a body that may hold MiBs of base64 images
-        ex.trace_id = trace_id_of(raw_user)
-        if config.fix_numeric_user:
-            ex.body, ex.fixups = fix_numeric_user(ex.body, raw_user)
+    if not ex.logged and not proxy.router.by_model:
+        return None      # nothing reads inside it: it goes to the engine as it came
+    router = proxy.router
+    policy = next(iter(router.pools.values())).policy if router.needs_body and ex.logged else None
+    fix = ex.logged and config.fix_numeric_user
+    try:
+        digest = await _digested(proxy, ex.body, policy, fix)
+    except Refused as refused:
+        return json_error(400, f"{refused}.", "BadRequestError", ids)
+    ex.parsed, ex.route, ex.trace_id, fixed = digest
+    if fixed is not None:
+        ex.body, ex.fixups = fixed, ["user-to-string"]
     return None
+
+
+async def _digested(proxy, body: bytes, policy, fix: bool) -> tuple:
+    """_digest of body: on the event loop up to proxy.limits.inline_kb, in a worker thread beyond."""
+    limits = proxy.config.limits
+    if len(body) <= limits.inline_kb * 1024:
+        return _digest(body, limits, policy, fix)
+    return await asyncio.get_running_loop().run_in_executor(proxy.parser, _digest, body, limits, policy, fix)
+
+
+def _digest(body: bytes, limits, policy, fix: bool) -> tuple:
+    """(the body's parse, its route by policy (None: no policy reads it), the trace id from its `user`,
+    the body with a numeric `user` made a string or None); Refused past limits. Runs in a worker thread
+    for a large body: it touches nothing shared."""
+    parsed = parse(body, limits)
+    route = policy.route_of(parsed) if policy is not None else None
+    user = parsed.user if parsed.request is not None else None
+    if parsed.request is None:
+        trace = trace_id_of(user_value(body))    # not a JSON object: the engine answers it; a `user` scanned
+    else:
+        trace = user if isinstance(user, str) or user is None else (
+            json.dumps(user) if isinstance(user, (int, float)) else None)
+    fixed = parsed.with_user(json.dumps(user)) if fix and numeric_user(user) else None
+    return parsed, route, trace, fixed
 
 
 async def _attempt(ex: Exchange, proxy, backend: Backend) -> Outcome:
@@ -560,7 +595,7 @@ async def _attempt(ex: Exchange, proxy, backend: Backend) -> Outcome:
         ex.tried.append(out)
     out.t_start = time.monotonic()
     try:
-        async with proxy.session.request(request.method, URL(backend.url + request.raw_path, encoded=True),
+        async with proxy.session.request(request.method, URL(backend.url + _target(request), encoded=True),
                                          headers=_headers_for(ex, proxy, out), data=ex.body or None,
                                          allow_redirects=False, timeout=proxy.upstream_timeout) as up:
             await _take(ex, proxy, backend, out, up)
@@ -571,6 +606,13 @@ async def _attempt(ex: Exchange, proxy, backend: Backend) -> Outcome:
     if out.sent:
         out.retryable = False   # never retry once a byte went to the client
     return out
+
+
+def _target(request: web.Request) -> str:
+    """The request's path and query as the client sent them; of an absolute-form target
+    (`POST http://host/v1/... HTTP/1.1`, RFC 9112 3.2.2) its path and query only."""
+    raw = request.raw_path
+    return raw if raw.startswith("/") else request.rel_url.raw_path_qs
 
 
 def _headers_for(ex: Exchange, proxy, out: Outcome) -> dict:

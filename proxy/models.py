@@ -8,38 +8,19 @@ a name a backend of the pool lists in its /v1/models (an adapter loaded at runti
 """
 from __future__ import annotations
 
-import json
-import re
-
 from .balancer import Backend, Balancer, count_answer, take_out
+from .body import NO_MODEL, parse
 from .config import ProxyConfig
 from .share import my_slots
 
-_MODEL_KEY = b'"model"'
-_STRING_VALUE = re.compile(rb'\s*:\s*"((?:[^"\\]|\\.)*)"')
-NO_MODEL = ""   # model_of: the body names no model
 
 
 def model_of(body: bytes) -> str | None:
     """The request body's top-level `model` (NO_MODEL when it has none; None when the body is not a
-    JSON object). A body with one `"model"` key is read by a scan, without parsing MiBs of base64
-    images; one where the word appears more than once (a nested `model` key) is parsed whole."""
-    first = body.find(_MODEL_KEY)
-    if first != -1 and body.find(_MODEL_KEY, first + len(_MODEL_KEY)) == -1:
-        m = _STRING_VALUE.match(body, first + len(_MODEL_KEY))
-        if m and body.lstrip()[:1] == b"{":
-            raw = m.group(1)
-            return raw.decode("utf-8", "replace") if b"\\" not in raw else json.loads(b'"' + raw + b'"')
+    JSON object), from the body's one parse (proxy/body.py; Refused past proxy.limits)."""
     if not body.strip():
         return NO_MODEL
-    try:
-        request = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(request, dict):
-        return None
-    model = request.get("model")
-    return model if isinstance(model, str) else NO_MODEL
+    return parse(body).model
 
 
 class Router:

@@ -23,14 +23,22 @@ LOGGED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 # inside a string never matches '"user"', so this finds the request's user field without parsing
 # a body that may carry tens of MiB of base64 images.
 _USER_KEY = b'"user"'
-_USER_VALUE = re.compile(
-    rb'\s*:\s*("(?:[^"\\]|\\.)*"|-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?|true|false|null)')
+_USER_VALUE = re.compile(   # a string of at most 1,024 characters: each try is bounded
+    rb'\s*:\s*("(?:[^"\\]|\\.){0,1024}"|-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?|true|false|null)')
+
+
+# The `"user"` texts looked at, at most: a body of millions of them costs a bounded scan, not one step each.
+USER_HITS = 64
 
 
 def user_value(body: bytes) -> bytes | None:
-    """The raw JSON text of the request's `user` value (b'"abc"', b'42', b'null'), None when absent."""
+    """The raw JSON text of the request's `user` value (b'"abc"', b'42', b'null'), None when absent (or
+    not among the first USER_HITS places the text `"user"` appears). The request path reads `user` from
+    the body's parse (proxy/body.py); this scan is for a body that is not a JSON object."""
     at = body.find(_USER_KEY)
-    while at != -1:
+    for _ in range(USER_HITS):
+        if at == -1:
+            break
         m = _USER_VALUE.match(body, at + len(_USER_KEY))
         if m:
             return m.group(1)

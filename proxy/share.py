@@ -33,6 +33,9 @@ log = logging.getLogger("proxy")
 
 FEED_PATH = "/peer/prefixes"
 FEED_LIMIT = 1024                 # decisions in one answer, the newest
+# Block hashes in one answer (~20 bytes each in JSON: ~160 KiB): what a peer parses and inserts into its
+# index on its event loop per poll stays a few ms; the newest decisions first, at least one.
+FEED_BLOCKS = 8192
 FEED_ID = os.urandom(6).hex()     # this process's feed: a peer that sees another starts over from 0
 
 
@@ -119,10 +122,21 @@ def feed(proxy, since: int, feed_id: str | None, remote: str | None) -> dict | N
     pools, last = {}, since
     for name, pool in proxy.router.pools.items():
         if pool.policy.shares_routing:
-            got = pool.policy.decisions_since(since, FEED_LIMIT)
+            got = _within(pool.policy.decisions_since(since, FEED_LIMIT), FEED_BLOCKS)
             pools[name] = [[backend, blocks] for _, backend, blocks in got]
             last = max([last] + [d[0] for d in got])
     return {"id": FEED_ID, "seq": last, "probe": HASH_PROBE, "pools": pools}
+
+
+def _within(decisions: list, most_blocks: int) -> list:
+    """The newest of decisions (oldest first) whose blocks add up to at most most_blocks (at least one)."""
+    total, keep = 0, 0
+    for _, _, blocks in reversed(decisions):
+        total += len(blocks)
+        if keep and total > most_blocks:
+            break
+        keep += 1
+    return decisions[len(decisions) - keep:]
 
 
 async def _learn(proxy, name: str, health: str, timeout: aiohttp.ClientTimeout) -> None:

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
+import sys
 import threading
 
 import aiohttp
@@ -18,6 +20,9 @@ from .results_log import ResultsLog
 from .share import my_slots
 
 log = logging.getLogger("proxy")
+# How often a thread running Python hands the GIL to another (5 ms by default): a worker thread digesting a
+# large body (proxy/body.py) lets the event loop run at least this often (bench/profile_body.py).
+SWITCH_S = 0.001
 
 
 class Proxy:
@@ -36,6 +41,10 @@ class Proxy:
         self.results = ResultsLog(config.results_log, self.metrics.results_dropped.inc)
         self.spans = self._span_export(config)   # None: no export (otlp.endpoint unset)
         self.session: aiohttp.ClientSession | None = None
+        # Where bodies over proxy.limits.inline_kb are parsed and hashed (forward._read_body): off the event
+        # loop; two threads, as the GIL lets little more run at once, and a burst of large bodies queues here.
+        self.parser = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="proxy-body")
+        sys.setswitchinterval(SWITCH_S)
         self.log = log
         self.check_now = asyncio.Event()  # wakes the health loop early (after a reload)
         self.checked = asyncio.Event()    # the first round of health checks is done

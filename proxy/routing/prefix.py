@@ -12,13 +12,12 @@ dropped when the proxy takes it out (ejected, unhealthy, drained for a restart) 
 """
 from __future__ import annotations
 
-import hashlib
 import itertools
-import json
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Collection, Sequence
 
+from ..body import Limits, Parsed, Refused, parse
 from .base import Backend, Policy, RoutingConfig, Waiter
 
 BLOCK_BYTES = 64      # vLLM's 16-token block at about 4 bytes of text a token
@@ -40,30 +39,39 @@ MISS_SLACK_BLOCKS = 2
 SPREAD_TOKENS = 1000
 
 
-def prompt_blocks(body: bytes) -> list[int]:
-    """The chained block hashes of a chat/completions body's prompt ([] when it has none).
+def prompt_blocks(body: bytes | Parsed, limits: Limits = Limits()) -> list[int]:
+    """The chained block hashes of a chat/completions body's prompt ([] when it has none); Refused (a
+    named 400) past limits' messages, content parts or prompt blocks.
 
     The canonical text is what the chat template would see, in order: each message's role and content
-    (text as is; an image or other part by a hash of its content, so a base64 image costs one short
-    token of its own). Only whole blocks count, as in vLLM's cache.
+    (text as is; an image or other part by a digest of its content, so a base64 image costs one short
+    token of its own). Only whole blocks count, as in vLLM's cache. body: the bytes, or their one parse
+    (proxy/body.py) that the request path shares.
     """
-    try:
-        request = json.loads(body)
-    except ValueError:
+    parsed = body if isinstance(body, Parsed) else parse(body, limits)
+    limits, request = parsed.limits, parsed.request
+    if request is None:
         return []
-    if not isinstance(request, dict):
-        return []
-    parts: list[str] = []
+    text = _Text(parsed, limits.max_prompt_blocks * BLOCK_BYTES, limits)
     messages = request.get("messages")
     if isinstance(messages, list):
+        if len(messages) > limits.max_messages:
+            raise Refused(f"the request has {len(messages)} messages; at most {limits.max_messages} are "
+                          "accepted (proxy.limits.max_messages)")
         for m in messages:
             if isinstance(m, dict):
-                parts.append(f"<|{m.get('role')}|>")
-                parts.append(_content(m.get("content")))
+                role = m.get("role")
+                text.add("<|"), text.add(role if isinstance(role, str) else str(role)), text.add("|>")
+                _content(m.get("content"), text)
     else:
         prompt = request.get("prompt")
-        parts.append(prompt if isinstance(prompt, str) else _content(prompt))
-    data = "".join(parts).encode("utf-8", "surrogatepass")
+        if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+            text.add(",".join(map(str, prompt)))      # token ids: their digits, not a part each
+        else:
+            _content(prompt, text)
+    data = "".join(text.parts).encode("utf-8", "surrogatepass")
+    if len(data) // BLOCK_BYTES > limits.max_prompt_blocks:
+        text.too_long()
     blocks, h = [], 0
     for at in range(0, len(data) - BLOCK_BYTES + 1, BLOCK_BYTES):
         h = hash((h, data[at:at + BLOCK_BYTES]))
@@ -71,20 +79,45 @@ def prompt_blocks(body: bytes) -> list[int]:
     return blocks
 
 
-def _content(content) -> str:
-    """A message's content as canonical text: text parts as they are, anything else by its hash."""
+class _Text:
+    """A prompt's canonical text as it is put together, refused as soon as it is surely past its bound
+    (before a long string is decoded: an escape is at most 6 bytes a character)."""
+
+    def __init__(self, parsed: Parsed, most: int, limits: Limits):
+        self.parsed, self.most, self.limits, self.size, self.parts = parsed, most, limits, 0, []
+
+    def add(self, value: str) -> None:
+        if self.size + self.parsed.raw_len(value) // 6 > self.most:
+            self.too_long()
+        value = self.parsed.text(value)
+        self.size += len(value)
+        if self.size > self.most:
+            self.too_long()
+        self.parts.append(value)
+
+    def too_long(self) -> None:
+        raise Refused(f"the prompt is over {self.limits.max_prompt_blocks} blocks of {BLOCK_BYTES} bytes; at most "
+                      "that many are accepted (proxy.limits.max_prompt_blocks)")
+
+
+def _content(content, text: _Text) -> None:
+    """A message's content as canonical text: text parts as they are, anything else by its digest."""
     if isinstance(content, str):
-        return content
+        text.add(content)
+        return
+    if content is None:
+        return
     if not isinstance(content, list):
-        return "" if content is None else json.dumps(content, sort_keys=True)
-    out = []
+        text.add("<|part:" + text.parsed.digest(content) + "|>")
+        return
+    if len(content) > text.limits.max_content_parts:
+        raise Refused(f"a message has {len(content)} content parts; at most {text.limits.max_content_parts} "
+                      "are accepted (proxy.limits.max_content_parts)")
     for part in content:
         if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
-            out.append(part["text"])
+            text.add(part["text"])
         else:   # an image (base64 or URL) or another part: one digest of what it is
-            raw = json.dumps(part, sort_keys=True).encode("utf-8", "surrogatepass")
-            out.append("<|part:" + hashlib.blake2b(raw, digest_size=8).hexdigest() + "|>")
-    return "".join(out)
+            text.add("<|part:" + text.parsed.digest(part) + "|>")
 
 
 @dataclass
@@ -193,6 +226,8 @@ class PrefixIndex:
             h = blocks[i]
             holders = lru.get(h)
             if holders is None:
+                if len(lru) >= self.max_blocks:
+                    self._evict_oldest()     # room first: the index never holds more than max_blocks
                 lru[h] = holders = set()
                 if i:
                     parent[h] = blocks[i - 1]
@@ -213,14 +248,16 @@ class PrefixIndex:
             mine[h] = tick
         self._tick = tick
         self._trim(backend)
-        while len(lru) > self.max_blocks:
-            h, holders = lru.popitem(last=False)
-            for name in holders:
-                self._of[name].pop(h, None)
-                self._unfan(h, name)
-            self._parent.pop(h, None)
-            self._fan.pop(h, None)
         return before
+
+    def _evict_oldest(self) -> None:
+        """Forget the least recently used block on every backend."""
+        h, holders = self._lru.popitem(last=False)
+        for name in holders:
+            self._of[name].pop(h, None)
+            self._unfan(h, name)
+        self._parent.pop(h, None)
+        self._fan.pop(h, None)
 
     def _trim(self, backend: str) -> None:
         """Forget backend's least recently sent blocks beyond its capacity."""
@@ -334,7 +371,8 @@ class Prefix(Policy):
             route.matches, route.seen = self.index.match(route.blocks), self.index.changes
         return route.matches
 
-    def route_of(self, body: bytes) -> PrefixRoute:
+    def route_of(self, body: bytes | Parsed) -> PrefixRoute:
+        """The prompt's blocks (body: the request path's one parse, with its limits)."""
         return PrefixRoute(prompt_blocks(body))
 
     def pick(self, route: PrefixRoute | None, least: Backend, candidates: Sequence[Backend]) -> Backend:
