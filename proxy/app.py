@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .balancer import Backend
 from .config import ProxyConfig, keys_digest
-from .forward import TRACE_ID, json_error, list_models, new_request_id, proxy_handler
+from .forward import TRACE_ID, json_error, target, list_models, new_request_id, proxy_handler
 from . import share
 from .models import entries_of
 from .state import PROXY, Proxy
@@ -193,7 +193,7 @@ NOT_SERVED = ("not found: the entry port serves the inference API (docs/proxy.md
 async def engine_route(request: web.Request) -> web.StreamResponse:
     """Any other request: passed on to the engines when its route is on the list (proxy/routes.py), else
     404 here, whatever the API key (nginx mode answers the same)."""
-    if request.app[PROXY].config.routes.allows(request.method, request.raw_path):
+    if request.app[PROXY].config.routes.allows(request.method, target(request)):   # the path it is sent to
         return await proxy_handler(request)
     return json_error(404, NOT_SERVED, "NotFoundError",
                       {"X-Request-Id": request.headers.get("X-Request-Id") or new_request_id()})

@@ -595,7 +595,7 @@ async def _attempt(ex: Exchange, proxy, backend: Backend) -> Outcome:
         ex.tried.append(out)
     out.t_start = time.monotonic()
     try:
-        async with proxy.session.request(request.method, URL(backend.url + _target(request), encoded=True),
+        async with proxy.session.request(request.method, URL(backend.url + target(request), encoded=True),
                                          headers=_headers_for(ex, proxy, out), data=ex.body or None,
                                          allow_redirects=False, timeout=proxy.upstream_timeout) as up:
             await _take(ex, proxy, backend, out, up)
@@ -608,7 +608,7 @@ async def _attempt(ex: Exchange, proxy, backend: Backend) -> Outcome:
     return out
 
 
-def _target(request: web.Request) -> str:
+def target(request: web.Request) -> str:
     """The request's path and query as the client sent them; of an absolute-form target
     (`POST http://host/v1/... HTTP/1.1`, RFC 9112 3.2.2) its path and query only."""
     raw = request.raw_path

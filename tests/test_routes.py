@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 
 import pytest
 import yaml
@@ -128,6 +129,20 @@ def test_the_proxy_refuses_the_engines_management_and_opens_what_open_routes_say
     status, headers, body = request(port, "/version")
     assert status == 200 and headers["x-backend"] in {f"127.0.0.1:{p}" for p in sims} and "version" in body
     assert request(port, "/version", method="POST")[0] == 404
+    # An absolute-form target (RFC 9112 3.2.2) is judged by the path it is sent to, as nginx does.
+    assert _absolute(port, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/tmp"}) == 404
+    assert _absolute(port, "/v1/chat/completions",
+                     {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}) == 200
+
+
+def _absolute(port: int, path: str, body: dict) -> int:
+    """The status of a POST whose request line names the absolute URL `http://entry<path>`."""
+    data = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(f"POST http://entry{path} HTTP/1.1\r\nHost: entry\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
+        head = s.recv(65536).split(b"\r\n", 1)[0]
+    return int(head.split()[1])
 
 
 @pytest.mark.nginx
