@@ -170,9 +170,10 @@ class Stack:
         self.work, self.deploy = work, work / "deploy"
         self.baseline = baseline
         self.n, self.max_num_seqs, self.sim_args, self.served = backends, max_num_seqs, sim_args, served
-        base = free_ports(backends + 40)
+        extra = len(self.FRONTS) + len(self.PROXIES) + len(self.ROUTERS) + 2   # a port each, two for the sinks
+        base = free_ports(backends + extra)
         self.backend_ports = [base + i for i in range(backends)]
-        spare = iter(range(base + backends, base + backends + 40))
+        spare = iter(range(base + backends, base + backends + extra))
         self.ports = {f: next(spare) for f in self.FRONTS if f != "direct"}
         self.admin_ports = {f: next(spare) for f in self.PROXIES}
         self.metrics_ports = {f: next(spare) for f in self.ROUTERS}
