@@ -129,6 +129,22 @@ MIB = 1024 * 1024
 BACKEND_HEALTH_TIMEOUT_S = 3
 
 
+# nginx mode's bound on client connections when proxy.client.max_connections is auto (nginx cannot read the
+# host's file limit at render time); its worker_connections are twice the bound (a client and its upstream
+# each), and its worker_rlimit_nofile that plus room for its logs and listeners.
+NGINX_AUTO_CONNECTIONS = 4096
+NGINX_FILES_RESERVE = 64
+
+
+def nginx_connections(client: dict) -> dict:
+    """nginx mode's connection settings from proxy.client: limit_conn's bound, worker_connections and
+    worker_rlimit_nofile."""
+    bound = client["max_connections"]
+    bound = NGINX_AUTO_CONNECTIONS if bound in ("auto", 0) else bound
+    return {"limit": bound, "worker_connections": 2 * bound,
+            "nofile": 2 * bound + NGINX_FILES_RESERVE}
+
+
 def nginx_size(mib: float) -> str:
     """A size in MiB as nginx reads it, exactly: the byte count the proxy enforces (int(mib * MiB)), written
     in m or k when that divides it, else in bytes (0.5 -> `512k`; `| int` gave `0m`, which is no limit)."""
@@ -406,6 +422,7 @@ def context(hv: HostVars) -> dict:
         "pools": hv.pools,
         # Plain: the slots the proxy gives each backend (what it serves runs max_num_seqs, plus headroom).
         "backend_health_timeout_s": BACKEND_HEALTH_TIMEOUT_S,
+        "nginx_connections": nginx_connections(v["proxy"]["client"]),
         "proxy_slots": (hv.served_max_num_seqs or v["max_num_seqs"]) + v["proxy"]["queue"]["headroom"],
         "scrape_targets": scrape_targets(hv),
         "smi_candidates": accelerators.kind(v["accelerator"]).smi_candidates,

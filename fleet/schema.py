@@ -407,6 +407,41 @@ class OtlpSettings(Section):
         " the cost shrinks in proportion.")
 
 
+MaxConnections = Annotated[Literal["auto"] | Annotated[int, Field(ge=0, le=10_000_000)],
+                          Field(description="auto, 0 (auto) or a number of connections up to 10000000")]
+
+
+class ClientSettings(Section):
+    """The entry port's client sockets: a deadline on each, and a bound on how many are open (issue 37)."""
+
+    header_timeout_s: _seconds() = doc(10.0,
+        "A request head (its line and headers) not complete this long after its first byte (a new "
+        "connection: after the accept) closes the connection. A real client sends its head in one write; "
+        "a few KB take well under a second on the slowest link. nginx mode's `client_header_timeout`.")
+    body_timeout_s: _seconds() = doc(30.0,
+        "A request body from which no byte came for this long (while the proxy was ready to read it) "
+        "closes the connection, and the request is logged 408. Only the gap between bytes counts, not "
+        "the whole upload: a 64 MiB base64 body over a slow link is fine, and 30 s outlasts TCP's "
+        "retransmission back-off on a lossy one. nginx mode's `client_body_timeout`.")
+    keepalive_timeout_s: _seconds() = doc(75.0,
+        "A kept-alive connection idle this long is closed (aiohttp's default is an hour). nginx's own "
+        "default; above the idle expiry of the common clients (httpx, the openai client: 5 s), so the "
+        "client, not the entry, closes first. Idle connections are shed first at `max_connections` "
+        "anyway. nginx mode's `keepalive_timeout`.")
+    send_timeout_s: _seconds() = doc(30.0,
+        "A client that takes nothing of its answer for this long (no byte acknowledged while bytes wait "
+        "for it) loses it: the upstream request is aborted, its slot freed, and the results log says "
+        "498. Only the client's silence counts, never the engine's (a queue wait of up to "
+        "`proxy.queue.timeout_s`, a long prefill, SSE tokens 20-100 ms apart). nginx mode's "
+        "`send_timeout` (there: between two writes that wait for the client).")
+    max_connections: MaxConnections = doc("auto",
+        "Client connections open at once. `auto` (or 0): the open-file limit (raised to its hard value "
+        "at start) less room for the upstream connections (a slot's each) and the proxy's files. At the "
+        "bound a new connection is still served: the oldest idle one (kept alive, or its head not "
+        "complete) is closed instead; with none idle, the new one gets 503. nginx mode: `limit_conn` on "
+        "requests in progress, `worker_connections` twice it, `worker_rlimit_nofile` (`auto`: 4096).")
+
+
 class ProxySettings(Section):
     port: Port = doc(8000,
         "The entry port (nginx mode listens on it too).")
@@ -454,6 +489,9 @@ class ProxySettings(Section):
         "The proxy's OpenTelemetry spans.")
     limits: LimitsSettings = doc(LimitsSettings(),
         "What one request body may expand into at the proxy: past a limit, a 400 naming it.")
+    client: ClientSettings = doc(ClientSettings(),
+        "The entry port's client sockets: deadlines and the bound on open connections (docs/proxy.md, "
+        "\"Hostile and careless callers\").")
     tenants: Annotated[dict[TenantName, TenantSettings], Field(max_length=1024,
                        description="a mapping of tenant names to their settings")] = doc({},
         "The tenants API keys name (`proxy.api_keys_file` lines `KEY TENANT`; a key alone is `default`'s), "

@@ -13,7 +13,8 @@ from aiohttp import web
 
 from . import logfile, otlp
 from .app import make_admin_app, make_app
-from .listener import listen_socket, queued, steer_away, stop_steering
+from .clients import Clients, connection_bound, raise_nofile
+from .listener import ClientSite, listen_socket, queued, steer_away, stop_steering
 from .state import PROXY, tenant_names
 from .config import ConfigError, load_api_keys, load_config
 
@@ -41,9 +42,12 @@ async def serve(config, config_path: str, admin_wait_s: float = 0.0) -> None:
         if name in proxy.router.backends:
             proxy.router.set_drained(proxy.router.backends[name], True)
             log.info("backend %s drained, as the proxy this one replaces had it", name)
+    clients = _clients(config, proxy)
     # handler_cancellation: a client that goes away cancels its handler, which aborts the upstream request.
     # shutdown_timeout: what the requests still in flight get once the drain below has run its course.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=CUT_GRACE_S)
+    # keepalive_timeout: aiohttp's own idle deadline (its default is an hour); the others are clients'.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=CUT_GRACE_S,
+                           keepalive_timeout=config.client.keepalive_timeout_s)
     admin_runner = web.AppRunner(admin, access_log=None)
     await runner.setup()
     await admin_runner.setup()
@@ -57,8 +61,9 @@ async def serve(config, config_path: str, admin_wait_s: float = 0.0) -> None:
     try:
         sock = listen_socket(config.listen.host, config.listen.port, config.listen.reuse_port)
         stop_steering(sock)   # a program left by a proxy that handed the port over must not favour us
-        public = web.SockSite(runner, sock)
+        public = ClientSite(runner, sock, clients)
         await public.start()
+        clients.start()
         try:
             await web.TCPSite(admin_runner, config.admin.host, config.admin.port).start()
         except OSError:
@@ -94,7 +99,21 @@ async def serve(config, config_path: str, admin_wait_s: float = 0.0) -> None:
     proxy.drained.set_result(result)
     await runner.cleanup()        # closes idle connections; what is still in flight is cut after CUT_GRACE_S
     await admin_runner.cleanup()  # after the answer to /admin/drain-and-exit went out
+    await clients.stop()
     log.info("stopped")
+
+
+def _clients(config, proxy) -> Clients:
+    """The public port's client connections: the open-file limit raised to its hard value, and the bound
+    on open connections kept below it."""
+    nofile = raise_nofile()
+    slots = max([config.slots, *(p.slots for p in config.models)])
+    bound = connection_bound(nofile, config.client.max_connections, len(config.backends), slots)
+    if 0 < bound < config.client.max_connections:
+        log.warning("client.max_connections %d is beyond what %d open files allow: %d", config.client.max_connections,
+                    nofile, bound)
+    log.info("open files: %d; client connections: at most %d", nofile, bound)
+    return Clients(config.client, bound, proxy.metrics.client_cuts, proxy.metrics.client_connections)
 
 
 async def drain(proxy, sock, public) -> dict:

@@ -15,6 +15,7 @@ import yaml
 from .admission import DEFAULT, TENANT_KEYS, TenantConfig
 from .body import Limits
 from .routes import Routes, compiled, parse_route
+from .clients import ClientConfig
 from .routing import POLICIES, RoutingConfig
 
 MIB = 1024 * 1024
@@ -163,6 +164,7 @@ class ProxyConfig:
     def routes(self) -> Routes:
         """The routes of the engines the public port passes on."""
         return compiled(self.open_routes)
+    client: ClientConfig = ClientConfig()  # the client sockets' deadlines and bound (proxy/clients.py)
 
     @property
     def max_body_bytes(self) -> int:
@@ -173,9 +175,10 @@ class ProxyConfig:
 TOP_KEYS = ("listen", "admin", "backends", "health", "timeout_s", "connect_timeout_s",
             "max_body_mb", "results_log", "log", "retries", "max_fails", "shutdown_timeout_s",
             "fix_numeric_user", "api_keys_file", "slots", "queue", "models", "routing", "otlp", "tenants",
-            "share", "open_routes", "limits")
+            "share", "open_routes", "limits", "client")
 LIMIT_KEYS = tuple(f.name for f in fields(Limits))
 MAX_JSON_DEPTH = 512              # fleet/schema.py has the same
+CLIENT_KEYS = tuple(f.name for f in fields(ClientConfig))
 ROUTING_KEYS = tuple(f.name for f in fields(RoutingConfig))
 POOL_KEYS = ("name", "aliases", "adapters", "slots", "backends")
 
@@ -299,6 +302,7 @@ def parse_config(data: Any, source: str = "config") -> ProxyConfig:
         share=_share(top.get("share")),
         open_routes=_open_routes(top.get("open_routes")),
         limits=_limits(top.get("limits", {})),
+        client=_client(top.get("client", {})),
     )
 
 
@@ -323,6 +327,16 @@ def _limits(value: Any) -> Limits:
     if limits.max_json_depth > MAX_JSON_DEPTH:   # deeper, Python's own parse and dump would give up first
         raise ConfigError(f"limits.max_json_depth must be at most {MAX_JSON_DEPTH}, not {limits.max_json_depth}.")
     return limits
+
+
+def _client(value: Any) -> ClientConfig:
+    """The client section: the client sockets' deadlines, and max_connections (0 or `auto`: derived)."""
+    m = _mapping(value, "client", CLIENT_KEYS)
+    d = ClientConfig()
+    bound = m.get("max_connections", d.max_connections)
+    return ClientConfig(**{k: _positive(m, k, getattr(d, k), "client.") for k in CLIENT_KEYS if k.endswith("_s")},
+                        max_connections=_count({"max_connections": 0 if bound == "auto" else bound},
+                                               "max_connections", 0, minimum=0, prefix="client."))
 
 
 def _share(value: Any) -> ShareConfig | None:

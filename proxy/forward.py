@@ -17,6 +17,7 @@ from aiohttp import web
 from yarl import URL  # aiohttp's own URL type; encoded=True passes the client's path through as sent
 
 from .admission import DEFAULT, Tenant
+from .clients import CUT
 from .balancer import Backend, Balancer, QueueFull, QueueTimeout, TenantFull
 from .body import Parsed, Refused, parse
 from .fixups import numeric_user
@@ -197,6 +198,7 @@ def _settle(ex: Exchange, proxy) -> None:
     """Count the request, write its final results-log line and record its span (the spans are built off
     the event loop, proxy/otlp.py: here a tuple is queued). The one place a request is accounted for."""
     out = ex.outcome or Outcome(status=500, error="the proxy failed on this request; see its proxy.log")
+    _cut_by_deadline(ex, out)
     metrics = proxy.metrics
     label = ex.backend if ex.attempts else NO_BACKEND   # a 413 never reached the backend it was given
     _count(proxy, ex, label, out.status)
@@ -216,6 +218,17 @@ def _settle(ex: Exchange, proxy) -> None:
         _tenant_settled(ex, proxy, out)
     if ex.spans is not None:
         ex.spans.record(_span_record(ex, out.status))
+
+
+def _cut_by_deadline(ex: Exchange, out: Outcome) -> None:
+    """A request whose connection the proxy cut past a deadline (proxy/clients.py: a stalled body, a
+    stream the client took nothing of) ends with that deadline's status and error, not as a client gone."""
+    cut = ex.request.get(CUT)
+    if cut is None or out.status != CLIENT_CLOSED:
+        return
+    for o in {id(out): out, id(ex.attempt): ex.attempt}.values():
+        if o is not None and o.status == CLIENT_CLOSED:
+            o.status, o.error = cut
 
 
 def _tenant_settled(ex: Exchange, proxy, out: Outcome) -> None:

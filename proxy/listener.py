@@ -11,19 +11,26 @@ so the program changes nothing; a later listener removes it once it joins (see s
 """
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import logging
 import socket
 import struct
+
+from aiohttp import web
 
 log = logging.getLogger("proxy")
 
 SO_ATTACH_REUSEPORT_CBPF = 51   # <asm-generic/socket.h>, Linux 4.5
 SO_DETACH_REUSEPORT_BPF = 68    # Linux 5.8
 BPF_RET_K = 0x06                # BPF_RET | BPF_K: return the constant k
+# Connections the kernel completes before the proxy accepts them (capped by net.core.somaxconn): a burst of
+# thousands (a flood, or every client reconnecting at once) waits here instead of having its SYNs dropped
+# and retried a second later. The event loop listens again with the site's backlog, so both use this.
+BACKLOG = 4096
 
 
-def listen_socket(host: str, port: int, reuse_port: bool, backlog: int = 511) -> socket.socket:
+def listen_socket(host: str, port: int, reuse_port: bool, backlog: int = BACKLOG) -> socket.socket:
     """A listening TCP socket on host:port (OSError when it cannot be bound)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -38,6 +45,21 @@ def listen_socket(host: str, port: int, reuse_port: bool, backlog: int = 511) ->
         sock.close()
         raise
     return sock
+
+
+class ClientSite(web.SockSite):
+    """aiohttp's site on a listening socket, whose connections are served through clients (proxy.clients:
+    their deadlines and their bound)."""
+
+    def __init__(self, runner: web.BaseRunner, sock: socket.socket, clients) -> None:
+        super().__init__(runner, sock, backlog=BACKLOG)
+        self._clients = clients
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)   # registers the site with its runner, as SockSite.start does
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(self._clients.factory(self._runner.server), sock=self._sock,
+                                                backlog=self._backlog)
 
 
 def steer_away(sock: socket.socket) -> bool:

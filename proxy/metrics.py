@@ -1,9 +1,10 @@
 """The proxy's Prometheus metrics, in a registry of its own (GET /metrics on the public port)."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
+from .clients import CUT_REASONS
 from .models import Router
 
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -144,6 +145,14 @@ class Metrics:
                                      ["tenant", "kind"], registry=r)
         self.tenant_limits = Counter("proxy_tenant_limited", "Requests refused with 429 by a tenant's limit",
                                      ["tenant", "limit"], registry=r)
+        self.client_connections = Gauge("proxy_client_connections", "Client connections open on the public port",
+                                        registry=r)
+        self.client_cuts = Counter("proxy_client_connections_cut",
+                                   "Client connections the proxy closed: header_timeout, body_timeout, "
+                                   "send_timeout (past a deadline), shed (idle, at client.max_connections), "
+                                   "refused (answered 503 at the bound, none idle)", ["reason"], registry=r)
+        for reason in CUT_REASONS:
+            self.client_cuts.labels(reason)
         r.register(BackendState(router_of))
         if tenants_of is not None:
             r.register(TenantState(tenants_of))

@@ -147,7 +147,7 @@ def tenant_names(config: ProxyConfig) -> tuple[str, ...]:
 
 # The settings a reload cannot change: bound when the listeners and the application are built. The docs
 # list them by their inventory keys (tests/test_docs.py holds the lists to this one).
-RESTART_ONLY = ("listen", "admin", "shutdown_timeout_s", "max_body_mb", "log")
+RESTART_ONLY = ("listen", "admin", "shutdown_timeout_s", "max_body_mb", "log", "client")
 
 
 PROXY = web.AppKey("proxy", Proxy)

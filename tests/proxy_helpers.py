@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import subprocess
 
 import yaml
@@ -37,11 +38,12 @@ def start_sims(procs, tmp_path, n, seqs=4, token_ms=5, extra=()):
 SERVING = re.compile(r"fleet\.sim serving .* on http://127\.0\.0\.1:(\d+) ")
 
 
-def start_proxy(procs, tmp_path, ports, env_extra=None, **extra):
+def start_proxy(procs, tmp_path, ports, env_extra=None, nofile=None, **extra):
     """The proxy over ports (a list of sim ports, or of host:port names); returns (port, admin_port).
 
     Its config is tmp_path/proxy.yaml (extra: more config keys) and its log tmp_path/proxy.log;
-    env_extra: environment variables added to its own. Its two ports come from this xdist worker's slice
+    env_extra: environment variables added to its own; nofile: (soft, hard) open-file limits it starts with.
+    Its two ports come from this xdist worker's slice
     (conftest.free_ports), so no other worker of the run starts a server on them.
     """
     port = free_ports(2)
@@ -53,8 +55,9 @@ def start_proxy(procs, tmp_path, ports, env_extra=None, **extra):
     path = tmp_path / "proxy.yaml"
     path.write_text(yaml.safe_dump(conf))
     with open(tmp_path / "proxy.log", "ab") as log:
+        limit = (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, nofile)) if nofile else None
         proxy = procs.start([PYTHON, "-m", "proxy", "--config", str(path)], cwd=ROOT, stderr=log,
-                            env={**os.environ, **(env_extra or {})})
+                            env={**os.environ, **(env_extra or {})}, preexec_fn=limit)
 
     def up():
         assert proxy.poll() is None, f"the proxy exited; see {tmp_path / 'proxy.log'}"

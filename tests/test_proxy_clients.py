@@ -1,0 +1,265 @@
+"""A deadline on every client socket, and a bound on open connections (proxy/clients.py; issue 37, part 2).
+
+Real proxy processes over real sims on loopback; the hostile clients are raw sockets, bounded in number and time.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import time
+import urllib.request
+
+import pytest
+
+from conftest import PYTHON, ROOT, require_tool, wait_until
+from fleet_helpers import inv, write_inventory
+from proxy_helpers import start_proxy, start_sims
+from proxy.clients import CLIENT_STALLED, ClientConfig, connection_bound
+from proxy.config import ConfigError, parse_config
+
+HALF_HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: fleet\r\nContent-Type: application/json\r\n"
+
+
+def request_bytes(body: dict, extra_headers: bytes = b"") -> bytes:
+    data = json.dumps(body).encode()
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: fleet\r\nContent-Type: application/json\r\n"
+            + extra_headers + b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+
+
+def chat(max_tokens=8, stream=False) -> dict:
+    return {"model": "m", "max_tokens": max_tokens, "stream": stream,
+            "messages": [{"role": "user", "content": "hello"}]}
+
+
+def post(port: int, body: dict, timeout: float = 30) -> int:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        r.read()
+        return r.status
+
+
+def get(url: str, timeout: float = 5) -> tuple[int, bytes]:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.status, r.read()
+
+
+def closed_after(sock: socket.socket, limit_s: float, t0: float | None = None) -> float | None:
+    """Seconds from t0 (default: now) until the peer closed sock (an end or a reset), reading what comes;
+    None past limit_s."""
+    t0 = time.monotonic() if t0 is None else t0
+    sock.settimeout(limit_s)
+    try:
+        while sock.recv(65536):
+            pass
+    except socket.timeout:
+        return None
+    except ConnectionResetError:
+        pass
+    return time.monotonic() - t0
+
+
+def cut_count(port: int, reason: str) -> float:
+    text = get(f"http://127.0.0.1:{port}/metrics")[1].decode()
+    found = re.search(r'^proxy_client_connections_cut_total\{reason="%s"\} (\S+)' % reason, text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def in_flight(admin: int) -> int:
+    return sum(b["in_flight"] for b in json.loads(get(f"http://127.0.0.1:{admin}/admin/backends")[1]))
+
+
+def sim_running(port: int) -> float:
+    text = get(f"http://127.0.0.1:{port}/metrics")[1].decode()
+    return sum(float(v) for v in re.findall(r"^vllm:num_requests_running(?:\{[^}]*\})? (\S+)", text, re.M))
+
+
+def final_lines(path) -> list[dict]:
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except FileNotFoundError:
+        return []
+
+
+@pytest.mark.unit
+def test_the_bound_leaves_room_for_upstream_connections_and_files():
+    assert connection_bound(1024, 0, 2, 4) == 1024 - 64 - 2 * 5        # a slot's upstream each, one spare per backend
+    assert connection_bound(1024, 300, 2, 4) == 300                     # asked below the room: as asked
+    assert connection_bound(1024, 5000, 2, 4) == 950                    # asked beyond: the room
+    assert connection_bound(1024, 0, 2, 0) == (1024 - 64) // 2          # no slots: as many upstream as clients
+    assert connection_bound(64, 0, 8, 8) == 16                          # never below MIN_CONNECTIONS
+
+
+@pytest.mark.unit
+def test_client_settings_parse_with_auto_and_refuse_nonsense():
+    base = {"backends": ["127.0.0.1:9"]}
+    assert parse_config(base).client == ClientConfig()
+    c = parse_config({**base, "client": {"header_timeout_s": 2, "max_connections": "auto"}}).client
+    assert (c.header_timeout_s, c.max_connections, c.send_timeout_s) == (2.0, 0, 30.0)
+    for bad, said in (({"send_timeout_s": 0}, "client.send_timeout_s"), ({"max_connections": -1}, "client.max"),
+                      ({"max_connections": "lots"}, "client.max"), ({"idle": 3}, "client.idle")):
+        with pytest.raises(ConfigError, match=said):
+            parse_config({**base, "client": bad})
+
+
+@pytest.mark.process
+def test_half_heads_silent_and_idle_connections_are_closed_on_time(procs, tmp_path):
+    """1. A proxy with header_timeout_s 1 and keepalive_timeout_s 1.5. 2. A connection that sends half a head,
+    and one that sends nothing: each is closed between 1 s and 1 s + the sweep. 3. A kept-alive connection,
+    after its answer, is closed after its idle 1.5 s, not before 1 s. 4. The metrics count the head timeouts."""
+    ports = start_sims(procs, tmp_path, 1, seqs=2)
+    port, _ = start_proxy(procs, tmp_path, ports, slots=2,
+                          client={"header_timeout_s": 1, "keepalive_timeout_s": 1.5})
+    t0 = time.monotonic()
+    half, silent = socket.create_connection(("127.0.0.1", port)), socket.create_connection(("127.0.0.1", port))
+    half.sendall(HALF_HEAD)
+    for sock in (half, silent):
+        took = closed_after(sock, 5, t0)
+        assert took is not None and 0.8 <= took <= 2.0, took
+        sock.close()
+    kept = socket.create_connection(("127.0.0.1", port))
+    kept.sendall(request_bytes(chat()))
+    kept.settimeout(10)
+    answer = kept.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+    while b"[DONE]" not in answer and b'"finish_reason"' not in answer:
+        answer += kept.recv(65536)
+    took = closed_after(kept, 5)
+    assert took is not None and 1.0 <= took <= 3.0, took
+    kept.close()
+    assert cut_count(port, "header_timeout") >= 2
+
+
+@pytest.mark.process
+def test_half_open_flood_at_a_low_file_limit_leaves_polite_requests_served(procs, tmp_path):
+    """1. A proxy started with 256 open files (soft and hard): its bound is 256 - 64 - 2 x 5 = 182 connections.
+    2. 400 connections each send half a head and wait (header_timeout_s 30: only the bound frees them).
+    3. Meanwhile 10 polite requests on new connections, each answered 200, and /health 200 each time.
+    4. The proxy shed idle connections (the oldest half heads) and never ran out of files."""
+    ports = start_sims(procs, tmp_path, 2, seqs=4)
+    port, _ = start_proxy(procs, tmp_path, ports, slots=4, nofile=(256, 256), client={"header_timeout_s": 30})
+    assert "client connections: at most 182" in (tmp_path / "proxy.log").read_text()
+    flood = []
+    try:
+        for _ in range(400):
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)
+            s.sendall(HALF_HEAD)
+            flood.append(s)
+        for _ in range(10):
+            assert post(port, chat()) == 200
+            assert get(f"http://127.0.0.1:{port}/health")[0] == 200
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)   # the flood goes on meanwhile
+            s.sendall(HALF_HEAD)
+            flood.append(s)
+    finally:
+        for s in flood:
+            s.close()
+    assert cut_count(port, "shed") >= 400 + 10 - 182
+    assert "Too many open files" not in (tmp_path / "proxy.log").read_text()
+
+
+@pytest.mark.process
+def test_a_stream_nobody_reads_is_cut_and_its_slot_comes_back(procs, tmp_path):
+    """1. One sim with one slot streaming a long answer fast; the proxy's send_timeout_s is 1.
+    2. A client with a 1 KiB receive buffer asks for it and never reads.
+    3. Within send_timeout_s + 1 s (its buffers fill in a fraction of a second) the proxy cuts the stream: the
+       slot is free, the sim's request is aborted (its running count drops to 0), and the results log has
+       status 498 with the error. 4. The next request is served at once."""
+    ports = start_sims(procs, tmp_path, 1, seqs=1, token_ms=2, extra=("--sim-output-tokens", "30000"))
+    port, admin = start_proxy(procs, tmp_path, ports, slots=1, client={"send_timeout_s": 1})
+    reader = socket.socket()
+    reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+    reader.connect(("127.0.0.1", port))
+    reader.sendall(request_bytes(chat(max_tokens=30000, stream=True)))
+    wait_until(lambda: sim_running(ports[0]) == 1, timeout=10, what="the sim streaming to the non-reader")
+    t0 = time.monotonic()
+    wait_until(lambda: in_flight(admin) == 0, timeout=5, interval=0.05, what="the slot back")
+    assert time.monotonic() - t0 <= 1 + 1.5
+    wait_until(lambda: sim_running(ports[0]) == 0, timeout=3, what="the sim's request aborted")
+    assert post(port, chat(), timeout=5) == 200
+    lines = wait_until(lambda: [e for e in final_lines(tmp_path / "req_results.log") if e["status"] == CLIENT_STALLED],
+                       timeout=5, what="the results-log line")
+    assert lines[0]["error"] == "the client took nothing of its stream for 1 s"
+    assert cut_count(port, "send_timeout") == 1
+    reader.close()
+
+
+@pytest.mark.process
+def test_the_engines_silence_is_not_the_clients(procs, tmp_path):
+    """A reading client whose answer starts after 2.5 s of prefill, with send_timeout_s 1: served whole (200)."""
+    ports = start_sims(procs, tmp_path, 1, seqs=1, extra=("--sim-prefill-ms", "2500"))
+    port, _ = start_proxy(procs, tmp_path, ports, slots=1, client={"send_timeout_s": 1})
+    assert post(port, chat(stream=True)) == 200
+    assert cut_count(port, "send_timeout") == 0
+
+
+@pytest.mark.process
+def test_a_body_that_stops_coming_is_cut_with_408(procs, tmp_path):
+    """1. body_timeout_s 1. 2. A request's head says 1000 bytes of body, 10 come, then nothing. 3. The
+    connection is closed between 1 s and 2.5 s later, the slot is back and the results log says 408."""
+    ports = start_sims(procs, tmp_path, 1, seqs=1)
+    port, admin = start_proxy(procs, tmp_path, ports, slots=1, client={"body_timeout_s": 1})
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: fleet\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 1000\r\n\r\n{\"model\": ")
+    took = closed_after(sock, 5)
+    assert took is not None and 0.9 <= took <= 2.5, took
+    wait_until(lambda: in_flight(admin) == 0, timeout=2, what="the slot back")
+    lines = wait_until(lambda: [e for e in final_lines(tmp_path / "req_results.log") if e["status"] == 408],
+                       timeout=5, what="the results-log line")
+    assert lines[0]["error"] == "the client sent no body bytes for 1 s"
+    assert post(port, chat(), timeout=5) == 200
+
+
+@pytest.mark.nginx
+def test_nginx_mode_renders_the_same_deadlines_and_bound(tmp_path):
+    """proxy.client.* reach nginx.conf as its equivalents (client_header_timeout, client_body_timeout,
+    keepalive_timeout, send_timeout, limit_conn with its zone, worker_connections, worker_rlimit_nofile), and
+    the host agent's check (`nginx -t` with the flags nginx starts with) accepts them."""
+    require_tool("nginx")
+    inventory = write_inventory(tmp_path, instances=2)
+    out = tmp_path / "deploy"
+    sets = ["proxy.client.header_timeout_s=2.5", "proxy.client.body_timeout_s=20", "proxy.client.send_timeout_s=15",
+            "proxy.client.keepalive_timeout_s=60", "proxy.client.max_connections=480"]
+    r = inv("render", "--host", "t", "--out", str(out), *[a for s in sets for a in ("--set", s)], inventory=inventory)
+    assert r.returncode == 0, r.stdout + r.stderr
+    conf = (out / "conf" / "nginx.conf").read_text()
+    for directive in ("client_header_timeout 2500ms;", "client_body_timeout 20s;", "send_timeout 15s;",
+                      "keepalive_timeout 60s;", "limit_conn_zone $server_port zone=fleet_clients:1m;",
+                      "limit_conn fleet_clients 480;", "worker_connections 960;", "worker_rlimit_nofile 1024;"):
+        assert directive in conf, directive
+    # one send_timeout, the client's: the upstream timeout no longer stands in for it in location /v1/
+    assert re.findall(r"^\s*send_timeout (\S+);", conf, re.M) == ["15s"]
+    check = subprocess.run([PYTHON, "-m", "hostagent", "check", "--config", "conf/nginx_front.json"],
+                           cwd=out, capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+@pytest.mark.process
+def test_at_the_bound_with_none_idle_a_new_connection_gets_503(procs, tmp_path):
+    """1. client.max_connections 4; one slot, and the sim takes 5 s before its first token. 2. Four
+    connections each send a whole request (one runs, three queue): none is idle. 3. A fifth connection is
+    answered 503 (`overloaded`, Retry-After) and closed, and counted `refused`; none of the four was shed."""
+    ports = start_sims(procs, tmp_path, 1, seqs=1, extra=("--sim-prefill-ms", "5000"))
+    port, admin = start_proxy(procs, tmp_path, ports, slots=1, client={"max_connections": 4})
+    busy = []
+    for _ in range(4):
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(request_bytes(chat()))
+        busy.append(s)
+    wait_until(lambda: json.loads(get(f"http://127.0.0.1:{admin}/admin/config")[1])["queued"] == 3,
+               timeout=5, what="one request running, three queued")
+    late = socket.create_connection(("127.0.0.1", port))
+    late.settimeout(5)
+    answer = b""
+    while chunk := late.recv(65536):
+        answer += chunk
+    assert answer.startswith(b"HTTP/1.1 503") and b'"overloaded"' in answer and b"Retry-After: 1" in answer
+    for s in busy:      # first: /metrics, on the public port, is a connection too
+        s.close()
+    wait_until(lambda: in_flight(admin) == 0, timeout=5, what="the four gone")
+    assert cut_count(port, "refused") == 1 and cut_count(port, "shed") == 0
