@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from fleet import inventory, render  # noqa: E402
-from hostagent import processes, upstream  # noqa: E402
+from hostagent import nginx_front, processes, upstream  # noqa: E402
 
 # An OTLP/HTTP sink: takes every export and discards it (the empty body is an empty ExportTraceServiceResponse).
 SINK = """import sys
@@ -72,6 +72,23 @@ def pid_of(pid_file: Path) -> int:
     if rec is None:
         raise SystemExit(f"{pid_file}: {why or 'no such file'}")
     return rec["pid"]
+
+
+def end_pid(pid: int) -> None:
+    """SIGTERM pid (nginx's master: a daemon, not our child) and wait for it to go, SIGKILL after 10 s."""
+    for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            try:
+                if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                    return   # ended, not yet reaped by its parent
+            except (OSError, IndexError):
+                return
+            time.sleep(0.05)
 
 
 def run_inv(inventory: Path, *args: str, **kw) -> subprocess.CompletedProcess:
@@ -151,6 +168,8 @@ class Stack:
     sim_args: the sims' timing flags. max_num_seqs: each sim's, and the inventory's (the proxy's slots).
     tenants: `proxy-tenants`'s `tenants` section (default: app and batch, equal weights); its key file has
     one key per tenant, `sk-NAME NAME` (TENANT_KEY), and `sk-default` for the default tenant.
+    front_preexec: run in each proxy's and nginx's process before it starts (bench_hostile.py: a login
+    shell's open-file limit).
     """
 
     FRONTS = ("direct", "proxy", "proxy-tenants", "proxy-tenants-0", "proxy-tenants-2", "proxy-lc", "proxy-prefix",
@@ -166,8 +185,9 @@ class Stack:
     def __init__(self, work: Path, backends: int, max_num_seqs: int, sim_args: list[str],
                  proxy_set: tuple[str, ...] = (), served: tuple[str, ...] = ("m",),
                  pools: dict[str, list[dict]] | None = None, routing_set: tuple[str, ...] = (),
-                 baseline: Path | None = None, tenants: dict | None = None):
+                 baseline: Path | None = None, tenants: dict | None = None, front_preexec=None):
         self.work, self.deploy = work, work / "deploy"
+        self.front_preexec = front_preexec
         self.baseline = baseline
         self.n, self.max_num_seqs, self.sim_args, self.served = backends, max_num_seqs, sim_args, served
         extra = len(self.FRONTS) + len(self.PROXIES) + len(self.ROUTERS) + 2   # a port each, two for the sinks
@@ -307,7 +327,7 @@ class Stack:
 
     def _proxy(self, front: str, *extra: str, root: Path = ROOT):
         self.pids[front] = self._start([sys.executable, "-m", "proxy", "--config", str(self.deploy / "conf" / f"{front}.yaml"), *extra],
-                    f"{front}.log", cwd=root).pid
+                    f"{front}.log", cwd=root, preexec_fn=self.front_preexec).pid
         wait_http(self.url(front) + "/health")
 
     def _start_proxy_otel(self):
@@ -393,14 +413,16 @@ class Stack:
         nginx = find_program("nginx")
         if not nginx:
             return "nginx is not installed (Debian package nginx)"
-        conf = self.deploy / "conf" / "nginx.conf"
-        check = subprocess.run([nginx, "-t", "-q", "-p", str(self.deploy), "-c", str(conf)],
-                               capture_output=True, text=True)
+        argv = [nginx, "-p", str(self.deploy), "-c", str(self.deploy / "conf" / "nginx.conf")]
+        user = nginx_front.worker_user({"deploy_dir": str(self.deploy)})
+        if user:   # as root, workers of deploy_dir's owner, as hostagent starts them (`nobody` cannot reach /tmp/...)
+            argv += ["-g", f"user {user};"]
+        check = subprocess.run([*argv, "-t", "-q"], capture_output=True, text=True)
         if check.returncode != 0:
             raise SystemExit(f"bench: nginx -t refused the rendered config: {check.stderr.strip()}")
-        subprocess.run([nginx, "-p", str(self.deploy), "-c", str(conf)], check=True)
+        subprocess.run(argv, check=True, preexec_fn=self.front_preexec)
         self.nginx_pid_file = self.deploy / "run" / "nginx.master.pid"   # nginx's own
-        wait_http(self.url("nginx") + "/v1/models")
+        wait_http(self.url("nginx") + "/health")   # open with API keys on, as /v1/models is not
 
     def _workers(self) -> list[str]:
         return [f"http://127.0.0.1:{p}" for p in self.backend_ports]
@@ -447,6 +469,22 @@ class Stack:
             req = urllib.request.Request(f"http://127.0.0.1:{p}/sim/reset-stats", method="POST", data=b"")
             urllib.request.urlopen(req, timeout=5).read()
 
+    def restart(self, front: str) -> None:
+        """Stop one proxy front or nginx by its pid (SIGTERM, SIGKILL after 10 s) and start it again."""
+        if front == "nginx":
+            end_pid(self.nginx_pid())
+            self._start_nginx()
+        else:
+            proc = next(p for p in self.procs if p.pid == self.pids[front])
+            os.killpg(proc.pid, signal.SIGTERM)
+            _reap(proc)
+            self.procs.remove(proc)
+            getattr(self, "_start_" + front.replace("-", "_"))()
+
+    def nginx_pid(self) -> int:
+        """nginx's master pid, from its own pid file."""
+        return int(self.nginx_pid_file.read_text().split()[0])
+
     def stop(self) -> None:
         if self.nginx_pid_file and self.nginx_pid_file.exists():
             try:
@@ -460,8 +498,13 @@ class Stack:
                 except ProcessLookupError:
                     pass
         for p in self.procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(5)
+            _reap(p)
+
+
+def _reap(p: subprocess.Popen) -> None:
+    """Wait for p (SIGTERMed) to end; SIGKILL its group after 10 s."""
+    try:
+        p.wait(10)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait(5)
