@@ -25,11 +25,15 @@ front is restarted before each case, so each starts from the same state.
     e      a chat body of JSON nested 100,000 deep; a request line with an absolute URL
 
 Figures, per case and front: polite requests sent / failed (not 200, or no answer within
---polite-timeout), their p50 and worst latency and the worst as a ratio of `alone`'s; the watcher's worst
-gap (the longest time without any answer to /health) and its non-200 answers (errors counted); the front's
+--polite-timeout), their p50 and worst latency (a failed request at the time it failed) and the worst as a
+ratio of `alone`'s; the watcher's worst gap (the longest time without any answer to /health: 50 ms and a
+little more when all is well) and its non-200 answers (errors and timeouts counted), with how many of them
+were asked once the attack had ended (does the front come back?); the front's
 RSS before / peak / after (VmRSS of the proxy, summed over nginx's workers; sampled every 100 ms); the
 case's own statuses. Slots "come back" once the sims run or queue at most one request (the polite client's).
-Every process it starts is stopped by pid at the end, Ctrl-C included.
+Every process it starts is stopped by pid at the end, Ctrl-C included. One pass of both fronts takes about
+6 minutes (--quick: about 3.5); the polite client's timeout and a stalled front can add to that, within
+bounds (--polite-timeout, --attack-timeout).
 """
 from __future__ import annotations
 
@@ -430,13 +434,14 @@ def run_case(stack: Stack, front: str, name: str, args) -> dict:
     try:
         time.sleep(args.lead)
         own = attack(name, Case(stack, front, args, hold_of(name, args)))
+        ended = time.monotonic()
         time.sleep(args.tail)
         seen = obs.finish()
     finally:
         obs.kill()
         rss.done.set()
         rss.join()
-    return {"front": front, "case": name, **polite_figures(seen), **health_figures(seen),
+    return {"front": front, "case": name, **polite_figures(seen), **health_figures(seen, ended),
             "rss_mb": {"before": before, "peak": rss.peak, "after": rss_mb(pids)}, "own": own}
 
 
@@ -464,13 +469,15 @@ def polite_figures(seen: dict) -> dict:
             "polite_worst_s": max(lat) if lat else float("nan")}
 
 
-def health_figures(seen: dict) -> dict:
-    """The longest time the watcher went without an answer (of any status), and its answers not 200."""
+def health_figures(seen: dict, ended: float) -> dict:
+    """The longest time the watcher went without an answer (of any status); its answers not 200, and those of
+    them asked once the attack had ended (at `ended`, monotonic): does the front come back?"""
     answered = sorted(done for _, done, _ in seen["health"] if done is not None)
     marks = [seen["start"], *answered, max(seen["end"], answered[-1] if answered else seen["end"])]
     worst = max(b - a for a, b in zip(marks, marks[1:]))
     return {"health_asked": len(seen["health"]), "health_worst_gap_s": worst,
-            "health_non_200": sum(1 for _, _, s in seen["health"] if s != 200)}
+            "health_non_200": sum(1 for _, _, s in seen["health"] if s != 200),
+            "health_non_200_after": sum(1 for at, _, s in seen["health"] if s != 200 and at >= ended)}
 
 
 # --- the run --------------------------------------------------------------------------------------------
@@ -615,12 +622,12 @@ def row(r: dict, results: list[dict]) -> list[str]:
     m = r["rss_mb"]
     return [r["front"], r["case"], f"{r['polite_sent']} / {r['polite_failed']}", f"{r['polite_p50_s'] * 1000:.0f}",
             f"{r['polite_worst_s'] * 1000:.0f}", f"{r['polite_worst_s'] / base:.1f}x" if base else "",
-            f"{r['health_worst_gap_s'] * 1000:.0f}", str(r["health_non_200"]),
+            f"{r['health_worst_gap_s'] * 1000:.0f}", f"{r['health_non_200']} ({r['health_non_200_after']} after)",
             f"{m['before']:.0f} / {m['peak']:.0f} / {m['after']:.0f}", r["own"]["text"]]
 
 
 HEAD = ["front", "case", "polite sent / failed", "p50 ms", "worst ms", "worst / alone", "/health worst gap ms",
-        "/health non-200", "RSS MB before / peak / after", "the case's own"]
+        "/health non-200 (asked after the attack)", "RSS MB before / peak / after", "the case's own"]
 
 
 def print_line(r: dict, results: list[dict]) -> None:
