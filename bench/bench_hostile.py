@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_hostile.py [--quick] [--fronts proxy,nginx] [--cases alone,a,b,c,d,e]
         [--hold 20] [--set proxy.client.send_timeout_s=10 ...] [--out FILE.json]
 
-The fleet of issue 37: 2 sims x max_num_seqs 4 behind the front, API keys on, two tenants with a key each
+The fleet: 2 sims x max_num_seqs 4 behind the front, API keys on, two tenants with a key each
 (`app`, `batch`). The front's files are rendered from an inventory by fleet's own render (bench/stack.py),
 with `--set` overrides passed to it as `inv deploy --set` would: settings added later (`proxy.client.*`,
 `proxy.limits.*`) come in with their defaults, unchanged here; a key the schema does not know is refused
