@@ -253,28 +253,39 @@ def case_b(ctx) -> dict:
             "text": f"{_counts(statuses)}, each answered within {max(took) * 1000:.0f} ms"}
 
 
-def half_open(port: int, n: int, until: float) -> Counter:
-    """n connections that send half a request head and hold it until `until` (monotonic); what became of them."""
-    sel, socks, seen = selectors.DefaultSelector(), [], Counter()
+def half_open(port: int, n: int, until: float, reopen: bool = False) -> Counter:
+    """n connections that send half a request head and hold it until `until` (monotonic); with reopen, those
+    the front closed are opened again every second (as an attacker would). What became of them."""
+    sel, seen = selectors.DefaultSelector(), Counter()
     try:
-        for _ in range(n):
-            s = socket.socket()
-            s.setblocking(False)
-            socks.append(s)
-            if s.connect_ex(("127.0.0.1", port)) not in (0, errno.EINPROGRESS):
-                seen["connect failed"] += 1
-                continue
-            sel.register(s, selectors.EVENT_WRITE, "connecting")
+        _open_half(sel, port, n, seen)
+        next_round = time.monotonic() + 1.0
         while (left := until - time.monotonic()) > 0:
             for key, _ in sel.select(min(left, 0.5)):
                 _held_event(sel, key, seen)
+            if reopen and time.monotonic() >= next_round:
+                seen["reopened"] += n - len(sel.get_map())
+                _open_half(sel, port, n - len(sel.get_map()), seen)
+                next_round += 1.0
         seen["still connecting"] = sum(1 for k in sel.get_map().values() if k.data == "connecting")
         seen["held to the end"] = sum(1 for k in sel.get_map().values() if k.data == "held")
         return seen
     finally:
+        for key in list(sel.get_map().values()):
+            key.fileobj.close()
         sel.close()
-        for s in socks:
+
+
+def _open_half(sel, port: int, n: int, seen: Counter) -> None:
+    """Start n non-blocking connections; _held_event sends each its half head once connected."""
+    for _ in range(n):
+        s = socket.socket()
+        s.setblocking(False)
+        if s.connect_ex(("127.0.0.1", port)) not in (0, errno.EINPROGRESS):
+            seen["connect failed"] += 1
             s.close()
+            continue
+        sel.register(s, selectors.EVENT_WRITE, "connecting")
 
 
 def _held_event(sel, key, seen: Counter) -> None:
@@ -283,6 +294,7 @@ def _held_event(sel, key, seen: Counter) -> None:
         if s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
             seen["connect failed"] += 1
             sel.unregister(s)
+            s.close()
             return
         seen["connected"] += 1
         try:
@@ -300,11 +312,12 @@ def _held_event(sel, key, seen: Counter) -> None:
     if not data:
         seen["closed by the front"] += 1
         sel.unregister(s)
+        s.close()
 
 
 def case_c(ctx, n: int) -> dict:
-    seen = half_open(ctx.port, n, ctx.hold_end)
-    order = ("connected", "connect failed", "still connecting", "closed by the front", "held to the end")
+    seen = half_open(ctx.port, n, ctx.hold_end, ctx.args.c_reopen)
+    order = ("connected", "connect failed", "still connecting", "closed by the front", "reopened", "held to the end")
     text = ", ".join(f"{seen[k]} {k}" for k in order if seen[k]) + "".join(
         f", {v} {k}" for k, v in sorted(seen.items()) if k.startswith("answered"))
     return {"connections": n, "seen": dict(seen), "text": f"{n} half heads: {text}"}
@@ -510,10 +523,13 @@ def parse(argv) -> argparse.Namespace:
     ap.add_argument("--b-images", type=int, default=4)
     ap.add_argument("--b-image-mb", type=float, default=1.5, help="base64 size of each image")
     ap.add_argument("--c-conns", default="3000,5000", help="connections of case c, one run each")
+    ap.add_argument("--c-reopen", action="store_true",
+                    help="case c opens again, every second, the connections the front closed")
     ap.add_argument("--d-streams", type=int, default=8)
     ap.add_argument("--d-tokens", type=int, default=20_000, help="max_tokens of case d (2 ms a token)")
     ap.add_argument("--d-rcvbuf", type=int, default=4096, help="SO_RCVBUF of case d's sockets")
-    ap.add_argument("--front-nofile", type=int, default=1024, help="the fronts' soft open-file limit")
+    ap.add_argument("--front-nofile", default="1024", metavar="SOFT[:HARD]",
+                    help="the fronts' open-file limits (default: a soft 1024, the hard limit as it is)")
     ap.add_argument("--attack-timeout", type=float, default=120.0, help="the longest a or b waits for an answer")
     ap.add_argument("--out", help="also write every figure to this JSON file")
     args = ap.parse_args(argv)
@@ -546,9 +562,16 @@ def front_names(args) -> list[str]:
     return fronts
 
 
-def nofile(limit: int):
+def nofile(limits: str):
+    """A preexec setting the open-file limits `SOFT[:HARD]` (HARD: this process's hard limit when not given)."""
+    try:
+        soft, _, hard = limits.partition(":")
+        soft_n, hard_n = int(soft), int(hard) if hard else resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    except ValueError:
+        raise SystemExit(f"error: --front-nofile {limits!r} is not SOFT or SOFT:HARD (numbers).") from None
+
     def lower() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft_n, hard_n))
     return lower
 
 
@@ -572,8 +595,8 @@ def main(argv=None) -> int:
         stack = make_stack(Path(tmp), args)
         if stack is None:
             return 2
-        print(f"{BACKENDS} sims x max_num_seqs {MAX_NUM_SEQS}, keys and tenants {POLITE}/{OTHER}; fronts at a soft "
-              f"limit of {args.front_nofile} open files; holds {args.hold:g} s (d {args.hold_d:g} s, e {args.hold_e:g} s), "
+        print(f"{BACKENDS} sims x max_num_seqs {MAX_NUM_SEQS}, keys and tenants {POLITE}/{OTHER}; fronts at an "
+              f"open-file limit of {args.front_nofile}; holds {args.hold:g} s (d {args.hold_d:g} s, e {args.hold_e:g} s), "
               f"alone {args.alone:g} s; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}", flush=True)
         try:
             fronts = stack.start(fronts)
