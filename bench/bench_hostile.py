@@ -21,7 +21,8 @@ front is restarted before each case, so each starts from the same state.
     b      MiniCPM-V-like requests (tenant batch), four 1.5 MB base64 images each, --b-requests in a row
     c      --c-conns connections (3,000 and 5,000) that send half a request head and hold it
     d      --d-streams streaming requests of the polite client's own tenant from sockets that never read
-           (SO_RCVBUF 4 KiB, answers of --d-tokens tokens); then whether their slots come back
+           (SO_RCVBUF 4 KiB, answers of --d-tokens tokens), held --hold-d (default: --hold, or the rendered
+           proxy.client.send_timeout_s + 5 s when longer); then whether their slots come back
     e      a chat body of JSON nested 100,000 deep; a request line with an absolute URL
 
 Figures, per case and front: polite requests sent / failed (not 200, or no answer within
@@ -507,7 +508,7 @@ def parse(argv) -> argparse.Namespace:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="an inventory override, as `inv deploy --set` (repeatable)")
     for name, what in (("hold", f"seconds each attack lasts ({NORMAL['hold']:g})"),
-                       ("hold-d", "case d's hold (default: --hold)"),
+                       ("hold-d", "case d's hold (default: --hold, or proxy.client.send_timeout_s + 5 when longer)"),
                        ("hold-e", f"case e's hold ({NORMAL['hold_e']:g})"),
                        ("alone", f"seconds of the polite client alone ({NORMAL['alone']:g})"),
                        ("tail", f"seconds of polite load after each attack ({NORMAL['tail']:g})"),
@@ -536,9 +537,18 @@ def parse(argv) -> argparse.Namespace:
     for k, v in (QUICK if args.quick else NORMAL).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    if args.hold_d is None:
-        args.hold_d = args.hold
     return args
+
+
+def hold_d(args, stack: Stack) -> float:
+    """Case d's hold: --hold-d; else --hold, or the rendered send timeout (proxy.client.send_timeout_s) and
+    5 s more when longer, so a front that cuts stalled streams has the time to."""
+    if args.hold_d is not None:
+        return args.hold_d
+    import yaml
+    conf = yaml.safe_load((stack.deploy / "conf" / "proxy.yaml").read_text())
+    send = (conf.get("client") or {}).get("send_timeout_s")
+    return max(args.hold, send + 5) if isinstance(send, (int, float)) else args.hold
 
 
 def case_names(args) -> list[str]:
@@ -595,6 +605,7 @@ def main(argv=None) -> int:
         stack = make_stack(Path(tmp), args)
         if stack is None:
             return 2
+        args.hold_d = hold_d(args, stack)
         print(f"{BACKENDS} sims x max_num_seqs {MAX_NUM_SEQS}, keys and tenants {POLITE}/{OTHER}; fronts at an "
               f"open-file limit of {args.front_nofile}; holds {args.hold:g} s (d {args.hold_d:g} s, e {args.hold_e:g} s), "
               f"alone {args.alone:g} s; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}", flush=True)

@@ -18,7 +18,7 @@ the front serving; with a higher hard limit the proxy raises its soft limit to i
    enough to take every slot; the polite client as above. Targets: its worst latency <= send_timeout_s + 1 s,
    and the slots come back (the proxy's admin: nothing in flight once the non-readers are cut).
 
-The functions below (half_open, NonReaders, Polite, HealthWatch) are what bench/bench_hostile.py reuses.
+bench/bench_hostile.py runs the whole table of hostile and careless callers (these two among them) with clients of its own.
 Every process it starts is stopped by pid.
 """
 from __future__ import annotations

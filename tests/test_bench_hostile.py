@@ -43,8 +43,18 @@ def test_case_c_runs_once_per_connection_count_after_the_polite_client_alone():
 
 def test_quick_shortens_the_holds_unless_one_is_given():
     args = bh.parse(["--quick", "--hold", "12"])
-    assert (args.hold, args.hold_d, args.alone) == (12.0, 12.0, bh.QUICK["alone"])
+    assert (args.hold, args.alone) == (12.0, bh.QUICK["alone"])
     assert bh.parse([]).hold == bh.NORMAL["hold"]
+
+
+@pytest.mark.parametrize("client, given, hold", [("", None, 20.0), ("client: {send_timeout_s: 30}", None, 35.0),
+                                                 ("client: {send_timeout_s: 5}", None, 20.0),
+                                                 ("client: {send_timeout_s: 30}", "12", 12.0)])
+def test_case_d_holds_past_the_rendered_send_timeout_unless_told(tmp_path, client, given, hold):
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "proxy.yaml").write_text(f"slots: 4\n{client}\n")
+    args = bh.parse(["--hold", "20", *(["--hold-d", given] if given else [])])
+    assert bh.hold_d(args, type("S", (), {"deploy": tmp_path})()) == hold
 
 
 @pytest.mark.parametrize("head, status", [(b"HTTP/1.1 413 Payload Too Large\r\n", 413), (b"", "no answer"),
