@@ -172,6 +172,37 @@ class Tenant:
             self.tokens.take(actual - estimate)
 
 
+@dataclass
+class Account:
+    """One request's side of its tenant's accounting, from admission to its settling: what it was let in
+    for against the buckets (its prompt's tokens as reckoned before the answer), and, once it ends, the
+    correction by its usage or the refund of a request that never got a slot."""
+
+    tenant: Tenant
+    tokens: int = 0          # its prompt's tokens as admission reckoned them (the token bucket's take)
+    admitted: bool = False   # taken from the buckets (given back if it never gets a slot)
+
+    def admit(self, tokens: int) -> tuple[str, str, float] | None:
+        """Let the request in against its tenant's per-minute limits (taking from the buckets), or why not:
+        (the limit, a sentence, seconds to wait), as Tenant.refusal."""
+        self.tokens = tokens
+        why = self.tenant.refusal()
+        if why is None:
+            self.tenant.admitted(tokens)
+            self.admitted = True
+        return why
+
+    def settle(self, served: bool, prompt: int | None, output: int) -> None:
+        """The request ended: served (it got a slot), its usage corrects the token bucket (prompt None: the
+        engine did not say, the reckoning stands); never served, what admission took is given back."""
+        if not self.admitted:
+            return
+        if served:
+            self.tenant.used(self.tokens, (self.tokens if prompt is None else prompt) + output)
+        else:
+            self.tenant.refunded(self.tokens)
+
+
 def _bucket(bucket: Bucket | None, was: int | None, limit: int | None, part: Callable[[int], int]) -> Bucket | None:
     """The bucket of a limit now `limit` (None: no limit) that was `was`, this entry admitting part(limit)."""
     if limit is None:
@@ -379,13 +410,16 @@ class FairQueue:
             if free > self.reserve and total > 0 and self._above_share(total, now, more=1)(tenant):
                 self._ramp_at = now          # it grew into idle slots above its share (not a replacement)
         self._running[tenant.name] = self._running.get(tenant.name, 0) + 1
+        tenant.in_flight += 1
         self._vt[tenant.name] = max(self._vt.get(tenant.name, 0.0), self._now)   # back from idle, as append
         self._now = max(self._now, self._vt[tenant.name])
         self.charge(tenant, amount)
 
     def finished(self, tenant: Tenant | None) -> None:
         """A request of tenant's that `started` gave its slot back."""
-        name = (tenant or _DEFAULT_TENANT).name
+        tenant = tenant or _DEFAULT_TENANT
+        tenant.in_flight -= 1
+        name = tenant.name
         self._running[name] = self._running.get(name, 0) - 1
         if self._running[name] <= 0:
             del self._running[name]

@@ -121,6 +121,34 @@ class Balancer:
         up = [b for b in self._order if b.available] if self.slots else []
         return sum(max(0, self.slots - b.in_flight) for b in up), self.slots * len(up)
 
+    @property
+    def needs_body(self) -> bool:
+        """Whether the policy reads a request's body before the pick (keeps the count before it when not)."""
+        return self.policy.needs_body
+
+    def route_of(self, parsed) -> Route | None:
+        """What the policy makes of a chat/completions request's parsed body (proxy/body.py); safe in a
+        worker thread (it touches no state of the pool's)."""
+        return self.policy.route_of(parsed)
+
+    @property
+    def shares_routing(self) -> bool:
+        """Whether peer entries learn its routing decisions (proxy/share.py)."""
+        return self.policy.shares_routing
+
+    def keep_feed(self) -> None:
+        """Keep the policy's latest decisions from now on, for a peer entry to read."""
+        self.policy.keep_feed()
+
+    def decisions_since(self, seq: int, limit: int) -> list[tuple[int, str, list[int]]]:
+        """The policy's decisions after seq, for a peer entry's feed."""
+        return self.policy.decisions_since(seq, limit)
+
+    def adopt(self, backend: str, blocks: list[int]) -> None:
+        """A peer entry sent a prompt of these blocks to backend (one of this pool's): the policy remembers it."""
+        if backend in self.backends:
+            self.policy.adopt(backend, blocks)
+
     def cold(self, backend: Backend) -> None:
         """Have the policy forget backend: it lost its cache (ejected, restarted) or left."""
         self.policy.forget(backend.name)
@@ -185,7 +213,6 @@ class Balancer:
         if best.in_flight > best.peak_in_flight:
             best.peak_in_flight = best.in_flight
         if tenant is not None:
-            tenant.in_flight += 1
             self._queue.started(tenant, self._queue.cost(tokens, route))
         return best
 
@@ -342,10 +369,6 @@ class Balancer:
         self._ramp_timer = None
         self.dispatch()
 
-    def ended(self, tenant: Tenant | None, output_tokens: int) -> None:
-        """A request of tenant's ended having produced output_tokens (its usage): the fair queue counts them."""
-        self._queue.ended(tenant, output_tokens)
-
     def ahead(self) -> bool:
         """Whether a new request must queue behind others: one waits that is not held for its home (held
         ones wait for one backend only; a new request may take another's free slot)."""
@@ -356,17 +379,21 @@ class Balancer:
         """How many requests wait for a slot."""
         return len(self._queue)
 
-    def learn(self, route: Route | None, backend: Backend, cached_tokens: int | None,
-              prompt_tokens: int | None) -> None:
-        """Pass the engine's word on a request's cached prompt tokens to the policy."""
-        self.policy.learned(route, backend, cached_tokens, prompt_tokens)
+    def finish(self, backend: Backend, tenant: Tenant | None = None, route: Route | None = None,
+               cached_tokens: int | None = None, prompt_tokens: int | None = None, output_tokens: int = 0) -> None:
+        """A request that held a slot on backend ended: the one call its end makes to its pool. What the
+        engine said of its cached prompt tokens goes to the policy (cached_tokens None: nothing learned),
+        its answer's tokens to the fair queue's count of its tenant's service, then its slot is released."""
+        if cached_tokens is not None:
+            self.policy.learned(route, backend, cached_tokens, prompt_tokens)
+        self._queue.ended(tenant, output_tokens)
+        self.release(backend, tenant)
 
     def release(self, backend: Backend, tenant: Tenant | None = None) -> None:
         """Uncount one finished request (and its tenant's, when given); its slot goes to the first request
         in the fair order, if any."""
         backend.in_flight -= 1
         if tenant is not None:
-            tenant.in_flight -= 1
             self._queue.finished(tenant)
         self.policy.ended(backend)
         if self._queue:

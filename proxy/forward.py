@@ -16,7 +16,7 @@ import aiohttp
 from aiohttp import web
 from yarl import URL  # aiohttp's own URL type; encoded=True passes the client's path through as sent
 
-from .admission import DEFAULT, Tenant
+from .admission import DEFAULT, Account, Tenant
 from .clients import CUT
 from .balancer import Backend, Balancer, QueueFull, QueueTimeout, TenantFull
 from .body import Parsed, Refused, parse
@@ -125,9 +125,7 @@ class Exchange:
     tried: list | None = None      # every attempt's Outcome, kept when spans are exported
     wall_ns: int = 0               # time.time_ns() at arrival, when spans are exported
     tenant: Tenant | None = None   # whose request it is (its API key's tenant), once the key is checked
-    tokens: int = 0                # its prompt's tokens as admission reckoned them (the token bucket's take)
-    admitted: bool = False         # taken from its tenant's buckets (given back if it never gets a slot)
-    balancer: Balancer | None = None  # the pool that counts its tenant's service (the fair queue)
+    account: Account | None = None  # its side of its tenant's accounting (admitted, settled by its usage)
 
     def __post_init__(self) -> None:
         self.logged = self.request.method == "POST" and self.request.path in LOGGED_PATHS
@@ -232,18 +230,20 @@ def _cut_by_deadline(ex: Exchange, out: Outcome) -> None:
 
 
 def _tenant_settled(ex: Exchange, proxy, out: Outcome) -> None:
-    """The tenant's side of a settled request: its answer counted, its token bucket and its fair share
-    corrected by the answer's usage (what it really took against what admission reckoned)."""
-    observer = out.observer
-    prompt = observer.prompt_tokens if observer is not None and observer.prompt_tokens is not None else None
-    output = observer.reported_tokens if observer is not None and observer.reported_tokens is not None else 0
+    """The tenant's side of a settled request: its answer counted, its account settled by the answer's
+    usage (what it really took against what admission reckoned), or refunded when it never got a slot."""
+    prompt, output = _usage(out)
     proxy.metrics.tenant_answered(ex.tenant.name, out.status, prompt or 0, output)
-    if ex.admitted and ex.slot is None:
-        ex.tenant.refunded(ex.tokens)     # turned away by the queue: it used nothing of the fleet
-    elif ex.admitted:
-        ex.tenant.used(ex.tokens, (ex.tokens if prompt is None else prompt) + output)
-    if ex.balancer is not None and ex.slot is not None:
-        ex.balancer.ended(ex.tenant, output)
+    if ex.account is not None:
+        ex.account.settle(ex.slot is not None, prompt, output)
+
+
+def _usage(out: Outcome | None) -> tuple[int | None, int]:
+    """(prompt tokens or None, output tokens) of an answer, as its usage (or its stream) told."""
+    observer = out.observer if out is not None else None
+    if observer is None:
+        return None, 0
+    return observer.prompt_tokens, observer.reported_tokens or 0
 
 
 def _count(proxy, ex: Exchange, backend: str, status: int) -> None:
@@ -286,10 +286,9 @@ async def _answer(ex: Exchange, proxy) -> web.StreamResponse:
     # form and with a policy that reads the body right after it, pick and count still one step. A request that
     # finds no slot, or someone its pool's fair queue serves first, waits its turn in that queue; the policy
     # may have it wait a little for its home backend (a hold) though another has a free slot.
-    ex.balancer = pool
     may_take = pool.may_take(ex.tenant)     # reads the fair queue's order: once, not per question
     hold = pool.hold(ex.route) if may_take else None
-    backend = pool.acquire(route=ex.route, tenant=ex.tenant) if may_take and hold is None else None
+    backend = pool.acquire(route=ex.route, tenant=ex.tenant, tokens=ex.account.tokens) if may_take and hold is None else None
     if backend is None:
         backend = await _wait_for_slot(ex, proxy, pool, hold)
         if isinstance(backend, web.Response):
@@ -307,12 +306,9 @@ async def _pool(ex: Exchange, proxy) -> Balancer | web.Response:
 def _rate_limited(ex: Exchange, proxy) -> web.Response | None:
     """The 429 of a tenant past its requests or tokens per minute, else None (and the request is taken
     from its buckets: its prompt's tokens as reckoned now, corrected by its usage when it ends)."""
-    tenant = ex.tenant
-    ex.tokens = _prompt_tokens(ex)
-    why = tenant.refusal()
+    ex.account = Account(ex.tenant)
+    why = ex.account.admit(_prompt_tokens(ex))
     if why is None:
-        tenant.admitted(ex.tokens)
-        ex.admitted = True
         return None
     limit, message, wait = why
     return _limit_error(ex, proxy, limit, message, max(1, math.ceil(wait)))
@@ -338,7 +334,7 @@ def _prompt_tokens(ex: Exchange) -> int:
 def _route(ex: Exchange, pool: Balancer) -> None:
     """What the pool's policy made of the request's body (a prefix route: its prompt's blocks, taken with
     the body's parse in _read_body: every pool has the same policy), before the pick."""
-    if not pool.policy.needs_body or not ex.logged:
+    if not pool.needs_body or not ex.logged:
         ex.route = None
 
 
@@ -358,7 +354,6 @@ async def _forward(ex: Exchange, proxy, pool: Balancer, backend: Backend) -> web
         if response is not None:
             return _ended(ex, response)
         out = await _tries(ex, proxy, pool)
-        _learn(ex, proxy, pool, out)
         return _reply(ex, out)
     except (ClientGone, asyncio.CancelledError) as gone:
         # ClientGone: a write found the client gone; CancelledError: aiohttp's handler_cancellation,
@@ -368,18 +363,19 @@ async def _forward(ex: Exchange, proxy, pool: Balancer, backend: Backend) -> web
             raise
         return ex.request["response"]      # already started; aiohttp has nobody left to send it to
     finally:
-        pool.release(ex.slot, ex.tenant)
+        _finish(ex, proxy, pool)
 
 
-def _learn(ex: Exchange, proxy, pool: Balancer, out: Outcome) -> None:
-    """What the engine said of the prompt's cache hit goes to the policy and to the prediction's metrics."""
-    if ex.route is None or out.observer is None or out.status != 200:
-        return
-    cached, prompt = out.observer.engine_cache()
-    if cached is None:
-        return
-    pool.learn(ex.route, ex.slot, cached, prompt)
-    proxy.metrics.predicted(ex.route, cached)
+def _finish(ex: Exchange, proxy, pool: Balancer) -> None:
+    """The request ends at its pool, once: its slot released, what the engine said of the prompt's cache
+    hit to the policy (and to the prediction's metrics), its answer's tokens to its tenant's fair share."""
+    out = ex.outcome
+    cached = prompt = None
+    if ex.route is not None and out is not None and out.observer is not None and out.status == 200:
+        cached, prompt = out.observer.engine_cache()
+        if cached is not None:
+            proxy.metrics.predicted(ex.route, cached)
+    pool.finish(ex.slot, ex.tenant, ex.route, cached, prompt, _usage(out)[1])
 
 
 async def _tries(ex: Exchange, proxy, pool: Balancer) -> Outcome:
@@ -478,7 +474,7 @@ async def _wait_for_slot(ex: Exchange, proxy, pool: Balancer, hold=None) -> Back
     config, metrics = proxy.config, proxy.metrics
     ids = {"X-Request-Id": ex.request_id}
     try:
-        backend = await pool.wait_for_slot(config.queue.timeout_s, ex.route, ex.tenant, ex.tokens, hold)
+        backend = await pool.wait_for_slot(config.queue.timeout_s, ex.route, ex.tenant, ex.account.tokens, hold)
     except TenantFull as full:
         limit, message = full.args
         return await _turned_away(ex, proxy, _limit_error(ex, proxy, limit, message, RETRY_AFTER_FULL_S))
@@ -563,10 +559,10 @@ async def _read_body(ex: Exchange, proxy, backend: Backend | None) -> web.Respon
     if not ex.logged and not proxy.router.by_model:
         return None      # nothing reads inside it: it goes to the engine as it came
     router = proxy.router
-    policy = next(iter(router.pools.values())).policy if router.needs_body and ex.logged else None
+    pool = next(iter(router.pools.values())) if router.needs_body and ex.logged else None
     fix = ex.logged and config.fix_numeric_user
     try:
-        digest = await _digested(proxy, ex.body, policy, fix)
+        digest = await _digested(proxy, ex.body, pool, fix)
     except Refused as refused:
         return json_error(400, f"{refused}.", "BadRequestError", ids)
     ex.parsed, ex.route, ex.trace_id, fixed = digest
@@ -575,20 +571,20 @@ async def _read_body(ex: Exchange, proxy, backend: Backend | None) -> web.Respon
     return None
 
 
-async def _digested(proxy, body: bytes, policy, fix: bool) -> tuple:
+async def _digested(proxy, body: bytes, pool: Balancer | None, fix: bool) -> tuple:
     """_digest of body: on the event loop up to proxy.limits.inline_kb, in a worker thread beyond."""
     limits = proxy.config.limits
     if len(body) <= limits.inline_kb * 1024:
-        return _digest(body, limits, policy, fix)
-    return await asyncio.get_running_loop().run_in_executor(proxy.parser, _digest, body, limits, policy, fix)
+        return _digest(body, limits, pool, fix)
+    return await asyncio.get_running_loop().run_in_executor(proxy.parser, _digest, body, limits, pool, fix)
 
 
-def _digest(body: bytes, limits, policy, fix: bool) -> tuple:
-    """(the body's parse, its route by policy (None: no policy reads it), the trace id from its `user`,
+def _digest(body: bytes, limits, pool: Balancer | None, fix: bool) -> tuple:
+    """(the body's parse, its route by pool's policy (None: no policy reads it), the trace id from its `user`,
     the body with a numeric `user` made a string or None); Refused past limits. Runs in a worker thread
     for a large body: it touches nothing shared."""
     parsed = parse(body, limits)
-    route = policy.route_of(parsed) if policy is not None else None
+    route = pool.route_of(parsed) if pool is not None else None
     user = parsed.user if parsed.request is not None else None
     if parsed.request is None:
         trace = trace_id_of(user_value(body))    # not a JSON object: the engine answers it; a `user` scanned

@@ -49,7 +49,7 @@ class Router:
     def needs_body(self) -> bool:
         """Whether a request's body is read before the pick: for its `model` (the models form), or for
         the routing policy (every pool has the same)."""
-        return self.by_model or next(iter(self.pools.values())).policy.needs_body
+        return self.by_model or next(iter(self.pools.values())).needs_body
 
     def update(self, config: ProxyConfig) -> tuple[list[str], list[str]]:
         """Make the pools those of config, keeping the state of backends that stay in their pool;

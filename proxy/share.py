@@ -91,9 +91,9 @@ async def _round(proxy, share: ShareConfig) -> None:
         log.info("share: entries serving %s (were %s): this proxy's slots now %s", sorted(
             share.entries[i].name for i in alive), "unknown" if was is None else sorted(
             share.entries[i].name for i in was), proxy.router.slot_summary())
-    learners = [pool.policy for pool in proxy.router.pools.values() if pool.policy.shares_routing]
-    for policy in learners:
-        policy.keep_feed()    # a policy made anew by a reload starts its feed here
+    learners = [pool for pool in proxy.router.pools.values() if pool.shares_routing]
+    for pool in learners:
+        pool.keep_feed()    # a policy made anew by a reload starts its feed here
     if learners:
         for i in alive:
             if i != share.me:
@@ -121,8 +121,8 @@ def feed(proxy, since: int, feed_id: str | None, remote: str | None) -> dict | N
         since = 0
     pools, last = {}, since
     for name, pool in proxy.router.pools.items():
-        if pool.policy.shares_routing:
-            got = _within(pool.policy.decisions_since(since, FEED_LIMIT), FEED_BLOCKS)
+        if pool.shares_routing:
+            got = _within(pool.decisions_since(since, FEED_LIMIT), FEED_BLOCKS)
             pools[name] = [[backend, blocks] for _, backend, blocks in got]
             last = max([last] + [d[0] for d in got])
     return {"id": FEED_ID, "seq": last, "probe": HASH_PROBE, "pools": pools}
@@ -169,11 +169,10 @@ async def _learn(proxy, name: str, health: str, timeout: aiohttp.ClientTimeout) 
     proxy.router.peer_feeds[name] = (feed_id, seq)
     for pool_name, decisions in pools.items():
         pool = proxy.router.pools.get(pool_name)
-        if pool is None or not pool.policy.shares_routing:
+        if pool is None or not pool.shares_routing:
             continue
         for backend, blocks in decisions:
-            if backend in pool.backends:
-                pool.policy.adopt(backend, blocks)
+            pool.adopt(backend, blocks)
 
 
 def _feed_answer(got) -> tuple[str, int, dict] | None:

@@ -161,9 +161,8 @@ def test_the_index_keeps_no_more_than_the_engine_does_and_forgets_what_a_miss_pr
     b.release(b.acquire(route=PrefixRoute([20, 21, 22, 23])))
     assert p.index.match([10, 11, 12, 13]) == {"b0:1": 4}
     again = PrefixRoute([10, 11, 12, 13, 14, 15, 16])
-    b.release(b.acquire(route=again))
-    assert again.matched_tokens == 64
-    b.learn(again, backend, cached_tokens=0, prompt_tokens=7 * 16)
+    assert b.acquire(route=again) is backend and again.matched_tokens == 64
+    b.finish(backend, route=again, cached_tokens=0, prompt_tokens=7 * 16)   # its end: slot and engine's word
     assert p.index.match([1, 2]) == {} and p.index.match(again.blocks) == {"b0:1": 7}
     assert p.index.match([20, 21, 22, 23]) == {"b0:1": 4}   # sent after the evicted block: still there
 

@@ -57,6 +57,7 @@ def test_a_peer_learns_the_decisions_it_has_not_read_and_only_a_peer_may_read_th
     from types import SimpleNamespace
     from proxy.routing import RoutingConfig
     from proxy.routing.prefix import Prefix, PrefixRoute
+    from proxy.balancer import Balancer
     from proxy.share import FEED_ID, feed
     a, b = Prefix(RoutingConfig()), Prefix(RoutingConfig())
     backends = [SimpleNamespace(name=f"b{i}", in_flight=0, kv_tokens=None) for i in range(2)]
@@ -74,8 +75,9 @@ def test_a_peer_learns_the_decisions_it_has_not_read_and_only_a_peer_may_read_th
     assert b.index.match([11, 12, 13]) == {"b0": 3} and b.index.match([21, 22, 99]) == {"b1": 2}
     assert b.feed is None
     share = ShareConfig(0, (ShareEntry("a", 1, None), ShareEntry("b", 1, "http://10.9.0.2:8000/health")))
-    proxy = SimpleNamespace(config=SimpleNamespace(share=share),
-                            router=SimpleNamespace(pools={"": SimpleNamespace(policy=a)}))
+    pool = Balancer([])
+    pool.policy = a        # the feed reads the policy through its pool (the balancer is its one caller)
+    proxy = SimpleNamespace(config=SimpleNamespace(share=share), router=SimpleNamespace(pools={"": pool}))
     got = feed(proxy, first, FEED_ID, "10.9.0.2")
     assert got["pools"] == {"": [["b1", [21, 22]]]} and got["seq"] == a.feed[-1][0]
     assert feed(proxy, first, "another", "127.0.0.1")["pools"][""][0] == ["b0", [11, 12, 13]]
