@@ -78,6 +78,7 @@ class Job:
     thinking: bool
     seed: int
     prompt: Prompt = field(default_factory=lambda: Prompt(()))
+    continued: str = ""                # the text of the answer it continues (continue_final_message)
     cached_tokens: int | None = None   # the prompt's tokens found in the prefix cache, once scheduled
     details: bool = False              # --enable-prompt-tokens-details: usage says cached_tokens
 
@@ -116,9 +117,10 @@ def image_identifier(url: str) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
-def _chat_prompt(messages) -> tuple[list, list[Image], str]:
+def _chat_prompt(messages, generation_prompt: bool = True, continue_final: bool = False) -> tuple[list, list[Image], str]:
     """The chat template applied to the messages: tokens, images (placeholder tokens, hashed by
-    content) and the messages' text."""
+    content) and the messages' text. continue_final: the last message is left open (no `<|im_end|>`), as
+    transformers' apply_chat_template does; generation_prompt: `<|im_start|>assistant\n` closes the prompt."""
     if not isinstance(messages, list) or not messages:
         raise _validation_error("chat", "messages", "Input should be a non-empty list", messages)
     tokens: list = []
@@ -148,7 +150,10 @@ def _chat_prompt(messages) -> tuple[list, list[Image], str]:
             else:
                 raise ApiError(400, f"Unsupported content part in messages.{i}: {part!r:.80}", param="messages")
         tokens.append("<|im_end|>")
-    tokens += GENERATION_PROMPT
+    if continue_final:
+        tokens.pop()
+    if generation_prompt:
+        tokens += GENERATION_PROMPT
     return tokens, images, "\n".join(texts)
 
 
@@ -182,8 +187,12 @@ def parse(kind: str, body, served_names: list[str], max_model_len: int, adapters
     if asked and asked not in served_names and asked not in adapters:
         raise unknown_model(asked, served_names)
     model = asked if asked in adapters else served_names[0]
+    continued = ""
     if kind == "chat":
-        tokens, images, text = _chat_prompt(body.get("messages"))
+        generation_prompt, continue_final = _template_flags(body)
+        tokens, images, text = _chat_prompt(body.get("messages"), generation_prompt, continue_final)
+        if continue_final:
+            continued, text = _continued(body["messages"], text)
         max_tokens = _int_field(kind, body, "max_completion_tokens") or _int_field(kind, body, "max_tokens")
     else:
         (tokens, text), images = _completion_prompt(body.get("prompt")), []
@@ -202,7 +211,29 @@ def parse(kind: str, body, served_names: list[str], max_model_len: int, adapters
                include_usage=stream and isinstance(options, dict) and bool(options.get("include_usage")),
                thinking=isinstance(kwargs, dict) and bool(kwargs.get("enable_thinking")),
                seed=zlib.crc32(text.encode()),
-               prompt=Prompt(tokens, images, model if model in adapters else None))
+               prompt=Prompt(tokens, images, model if model in adapters else None), continued=continued)
+
+
+def _template_flags(body: dict) -> tuple[bool, bool]:
+    """(add_generation_prompt, continue_final_message) as vLLM 0.32 reads them: both true is a 400
+    (chat_completion/protocol.py, check_generation_prompt)."""
+    generation_prompt, continue_final = body.get("add_generation_prompt", True), body.get("continue_final_message", False)
+    for name, value in (("add_generation_prompt", generation_prompt), ("continue_final_message", continue_final)):
+        if not isinstance(value, bool):
+            raise _validation_error("chat", name, "Input should be a valid boolean", value)
+    if continue_final and body.get("add_generation_prompt"):
+        raise ApiError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+    return generation_prompt, continue_final
+
+
+def _continued(messages: list, text: str) -> tuple[str, str]:
+    """(the final message's text, the text of the messages before it): a model continues its own answer as
+    if it had written it, so the sim seeds the answer with the conversation without it."""
+    last = messages[-1].get("content")
+    last = last if isinstance(last, str) else "".join(
+        p.get("text", "") for p in last or [] if isinstance(p, dict) and p.get("type") == "text")
+    before = text[:len(text) - len(last)]
+    return last, before[:-1] if before.endswith("\n") else before
 
 
 def output_tokens(job: Job, natural: int) -> tuple[list[str], str]:
@@ -220,9 +251,23 @@ def output_tokens(job: Job, natural: int) -> tuple[list[str], str]:
         tokens = ["<think>\n", *_spaced(words[1:think - 1]), "\n</think>\n\n", *_spaced(words[think:], first="")]
     else:
         tokens = _spaced(words, first="")
+    if job.continued:
+        tokens = tokens[_written(tokens, job.continued):]
+        total = len(tokens)
     if job.max_tokens < total:
         return tokens[:job.max_tokens], "length"
     return tokens, "stop"
+
+
+def _written(tokens: list[str], text: str) -> int:
+    """How many of the answer's tokens text holds already: a greedy model continues its own text where it
+    stopped (the text's length in tokens when it is not the answer's own beginning)."""
+    at = 0
+    for i, tok in enumerate(tokens):
+        if not text.startswith(tok, at):
+            return i if at == len(text) else max(i, len(text) // CHARS_PER_TOKEN)
+        at += len(tok)
+    return len(tokens)
 
 
 def _spaced(words: list[str], first: str = " ") -> list[str]:
