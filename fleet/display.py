@@ -122,7 +122,8 @@ def request_block(e: dict) -> str:
     def v(key, unit=""):
         value = e.get(key)
         return "-" if value is None or value == [] else f"{value}{unit}"
-    attempt = f"attempt {v('attempt')}" + ("" if e.get("final", True) else " (retried elsewhere)")
+    moved = "continued" if str(e.get("error") or "").startswith("stream interrupted") else "retried"
+    attempt = f"attempt {v('attempt')}" + ("" if e.get("final", True) else f" ({moved} elsewhere)")
     lines = [f"{v('ts')}  trace {v('trace_id')}  request {v('request_id')}  {v('path')}  {attempt}",
              f"  backend {v('backend')}  status {v('status')}  finish_reason {v('finish_reason')}  "
              f"tokens {v('completion_tokens')}  latency {v('latency_ms', ' ms')}  retries {v('retries')}  "
@@ -132,4 +133,9 @@ def request_block(e: dict) -> str:
              if e.get("snippet") or e.get("fixups") else None]
     if e.get("error"):
         lines.append(f"  error: {e['error']}")
+    if e.get("resumed"):     # a stream its instance broke off, finished on another (proxy/resume.py)
+        lines.append(f"  resumed: {' -> '.join(e.get('backends') or [])} after {v('tokens_before')} tokens "
+                     f"({v('resume_cause')}), {v('tokens_after')} more; the client's gap {v('resume_gap_ms', ' ms')}")
+    if e.get("resume"):
+        lines.append(f"  not resumed: {e['resume']}")
     return "\n".join(line for line in lines if line is not None)

@@ -442,6 +442,26 @@ class ClientSettings(Section):
         "requests in progress, `worker_connections` twice it, `worker_rlimit_nofile` (`auto`: 4096).")
 
 
+class ResumeSettings(Section):
+    """A stream its instance breaks off, finished on another (proxy/resume.py; issue 38). The proxy only:
+    nginx mode cannot."""
+
+    enabled: Flag = doc(True,
+        "When the instance serving a stream fails after its first chunk (its connection closed or reset "
+        "before `data: [DONE]`, an engine error event, no bytes for `stall_s`, taken out by its health "
+        "check), the rest of the answer is asked of another healthy instance of the pool (chat: vLLM's "
+        "`continue_final_message` on the text so far; completions: the prompt plus it; the token budget "
+        "less the tokens sent) and relayed into the same client stream: one `id`, one `[DONE]`, the usage "
+        "of the whole answer. Never for n > 1, logprobs, `response_format` or guided decoding, a tool call "
+        "or reasoning under way: those end as before, the cause in the results log.")
+    max_attempts: _int(1, 8) = doc(1,
+        "Continuations one stream may have; one more failure ends it as a broken stream.")
+    stall_s: _number(0.1, 3600, "seconds from 0.1 to 3600") = doc(30.0,
+        "A resumable stream from which no byte came for this long is taken from its instance and "
+        "continued elsewhere. Well above the gaps between tokens an engine under load leaves (a long "
+        "prefill of another request, seconds on a CPU engine); below `timeout_s`.")
+
+
 class ProxySettings(Section):
     port: Port = doc(8000,
         "The entry port (nginx mode listens on it too).")
@@ -492,6 +512,9 @@ class ProxySettings(Section):
     client: ClientSettings = doc(ClientSettings(),
         "The entry port's client sockets: deadlines and the bound on open connections (docs/proxy.md, "
         "\"Hostile and careless callers\").")
+    resume: ResumeSettings = doc(ResumeSettings(),
+        "A stream cut by its instance's failure, finished on another instance in the same client stream "
+        "(docs/proxy.md, \"A stream survives its instance\").")
     tenants: Annotated[dict[TenantName, TenantSettings], Field(max_length=1024,
                        description="a mapping of tenant names to their settings")] = doc({},
         "The tenants API keys name (`proxy.api_keys_file` lines `KEY TENANT`; a key alone is `default`'s), "

@@ -16,6 +16,7 @@ from .admission import DEFAULT, TENANT_KEYS, TenantConfig
 from .body import Limits
 from .routes import Routes, compiled, parse_route
 from .clients import ClientConfig
+from .resume import ResumeConfig
 from .routing import POLICIES, RoutingConfig
 
 MIB = 1024 * 1024
@@ -165,6 +166,7 @@ class ProxyConfig:
         """The routes of the engines the public port passes on."""
         return compiled(self.open_routes)
     client: ClientConfig = ClientConfig()  # the client sockets' deadlines and bound (proxy/clients.py)
+    resume: ResumeConfig = ResumeConfig()  # a stream cut by its instance, finished on another (proxy/resume.py)
 
     @property
     def max_body_bytes(self) -> int:
@@ -175,10 +177,11 @@ class ProxyConfig:
 TOP_KEYS = ("listen", "admin", "backends", "health", "timeout_s", "connect_timeout_s",
             "max_body_mb", "results_log", "log", "retries", "max_fails", "shutdown_timeout_s",
             "fix_numeric_user", "api_keys_file", "slots", "queue", "models", "routing", "otlp", "tenants",
-            "share", "open_routes", "limits", "client")
+            "share", "open_routes", "limits", "client", "resume")
 LIMIT_KEYS = tuple(f.name for f in fields(Limits))
 MAX_JSON_DEPTH = 512              # fleet/schema.py has the same
 CLIENT_KEYS = tuple(f.name for f in fields(ClientConfig))
+RESUME_KEYS = tuple(f.name for f in fields(ResumeConfig))
 ROUTING_KEYS = tuple(f.name for f in fields(RoutingConfig))
 POOL_KEYS = ("name", "aliases", "adapters", "slots", "backends")
 
@@ -303,6 +306,7 @@ def parse_config(data: Any, source: str = "config") -> ProxyConfig:
         open_routes=_open_routes(top.get("open_routes")),
         limits=_limits(top.get("limits", {})),
         client=_client(top.get("client", {})),
+        resume=_resume(top.get("resume", {})),
     )
 
 
@@ -337,6 +341,15 @@ def _client(value: Any) -> ClientConfig:
     return ClientConfig(**{k: _positive(m, k, getattr(d, k), "client.") for k in CLIENT_KEYS if k.endswith("_s")},
                         max_connections=_count({"max_connections": 0 if bound == "auto" else bound},
                                                "max_connections", 0, minimum=0, prefix="client."))
+
+
+def _resume(value: Any) -> ResumeConfig:
+    """The resume section: enabled, and max_attempts and stall_s within the bounds ResumeConfig declares."""
+    m = _mapping(value, "resume", RESUME_KEYS)
+    d = ResumeConfig()
+    return ResumeConfig(enabled=_flag(m, "enabled", d.enabled, "resume."), **{
+        f.name: _bounded(m, f.name, getattr(d, f.name), *f.metadata["bounds"], prefix="resume.")
+        for f in fields(ResumeConfig) if "bounds" in f.metadata})
 
 
 def _share(value: Any) -> ShareConfig | None:

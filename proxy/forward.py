@@ -23,6 +23,7 @@ from .body import Parsed, Refused, parse
 from .fixups import numeric_user
 from .models import NO_MODEL
 from .results_log import LOGGED_PATHS, ResponseObserver, trace_id_of, user_value
+from .resume import Splice, continuation, refusal
 from .routing import Route
 from .state import PROXY
 from .tracing import NOT_SAMPLED, SAMPLED, chance, new_span_id, new_trace_id, parse_traceparent, sampled
@@ -42,6 +43,7 @@ NO_BACKEND = "none"              # the metrics label of answers no backend saw (
 NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", "traceparent"}
 TRACE_ID = "otel_trace_id"      # the request's key of its W3C trace id (the X-Trace-Id header, app.py)
 TOKEN_BYTES = 4                  # a prompt not yet read is reckoned at its body's length over this
+WATCH_S = 1.0                    # a resumable stream's quiet upstream is looked at this often (stall, taken out)
 
 
 _ID_PREFIX = secrets.token_hex(8)   # this process's own: ids stay unique across restarts and workers
@@ -72,6 +74,15 @@ def json_error(status: int, message: str, kind: str, headers: dict | None = None
 
 class ClientGone(Exception):
     """The client closed its connection while the answer was being written to it."""
+
+
+class Interrupted(Exception):
+    """A resumable stream's backend went quiet past proxy.resume.stall_s, or was taken out by its health
+    check, mid-answer. kind: the upstream error's label (stalled, taken_out)."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
 
 
 @dataclass
@@ -126,6 +137,7 @@ class Exchange:
     wall_ns: int = 0               # time.time_ns() at arrival, when spans are exported
     tenant: Tenant | None = None   # whose request it is (its API key's tenant), once the key is checked
     account: Account | None = None  # its side of its tenant's accounting (admitted, settled by its usage)
+    splice: Splice | None = None   # a streamed chat/completions answer as it passes (proxy/resume.py)
 
     def __post_init__(self) -> None:
         self.logged = self.request.method == "POST" and self.request.path in LOGGED_PATHS
@@ -232,17 +244,20 @@ def _cut_by_deadline(ex: Exchange, out: Outcome) -> None:
 def _tenant_settled(ex: Exchange, proxy, out: Outcome) -> None:
     """The tenant's side of a settled request: its answer counted, its account settled by the answer's
     usage (what it really took against what admission reckoned), or refunded when it never got a slot."""
-    prompt, output = _usage(out)
+    prompt, output = _usage(ex, out)
     proxy.metrics.tenant_answered(ex.tenant.name, out.status, prompt or 0, output)
     if ex.account is not None:
         ex.account.settle(ex.slot is not None, prompt, output)
 
 
-def _usage(out: Outcome | None) -> tuple[int | None, int]:
-    """(prompt tokens or None, output tokens) of an answer, as its usage (or its stream) told."""
+def _usage(ex: Exchange, out: Outcome | None) -> tuple[int | None, int]:
+    """(prompt tokens or None, output tokens) of an answer, as its usage (or its stream) told; of a resumed
+    stream, the whole answer's (its continuation's usage counts the text so far as prompt)."""
     observer = out.observer if out is not None else None
     if observer is None:
         return None, 0
+    if ex.splice is not None and ex.splice.hops:
+        return ex.splice.prompt_tokens, max(ex.splice.tokens, observer.reported_tokens or 0)
     return observer.prompt_tokens, observer.reported_tokens or 0
 
 
@@ -353,6 +368,7 @@ async def _forward(ex: Exchange, proxy, pool: Balancer, backend: Backend) -> web
         response = None if ex.read else await _read_body(ex, proxy, backend)
         if response is not None:
             return _ended(ex, response)
+        ex.splice = _splice_for(ex, proxy)
         out = await _tries(ex, proxy, pool)
         return _reply(ex, out)
     except (ClientGone, asyncio.CancelledError) as gone:
@@ -375,7 +391,7 @@ def _finish(ex: Exchange, proxy, pool: Balancer) -> None:
         cached, prompt = out.observer.engine_cache()
         if cached is not None:
             proxy.metrics.predicted(ex.route, cached)
-    pool.finish(ex.slot, ex.tenant, ex.route, cached, prompt, _usage(out)[1])
+    pool.finish(ex.slot, ex.tenant, ex.route, cached, prompt, _usage(ex, out)[1])
 
 
 async def _tries(ex: Exchange, proxy, pool: Balancer) -> Outcome:
@@ -384,6 +400,8 @@ async def _tries(ex: Exchange, proxy, pool: Balancer) -> Outcome:
     while True:
         out = await _attempt(ex, proxy, ex.slot)
         tried.append(ex.slot)
+        if out.sent and out.error and ex.splice is not None:
+            return await _resume(ex, proxy, pool, out, tried)
         if not out.retryable or len(tried) > proxy.config.retries:
             return out
         # The request holds a slot already: it may go over another backend's slots, never wait.
@@ -394,6 +412,78 @@ async def _tries(ex: Exchange, proxy, pool: Balancer) -> Outcome:
         _hold(ex, other)       # first: ex.slot is what _forward releases
         pool.release(failed)
         _retried(ex, proxy, failed, out)
+
+
+def _splice_for(ex: Exchange, proxy) -> Splice | None:
+    """The splice of a streamed chat/completions request (None for any other): resumable, or why not."""
+    request = ex.parsed.request if ex.parsed is not None else None
+    if not ex.logged or not isinstance(request, dict) or not request.get("stream"):
+        return None
+    why = refusal(ex.request.path, request) if proxy.config.resume.enabled else "off (proxy.resume.enabled false)"
+    options = request.get("stream_options")
+    return Splice(ex.request.path, why, isinstance(options, dict) and bool(options.get("include_usage")))
+
+
+async def _resume(ex: Exchange, proxy, pool: Balancer, out: Outcome, tried: list) -> Outcome:
+    """A stream its backend broke off after the first chunk: the rest from another instance of its pool,
+    relayed into the same client stream (proxy/resume.py), up to proxy.resume.max_attempts times; like a
+    retry it goes over the slots (the client waits mid-answer: ahead of every request queued), and the
+    policy's pick with the failed backends left out is the prefix index's next choice. The last
+    attempt's outcome; a stream that cannot go on ends as any broken stream does, the cause logged."""
+    splice, config = ex.splice, proxy.config.resume
+    for _ in range(config.max_attempts):
+        if not splice.resumable:
+            return _not_resumed(ex, proxy, out, "refused" if config.enabled else "off", splice.refused)
+        rest = None if splice.finished else await _continuation_body(ex, proxy)
+        if rest is None:      # the answer was whole (its budget spent, or its finish_reason out): close it
+            return await _closed(ex, out)
+        other = pool.acquire(exclude=tried, over=True, route=ex.route)
+        if other is None:
+            return _not_resumed(ex, proxy, out, "no_backend", "no other healthy instance in its pool")
+        failed = ex.slot
+        splice.cut(failed.name, out.error)
+        splice.moved(other.name)
+        _hold(ex, other)       # first: ex.slot is what _forward releases
+        pool.release(failed)
+        _retried(ex, proxy, failed, out)
+        out = await _attempt(ex, proxy, other, rest)
+        tried.append(other)
+        if not out.error:
+            proxy.metrics.resumes.labels("resumed").inc()
+            return out
+    return _not_resumed(ex, proxy, out, "failed", f"{config.max_attempts} continuation(s) broke off too "
+                        "(proxy.resume.max_attempts)")
+
+
+def _not_resumed(ex: Exchange, proxy, out: Outcome, outcome: str, why: str) -> Outcome:
+    """A cut stream that goes no further: counted by outcome, the cause kept for its results-log line."""
+    proxy.metrics.resumes.labels(outcome).inc()
+    ex.splice.declined = why
+    return out
+
+
+async def _closed(ex: Exchange, out: Outcome) -> Outcome:
+    """A stream cut when every token of its answer was out already: the proxy ends it ([DONE])."""
+    try:
+        await ex.request["response"].write(ex.splice.closing())
+    except ConnectionResetError as e:
+        raise ClientGone() from e
+    await _eof(ex.request["response"])
+    out.error, out.delivered = None, True
+    return out
+
+
+async def _continuation_body(ex: Exchange, proxy) -> bytes | None:
+    """The continuation's body (proxy/resume.py), from the client's body as sent (the parse's long
+    strings are stand-ins); in a worker thread past proxy.limits.inline_kb. None: its budget is spent."""
+    splice, path = ex.splice, ex.request.path
+
+    def build() -> bytes | None:
+        body = continuation(path, json.loads(ex.body), "".join(splice.text), splice.tokens)
+        return None if body is None else json.dumps(body, ensure_ascii=False).encode()
+    if len(ex.body) <= proxy.config.limits.inline_kb * 1024:
+        return build()
+    return await asyncio.get_running_loop().run_in_executor(proxy.parser, build)
 
 
 def _retried(ex: Exchange, proxy, failed: Backend, out: Outcome) -> None:
@@ -595,20 +685,21 @@ def _digest(body: bytes, limits, pool: Balancer | None, fix: bool) -> tuple:
     return parsed, route, trace, fixed
 
 
-async def _attempt(ex: Exchange, proxy, backend: Backend) -> Outcome:
-    """Send the request to backend; stream a good answer to the client, hold back a 502/503."""
+async def _attempt(ex: Exchange, proxy, backend: Backend, rest: bytes | None = None) -> Outcome:
+    """Send the request to backend; stream a good answer to the client, hold back a 502/503. rest: the
+    body of a continuation (proxy/resume.py), whose answer goes on in the client's stream."""
     request = ex.request
     ex.attempts += 1
-    out = ex.attempt = Outcome(span_id=new_span_id(), backend=backend.name)
+    out = ex.attempt = Outcome(span_id=new_span_id(), backend=backend.name, sent=rest is not None)
     if ex.tried is not None:
         ex.tried.append(out)
     out.t_start = time.monotonic()
     try:
         async with proxy.session.request(request.method, URL(backend.url + target(request), encoded=True),
-                                         headers=_headers_for(ex, proxy, out), data=ex.body or None,
+                                         headers=_headers_for(ex, proxy, out), data=rest or ex.body or None,
                                          allow_redirects=False, timeout=proxy.upstream_timeout) as up:
-            await _take(ex, proxy, backend, out, up)
-    except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionResetError) as e:
+            await (_take if rest is None else _take_rest)(ex, proxy, backend, out, up)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionResetError, Interrupted) as e:
         _failed(proxy, backend, out, e)
     finally:
         out.attempt_ms = round((time.monotonic() - out.t_start) * 1000, 1)
@@ -654,26 +745,57 @@ async def _take(ex: Exchange, proxy, backend: Backend, out: Outcome, up: aiohttp
             out.observer.feed(body)
         out.whole = web.Response(status=up.status, body=body, headers=headers)
         return
-    await _stream(ex, out, up, headers)
-
-
-async def _stream(ex: Exchange, out: Outcome, up: aiohttp.ClientResponse, headers: dict) -> None:
-    """Write the backend's answer to the client chunk by chunk, as it comes."""
     resp = web.StreamResponse(status=up.status, headers=headers)
     await resp.prepare(ex.request)
     out.sent = True
     ex.request["response"] = resp
-    async for chunk in up.content.iter_any():
+    await _relay(ex, proxy, backend, out, up, resp)
+
+
+async def _take_rest(ex: Exchange, proxy, backend: Backend, out: Outcome, up: aiohttp.ClientResponse) -> None:
+    """Take a continuation's answer: a stream, relayed into the client's (any other answer is its failure)."""
+    out.status = 200                 # what the client has, whatever this backend answers
+    _answered(proxy, backend, up.status)
+    if up.status != 200 or not up.headers.get("Content-Type", "").startswith("text/event-stream"):
+        body = (await _read_up_to(up, ERROR_BODY_BYTES)).decode("utf-8", "replace")
+        out.error = f"stream interrupted: {backend.name} answered the continuation {up.status}: {body[:500]}"
+        return
+    out.observer = ResponseObserver(200, True)
+    await _relay(ex, proxy, backend, out, up, ex.request["response"])
+
+
+async def _relay(ex: Exchange, proxy, backend: Backend, out: Outcome, up: aiohttp.ClientResponse,
+                 resp: web.StreamResponse) -> None:
+    """Write the backend's answer to the client chunk by chunk, as it comes; a resumable stream through
+    its splice (proxy/resume.py), watched for a stall and for its backend's ejection, and left open when
+    it breaks off (out.error), for a continuation to finish."""
+    splice = ex.splice if ex.splice is not None and ex.splice.resumable else None
+    chunks = up.content.iter_any() if splice is None else _watched(up, backend, proxy.config.resume.stall_s, splice)
+    async for chunk in chunks:
         if out.observer is not None:
             out.observer.feed(chunk)
+        data = chunk if splice is None else splice.feed(chunk)
         if ex.ttfb is None:
             ex.ttfb = time.monotonic() - ex.t0
         try:
-            await resp.write(chunk)
+            if data:
+                await resp.write(data)
         except ConnectionResetError as e:
             raise ClientGone() from e
-        if not out.delivered and _ends_stream(chunk, out.observer):
+        if not out.delivered and (_ends_stream(chunk, out.observer) if splice is None else splice.done):
             out.delivered = True
+        if splice is not None and splice.error is not None:
+            break      # its engine failed: what follows (its [DONE]) is not the answer's end
+    if splice is not None and not splice.done:
+        why = (f"{backend.name} sent an error event: {splice.error}" if splice.error is not None
+               else f"{backend.name} ended the stream before `data: [DONE]`")
+        _upstream_error(proxy, backend, out, "payload", why)
+        return
+    await _eof(resp)
+
+
+async def _eof(resp: web.StreamResponse) -> None:
+    """End a stream whose every byte was written."""
     try:
         await resp.write_eof()
     except ConnectionResetError:
@@ -682,10 +804,36 @@ async def _stream(ex: Exchange, out: Outcome, up: aiohttp.ClientResponse, header
         pass
 
 
+async def _watched(up: aiohttp.ClientResponse, backend: Backend, stall_s: float, splice: Splice):
+    """The upstream's chunks as they come; Interrupted when none came for stall_s or the backend was taken
+    out by its health check meanwhile (while the stream is still resumable: else it waits as any does)."""
+    last = time.monotonic()
+    while True:
+        read = asyncio.ensure_future(up.content.readany())
+        try:
+            while not (await asyncio.wait({read}, timeout=min(stall_s, WATCH_S)))[0]:
+                if not splice.resumable:
+                    continue
+                if not backend.healthy:
+                    raise Interrupted("taken_out", f"{backend.name} was taken out: {backend.last_error}")
+                if time.monotonic() - last >= stall_s:
+                    raise Interrupted("stalled", f"no bytes from {backend.name} for {stall_s:g}s (proxy.resume.stall_s)")
+        finally:
+            if not read.done():
+                read.cancel()
+        chunk = read.result()
+        if not chunk:
+            return
+        last = time.monotonic()
+        yield chunk
+
+
 def _failed(proxy, backend: Backend, out: Outcome, e: Exception) -> None:
     """Name an attempt's failure (the first matching kind, subclasses before their bases), count it."""
     config, name = proxy.config, backend.name
-    if isinstance(e, aiohttp.ConnectionTimeoutError):
+    if isinstance(e, Interrupted):
+        _upstream_error(proxy, backend, out, e.kind, str(e))
+    elif isinstance(e, aiohttp.ConnectionTimeoutError):
         _upstream_error(proxy, backend, out, "connect_timeout",
                         f"no connection to {name} within {config.connect_timeout_s:g}s", eject=True)
         out.status = 504
@@ -801,4 +949,6 @@ def _log_attempt(ex: Exchange, proxy, backend: str | None, out: Outcome, final: 
     if out.error and not summary.get("error"):
         summary["error"] = out.error
     entry.update(summary)
+    if final and ex.splice is not None:
+        entry.update(ex.splice.log_fields())
     proxy.results.write(entry)

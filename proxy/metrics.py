@@ -15,10 +15,12 @@ TOKEN_BUCKETS = tuple(2 ** k for k in range(16))   # 1 .. 32768 output tokens
 # The label values known before any event: their series are made at start (or when a reload adds a
 # backend), so a panel or an increase() over them starts from 0 instead of "no data".
 QUEUE_REJECT_REASONS = ("full", "timeout", "gone")
+RESUME_OUTCOMES = ("resumed", "failed", "no_backend", "refused", "off")
 EJECTION_REASONS = ("connect_timeout", "connect", "5xx")
 TENANT_LIMITS = ("max_in_flight", "max_queued", "requests_per_minute", "tokens_per_minute")
 TENANT_STATUSES = ("200", "429")    # a known tenant's answers made at start: served, and refused by a limit
-UPSTREAM_ERROR_KINDS = ("connect_timeout", "connect", "disconnected", "timeout", "payload", "connection", "other")
+UPSTREAM_ERROR_KINDS = ("connect_timeout", "connect", "disconnected", "timeout", "payload", "connection", "stalled",
+                        "taken_out", "other")
 
 
 class BackendState:
@@ -153,6 +155,13 @@ class Metrics:
                                    "refused (answered 503 at the bound, none idle)", ["reason"], registry=r)
         for reason in CUT_REASONS:
             self.client_cuts.labels(reason)
+        self.resumes = Counter("proxy_stream_resumes",
+                               "Streams cut by their instance after the first chunk, by what came of it: resumed "
+                               "(finished on another instance), failed (the continuations broke off too), "
+                               "no_backend (no other instance), refused (not resumable: the results log says why), "
+                               "off (proxy.resume.enabled false)", ["outcome"], registry=r)
+        for outcome in RESUME_OUTCOMES:
+            self.resumes.labels(outcome)
         r.register(BackendState(router_of))
         if tenants_of is not None:
             r.register(TenantState(tenants_of))

@@ -361,7 +361,9 @@ def test_retry_before_the_first_byte_and_never_after(procs, tmp_path, fakes):
     [sim] = start_sims(procs, tmp_path, 1)
     overloaded, breaking = fakes(), fakes()
     overloaded.mode, breaking.mode = "503", "ok"
-    port, admin = start_proxy(procs, tmp_path, [overloaded.name, name(sim), breaking.name], max_fails=100)
+    # resume off: the rule under test is the retry's (a cut stream's continuation: test_proxy_resume.py)
+    port, admin = start_proxy(procs, tmp_path, [overloaded.name, name(sim), breaking.name], max_fails=100,
+                              resume={"enabled": False})
     wait_until(lambda: all(b["healthy"] for b in asyncio.run(backends(admin)).values()), what="all healthy")
     url = f"http://127.0.0.1:{port}"
     breaking.mode = "break"

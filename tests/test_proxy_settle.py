@@ -202,7 +202,8 @@ def test_every_upstream_failure_kind_is_one_made_at_start():
     key = SimpleNamespace(host="b", port=1, ssl=None)
     for error in (aiohttp.ConnectionTimeoutError(), aiohttp.ClientConnectorError(key, OSError(111, "refused")),
                   aiohttp.ServerDisconnectedError(), asyncio.TimeoutError(), aiohttp.ClientPayloadError(),
-                  aiohttp.ClientOSError(), ConnectionResetError(), aiohttp.InvalidURL("b:x")):
+                  aiohttp.ClientOSError(), ConnectionResetError(), aiohttp.InvalidURL("b:x"),
+                  forward.Interrupted("stalled", "quiet"), forward.Interrupted("taken_out", "ejected")):
         forward._failed(proxy, backend, Outcome(), error)
     text = generate_latest(proxy.metrics.registry).decode()
     kinds = {line.split('kind="')[1].split('"')[0] for line in text.splitlines()

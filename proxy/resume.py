@@ -1,0 +1,252 @@
+"""A stream that survives its instance: an answer cut after its first chunk is finished on another
+instance, in the same client stream (issue 38; NVIDIA Dynamo calls it request migration).
+
+Three pure pieces, no I/O (proxy/forward.py does the sending): why a request cannot be continued
+honestly (`refusal`); the continuation request (`continuation`: vLLM's own `continue_final_message` for
+chat, the prompt plus the text so far for completions, the token budget reduced by what was sent); and
+the splicer (`Splice`), which reads the stream event by event as it passes, withholds an engine's error
+event, and makes the continuation's events look like the rest of the first answer: the first answer's
+`id`, `created` and `model` on every chunk, no second role chunk, one `[DONE]`, a usage chunk counting
+the whole answer.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import time
+from dataclasses import dataclass, field
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+# Requests whose output a continuation cannot reproduce honestly, by key: what the partial text cannot
+# carry over (several choices, per-token probabilities) or what it may already have broken (a grammar).
+GUIDED = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+          "structured_outputs", "guided_decoding_backend")
+DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class ResumeConfig:
+    """The proxy's `resume` section: whether a cut stream is continued, how many times, the stall bound."""
+
+    enabled: bool = True
+    max_attempts: int = field(default=1, metadata={"bounds": (1, 8)})
+    stall_s: float = field(default=30.0, metadata={"bounds": (0.1, 3600)})
+
+
+def refusal(path: str, request: dict | None) -> str | None:
+    """Why a streamed request cannot be continued on another instance (a sentence), or None when it can."""
+    if path not in (CHAT, COMPLETIONS) or not isinstance(request, dict):
+        return "not a chat or completions request the proxy could read"
+    if not request.get("stream"):
+        return "not streamed"
+    n = request.get("n")
+    if n not in (None, 1) or request.get("best_of") not in (None, 1):
+        return "n > 1: several choices share the stream"
+    if request.get("logprobs") or request.get("top_logprobs") or request.get("prompt_logprobs"):
+        return "logprobs asked for: the continuation's would not be the first answer's"
+    for key in GUIDED:
+        value = request.get(key)
+        if value and not (key == "response_format" and isinstance(value, dict) and value.get("type") == "text"):
+            return f"{key}: the text so far may already have left the grammar"
+    if path == CHAT:
+        if not isinstance(request.get("messages"), list):
+            return "no list of messages"
+        if request.get("continue_final_message") or request.get("echo"):
+            return "the request continues or echoes a message already"
+    elif request.get("echo") or request.get("suffix"):
+        return "echo or suffix: the prompt is part of the answer"
+    elif not _text_prompt(request.get("prompt")):
+        return "the prompt is not one text (token ids, or several prompts)"
+    return None
+
+
+def _text_prompt(prompt) -> bool:
+    return isinstance(prompt, str) or (isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str))
+
+
+def continuation(path: str, request: dict, text: str, tokens: int) -> dict | None:
+    """The request that finishes an answer of which text (tokens of it) reached the client: chat, the
+    messages plus an assistant message of text, continued (vLLM's continue_final_message, no generation
+    prompt); completions, the prompt plus text. The token budget is reduced by tokens; sampling settings
+    and seed kept. None: the budget is spent (the answer is whole as it is)."""
+    body = copy.deepcopy(request)
+    for key in ("max_tokens", "max_completion_tokens"):
+        if isinstance(body.get(key), int) and not isinstance(body.get(key), bool):
+            body[key] -= tokens
+            if body[key] <= 0:
+                return None
+    if isinstance(body.get("min_tokens"), int):
+        body["min_tokens"] = max(0, body["min_tokens"] - tokens)
+    if path == CHAT:
+        body["messages"] = [*body["messages"], {"role": "assistant", "content": text}]
+        body["continue_final_message"] = True
+        body["add_generation_prompt"] = False
+    else:
+        prompt = body["prompt"]
+        body["prompt"] = (prompt if isinstance(prompt, str) else prompt[0]) + text
+    return body
+
+
+@dataclass
+class Hop:
+    """One move of the stream to another instance."""
+
+    failed: str          # the backend that broke off
+    backend: str         # the one that took the rest
+    tokens_before: int   # tokens the client had when it broke off
+    why: str             # how it broke off
+    t_cut: float         # when the proxy saw it (time.monotonic())
+    t_before: float = 0.0  # when the last event before the cut went out
+    gap_s: float | None = None   # from the last event before the cut to the first after it (the client's gap)
+
+
+class Splice:
+    """One streamed answer as it passes: what reached the client (text, tokens, ids), and the events of a
+    continuation made to look like the rest of it. refused: why it cannot be continued (None: it can);
+    events then pass as bytes untouched."""
+
+    def __init__(self, path: str, refused: str | None, include_usage: bool = False):
+        self.chat = path == CHAT
+        self.refused = refused
+        self.include_usage = include_usage
+        self.ids: dict | None = None      # id, created, model of the first answer's first event
+        self.text: list[str] = []
+        self.tokens = 0                   # content events sent (one token each, as vLLM streams)
+        self.finished = False             # a finish_reason went out: the answer is whole but for [DONE]
+        self.done = False                 # `data: [DONE]` went out
+        self.error: str | None = None     # an engine's error event, withheld
+        self.hops: list[Hop] = []
+        self.last_write = 0.0             # time.monotonic() of the last event written to the client
+        self.prompt_tokens: int | None = None   # the whole answer's prompt, from a continuation's usage
+        self.declined: str | None = None  # cut, and not continued: why (the results log's `resume`)
+        self._pending = b""
+
+    @property
+    def resumable(self) -> bool:
+        return self.refused is None
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The bytes of chunk to write to the client now: complete events only (the rest waits for the
+        next chunk), a continuation's rewritten, an error event withheld (and what follows it)."""
+        if not self.resumable:
+            return chunk
+        events = (self._pending + chunk).split(b"\n\n")
+        self._pending = events.pop()
+        out = []
+        for raw in events:
+            if self.error is not None or self.done:
+                break
+            passed = self._event(raw) if self.resumable else raw + b"\n\n"
+            if passed is not None:
+                out.append(passed)
+        if not self.resumable:    # it stopped being resumable (a tool call began): bytes pass as they come
+            out.append(self._pending)
+            self._pending = b""
+        if out:
+            self.last_write = time.monotonic()
+            hop = self.hops[-1] if self.hops else None
+            if hop is not None and hop.gap_s is None:
+                hop.gap_s = self.last_write - hop.t_before
+        return b"".join(out)
+
+    def _event(self, raw: bytes) -> bytes | None:
+        """One event's bytes for the client (None: withheld or dropped)."""
+        data = raw.strip()
+        if not data.startswith(b"data:"):
+            return raw + b"\n\n" if data else None
+        payload = data[5:].strip()
+        if payload == b"[DONE]":
+            self.done = True
+            return DONE
+        try:
+            event = json.loads(payload)
+        except ValueError:
+            return raw + b"\n\n"
+        if not isinstance(event, dict):
+            return raw + b"\n\n"
+        if "error" in event or event.get("object") == "error":
+            err = event.get("error", event)
+            self.error = err.get("message", json.dumps(err)) if isinstance(err, dict) else str(err)
+            return None
+        if self.ids is None:
+            self.ids = {k: event.get(k) for k in ("id", "created", "model")}
+        if self.hops and not self._rewrite(event):
+            return None
+        self._absorb(event)
+        return raw + b"\n\n" if not self.hops else b"data: " + json.dumps(
+            event, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+    def _rewrite(self, event: dict) -> bool:
+        """Make a continuation's event the first answer's: its ids, no second role, the whole usage; False:
+        drop it (the role chunk that opens every chat stream)."""
+        event.update(self.ids)
+        usage = event.get("usage")
+        if isinstance(usage, dict):
+            before = self.hops[-1].tokens_before   # the text so far is in the continuation's prompt
+            prompt = usage.get("prompt_tokens")
+            if isinstance(prompt, int):   # counted once, as output
+                usage["prompt_tokens"] = max(0, prompt - before)
+                self.prompt_tokens = usage["prompt_tokens"]
+            if isinstance(usage.get("completion_tokens"), int):
+                usage["completion_tokens"] += before
+            if isinstance(usage.get("prompt_tokens"), int) and isinstance(usage.get("completion_tokens"), int):
+                usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        for choice in event.get("choices") or ():
+            delta = choice.get("delta") if isinstance(choice, dict) else None
+            if isinstance(delta, dict) and "role" in delta:
+                del delta["role"]
+                if not delta.get("content") and not choice.get("finish_reason") and not delta.get("tool_calls") \
+                        and not event.get("usage"):
+                    return False
+        return True
+
+    def _absorb(self, event: dict) -> None:
+        """Take the event's text and count its token; what it shows that a continuation cannot carry over
+        (a tool call, reasoning streamed apart, a second choice) makes the stream not resumable."""
+        for choice in event.get("choices") or ():
+            if not isinstance(choice, dict):
+                continue
+            if choice.get("index", 0) != 0:
+                self.refused = "several choices share the stream"
+            delta = choice.get("delta") if self.chat else choice
+            delta = delta if isinstance(delta, dict) else {}
+            if delta.get("tool_calls"):
+                self.refused = "a tool call was in progress: its arguments cannot be continued as text"
+            if delta.get("reasoning_content") or delta.get("reasoning"):
+                self.refused = "reasoning streamed apart (a reasoning parser): the raw text to continue is unknown"
+            content = delta.get("content") if self.chat else delta.get("text")
+            if isinstance(content, str) and content:
+                self.text.append(content)
+                self.tokens += 1
+            if choice.get("finish_reason"):
+                self.finished = True
+
+    def cut(self, failed: str, why: str) -> None:
+        """The stream broke off at failed: a hop begins (its backend named by `moved`)."""
+        self._pending = b""     # a half event of the instance that died is never completed
+        self.error = None
+        now = time.monotonic()
+        self.hops.append(Hop(failed, "", self.tokens, why, now, self.last_write or now))
+
+    def moved(self, backend: str) -> None:
+        """The hop's continuation goes to backend."""
+        self.hops[-1].backend = backend
+
+    def closing(self) -> bytes:
+        """What ends a stream the proxy closes itself (the answer was whole, or its budget spent, when the
+        instance broke off): [DONE]."""
+        self.done = True
+        return DONE
+
+    def log_fields(self) -> dict:
+        """The results log's fields of a stream cut by its instance: how it was resumed, or why not."""
+        if not self.hops:
+            return {} if self.declined is None else {"resumed": False, "resume": self.declined}
+        first = self.hops[0]
+        gaps = [h.gap_s for h in self.hops if h.gap_s is not None]
+        return {"resumed": True, "backends": [first.failed, *(h.backend for h in self.hops)],
+                "tokens_before": first.tokens_before, "tokens_after": self.tokens - first.tokens_before,
+                "completion_tokens": self.tokens, "resume_cause": first.why,
+                **({} if self.declined is None else {"resume": self.declined}),
+                "resume_gap_ms": round(max(gaps) * 1000, 1) if gaps else None}

@@ -1,0 +1,199 @@
+"""A stream survives its instance (proxy/resume.py): cut after its first chunk, it is finished on another
+instance in the same client stream. Real proxy, real sims, real SIGKILL; loads bounded in count."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import aiohttp
+import pytest
+
+from conftest import wait_until
+from proxy_helpers import start_proxy, start_sims
+
+pytestmark = pytest.mark.process
+
+STREAMS = 32
+TOKENS = 60
+
+
+def ask(i: int, stream: bool = True) -> dict:
+    """The i-th conversation: its own prompt, so its own (deterministic) answer."""
+    return {"model": "m", "max_tokens": TOKENS, "stream": stream, "seed": 7,
+            "stream_options": {"include_usage": True} if stream else None,
+            "messages": [{"role": "system", "content": "you answer briefly"},
+                         {"role": "user", "content": f"question number {i}: what is the weather?"}]}
+
+
+async def stream(session: aiohttp.ClientSession, url: str, body: dict) -> dict:
+    """One streamed answer as the client sees it: its events, text, ids, role chunks, [DONE]s, usage;
+    cut: the connection broke, or the stream ended without [DONE]."""
+    seen = {"ids": set(), "roles": 0, "done": 0, "text": "", "usage": None, "cut": None, "gaps": [],
+            "backend": None, "chunks": 0}
+    last = None
+    try:
+        async with session.post(url + "/v1/chat/completions", json=body) as r:
+            seen["backend"] = r.headers.get("X-Backend")
+            assert r.status == 200, await r.text()
+            buf = b""
+            async for chunk in r.content.iter_any():
+                now = time.monotonic()
+                if last is not None:
+                    seen["gaps"].append(now - last)
+                last = now
+                buf += chunk
+                *events, buf = buf.split(b"\n\n")
+                for e in events:
+                    payload = e.strip()[len(b"data:"):].strip()
+                    if payload == b"[DONE]":
+                        seen["done"] += 1
+                        continue
+                    event = json.loads(payload)
+                    assert "error" not in event, event
+                    seen["ids"].add((event["id"], event["created"], event["model"]))
+                    if event.get("usage"):
+                        seen["usage"] = event["usage"]
+                    for choice in event["choices"]:
+                        delta = choice["delta"]
+                        seen["roles"] += "role" in delta
+                        if delta.get("content"):
+                            seen["text"] += delta["content"]
+                            seen["chunks"] += 1
+    except aiohttp.ClientError as e:
+        seen["cut"] = repr(e)
+    if seen["cut"] is None and seen["done"] != 1:
+        seen["cut"] = f"{seen['done']} [DONE]"
+    return seen
+
+
+async def whole(session: aiohttp.ClientSession, url: str, body: dict) -> dict:
+    async with session.post(url + "/v1/chat/completions", json=body) as r:
+        assert r.status == 200
+        return await r.json()
+
+
+async def backends(admin: int) -> dict:
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"http://127.0.0.1:{admin}/admin/backends") as r:
+            return {b["name"]: b for b in await r.json()}
+
+
+def results_log(tmp_path) -> list[dict]:
+    path = tmp_path / "req_results.log"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.xdist_group("load")
+def test_sigkill_of_an_instance_holding_streams_cuts_none_and_the_texts_run_on(procs, tmp_path):
+    """1. 32 streams (each its own conversation, include_usage) over 4 sims. 2. SIGKILL of the sim holding
+    most of them once every stream has text. 3. Every stream ends with one [DONE]; one id, created and
+    model on its every chunk; one role chunk; its text equals the same request's uninterrupted answer;
+    its usage counts the whole answer. 4. The results log's final lines of the cut ones say resumed,
+    naming both backends and the tokens before and after; /metrics counts them."""
+    ports = start_sims(procs, tmp_path, 4, seqs=16, token_ms=25)
+    port, admin = start_proxy(procs, tmp_path, ports, routing={"policy": "least_conn"})
+    url = f"http://127.0.0.1:{port}"
+    names = [f"127.0.0.1:{p}" for p in ports]
+
+    async def run():
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+            tasks = [asyncio.ensure_future(stream(s, url, ask(i))) for i in range(STREAMS)]
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:   # every stream started on some instance
+                held = await backends(admin)
+                if sum(b["in_flight"] for b in held.values()) == STREAMS:
+                    break
+                await asyncio.sleep(0.02)
+            victim = max(names, key=lambda n: held[n]["in_flight"])
+            await asyncio.sleep(0.4)           # some tokens out: the cut comes mid-answer
+            os.kill(procs.started[names.index(victim)].pid, signal.SIGKILL)
+            seen = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+            alone = [await whole(s, url, ask(i, stream=False)) for i in range(STREAMS)]
+            return victim, held[victim]["in_flight"], seen, alone
+
+    victim, on_victim, seen, alone = asyncio.run(run())
+    assert on_victim > 0
+    assert [s["cut"] for s in seen] == [None] * STREAMS
+    for s, a in zip(seen, alone):
+        assert len(s["ids"]) == 1 and s["roles"] == 1, s
+        assert s["text"] == a["choices"][0]["message"]["content"]
+        assert s["usage"]["completion_tokens"] == a["usage"]["completion_tokens"] == TOKENS
+        # The continuation's prompt less the tokens sent before: exact where the engine re-tokenizes its own
+        # text as it wrote it (most do); the sim's prompt tokens are 4 characters, its answer's words.
+        slack = 0 if s["backend"] != victim else len(s["text"]) // 4
+        assert a["usage"]["prompt_tokens"] <= s["usage"]["prompt_tokens"] <= a["usage"]["prompt_tokens"] + slack
+    assert sum(s["backend"] == victim for s in seen) == on_victim
+    resumed = wait_until(lambda: [e for e in results_log(tmp_path) if e.get("final") and e.get("resumed")]
+                         if len([e for e in results_log(tmp_path) if e.get("resumed")]) >= on_victim else None,
+                         what="the resumed streams' results-log lines")
+    assert len(resumed) == on_victim
+    for e in resumed:
+        assert e["backends"][0] == victim and e["backends"][1] != victim and e["status"] == 200
+        assert 0 < e["tokens_before"] < TOKENS and e["tokens_before"] + e["tokens_after"] == TOKENS
+    metrics = asyncio.run(_get(f"{url}/metrics"))
+    assert f'proxy_stream_resumes_total{{outcome="resumed"}} {float(on_victim)}' in metrics
+
+
+async def _get(url: str) -> str:
+    async with aiohttp.ClientSession() as s:
+        async with s.get(url) as r:
+            return await r.text()
+
+
+@pytest.mark.xdist_group("load")
+def test_an_engine_error_chunk_and_a_stall_are_resumed_and_what_cannot_be_is_logged(procs, tmp_path):
+    """1. A sim's engine dies mid-stream (it sends an error event, then [DONE]): the client sees no error,
+    the stream ends on another sim, the same text as uninterrupted. 2. A sim stalls mid-stream (healthy,
+    no tokens): past resume.stall_s the rest comes from another. 3. A stream asking logprobs is cut when
+    its sim is killed, as before, its results-log line saying why it was not resumed."""
+    ports = start_sims(procs, tmp_path, 3, token_ms=20)
+    port, admin = start_proxy(procs, tmp_path, ports, routing={"policy": "least_conn"}, resume={"stall_s": 0.5})
+    url = f"http://127.0.0.1:{port}"
+
+    async def faulted(s, i, fault, body=None):
+        task = asyncio.ensure_future(stream(s, url, body or ask(i)))
+        held = await _holder(admin)
+        await asyncio.sleep(0.3)
+        if fault == "kill":
+            os.kill(procs.started[[f"127.0.0.1:{p}" for p in ports].index(held)].pid, signal.SIGKILL)
+        else:
+            async with s.post(f"http://{held}/sim/fault", json={"fault": fault}) as r:
+                assert r.status == 200, await r.text()
+        seen = await asyncio.wait_for(task, 30)
+        if fault == "stall":
+            async with s.post(f"http://{held}/sim/fault", json={"fault": "recover"}) as r:
+                assert r.status == 200
+        return held, seen
+
+    async def run():
+        async with aiohttp.ClientSession() as s:
+            got = [await faulted(s, 1, "engine-death"), await faulted(s, 2, "stall")]
+            expected = [(await whole(s, url, ask(i, stream=False)))["choices"][0]["message"]["content"]
+                        for i in (1, 2)]
+            logprobs = {**ask(3), "logprobs": True}
+            return got, expected, await faulted(s, 3, "kill", logprobs)
+
+    got, expected, (killed, cut) = asyncio.run(run())
+    lines = [e for e in results_log(tmp_path) if e.get("final")]
+    for (held, seen), text, cause in zip(got, expected, ("error event", "no bytes")):
+        assert seen["cut"] is None and seen["text"] == text and len(seen["ids"]) == 1, seen
+        line = next(e for e in lines if e.get("resumed") and e["backends"][0] == held)
+        assert cause in line["resume_cause"] and line["backends"][1] != held
+    assert cut["cut"] is not None
+    line = wait_until(lambda: next((e for e in results_log(tmp_path) if e.get("final") and e["stream"]
+                                    and e["backend"] == killed), None), what="the cut stream's results-log line")
+    assert line.get("resumed") is False and line["resume"].startswith("logprobs asked for"), line
+
+
+async def _holder(admin: int) -> str:
+    """The backend a lone stream is on, once it is on one."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        on = [n for n, b in (await backends(admin)).items() if b["in_flight"]]
+        if on:
+            return on[0]
+        await asyncio.sleep(0.01)
+    raise AssertionError("no stream in flight")

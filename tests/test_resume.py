@@ -1,0 +1,156 @@
+"""The pieces of a resumed stream, without I/O: which requests may be continued, the continuation request,
+the splicer that makes a continuation's events the rest of the first answer, the sim's continue_final_message,
+and how `inv trace` shows the hop."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fleet.display import request_block
+from fleet.sim import protocol
+from proxy.resume import CHAT, COMPLETIONS, Splice, continuation, refusal
+
+pytestmark = pytest.mark.unit
+
+
+def chat(**extra) -> dict:
+    return {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}], **extra}
+
+
+@pytest.mark.parametrize("extra, why", [
+    ({}, None),
+    ({"n": 2}, "n > 1"),
+    ({"logprobs": True, "top_logprobs": 2}, "logprobs"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "text"}}, None),
+    ({"guided_json": {"type": "object"}}, "guided_json"),
+    ({"stream": False}, "not streamed"),
+    ({"continue_final_message": True}, "continues or echoes"),
+])
+def test_what_may_be_continued(extra, why):
+    got = refusal(CHAT, chat(**extra))
+    assert (got is None) if why is None else why in got
+    assert "token ids" in refusal(COMPLETIONS, {"stream": True, "prompt": [1, 2, 3]})
+    assert refusal(COMPLETIONS, {"stream": True, "prompt": ["one prompt"]}) is None
+
+
+def test_the_continuation_request_carries_the_text_so_far_and_what_is_left_of_the_budget():
+    """Chat: the messages plus the text as an open assistant message, vLLM's flags; completions: the
+    prompt plus the text; max_tokens and max_completion_tokens less the tokens sent; the rest kept; the
+    client's body untouched; a spent budget asks for nothing."""
+    body = chat(max_tokens=50, max_completion_tokens=40, temperature=0.7, seed=11, top_p=0.9, min_tokens=5)
+    got = continuation(CHAT, body, "Once upon", 12)
+    assert got["messages"][-1] == {"role": "assistant", "content": "Once upon"}
+    assert got["messages"][:-1] == body["messages"] and len(body["messages"]) == 1
+    assert got["continue_final_message"] is True and got["add_generation_prompt"] is False
+    assert (got["max_tokens"], got["max_completion_tokens"], got["min_tokens"]) == (38, 28, 0)
+    assert (got["temperature"], got["seed"], got["top_p"], got["stream"]) == (0.7, 11, 0.9, True)
+    assert continuation(CHAT, chat(max_tokens=12), "x", 12) is None
+    done = continuation(COMPLETIONS, {"prompt": ["The sky"], "max_tokens": 9, "stream": True}, " is blue", 2)
+    assert done["prompt"] == "The sky is blue" and done["max_tokens"] == 7
+    assert "max_tokens" not in continuation(CHAT, chat(), "a", 1)
+
+
+def sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def event(rid, content=None, role=False, finish=None, usage=None, choices=True) -> dict:
+    delta = {"role": "assistant", "content": ""} if role else ({"content": content} if content else {})
+    out = {"id": rid, "object": "chat.completion.chunk", "created": 100 if rid == "a" else 200,
+           "model": "m" if rid == "a" else "m-other",
+           "choices": [{"index": 0, "delta": delta, "finish_reason": finish}] if choices else []}
+    if usage is not None:
+        out["usage"] = usage
+    return out
+
+
+def events_of(data: bytes) -> list:
+    return [e[len(b"data: "):] for e in data.split(b"\n\n") if e]
+
+
+def test_the_splice_makes_one_stream_of_two_answers():
+    """1. The first answer's events pass as sent, an event cut by a chunk boundary once complete; its engine's
+    error event (and the [DONE] after it) is withheld. 2. After the cut, the continuation's role chunk is
+    dropped, its ids are the first answer's, its usage counts the whole answer (the text so far is in its
+    prompt), one [DONE]. 3. What the results log says of it."""
+    s = Splice(CHAT, None, include_usage=True)
+    first = sse(event("a", role=True)) + sse(event("a", "Once")) + sse(event("a", " upon"))
+    assert s.feed(first[:30]) == b""
+    assert s.feed(first[30:]) == first
+    assert s.feed(sse({"error": {"message": "EngineCore died", "code": 500}}) + b"data: [DONE]\n\n") == b""
+    assert s.error == "EngineCore died" and not s.done and s.tokens == 2
+    s.cut("b0:1", "b0:1 sent an error event")
+    s.moved("b1:1")
+    rest = (sse(event("b", role=True)) + sse(event("b", " a")) + sse(event("b", " time", finish="length"))
+            + sse(event("b", usage={"prompt_tokens": 12, "completion_tokens": 2, "total_tokens": 14}, choices=False))
+            + b"data: [DONE]\n\n")
+    got = events_of(s.feed(rest))
+    assert got[-1] == b"[DONE]" and s.done
+    events = [json.loads(e) for e in got[:-1]]
+    assert [(e["id"], e["created"], e["model"]) for e in events] == [("a", 100, "m")] * 3
+    assert [e["choices"][0]["delta"] for e in events[:2]] == [{"content": " a"}, {"content": " time"}]
+    assert events[2]["usage"] == {"prompt_tokens": 10, "completion_tokens": 4, "total_tokens": 14}
+    assert "".join(s.text) == "Once upon a time" and s.tokens == 4
+    fields = s.log_fields()
+    assert fields["resumed"] and fields["backends"] == ["b0:1", "b1:1"]
+    assert (fields["tokens_before"], fields["tokens_after"], fields["completion_tokens"]) == (2, 2, 4)
+    assert fields["resume_gap_ms"] is not None and "error event" in fields["resume_cause"]
+
+
+def test_a_tool_call_under_way_stops_the_splice_and_the_bytes_pass_as_they_come():
+    s = Splice(CHAT, None)
+    call = {"id": "a", "created": 1, "model": "m", "choices": [{"index": 0, "delta": {"tool_calls": [
+        {"index": 0, "function": {"name": "f", "arguments": "{"}}]}, "finish_reason": None}]}
+    data = sse(event("a", role=True)) + sse(call) + b"data: {\"half"
+    assert s.feed(data) == data and not s.resumable and "tool call" in s.refused
+    assert s.feed(b" an event") == b" an event"
+    assert Splice(CHAT, "n > 1").feed(b"raw") == b"raw"
+
+
+def test_the_sim_continues_its_own_answer_as_vllm_does():
+    """continue_final_message: the final assistant message is left open and the answer goes on from its
+    text (the uninterrupted answer's rest); with add_generation_prompt true too, vLLM's 400."""
+    messages = [{"role": "user", "content": "tell me"}]
+    whole = protocol.parse("chat", {"messages": messages, "max_tokens": 30}, ["m"], 4096)
+    tokens, finish = protocol.output_tokens(whole, 200)
+    sent = "".join(tokens[:11])
+    body = {"messages": [*messages, {"role": "assistant", "content": sent}], "max_tokens": 19,
+            "continue_final_message": True, "add_generation_prompt": False}
+    rest = protocol.parse("chat", body, ["m"], 4096)
+    assert protocol.output_tokens(rest, 200) == (tokens[11:], finish)
+    assert rest.prompt.tokens[-1] != "<|im_end|>" and rest.prompt.tokens[:len(whole.prompt.tokens)] == whole.prompt.tokens
+    with pytest.raises(protocol.ApiError, match="Cannot set both"):
+        protocol.parse("chat", {**body, "add_generation_prompt": True}, ["m"], 4096)
+
+
+def test_trace_shows_the_hop():
+    cut = request_block({"attempt": 1, "final": False, "backend": "h:8000", "error": "stream interrupted: gone"})
+    assert "(continued elsewhere)" in cut
+    block = request_block({"attempt": 2, "final": True, "backend": "h:8001", "resumed": True,
+                           "backends": ["h:8000", "h:8001"], "tokens_before": 7, "tokens_after": 13,
+                           "resume_cause": "stream interrupted: gone", "resume_gap_ms": 41.0})
+    assert "resumed: h:8000 -> h:8001 after 7 tokens" in block and "13 more" in block and "41.0 ms" in block
+    assert "not resumed: logprobs" in request_block({"resume": "logprobs asked for"})
+
+
+def test_the_continuation_goes_where_the_prefix_is_next_never_back():
+    """The pool's pick with the failed backend left out: with prefix routing, the backend holding most of
+    the conversation after it, rather than the least loaded one; never the one that failed."""
+    from proxy.balancer import Balancer
+    from proxy.routing import RoutingConfig
+    from proxy.routing.prefix import PrefixRoute
+    b = Balancer([f"b{i}:1" for i in range(4)], slots=4, queue_max=4,
+                 routing=RoutingConfig(min_match_tokens=0, min_match_ratio=0))
+    for backend in b.backends.values():
+        b.mark(backend, True)
+    blocks = list(range(1, 9))
+    b.adopt("b0:1", blocks)
+    b.adopt("b2:1", blocks[:5])
+    first = b.acquire(route=PrefixRoute(blocks))
+    assert first.name == "b0:1"
+    rest = b.acquire(exclude=[first], over=True, route=PrefixRoute(blocks))
+    assert rest.name == "b2:1"
+    b.mark(b.backends["b2:1"], False)
+    assert b.acquire(exclude=[first], over=True, route=PrefixRoute(blocks)).name not in ("b0:1", "b2:1")
