@@ -132,3 +132,23 @@ def test_least_conn_alone_never_needs_the_body(extra, needs_body):
     assert router.needs_body is needs_body
     least_conn = routing.make_policy(RoutingConfig(policy="least_conn"))
     assert not least_conn.needs_body and least_conn.route_of(b'{"prompt": "x"}') is None
+
+
+@pytest.mark.unit
+def test_only_the_balancer_calls_the_policy_and_a_request_ends_at_its_pool_once():
+    """The seams of issue 39: no module of the proxy but the balancer (and the policies themselves) reaches
+    a pool's policy; the request path ends a request at its pool in one call (Balancer.finish), and a
+    tenant's buckets are touched only by admission.py."""
+    import re
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent / "proxy"
+    for path in root.rglob("*.py"):
+        if path.name == "balancer.py" or path.parent.name == "routing":
+            continue
+        text = path.read_text()
+        if path.name != "config.py":      # it reads routing.policy, the policy's name in the config
+            assert not re.search(r"\.policy\b", text), f"{path.name} reaches a pool's policy"
+        if path.name != "admission.py":
+            assert not re.search(r"\.(admitted|refunded|used)\(", text), f"{path.name} touches a tenant's buckets"
+    forward = (root / "forward.py").read_text()
+    assert forward.count(".finish(") == 1 and not re.search(r"\.(learn|ended)\(", forward)
