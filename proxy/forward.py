@@ -400,7 +400,7 @@ async def _tries(ex: Exchange, proxy, pool: Balancer) -> Outcome:
     while True:
         out = await _attempt(ex, proxy, ex.slot)
         tried.append(ex.slot)
-        if out.sent and out.error and ex.splice is not None:
+        if out.sent and out.error and ex.splice is not None and (ex.splice.fed or not ex.splice.resumable):
             return await _resume(ex, proxy, pool, out, tried)
         if not out.retryable or len(tried) > proxy.config.retries:
             return out
@@ -769,7 +769,8 @@ async def _relay(ex: Exchange, proxy, backend: Backend, out: Outcome, up: aiohtt
     """Write the backend's answer to the client chunk by chunk, as it comes; a resumable stream through
     its splice (proxy/resume.py), watched for a stall and for its backend's ejection, and left open when
     it breaks off (out.error), for a continuation to finish."""
-    splice = ex.splice if ex.splice is not None and ex.splice.resumable else None
+    sse = up.headers.get("Content-Type", "").startswith("text/event-stream")
+    splice = ex.splice if ex.splice is not None and ex.splice.resumable and sse else None
     chunks = up.content.iter_any() if splice is None else _watched(up, backend, proxy.config.resume.stall_s, splice)
     async for chunk in chunks:
         if out.observer is not None:

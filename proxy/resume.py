@@ -120,6 +120,7 @@ class Splice:
         self.last_write = 0.0             # time.monotonic() of the last event written to the client
         self.prompt_tokens: int | None = None   # the whole answer's prompt, from a continuation's usage
         self.declined: str | None = None  # cut, and not continued: why (the results log's `resume`)
+        self.fed = False                  # an SSE answer passed through it (one to continue)
         self._pending = b""
 
     @property
@@ -131,6 +132,7 @@ class Splice:
         next chunk), a continuation's rewritten, an error event withheld (and what follows it)."""
         if not self.resumable:
             return chunk
+        self.fed = True
         events = (self._pending + chunk).split(b"\n\n")
         self._pending = events.pop()
         out = []

@@ -619,6 +619,71 @@ def test_top_shows_the_real_engines_at_work(cluster):
     assert re.search(r"\d+ms|\d\.\d\ds", frames[-1].split("TTFT")[1]), frames[-1]
 
 
+def parted(got: str, reference: str) -> tuple[int, int, str, str]:
+    """Where a resumed answer leaves the uninterrupted one: the characters alike, the reference's length,
+    and the next 12 characters of each."""
+    at = len(os.path.commonprefix([got, reference]))
+    return at, len(reference), got[at:at + 12], reference[at:at + 12]
+
+
+def test_streams_survive_the_engine_core_kill_and_greedy_answers_run_on(cluster):
+    """1. Four greedy (temperature 0) chat streams, each its own prompt, answered uninterrupted: the
+    reference texts. 2. The same four again; once each has text, SIGKILL of the VLLM::EngineCore of the
+    instance holding most of them (vLLM then sends an error event, or its connections close). 3. Every
+    stream ends with its [DONE], one id on every chunk, no error reaching the client; the results log says
+    which were resumed. 4. The share of resumed answers equal to the reference is stated (a greedy model
+    continuing its own text writes the same words unless re-tokenizing the text so far splits it
+    differently than it was generated). 5. `inv restart` brings the instance back."""
+    import concurrent.futures
+    import threading
+    c = cluster
+    client = c.client()
+    prompts = [f"story {k}: once upon a time" for k in range(4)]
+
+    def ask(prompt: str, on_text=None, user: str = "ref") -> tuple[str, set, int]:
+        text, ids, done = "", set(), 0
+        for ch in client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": prompt}],
+                                                 max_tokens=400, temperature=0, stream=True, user=user,
+                                                 extra_body={"ignore_eos": True}):   # long enough to be cut
+            ids.add(ch.id)
+            if ch.choices and ch.choices[0].delta.content:
+                text += ch.choices[0].delta.content
+                if on_text is not None:
+                    on_text.set()
+            done += bool(ch.choices and ch.choices[0].finish_reason)
+        return text, ids, done
+    reference = [ask(p)[0] for p in prompts]
+    started = [threading.Event() for _ in prompts]
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(ask, p, e, f"resume-{k}") for k, (p, e) in enumerate(zip(prompts, started))]
+        wait_until(lambda: all(e.is_set() for e in started), timeout=120, interval=0.01, what="text on every stream")
+        held = c.backends()
+        victim = max(range(2), key=lambda i: held[f"127.0.0.1:{c.ports[i]}"]["in_flight"])
+        on_victim = held[f"127.0.0.1:{c.ports[victim]}"]["in_flight"]
+        core = next(p for p, t in c.members(victim).items() if t == "VLLM::EngineCore")
+        os.kill(core, signal.SIGKILL)
+        got = [f.result(timeout=300) for f in futures]    # the openai client raises on a broken stream
+    assert on_victim > 0
+    assert all(len(ids) == 1 and done == 1 for _, ids, done in got), got
+    finals = wait_until(lambda: [e for e in results_log(c) if e.get("final") and str(e.get("trace_id")).startswith(
+        "resume-")] if sum(str(e.get("trace_id")).startswith("resume-") and e.get("final") for e in results_log(c))
+        == len(prompts) else None, timeout=10, what="the four streams' final lines")
+    lines = [e for e in finals if e.get("resumed")]
+    resumed = {int(e["trace_id"].split("-")[1]) for e in lines}     # the streams' `user`: resume-K
+    assert all(e["backends"][0] == f"127.0.0.1:{c.ports[victim]}" for e in lines) and resumed
+    same = sum(got[k][0] == reference[k] for k in resumed)
+    c.figures["resume_streams_on_killed"] = on_victim
+    c.figures["resume_resumed"] = len(resumed)
+    c.figures["resume_identical_to_uninterrupted"] = f"{same}/{len(resumed)}"
+    print(f"\nresume on the real engine: {on_victim} streams on the killed EngineCore, {len(resumed)} resumed, "
+          f"{same}/{len(resumed)} of those identical to the uninterrupted answers; where the others part: "
+          f"{[parted(got[k][0], reference[k]) for k in resumed if got[k][0] != reference[k]]}; "
+          f"tokens before the cut: {sorted(e['tokens_before'] for e in lines)}")
+    wait_until(lambda: c.status()["instances"][victim]["state"] == "dead", timeout=60, what="the instance dead")
+    r = c.inv("restart", "--instance", str(victim))
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
 def gone(pids) -> bool:
     return not [p for p in pids if alive(p)]
 
