@@ -771,8 +771,25 @@ async def _relay(ex: Exchange, proxy, backend: Backend, out: Outcome, up: aiohtt
     it breaks off (out.error), for a continuation to finish."""
     sse = up.headers.get("Content-Type", "").startswith("text/event-stream")
     splice = ex.splice if ex.splice is not None and ex.splice.resumable and sse else None
-    chunks = up.content.iter_any() if splice is None else _watched(up, backend, proxy.config.resume.stall_s, splice)
-    async for chunk in chunks:
+    watch = None if splice is None else _Watch(up, backend, proxy.config.resume.stall_s, splice)
+    try:
+        await _chunks(ex, out, up, resp, splice, watch)
+    finally:
+        if watch is not None:
+            watch.stop()
+    if splice is not None and not splice.done:
+        why = (f"{backend.name} sent an error event: {splice.error}" if splice.error is not None
+               else f"{backend.name} ended the stream before `data: [DONE]`")
+        _upstream_error(proxy, backend, out, "payload", why)
+        return
+    await _eof(resp)
+
+
+async def _chunks(ex: Exchange, out: Outcome, up: aiohttp.ClientResponse, resp: web.StreamResponse,
+                  splice: Splice | None, watch: _Watch | None) -> None:
+    """The upstream's chunks to the client as they come (a resumable stream's through its splice), until
+    its end or its engine's error event."""
+    async for chunk in up.content.iter_any():
         if out.observer is not None:
             out.observer.feed(chunk)
         data = chunk if splice is None else splice.feed(chunk)
@@ -783,16 +800,12 @@ async def _relay(ex: Exchange, proxy, backend: Backend, out: Outcome, up: aiohtt
                 await resp.write(data)
         except ConnectionResetError as e:
             raise ClientGone() from e
+        if watch is not None:
+            watch.seen()        # a client slow to take the chunk is not the backend's silence
         if not out.delivered and (_ends_stream(chunk, out.observer) if splice is None else splice.done):
             out.delivered = True
         if splice is not None and splice.error is not None:
-            break      # its engine failed: what follows (its [DONE]) is not the answer's end
-    if splice is not None and not splice.done:
-        why = (f"{backend.name} sent an error event: {splice.error}" if splice.error is not None
-               else f"{backend.name} ended the stream before `data: [DONE]`")
-        _upstream_error(proxy, backend, out, "payload", why)
-        return
-    await _eof(resp)
+            return      # its engine failed: what follows (its [DONE]) is not the answer's end
 
 
 async def _eof(resp: web.StreamResponse) -> None:
@@ -805,28 +818,33 @@ async def _eof(resp: web.StreamResponse) -> None:
         pass
 
 
-async def _watched(up: aiohttp.ClientResponse, backend: Backend, stall_s: float, splice: Splice):
-    """The upstream's chunks as they come; Interrupted when none came for stall_s or the backend was taken
-    out by its health check meanwhile (while the stream is still resumable: else it waits as any does)."""
-    last = time.monotonic()
-    while True:
-        read = asyncio.ensure_future(up.content.readany())
-        try:
-            while not (await asyncio.wait({read}, timeout=min(stall_s, WATCH_S)))[0]:
-                if not splice.resumable:
-                    continue
-                if not backend.healthy:
-                    raise Interrupted("taken_out", f"{backend.name} was taken out: {backend.last_error}")
-                if time.monotonic() - last >= stall_s:
-                    raise Interrupted("stalled", f"no bytes from {backend.name} for {stall_s:g}s (proxy.resume.stall_s)")
-        finally:
-            if not read.done():
-                read.cancel()
-        chunk = read.result()
-        if not chunk:
-            return
-        last = time.monotonic()
-        yield chunk
+class _Watch:
+    """A resumable stream's watch, off the chunk path: a timer every WATCH_S (at most stall_s) ends the
+    upstream's read with Interrupted when no chunk came for stall_s or the backend was taken out by its
+    health check meanwhile (while the stream is resumable: else it waits as any stream does). A chunk
+    costs it one clock read."""
+
+    def __init__(self, up: aiohttp.ClientResponse, backend: Backend, stall_s: float, splice: Splice):
+        self.up, self.backend, self.stall_s, self.splice = up, backend, stall_s, splice
+        self.last = time.monotonic()
+        self.every = min(stall_s, WATCH_S)
+        self.timer = asyncio.get_running_loop().call_later(self.every, self._check)
+
+    def seen(self) -> None:
+        self.last = time.monotonic()
+
+    def stop(self) -> None:
+        self.timer.cancel()
+
+    def _check(self) -> None:
+        name = self.backend.name
+        if self.splice.resumable and not self.backend.healthy:
+            return self.up.content.set_exception(
+                Interrupted("taken_out", f"{name} was taken out: {self.backend.last_error}"))
+        if self.splice.resumable and time.monotonic() - self.last >= self.stall_s:
+            return self.up.content.set_exception(
+                Interrupted("stalled", f"no bytes from {name} for {self.stall_s:g}s (proxy.resume.stall_s)"))
+        self.timer = asyncio.get_running_loop().call_later(self.every, self._check)
 
 
 def _failed(proxy, backend: Backend, out: Outcome, e: Exception) -> None:
