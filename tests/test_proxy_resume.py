@@ -18,6 +18,7 @@ pytestmark = pytest.mark.process
 
 STREAMS = 32
 TOKENS = 60
+COMPLETION = {"model": "m", "prompt": "Write about the sea:", "max_tokens": TOKENS, "stream": True}
 
 
 def ask(i: int, stream: bool = True) -> dict:
@@ -28,14 +29,14 @@ def ask(i: int, stream: bool = True) -> dict:
                          {"role": "user", "content": f"question number {i}: what is the weather?"}]}
 
 
-async def stream(session: aiohttp.ClientSession, url: str, body: dict) -> dict:
+async def stream(session: aiohttp.ClientSession, url: str, body: dict, path: str = "/v1/chat/completions") -> dict:
     """One streamed answer as the client sees it: its events, text, ids, role chunks, [DONE]s, usage;
     cut: the connection broke, or the stream ended without [DONE]."""
     seen = {"ids": set(), "roles": 0, "done": 0, "text": "", "usage": None, "cut": None, "gaps": [],
             "backend": None, "chunks": 0}
     last = None
     try:
-        async with session.post(url + "/v1/chat/completions", json=body) as r:
+        async with session.post(url + path, json=body) as r:
             seen["backend"] = r.headers.get("X-Backend")
             assert r.status == 200, await r.text()
             buf = b""
@@ -57,10 +58,11 @@ async def stream(session: aiohttp.ClientSession, url: str, body: dict) -> dict:
                     if event.get("usage"):
                         seen["usage"] = event["usage"]
                     for choice in event["choices"]:
-                        delta = choice["delta"]
+                        delta = choice.get("delta", {})
                         seen["roles"] += "role" in delta
-                        if delta.get("content"):
-                            seen["text"] += delta["content"]
+                        content = delta.get("content") or choice.get("text")
+                        if content:
+                            seen["text"] += content
                             seen["chunks"] += 1
     except aiohttp.ClientError as e:
         seen["cut"] = repr(e)
@@ -69,8 +71,8 @@ async def stream(session: aiohttp.ClientSession, url: str, body: dict) -> dict:
     return seen
 
 
-async def whole(session: aiohttp.ClientSession, url: str, body: dict) -> dict:
-    async with session.post(url + "/v1/chat/completions", json=body) as r:
+async def whole(session: aiohttp.ClientSession, url: str, body: dict, path: str = "/v1/chat/completions") -> dict:
+    async with session.post(url + path, json=body) as r:
         assert r.status == 200
         return await r.json()
 
@@ -147,14 +149,15 @@ async def _get(url: str) -> str:
 def test_an_engine_error_chunk_and_a_stall_are_resumed_and_what_cannot_be_is_logged(procs, tmp_path):
     """1. A sim's engine dies mid-stream (it sends an error event, then [DONE]): the client sees no error,
     the stream ends on another sim, the same text as uninterrupted. 2. A sim stalls mid-stream (healthy,
-    no tokens): past resume.stall_s the rest comes from another. 3. A stream asking logprobs is cut when
-    its sim is killed, as before, its results-log line saying why it was not resumed."""
+    no tokens): past resume.stall_s the rest comes from another; so too for a text completion (the prompt
+    plus the text so far). 3. A stream asking logprobs is cut when its sim is killed, as before, its
+    results-log line saying why it was not resumed."""
     ports = start_sims(procs, tmp_path, 3, token_ms=20)
     port, admin = start_proxy(procs, tmp_path, ports, routing={"policy": "least_conn"}, resume={"stall_s": 0.5})
     url = f"http://127.0.0.1:{port}"
 
-    async def faulted(s, i, fault, body=None):
-        task = asyncio.ensure_future(stream(s, url, body or ask(i)))
+    async def faulted(s, i, fault, body=None, path="/v1/chat/completions"):
+        task = asyncio.ensure_future(stream(s, url, body or ask(i), path))
         held = await _holder(admin)
         await asyncio.sleep(0.3)
         if fault == "kill":
@@ -170,21 +173,25 @@ def test_an_engine_error_chunk_and_a_stall_are_resumed_and_what_cannot_be_is_log
 
     async def run():
         async with aiohttp.ClientSession() as s:
-            got = [await faulted(s, 1, "engine-death"), await faulted(s, 2, "stall")]
+            got = [await faulted(s, 1, "engine-death"), await faulted(s, 2, "stall"),
+                   await faulted(s, 4, "stall", COMPLETION, "/v1/completions")]
             expected = [(await whole(s, url, ask(i, stream=False)))["choices"][0]["message"]["content"]
                         for i in (1, 2)]
+            expected.append((await whole(s, url, {**COMPLETION, "stream": False}, "/v1/completions"))
+                            ["choices"][0]["text"])
             logprobs = {**ask(3), "logprobs": True}
             return got, expected, await faulted(s, 3, "kill", logprobs)
 
     got, expected, (killed, cut) = asyncio.run(run())
     lines = [e for e in results_log(tmp_path) if e.get("final")]
-    for (held, seen), text, cause in zip(got, expected, ("error event", "no bytes")):
+    for (held, seen), text, cause in zip(got, expected, ("error event", "no bytes", "no bytes")):
         assert seen["cut"] is None and seen["text"] == text and len(seen["ids"]) == 1, seen
         line = next(e for e in lines if e.get("resumed") and e["backends"][0] == held)
         assert cause in line["resume_cause"] and line["backends"][1] != held
     assert cut["cut"] is not None
     line = wait_until(lambda: next((e for e in results_log(tmp_path) if e.get("final") and e["stream"]
-                                    and e["backend"] == killed), None), what="the cut stream's results-log line")
+                                    and e["backend"] == killed and not e.get("backends")), None),
+                      what="the cut stream's results-log line")
     assert line.get("resumed") is False and line["resume"].startswith("logprobs asked for"), line
 
 

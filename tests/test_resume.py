@@ -123,6 +123,16 @@ def test_the_sim_continues_its_own_answer_as_vllm_does():
     assert rest.prompt.tokens[-1] != "<|im_end|>" and rest.prompt.tokens[:len(whole.prompt.tokens)] == whole.prompt.tokens
     with pytest.raises(protocol.ApiError, match="Cannot set both"):
         protocol.parse("chat", {**body, "add_generation_prompt": True}, ["m"], 4096)
+    # A completion continued: the prompt plus the text so far goes on as the uninterrupted answer does.
+    whole = protocol.parse("completion", {"prompt": "The sky over the sea", "max_tokens": 30}, ["m"], 4096)
+    tokens, finish = protocol.output_tokens(whole, 200)
+    for cut in (1, 7, 13):
+        rest = protocol.parse("completion", {"prompt": "The sky over the sea" + "".join(tokens[:cut]),
+                                             "max_tokens": 30 - cut}, ["m"], 4096)
+        assert protocol.output_tokens(rest, 200) == (tokens[cut:], finish)
+    other = protocol.parse("completion", {"prompt": "The sky over the sea the quick model", "max_tokens": 5},
+                           ["m"], 4096)
+    assert other.continued == "" or other.continued.startswith("the")
 
 
 def test_trace_shows_the_hop():

@@ -25,6 +25,7 @@ _DATA_IMAGE = re.compile(r"data:image/[\w.+-]+;base64,")
 _FILLER = ("the quick model answers every question with calm and plausible words while the fleet "
            "keeps its engines busy and its queues short so that nobody waits longer than needed "
            "for a reply about weather tea trains clouds maps rivers and small brown foxes").split()
+_ANSWER_WORD = re.compile("(?=" + "|".join(sorted(set(_FILLER), key=len, reverse=True)) + ")")
 
 
 def sanitize_message(message: str) -> str:
@@ -197,6 +198,7 @@ def parse(kind: str, body, served_names: list[str], max_model_len: int, adapters
     else:
         (tokens, text), images = _completion_prompt(body.get("prompt")), []
         max_tokens = _int_field(kind, body, "max_tokens")
+        text, continued = _own_answer(text)
     prompt_tokens = len(tokens)
     if prompt_tokens >= max_model_len or (max_tokens and prompt_tokens + max_tokens > max_model_len):
         asked = prompt_tokens + (max_tokens or 0)
@@ -244,8 +246,7 @@ def output_tokens(job: Job, natural: int) -> tuple[list[str], str]:
     """
     natural = max(1, natural)
     total = natural * 3 if job.thinking else natural
-    words = [_FILLER[(job.seed + i * 7) % len(_FILLER)] for i in range(total)]
-    words = [w + "." if i % 12 == 11 else w for i, w in enumerate(words)]
+    words = _words(job.seed, total)
     if job.thinking:
         think = total - natural  # the block's tokens, its two markers included
         tokens = ["<think>\n", *_spaced(words[1:think - 1]), "\n</think>\n\n", *_spaced(words[think:], first="")]
@@ -257,6 +258,31 @@ def output_tokens(job: Job, natural: int) -> tuple[list[str], str]:
     if job.max_tokens < total:
         return tokens[:job.max_tokens], "length"
     return tokens, "stop"
+
+
+def _words(seed: int, n: int) -> list[str]:
+    """The first n words of the answer a seed gives (a full stop every twelfth)."""
+    words = [_FILLER[(seed + i * 7) % len(_FILLER)] for i in range(n)]
+    return [w + "." if i % 12 == 11 else w for i, w in enumerate(words)]
+
+
+def _own_answer(prompt: str, look_back: int = 2048) -> tuple[str, str]:
+    """(the prompt, "") or, when the prompt ends with the beginning of the answer its own start would get
+    (a completion continued: the prompt plus the text so far), (that start, the text): a model continues
+    its own text as it would have, so the answer goes on where the text stops. Each candidate start costs
+    a running checksum; only one whose answer opens with the word found there is checked whole."""
+    tail = prompt[-look_back:]
+    at = len(prompt) - len(tail)
+    seed = zlib.crc32(prompt[:at].encode())
+    for m in _ANSWER_WORD.finditer(tail):     # where one of its words begins (the text may follow without a space)
+        start = len(prompt) - len(tail) + m.start()
+        seed, at = zlib.crc32(prompt[at:start].encode(), seed), start
+        if not prompt.startswith(_FILLER[seed % len(_FILLER)], start):
+            continue
+        text = prompt[start:]
+        if " ".join(_words(seed, len(text.split()))).startswith(text.rstrip()):
+            return prompt[:start], text
+    return prompt, ""
 
 
 def _written(tokens: list[str], text: str) -> int:
