@@ -11,7 +11,7 @@ the streams that ended without their `[DONE]` (cut), and of those that went thro
 client's view of the hop: the longest gap between two chunks of the stream (the resume gap) against the
 stream's median gap between chunks (its pace). Resumed texts are checked against the same request
 answered uninterrupted (a sim's answer is a function of its conversation). Every process it starts is
-stopped by pid.
+stopped with its process group (by the ids it made).
 """
 from __future__ import annotations
 
@@ -126,15 +126,24 @@ async def one_round(work: Path, resume: bool, args) -> dict:
                 "resume_gaps_ms": [round(max(x["gaps"]) * 1000, 1) for x in hit if x["done"] and x["gaps"]],
                 "pace_ms": [round(statistics.median(x["gaps"]) * 1000, 1) for x in hit if x["done"] and x["gaps"]]}
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
+        stop(procs)
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    """Stop each process started and its group (a sim killed on purpose leaves its EngineCore child there:
+    it survives its parent, as vLLM's does), by the ids this bench made."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
         for p in procs:
             try:
-                p.wait(10)
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 10
+        for p in procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+                pass
 
 
 def pct(values: list[float], q: float) -> float | None:
