@@ -39,7 +39,7 @@ def with_env_setup(hv: HostVars, command: str) -> str:
     """A shell line running command after the host's env_setup, whose output goes to stderr so that
     it cannot mix with what command prints, and which cannot read command's standard input. A failing
     env_setup stops the line with its exit status: command never runs in a half-made environment."""
-    setup = hv["env_setup"] or ":"
+    setup = hv.settings.env_setup or ":"
     return (f"{{ {setup}\n}} </dev/null >&2 || {{ rc=$?; echo \"{ENV_SETUP_FAILED}$rc); fix env_setup in the "
             f"inventory.\" >&2; exit $rc; }}\n{command}")
 
@@ -59,10 +59,10 @@ def env_setup_failure(hv: HostVars, r) -> str | None:
 def python_command(hv: HostVars, args: str, env_setup: bool = False) -> str:
     """The shell line running host code (`python ARGS`) by the one interpreter rule. env_setup: run the
     host's env_setup first in any case (the doctor's probe looks for the engine on its PATH)."""
-    if hv["connection"] == "local":
+    if hv.settings.connection == "local":
         line = f"exec {shlex.quote(sys.executable)} {args}"
-        return with_env_setup(hv, line) if env_setup and hv["env_setup"] else line
-    fallback = f"exec {shlex.quote(hv['python'] or 'python3')} {args}"
+        return with_env_setup(hv, line) if env_setup and hv.settings.env_setup else line
+    fallback = f"exec {shlex.quote(hv.settings.python or 'python3')} {args}"
     first = f"if {PYTHON3_RECENT} >/dev/null 2>&1; then exec python3 {args}; fi\n"
     if env_setup:
         return with_env_setup(hv, first + fallback)
@@ -84,7 +84,7 @@ def run_script(conn: Transport, hv: HostVars, name: str, spec: dict, what: str, 
         if failed_setup:
             raise RemoteError(failed_setup)
         if r.exited == 127:
-            raise RemoteError(f"{hv.name}: no python3 on the host's PATH, nor {hv['python'] or 'python3'} "
+            raise RemoteError(f"{hv.name}: no python3 on the host's PATH, nor {hv.settings.python or 'python3'} "
                               "after env_setup; install Python 3 there or set python.")
         raise RemoteError(f"{hv.name}: {what} failed (exit {r.exited}): {_last_error(r)}")
     try:
@@ -117,7 +117,7 @@ def host_command(conn: Transport, hv: HostVars, command: str, emit: Emit,
                  config: str = AGENT_CONFIG, raise_failed: bool = True, timeout: float | None = 300) -> dict:
     """Run the deployed host agent, `python -m hostagent COMMAND --config CONFIG` in deploy_dir; its
     FLEET_RESULT line as a dict (a failure said there raises AgentError unless raise_failed is False)."""
-    line = (f"cd {shlex.quote(hv['deploy_dir'])} || exit 1\n"
+    line = (f"cd {shlex.quote(hv.settings.deploy_dir)} || exit 1\n"
             + python_command(hv, f"-m hostagent {command} --config {shlex.quote(config)}"))
     results = []
 

@@ -550,7 +550,7 @@ def run(hv: HostVars, scenarios: list[Scenario], levels: list[int], requests: in
     image = load_image(image_path)
     url = entry_url(hv)
     check_entry(hv, url)
-    timeout_s = timeout_s or float(hv["proxy"]["timeout_s"])
+    timeout_s = timeout_s or float(hv.settings.proxy.timeout_s)
     capacity = served["instances"] * served["max_num_seqs"]
     capacity_text = (f"{served['instances']} instance{'s' if served['instances'] != 1 else ''} x max_num_seqs "
                      f"{served['max_num_seqs']}")

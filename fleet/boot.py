@@ -22,7 +22,7 @@ KINDS = ("auto", "cron", "systemd", "off")
 
 def wanted(hv: HostVars) -> str:
     """The boot hook the deploy installs: FLEET_BOOT_HOOK when set, else the inventory's boot_hook."""
-    value = os.environ.get(ENV, "").strip() or hv["boot_hook"]
+    value = os.environ.get(ENV, "").strip() or hv.settings.boot_hook
     if value not in KINDS:
         raise RemoteError(f"{ENV}={value!r} is not one of {', '.join(KINDS)}; set it to one of them or unset it.")
     return value
@@ -68,8 +68,8 @@ def deploy(conn, hv: HostVars, report: Report, emit: Emit, check: bool) -> None:
             report.add("boot hook", "changed", f"would install the boot hook ({kind})")
         return
     try:
-        r = _run(conn, hv, ["install", hv["deploy_dir"], hv.deployment_id, kind,
-                            "1" if hv["keeper"]["enabled"] else "0"])
+        r = _run(conn, hv, ["install", hv.settings.deploy_dir, hv.deployment_id, kind,
+                            "1" if hv.settings.keeper.enabled else "0"])
     except RemoteError as e:
         report.add("boot hook", "failed", str(e).removeprefix(f"{hv.name}: boot hook: "))
         return

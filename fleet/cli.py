@@ -399,9 +399,9 @@ def render_(c, host="", out="", set_=None, inventory_=""):
 def _render_vars(hv):
     """A host's variables as deploy resolves them, without contacting it: a local host's home and Python
     are this machine's (deploy's exactly); an SSH host's home is a placeholder, said (None when unused)."""
-    if hv["connection"] == "local":
+    if hv.settings.connection == "local":
         return render.offline(hv, os.path.expanduser("~"), sys.executable), None
-    user = (hv["ssh"] or {}).get("user") or os.environ.get("USER", "user")
+    user = (hv.settings.ssh and hv.settings.ssh.user) or os.environ.get("USER", "user")
     home = f"/home/{user}"
     said = None
     if render.needs_home(hv):

@@ -35,7 +35,7 @@ def key_refused(hv: HostVars, url: str, key: str) -> str:
 
 def entry_url(hv: HostVars) -> str:
     """http://address:port of the host's entry (proxy or nginx) as seen from here."""
-    return f"http://{address(hv)}:{hv['proxy']['port']}"
+    return f"http://{address(hv.settings)}:{hv.settings.proxy.port}"
 
 
 def chat(hv: HostVars, prompt: str, max_tokens: int = 64, user: str = "fleet-demo",

@@ -7,20 +7,21 @@ itself runs the proxy only. Deploy brings the members' instances up first, then 
 stop goes the other way.
 
 This module works on plain data the inventory hands it (host names, addresses, ports, groups) and on
-anything indexed like a host's variables; it never imports fleet.inventory, which calls it.
+a host's settings (fleet.schema.HostSettings); it never imports fleet.inventory, which calls it.
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
 from .errors import InventoryError
-from .serving import Group
+from .schema import HostSettings
+from .serving import Group, seqs, slots
 
 
 class Vars(Protocol):
-    """What this module reads of a host: its variables by key (fleet.inventory.HostVars is one)."""
+    """What this module reads of a host: its settings (fleet.inventory.HostVars is one)."""
 
-    def __getitem__(self, key: str) -> Any: ...
+    settings: HostSettings
 
 
 H = TypeVar("H", bound=Vars)
@@ -50,12 +51,12 @@ def backend_name(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def address(hv: Vars) -> str:
+def address(settings: HostSettings) -> str:
     """How other hosts (an entry host's proxy, `inv chat`) reach this host's ports."""
-    if hv["address"]:
-        return hv["address"]
-    if hv["connection"] == "ssh":
-        return hv["ssh"]["host"]
+    if settings.address:
+        return settings.address
+    if settings.connection == "ssh" and settings.ssh is not None and settings.ssh.host:
+        return settings.ssh.host
     return "127.0.0.1"
 
 
@@ -107,10 +108,10 @@ def pools(headroom: int, served: list[Served], where: str) -> list[dict] | None:
     route: dict[str, str] = {}
     for backend, host, _, group in served:
         pool = out.setdefault(group.name, {"name": group.name, "aliases": [], "adapters": [],
-                                           "slots": group.max_num_seqs + headroom, "backends": []})
-        if pool["slots"] != group.max_num_seqs + headroom:
+                                           "slots": slots(group.max_num_seqs, headroom), "backends": []})
+        if pool["slots"] != slots(group.max_num_seqs, headroom):
             raise InventoryError(f"{where}: {host} serves {group.name} with max_num_seqs "
-                                 f"{group.max_num_seqs}, another fronted host with {pool['slots'] - headroom}; "
+                                 f"{group.max_num_seqs}, another fronted host with {seqs(pool['slots'], headroom)}; "
                                  "give the model one max_num_seqs on every host.")
         pool["backends"].append(backend)
         for key, names_ in (("aliases", group.aliases), ("adapters", list(group.lora_modules))):
@@ -143,8 +144,8 @@ def phases(host_vars: list[H], order: str | None) -> list[list[H]]:
     entry proxies), `entry-first` (stop: the entry proxies before what they front), else one batch."""
     if order not in ("entry-last", "entry-first"):
         return [host_vars]
-    entries = [hv for hv in host_vars if hv["fronts"]]
-    members = [hv for hv in host_vars if not hv["fronts"]]
+    entries = [hv for hv in host_vars if hv.settings.fronts]
+    members = [hv for hv in host_vars if not hv.settings.fronts]
     batches = [members, entries] if order == "entry-last" else [entries, members]
     return [b for b in batches if b]
 
@@ -166,7 +167,7 @@ class Peer(NamedTuple):
 VRRP_SHARED = ("router_id", "advert_interval_s", "preempt", "unicast")
 
 
-def vrrp_groups(entries: dict[str, Vars], path: str) -> dict[str, list[Peer]]:
+def vrrp_groups(entries: dict[str, HostSettings], path: str) -> dict[str, list[Peer]]:
     """Check the entry hosts that set vrrp.addresses (name -> its variables, in inventory order) and return
     each one's group, in that order: the hosts with the same addresses. Refused in one sentence: an address
     claimed by two groups, a group of one, a group whose entries front different hosts or disagree on a
@@ -174,8 +175,8 @@ def vrrp_groups(entries: dict[str, Vars], path: str) -> dict[str, list[Peer]]:
     import ipaddress
 
     by_list: dict[tuple[str, ...], list[str]] = {}
-    for name, hv in entries.items():
-        by_list.setdefault(tuple(hv["vrrp"]["addresses"]), []).append(name)
+    for name, s in entries.items():
+        by_list.setdefault(tuple(s.vrrp.addresses), []).append(name)
     owner: dict[str, tuple[str, ...]] = {}
     for key, names in by_list.items():
         for vip in key:
@@ -195,30 +196,30 @@ def vrrp_groups(entries: dict[str, Vars], path: str) -> dict[str, list[Peer]]:
         if len(set(key)) != len(key):
             raise InventoryError(f"{where}.addresses: an address is listed twice; list each once.")
         for n in names:
-            hv = entries[n]
+            s = entries[n]
             w = f"{path}: hosts.{n}"
-            if not hv["fronts"]:
+            if not s.fronts:
                 raise InventoryError(f"{w}.vrrp.addresses: {n} fronts no host; virtual addresses are for "
                                      "entry hosts (set fronts, or drop vrrp.addresses).")
-            both = sorted(set(hv["fronts"]) & set(names))
+            both = sorted(set(s.fronts) & set(names))
             if both:
                 raise InventoryError(f"{w}.fronts: {both[0]} is both an entry behind {', '.join(key)} and a "
                                      "member these entries front; run its instances on a member host, or "
                                      "take it out of the group.")
-            if set(hv["fronts"]) != set(first["fronts"]):
+            if set(s.fronts) != set(first.fronts):
                 raise InventoryError(f"{w}.fronts: {n} and {names[0]} share {', '.join(key)} but front different "
                                      "hosts; entries behind one address front the same hosts.")
             for k in VRRP_SHARED:
-                if hv["vrrp"][k] != first["vrrp"][k]:
-                    raise InventoryError(f"{w}.vrrp.{k}: {hv['vrrp'][k]!r} differs from {names[0]}'s "
-                                         f"{first['vrrp'][k]!r}; the entries of one group share it.")
-            if not hv["vrrp"]["interface"]:
+                if getattr(s.vrrp, k) != getattr(first.vrrp, k):
+                    raise InventoryError(f"{w}.vrrp.{k}: {getattr(s.vrrp, k)!r} differs from {names[0]}'s "
+                                         f"{getattr(first.vrrp, k)!r}; the entries of one group share it.")
+            if not s.vrrp.interface:
                 raise InventoryError(f"{w}.vrrp.interface: the entry's network interface that carries "
                                      f"{', '.join(key)} is required; set it (`eth0`).")
-            if first["vrrp"]["router_id"] + len(key) - 1 > 255:
+            if first.vrrp.router_id + len(key) - 1 > 255:
                 raise InventoryError(f"{w}.vrrp.router_id: {len(key)} addresses from router id "
-                                     f"{first['vrrp']['router_id']} pass 255; lower it.")
-            own = address(hv)
+                                     f"{first.vrrp.router_id} pass 255; lower it.")
+            own = address(s)
             try:
                 ip = ipaddress.IPv4Address(own)
             except ValueError:
@@ -230,8 +231,7 @@ def vrrp_groups(entries: dict[str, Vars], path: str) -> dict[str, list[Peer]]:
                     raise InventoryError(f"{w}.vrrp.addresses: {vip} is outside the network of {n}'s address "
                                          f"{own} ({net} does not hold it); use an address of that network, or "
                                          "fix the prefix length.")
-        peers = [Peer(n, address(entries[n]), entries[n]["vrrp"]["slot_weight"], entries[n]["proxy"]["port"])
-                 for n in names]
+        peers = [Peer(n, address(entries[n]), entries[n].vrrp.slot_weight, entries[n].proxy.port) for n in names]
         if len({p.address for p in peers}) != len(peers):
             raise InventoryError(f"{where}: two entries of the group have one address; give each its own.")
         for n in names:

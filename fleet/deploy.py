@@ -9,8 +9,9 @@ from __future__ import annotations
 import shlex
 
 from hostagent import layout
+from hostagent.facts import HostFacts
 
-from . import agent, boot, display, drift, entries, facts, front, launch, preflight, release, render, runlock, sync
+from . import agent, boot, display, drift, entries, facts, front, launch, preflight, release, render, runlock, serving, sync
 from . import keeper as fleet_keeper
 from . import vrrp as fleet_vrrp
 from .cluster import backend_name
@@ -50,13 +51,13 @@ def entry_slots_first(conn: Transport, hv: HostVars, emit: Emit = lambda line: N
     nginx (it counts no slots) or not running, or the backends or models change too (the new routing then
     waits for the entry's own deploy, as a roll's does)."""
     report = Report(hv.name)
-    if not hv["fronts"]:
+    if not hv.settings.fronts:
         return report
     hv = facts.prepare(conn, hv)
     with runlock.held_unless(check, conn, hv, "deploy", emit, wait):
         found = facts.probe(conn, hv, readonly=check)
-        running = found["proxy"].get("config") or {}
-        if found.get("mode") == "nginx" or facts.proxy_state(found["proxy"]) != "healthy":
+        running = found.proxy.config or {}
+        if not found.proxy_healthy():
             return report
         caps = _running_caps(hv, running)
         if not caps:
@@ -66,10 +67,11 @@ def entry_slots_first(conn: Transport, hv: HostVars, emit: Emit = lambda line: N
             emit(report.add("proxy slots", "changed", f"would take fewer slots before the members roll "
                                                       f"({lower})").line())
             return report
-        headroom = hv["proxy"]["queue"]["headroom"]
-        conf = render.proxy_config(hv, slots={name: min(was, now) - headroom for name, (was, now) in caps.items()})
-        conn.put(layout.path(hv["deploy_dir"], layout.PROXY_CONF), conf.encode(), 0o644)
-        if front._reload_proxy(conn, hv, found["proxy"], Report(hv.name)):
+        headroom = hv.settings.proxy.queue.headroom
+        conf = render.proxy_config(hv, slots={name: serving.seqs(min(was, now), headroom)
+                                              for name, (was, now) in caps.items()})
+        conn.put(layout.path(hv.settings.deploy_dir, layout.PROXY_CONF), conf.encode(), 0o644)
+        if front._reload_proxy(conn, hv, found.proxy, Report(hv.name)):
             step = report.add("proxy slots", "changed", f"reloaded with fewer slots before the members roll "
                                                         f"({lower})")
         else:
@@ -87,8 +89,7 @@ def _running_caps(hv: HostVars, running: dict) -> dict[str, tuple[int, int]]:
     if hv.pools is None:
         if running.get("models"):
             return {}
-        headroom = hv["proxy"]["queue"]["headroom"]
-        pairs = {hv["served_model_name"]: (running.get("slots"), hv.served_max_num_seqs + headroom)}
+        pairs = {hv.settings.served_model_name: (running.get("slots"), hv.proxy_slots)}
     else:
         was = {m["name"]: m for m in running.get("models") or []}
         if set(was) != {p["name"] for p in hv.pools} or any(
@@ -120,33 +121,33 @@ def _deploy(conn: Transport, hv: HostVars, emit: Emit, check: bool, diff: bool, 
             report.add(f"port {port}", "failed", sentence)
         report.status = facts.status_of(hv, found)
         return report
-    if found.get("deploy_dir_exists"):
+    if found.deploy_dir_exists:
         for sentence in drift.sentences(hv, found, drift.read_deployed(conn, hv)):
             emit(f"WARNING: {sentence}")        # before anything changes; beside the recap too
             report.warn(sentence)
-    keys = found.get("api_keys") or {}
-    if keys.get("error") and found.get("mode") != "nginx" and not found["proxy"].get("alive"):
+    keys = found.api_keys or {}
+    if keys.get("error") and found.mode != "nginx" and not found.proxy.alive:
         # The proxy would exit at start, after the engines loaded (with the doctor on, it said so first).
         report.add("api keys", "failed", f"{keys['error']} The proxy cannot start with it: nothing was started.")
         report.status = facts.status_of(hv, found)
         return report
-    d = hv["deploy_dir"]
+    d = hv.settings.deploy_dir
 
     changed_files = sync.put_files(conn, hv, files, found, report, emit, check, diff)
-    if hv["accelerator"] == "sim" and not check:
+    if hv.settings.accelerator == "sim" and not check:
         # Device files are created once and never replaced: holders keep the inode they opened.
         devs = " ".join(shlex.quote(layout.path(d, f"{layout.SIM_DEV}/{n}")) for n in
-                        ["kfd"] + [f"renderD{128 + i}" for i in range(hv["accelerators"])])
+                        ["kfd"] + [f"renderD{128 + i}" for i in range(hv.settings.accelerators)])
         conn.run(f"mkdir -p {shlex.quote(layout.path(d, layout.SIM_DEV))} && touch {devs}")
 
     # Instances with processes left behind (an API server killed, its EngineCore children still holding
     # the card): those are stopped by group and tag, and their card released, before they start again.
-    leftovers = {t["tag"].rpartition("/")[2] for t in found.get("tagged", [])}
+    leftovers = {t.part for t in found.tagged}
     to_start, to_roll = [], []
     plan = {p["index"]: p for p in launch.plan(hv, found)}
-    for f, state in ((f, f["state"]) for f in found["instances"]):
-        name = f"instance {f['index']}"
-        p = plan[f["index"]]
+    for f, state in ((f, f.state) for f in found.instances):
+        name = f"instance {f.index}"
+        p = plan[f.index]
         if state in ("healthy", "loading"):
             changes = ", ".join(p["changes"] or [])
             if launch.stale(p) and check:
@@ -156,37 +157,37 @@ def _deploy(conn: Transport, hv: HostVars, emit: Emit, check: bool, diff: bool, 
             elif launch.stale(p) and restart and state == "healthy":
                 to_roll.append(p)
             elif launch.stale(p):
-                report.add(name, "ok", f"already {state} on :{f['port']}, pid {f['pid']}; left running stale "
+                report.add(name, "ok", f"already {state} on :{f.port}, pid {f.pid}; left running stale "
                            f"settings ({changes}): `inv deploy --host {hv.name}` "
                            + ("restarts it" if state == "healthy" else "restarts it once it is healthy"))
             elif launch.unrecorded(p):
-                report.add(name, "ok", f"already {state} on :{f['port']}, pid {f['pid']}; its launch is not "
+                report.add(name, "ok", f"already {state} on :{f.port}, pid {f.pid}; its launch is not "
                            "recorded (started by an older version), so deploy cannot tell whether it runs the "
-                           f"current settings: `inv restart --host {hv.name} --instance {f['index']}` restarts "
+                           f"current settings: `inv restart --host {hv.name} --instance {f.index}` restarts "
                            "it with them, and records them")
             else:
-                report.add(name, "ok", f"already {state} on :{f['port']}, pid {f['pid']}")
+                report.add(name, "ok", f"already {state} on :{f.port}, pid {f.pid}")
         elif state == "port-taken":
             # Strangers were refused above: this holder carries the instance's tag, but its pid file is
             # lost or stale. It is stopped (tag and session) and the instance started again.
             to_start.append(f)
-            report.data.setdefault("restart", []).append(f["index"])
+            report.data.setdefault("restart", []).append(f.index)
         else:
             to_start.append(f)
-            if (state == "dead" and f["alive"]) or str(f["index"]) in leftovers:
-                report.data.setdefault("restart", []).append(f["index"])
+            if (state == "dead" and f.alive) or str(f.index) in leftovers:
+                report.data.setdefault("restart", []).append(f.index)
 
     if check:
         for f in to_start:
-            verb = "restart (dead)" if f["index"] in report.data.get("restart", []) else "start"
-            report.add(f"instance {f['index']}", "changed", f"would {verb} on :{f['port']}")
+            verb = "restart (dead)" if f.index in report.data.get("restart", []) else "start"
+            report.add(f"instance {f.index}", "changed", f"would {verb} on :{f.port}")
     elif to_start:
         _start_instances(conn, hv, to_start, report, emit)
-    retired = found.get("retired") or []
+    retired = found.retired or []
     if check:
         for f in retired:
-            report.add(f"instance {f['index']}", "changed", "would remove (the inventory no longer has it): "
-                       f"drained, out of the proxy, then stopped; pid {f['pid']} on :{f['port']}")
+            report.add(f"instance {f.index}", "changed", "would remove (the inventory no longer has it): "
+                       f"drained, out of the proxy, then stopped; pid {f.pid} on :{f.port}")
         front.deploy_front(conn, hv, found, changed_files, report, emit, check)
     else:
         changed_files, found = _converge(conn, hv, found, to_roll, retired, changed_files, report, emit)
@@ -195,7 +196,7 @@ def _deploy(conn: Transport, hv: HostVars, emit: Emit, check: bool, diff: bool, 
     if not check and any(s.status == "failed" and s.name in ("proxy", "front") for s in report.steps):
         _hold_back(conn, hv, found, report)
     else:
-        if hv["instances"]:
+        if hv.settings.instances:
             fleet_keeper.deploy(conn, hv, found, changed_files, report, emit, check)
         # Last, once what it would start runs: after a reboot, bin/boot.sh starts it all again.
         boot.deploy(conn, hv, report, emit, check)
@@ -205,18 +206,18 @@ def _deploy(conn: Transport, hv: HostVars, emit: Emit, check: bool, diff: bool, 
     return report
 
 
-def _hold_back(conn, hv: HostVars, found: dict, report: Report) -> None:
+def _hold_back(conn, hv: HostVars, found: HostFacts, report: Report) -> None:
     """The front failed: this run starts no keeper and installs no boot hook, which would keep bringing
     back a deployment that does not serve; what an earlier deploy left of them is named."""
     why = "the front failed above"
-    k = found.get("keeper") or {}
+    k = found.keeper
     report.add("keeper", "skipped", f"not changed: {why}; the keeper of an earlier deploy still runs (pid "
-               f"{k['pid']})" if k.get("alive") else f"not started: {why}")
+               f"{k.pid})" if k.alive else f"not started: {why}")
     boot.held_back(conn, hv, report, why)
 
 
 def _start_instances(conn, hv, to_start, report, emit):
-    d = hv["deploy_dir"]
+    d = hv.settings.deploy_dir
     bin_dir = shlex.quote(f"{d}/bin")
     stopped = report.data.get("restart", [])
     for index in stopped:
@@ -227,7 +228,7 @@ def _start_instances(conn, hv, to_start, report, emit):
         _, pending, _ = release.wait_released(conn, hv, stopped, emit)
         if pending:
             raise RemoteError(f"{hv.name}: card(s) {', '.join(map(str, pending))} still hold memory "
-                              f"{hv['release_timeout_s']:g}s after their instance stopped; "
+                              f"{hv.settings.release_timeout_s:g}s after their instance stopped; "
                               f"`inv stop --host {hv.name} --instance I --check` shows the holders.")
     # The inventory's values, whatever the environment holds (N, MAX_SEQS...: start_cluster.sh's overrides
     # by hand, which the proxy and the keeper would not know of).
@@ -238,10 +239,10 @@ def _start_instances(conn, hv, to_start, report, emit):
     if not r.ok:
         raise RemoteError(f"{hv.name}: start_cluster.sh failed (exit {r.exited}): {r.stderr.strip()[-300:]}")
     # The host agent's /health wait (the one the keeper's restarts use): a line per instance as it comes up.
-    agent.steps(conn, hv, "wait-healthy --instances " + ",".join(str(f["index"]) for f in to_start), report, emit)
+    agent.steps(conn, hv, "wait-healthy --instances " + ",".join(str(f.index) for f in to_start), report, emit)
 
 
-def _converge(conn, hv: HostVars, found: dict, to_roll: list[dict], retired: list[dict], changed_files: set[str],
+def _converge(conn, hv: HostVars, found: HostFacts, to_roll: list[dict], retired: list[dict], changed_files: set[str],
               report: Report, emit: Emit) -> tuple[set[str], dict]:
     """Roll the stale instances, bring the front to the new config, retire the instances the inventory no
     longer has; the proxy never routes a name to an engine that does not serve it, nor gives an engine
@@ -261,13 +262,13 @@ def _converge(conn, hv: HostVars, found: dict, to_roll: list[dict], retired: lis
                                slots_first=True)
         found = facts.probe(conn, hv)     # the proxy's reload count, for the next reload
     keep = _kept(hv, retired)
-    proxy_up = found.get("mode") != "nginx" and facts.proxy_state(found["proxy"]) == "healthy"
+    proxy_up = found.proxy_healthy()
     reloaded = False
     if (held or keep) and proxy_up:
-        conf = layout.path(hv["deploy_dir"], layout.PROXY_CONF)
+        conf = layout.path(hv.settings.deploy_dir, layout.PROXY_CONF)
         conn.put(conf, render.proxy_config(hv, keep=keep).encode(), 0o644)
         changed_files.add(layout.PROXY_CONF)
-        reloaded = front._reload_proxy(conn, hv, found["proxy"], Report(hv.name),
+        reloaded = front._reload_proxy(conn, hv, found.proxy, Report(hv.name),
                                        want=list(hv.backends) + [b for b in keep if b not in hv.backends])
         if reloaded:
             report.add("proxy", "changed", "reloaded with the new config, the removed instances still in it "
@@ -281,8 +282,8 @@ def _converge(conn, hv: HostVars, found: dict, to_roll: list[dict], retired: lis
     if reloaded:
         enable_held()
     for f in retired:
-        name = backend_name(hv.instance_host, f["port"])
-        agent.steps(conn, hv, f"drain-retired --instance {f['index']} --port {f['port']} --backend "
+        name = backend_name(hv.instance_host, f.port)
+        agent.steps(conn, hv, f"drain-retired --instance {f.index} --port {f.port} --backend "
                     f"{shlex.quote(name)} --locked", report, emit)
     front.deploy_front(conn, hv, found, changed_files, report, emit, False)
     if not reloaded:
@@ -293,10 +294,10 @@ def _converge(conn, hv: HostVars, found: dict, to_roll: list[dict], retired: lis
         report.add("rolling", "failed", f"instance(s) {', '.join(str(p['index']) for p in after)} not "
                    "restarted after the failure above; they still run their previous settings")
     for f in retired:
-        stop_processes(conn, hv, ["--instance", str(f["index"])], emit)
-        conn.run("rm -f " + " ".join(shlex.quote(layout.path(hv["deploy_dir"], rel)) for rel in
-                                     (layout.instance_launch(f["index"]), layout.instance_ready(f["index"]))))
-        report.add(f"instance {f['index']}", "changed", "removed (the inventory no longer has it): drained, "
+        stop_processes(conn, hv, ["--instance", str(f.index)], emit)
+        conn.run("rm -f " + " ".join(shlex.quote(layout.path(hv.settings.deploy_dir, rel)) for rel in
+                                     (layout.instance_launch(f.index), layout.instance_ready(f.index))))
+        report.add(f"instance {f.index}", "changed", "removed (the inventory no longer has it): drained, "
                    "out of the proxy, stopped by identity")
     return changed_files, found
 
@@ -307,9 +308,9 @@ def _kept(hv: HostVars, retired: list[dict]) -> dict[str, str | None]:
     pools = {p["name"] for p in hv.pools or []}
     keep = {}
     for f in retired:
-        group = ((f.get("launch") or {}).get("launch") or {}).get("group")
+        group = ((f.launch or {}).get("launch") or {}).get("group")
         if not hv.pools or group in pools:
-            keep[backend_name(hv.instance_host, f["port"])] = group if hv.pools else None
+            keep[backend_name(hv.instance_host, f.port)] = group if hv.pools else None
     return keep
 
 
@@ -325,7 +326,7 @@ def _phases(to_roll: list[dict]) -> tuple[list[dict], list[dict], list[dict]]:
     return before, held, after
 
 
-def _roll(conn, hv: HostVars, found: dict, to_roll: list[dict], report: Report, emit: Emit,
+def _roll(conn, hv: HostVars, found: HostFacts, to_roll: list[dict], report: Report, emit: Emit,
           held: set[int] = frozenset(), slots_first: bool = False) -> set[str]:
     """Restart each stale instance through the host agent's one restart (drain, stop by identity, wait for
     the card, start, /health, enable), one at a time, under the run lock this deploy holds; stops at the
@@ -335,10 +336,10 @@ def _roll(conn, hv: HostVars, found: dict, to_roll: list[dict], report: Report, 
     paths put here, for the front step."""
     put: set[str] = set()
     interim = _interim_proxy_conf(hv, to_roll) if slots_first else None
-    if interim is not None and found.get("mode") != "nginx" and facts.proxy_state(found["proxy"]) == "healthy":
-        conn.put(layout.path(hv["deploy_dir"], layout.PROXY_CONF), interim.encode(), 0o644)
+    if interim is not None and found.proxy_healthy():
+        conn.put(layout.path(hv.settings.deploy_dir, layout.PROXY_CONF), interim.encode(), 0o644)
         put.add(layout.PROXY_CONF)
-        if front._reload_proxy(conn, hv, found["proxy"], Report(hv.name)):
+        if front._reload_proxy(conn, hv, found.proxy, Report(hv.name)):
             report.add("proxy slots", "changed", "reloaded with the smaller max_num_seqs before the roll")
         else:
             report.add("proxy slots", "failed", "the proxy did not take the smaller max_num_seqs; nothing was "
@@ -360,7 +361,7 @@ def _roll(conn, hv: HostVars, found: dict, to_roll: list[dict], report: Report, 
     if interim is not None:
         final = render.proxy_config(hv)
         if final != interim:
-            conn.put(layout.path(hv["deploy_dir"], layout.PROXY_CONF), final.encode(), 0o644)
+            conn.put(layout.path(hv.settings.deploy_dir, layout.PROXY_CONF), final.encode(), 0o644)
     return put
 
 

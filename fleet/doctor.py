@@ -45,9 +45,9 @@ def _gib(n: float) -> str:
 
 def engine_cmd(hv: HostVars) -> list[str]:
     """The command that proves the engine runs: `vllm --version`, or the sim's Python importing aiohttp."""
-    if hv["engine"] == "sim":
-        return [hv["python"], "-c", "import aiohttp"]
-    return [hv["vllm_bin"] or "vllm", "--version"]
+    if hv.settings.engine == "sim":
+        return [hv.settings.python, "-c", "import aiohttp"]
+    return [hv.settings.vllm_bin or "vllm", "--version"]
 
 
 KEEPER_METRICS = "keeper metrics"
@@ -62,20 +62,20 @@ def read_facts(conn, hv: HostVars, deep: bool = False) -> dict:
               "pidfiles": [(layout.instance_pidfile(i), layout.tag(dep, i))]} for i, p in enumerate(hv.ports)]
     # The entry port is ours when the front holding it is: the proxy, or nginx in nginx mode.
     proxy = (layout.PROXY_PID, layout.tag(dep, "proxy"))
-    ports += [{"port": hv["proxy"]["port"], "what": "proxy", "key": "proxy.port",
+    ports += [{"port": hv.settings.proxy.port, "what": "proxy", "key": "proxy.port",
                "pidfiles": [proxy, (layout.NGINX_PID, layout.tag(dep, "nginx"))]},
-              {"port": hv["proxy"]["admin_port"], "what": "proxy admin", "key": "proxy.admin_port",
+              {"port": hv.settings.proxy.admin_port, "what": "proxy admin", "key": "proxy.admin_port",
                "pidfiles": [proxy]}]
-    if hv["keeper"]["enabled"]:
-        ports.append({"port": hv["keeper"]["metrics_port"], "host": hv.instance_host, "what": KEEPER_METRICS,
+    if hv.settings.keeper.enabled:
+        ports.append({"port": hv.settings.keeper.metrics_port, "host": hv.instance_host, "what": KEEPER_METRICS,
                       "key": "keeper.metrics_port", "pidfiles": [(layout.KEEPER_PID, layout.tag(dep, "keeper"))]})
-    engine = {"kind": hv["engine"], "cmd": engine_cmd(hv), "deep": deep}
-    spec = {"deploy_dir": hv["deploy_dir"], "deployment_id": dep, "engine": engine, "model": hv["model"],
-            "check_model": hv["engine"] != "sim", "ports": ports,
-            "api_keys_file": hv["proxy"]["api_keys_file"] or None,
-            "tenants": sorted(hv["proxy"]["tenants"]),
+    engine = {"kind": hv.settings.engine, "cmd": engine_cmd(hv), "deep": deep}
+    spec = {"deploy_dir": hv.settings.deploy_dir, "deployment_id": dep, "engine": engine, "model": hv.settings.model,
+            "check_model": hv.settings.engine != "sim", "ports": ports,
+            "api_keys_file": hv.settings.proxy.api_keys_file or None,
+            "tenants": sorted(hv.settings.proxy.tenants),
             # accelerator cpu: no card to read (its check is the cores and RAM); its smi is a Python run
-            "smi_cmd": smi.smi_command(hv) if hv["accelerator"] != "cpu" else None, "vrrp": vrrp.spec(hv)}
+            "smi_cmd": smi.smi_command(hv) if hv.settings.accelerator != "cpu" else None, "vrrp": vrrp.spec(hv)}
     return agent.run_script(conn, hv, "doctor", spec, "the doctor's probe", timeout=300, env_setup=True)
 
 
@@ -118,32 +118,32 @@ def checks(conn, hv: HostVars, f: dict) -> list[Check]:
     # logs
     d = f["disk"]
     if d.get("unwritable"):
-        out.append(Check("deploy_dir", "fail", f"{hv['deploy_dir']} cannot be written: {d['unwritable']}",
+        out.append(Check("deploy_dir", "fail", f"{hv.settings.deploy_dir} cannot be written: {d['unwritable']}",
                          "set deploy_dir to a directory you can write, or fix this one's permissions"))
     status = "ok" if d["free"] >= LOG_WARN_BYTES else ("warn" if d["free"] >= LOG_FAIL_BYTES else "fail")
     out.append(Check("logs", status, f"{_gib(d['free'])} free under {d['dir']}",
                      "" if status == "ok" else "free disk space there, or move deploy_dir"))
-    if hv["engine"] == "vllm":
+    if hv.settings.engine == "vllm":
         out.append(ipc_check(hv))
     return out
 
 
 def _model_check(hv: HostVars, m: dict) -> Check:
     """The model path: there, with a config and weights vLLM can load (from the directory's own entries)."""
-    if hv["engine"] == "sim":
-        return Check("model", "ok", f"engine sim: the model {hv['model']!r} is only a name, no path to check")
-    if not m["exists"] and not hv["model"].startswith(("/", "~", ".")):
-        return Check("model", "warn", f"{hv['model']!r} is not a path: vLLM will try to download it",
+    if hv.settings.engine == "sim":
+        return Check("model", "ok", f"engine sim: the model {hv.settings.model!r} is only a name, no path to check")
+    if not m["exists"] and not hv.settings.model.startswith(("/", "~", ".")):
+        return Check("model", "warn", f"{hv.settings.model!r} is not a path: vLLM will try to download it",
                      "set model to the weights' directory on the host")
     if not m["exists"]:
-        return Check("model", "fail", f"the model path {hv['model']} does not exist on the host",
+        return Check("model", "fail", f"the model path {hv.settings.model} does not exist on the host",
                      "copy the weights there, or set model to where they are")
     missing = [what for what, have in (("config.json", m.get("config")), ("weights (" + ", ".join(
         f"*{w}" for w in ("safetensors", "bin", "pt", "gguf")) + ")", m.get("weights"))) if not have]
     if missing:
-        return Check("model", "fail", f"{hv['model']} has no {' and no '.join(missing)}: not a model directory "
+        return Check("model", "fail", f"{hv.settings.model} has no {' and no '.join(missing)}: not a model directory "
                      "vLLM can load", "set model to the directory that holds the model's config.json and weights")
-    return Check("model", "ok", f"{hv['model']}: config.json and {m['weights']} weight file(s), "
+    return Check("model", "ok", f"{hv.settings.model}: config.json and {m['weights']} weight file(s), "
                  f"{_gib(m['bytes'])}")
 
 
@@ -151,7 +151,7 @@ def key_file_checks(hv: HostVars, k: dict | None) -> list[Check]:
     """The API key file, as the proxy will read it at start: there, readable, with keys, naming only
     defined tenants (else the proxy exits at start, after the engines loaded); private to the deployment's
     user, and keys long enough (warnings)."""
-    path = hv["proxy"]["api_keys_file"]
+    path = hv.settings.proxy.api_keys_file
     if not path or k is None:
         return []
     label = KEY_FILE
@@ -177,24 +177,24 @@ def key_file_checks(hv: HostVars, k: dict | None) -> list[Check]:
 def ipc_check(hv: HostVars) -> Check:
     """vLLM's ZMQ sockets, deploy_dir/run/ipc/<uuid4>, must fit a Unix socket path (107 bytes): the path is
     the rendered deploy_dir's, so the inventory alone says."""
-    n, most = layout.ipc_socket_bytes(hv["deploy_dir"]), layout.IPC_PATH_MAX
-    where = f"{layout.path(hv['deploy_dir'], layout.IPC_DIR)}/<uuid4>"
+    n, most = layout.ipc_socket_bytes(hv.settings.deploy_dir), layout.IPC_PATH_MAX
+    where = f"{layout.path(hv.settings.deploy_dir, layout.IPC_DIR)}/<uuid4>"
     if n <= most:
         return Check("ipc sockets", "ok", f"{where}: {n} of {most} bytes")
     return Check("ipc sockets", "fail", f"{where} is {n} bytes, past the {most} a Unix socket path holds: "
                  "the engines could not open their sockets",
-                 f"set deploy_dir to a path of {len(hv['deploy_dir'].encode()) - (n - most)} bytes or fewer")
+                 f"set deploy_dir to a path of {len(hv.settings.deploy_dir.encode()) - (n - most)} bytes or fewer")
 
 
 def _engine_check(hv: HostVars, e: dict) -> Check:
     """The engine: found and executable with its Python, its version from the package metadata; and when
     the probe ran it (`--deep`, or no metadata found), whether it ran."""
     cmd = " ".join(engine_cmd(hv))
-    if hv["engine"] == "sim":
+    if hv.settings.engine == "sim":
         if e["exit"] == 0:
             return Check("engine", "ok", f"`{cmd}` runs")
         return Check("engine", "fail", f"`{cmd}` failed: {e['output'].strip()[-150:]}",
-                     f"install aiohttp for {hv['python']} (or set python to one that has it)")
+                     f"install aiohttp for {hv.settings.python} (or set python to one that has it)")
     install = "install vLLM in the environment env_setup activates, or set vllm_bin"
     if e["exit"] is None:
         return Check("engine", "fail", f"`{engine_cmd(hv)[0]}` is not found", install)
@@ -220,13 +220,13 @@ def _loopback(address: str) -> bool:
 def entry_port_check(hv: HostVars) -> Check:
     """The entry port open beyond loopback with no API key (a warning: anyone who reaches it may use the
     engines); deploy says it beside its recap too."""
-    p = hv["proxy"]
-    label = f"entry port {p['port']}"
-    if _loopback(p["bind"]):
-        return Check(label, "ok", f"listens on {p['bind']} only")
-    if p["api_keys_file"]:
-        return Check(label, "ok", f"listens on {p['bind']}; API keys from {p['api_keys_file']} (proxy and nginx)")
-    return Check(label, "warn", f"listens on {p['bind']} with no API key: whoever reaches it may use the engines",
+    p = hv.settings.proxy
+    label = f"entry port {p.port}"
+    if _loopback(p.bind):
+        return Check(label, "ok", f"listens on {p.bind} only")
+    if p.api_keys_file:
+        return Check(label, "ok", f"listens on {p.bind}; API keys from {p.api_keys_file} (proxy and nginx)")
+    return Check(label, "warn", f"listens on {p.bind} with no API key: whoever reaches it may use the engines",
                  "set proxy.api_keys_file (one key per line; both fronts check it), or proxy.bind: 127.0.0.1 "
                  "behind your own gateway")
 
@@ -234,8 +234,8 @@ def entry_port_check(hv: HostVars) -> Check:
 def _cpu_checks(hv: HostVars, f: dict) -> list[Check]:
     """accelerator cpu: the cores split among the instances, and free RAM for what they will take."""
     out = []
-    n, have = hv["instances"], f.get("cores") or 0
-    per = hv["cpus_per_instance"] or (have // n if n else 0)
+    n, have = hv.settings.instances, f.get("cores") or 0
+    per = hv.settings.cpus_per_instance or (have // n if n else 0)
     if per < 1:     # cpus_per_instance 0 splits the cores: fewer cores than instances leaves none each
         out.append(Check("cores", "fail", f"{n} instance(s) need a core each at least, and the host has {have}",
                          f"lower instances to {have} or fewer"))
@@ -250,9 +250,9 @@ def _cpu_checks(hv: HostVars, f: dict) -> list[Check]:
                             "check free memory by hand")]
     running = {i for i, p in enumerate(f["ports"][:n]) if p["ours"]}
     weights = f["model"]["bytes"] if f["model"]["exists"] else 0    # the weight files' bytes
-    each = hv["cpu_kvcache_gib"] * 2**30 + weights + CPU_ENGINE_OVERHEAD_BYTES
+    each = hv.settings.cpu_kvcache_gib * 2**30 + weights + CPU_ENGINE_OVERHEAD_BYTES
     need = each * (n - len(running))
-    said = (f"{n - len(running)} instance(s) to start x {_gib(each)} (KV cache {hv['cpu_kvcache_gib']:g} GiB "
+    said = (f"{n - len(running)} instance(s) to start x {_gib(each)} (KV cache {hv.settings.cpu_kvcache_gib:g} GiB "
             f"+ weights {_gib(weights)} + engine {_gib(CPU_ENGINE_OVERHEAD_BYTES)})")
     if mem["MemAvailable"] >= need:
         out.append(Check("memory", "ok", f"{_gib(mem['MemAvailable'])} available of {_gib(mem['MemTotal'])}; "
@@ -264,10 +264,10 @@ def _cpu_checks(hv: HostVars, f: dict) -> list[Check]:
 
 
 def _card_checks(conn, hv: HostVars, f: dict) -> list[Check]:
-    if hv["accelerator"] == "cpu":
+    if hv.settings.accelerator == "cpu":
         return _cpu_checks(hv, f)
     s = f["smi"]
-    if hv["accelerator"] == "sim" and not f["sim_devices"]:
+    if hv.settings.accelerator == "sim" and not f["sim_devices"]:
         return [Check("smi", "ok", "sim devices are created by the first deploy; nothing to read yet")]
     others = smi.found_other_smis(s["output"]) if s["exit"] == 127 else []
     if others and smi.MARKER not in s["output"]:
@@ -276,8 +276,8 @@ def _card_checks(conn, hv: HostVars, f: dict) -> list[Check]:
         other = others[0]
         kind = smi.kind_of_smi(other) or "the kind of that tool"
         return [Check("smi", "fail", f"{other.rsplit('/', 1)[-1]} found ({other}), "
-                      f"{smi.KIND_TOOL[hv['accelerator']]} not: this host's cards do not look like "
-                      f"accelerator {hv['accelerator']}",
+                      f"{smi.KIND_TOOL[hv.settings.accelerator]} not: this host's cards do not look like "
+                      f"accelerator {hv.settings.accelerator}",
                       f"set accelerator: {kind} (or name the smi with the inventory key smi)")]
     if s["exit"] == 127 and smi.MARKER not in s["output"]:
         return [Check("smi", "warn", f"no smi found (looked for {smi.locate_note(hv)})",
@@ -295,9 +295,9 @@ def _card_checks(conn, hv: HostVars, f: dict) -> list[Check]:
     except smi.SmiError as e:
         return [Check("smi", "fail", str(e), "name the right smi with the inventory key smi")]
     out = [Check("smi", "ok", f"{tool}: {len(cards)} card(s)")]
-    running = {i for i, p in enumerate(f["ports"][:hv["instances"]]) if p["ours"]}
+    running = {i for i, p in enumerate(f["ports"][:hv.settings.instances]) if p["ours"]}
     # Every card of every instance (tensor_parallel_size cards each): instance i may hold several.
-    for i, k in ((i, k) for i in range(hv["instances"]) for k in hv.cards[i]):
+    for i, k in ((i, k) for i in range(hv.settings.instances) for k in hv.cards[i]):
         c = cards.get(k)
         label = f"card {k}"
         gmu = hv.group_of(i).gpu_memory_utilization

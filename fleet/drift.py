@@ -10,6 +10,7 @@ import re
 import shlex
 
 from hostagent import layout
+from hostagent.facts import HostFacts
 
 from .inventory import HostVars
 from .transport import Transport
@@ -31,7 +32,7 @@ def _same_file(a: str, b: str) -> bool:
 
 def read_deployed(conn: Transport, hv: HostVars) -> dict:
     """The inventory path the deployed files name, and whether keepalived of an earlier deploy runs."""
-    d = hv["deploy_dir"]
+    d = hv.settings.deploy_dir
     conf, pid = (shlex.quote(layout.path(d, rel)) for rel in (layout.PROXY_CONF, layout.KEEPALIVED_PID))
     r = conn.run(f"head -n 1 {conf} 2>/dev/null; test -s {pid} && echo {KEEPALIVED}; true")
     lines = r.stdout.splitlines()
@@ -39,18 +40,18 @@ def read_deployed(conn: Transport, hv: HostVars) -> dict:
     return {"inventory": found.group(1) if found else None, "keepalived": KEEPALIVED in lines[1:] + lines[:1]}
 
 
-def sentences(hv: HostVars, found: dict, deployed: dict) -> list[str]:
+def sentences(hv: HostVars, found: HostFacts, deployed: dict) -> list[str]:
     """One sentence per thing this run would undo (found: the state probe's; deployed: read_deployed's)."""
     out = []
     was = deployed.get("inventory")
     if was and hv.inventory_path and not _same_file(was, hv.inventory_path):
         out.append(f"{hv.name} was deployed from {was}; this run uses {hv.inventory_path} (set FLEET_INVENTORY "
                    "or -i to the first if that is the one you mean)")
-    running = (found.get("proxy") or {}).get("config") or {}
-    if running.get("api_keys") and not hv["proxy"]["api_keys_file"]:
+    running = found.proxy.config or {}
+    if running.get("api_keys") and not hv.settings.proxy.api_keys_file:
         out.append("the running proxy checks API keys and this inventory sets no proxy.api_keys_file: the "
                    "entry port would take requests without a key")
-    tenants = sorted({t["name"] for t in running.get("tenants") or []} - {"default"} - set(hv["proxy"]["tenants"]))
+    tenants = sorted({t["name"] for t in running.get("tenants") or []} - {"default"} - set(hv.settings.proxy.tenants))
     if tenants:
         out.append(f"the running proxy shares its slots among the tenant(s) {', '.join(tenants)}, which this "
                    "inventory's proxy.tenants does not define: the deploy turns them off")

@@ -36,7 +36,7 @@ def drained(hv: HostVars, indexes: list[int], report: Report, emit: Emit, stoppe
                 report.add(f"entry {entry.name}", "skipped", f"not reached ({e}); its proxy may still send "
                            f"requests to {', '.join(names)} while they are out")
                 continue
-            if facts.proxy_state(facts.probe(conn, prepared, readonly=True)["proxy"]) != "healthy":
+            if facts.probe(conn, prepared, readonly=True).proxy.state != "healthy":
                 conn.close()
                 continue      # no proxy running there (not deployed yet, stopped, or nginx): nothing to drain
             held.append((conn, prepared, names))

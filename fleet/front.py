@@ -10,6 +10,7 @@ import shlex
 import time
 
 from hostagent import layout
+from hostagent.facts import HostFacts
 
 from . import agent, facts, runlock, schema, sync
 from .errors import FleetError
@@ -33,8 +34,8 @@ def _prepare(conn: Transport, hv: HostVars, report: Report, emit: Emit) -> tuple
     hv = facts.prepare(conn, hv)
     files = sync.host_files(hv)
     found = facts.probe(conn, hv, [f.path for f in files])
-    if not found["deploy_dir_exists"]:
-        raise FleetError(f"{hv.name}: nothing is deployed in {hv['deploy_dir']}; run `inv deploy` first.")
+    if not found.deploy_dir_exists:
+        raise FleetError(f"{hv.name}: nothing is deployed in {hv.settings.deploy_dir}; run `inv deploy` first.")
     sync.put_files(conn, hv, files, found, report, emit)
     return hv, found
 
@@ -44,8 +45,8 @@ def nginx_refusal(hv: HostVars) -> str | None:
     by the request's `model`, which a host serving several models, aliases or adapters needs; and it has
     no shared queue to serve tenants fairly from (a per-key `limit_req` would keep a rate and silently drop
     the weights, the slot caps and the token budgets, so a host with tenants is refused rather than mapped)."""
-    if hv["proxy"]["tenants"]:
-        names = ", ".join(hv["proxy"]["tenants"])
+    if hv.settings.proxy.tenants:
+        names = ", ".join(hv.settings.proxy.tenants)
         return (f"{hv.name}: nginx cannot be the front here: it cannot share the slots fairly among the tenants "
                 f"{names} nor keep their limits; keep the proxy as the front, or drop `proxy.tenants` to use nginx.")
     if hv.pools is None:
@@ -70,26 +71,26 @@ def _swap_to_nginx(conn: Transport, hv: HostVars, emit: Emit) -> Report:
     report = Report(hv.name)
     hv, found = _prepare(conn, hv, report, emit)
     # An entry host's backends are other hosts' instances: its proxy's view says whether one is healthy.
-    if not any(f["alive"] and f["health"] == 200 for f in found["instances"]) and not any(
-            b.get("healthy") for b in found["proxy"].get("backends") or []):
+    if not any(f.alive and f.health == 200 for f in found.instances) and not any(
+            b.get("healthy") for b in found.proxy.backends or []):
         raise FleetError(f"{hv.name}: no instance is healthy; run `inv deploy` (and check `inv status`) "
                          "before swapping the front.")
     pre = agent.host_command(conn, hv, "check", emit, config=agent.FRONT_CONFIG)
     report.add("nginx preflight", "ok", f"nginx {pre['version']} at {pre['nginx']}, nginx -t passes, "
-               f"port {hv['proxy']['port']} usable")
+               f"port {hv.settings.proxy.port} usable")
     r = agent.host_command(conn, hv, "to-nginx", emit, config=agent.FRONT_CONFIG)
     if "gap_ms" in r:
-        report.add("front", "changed", f"nginx pid {r['pid']} took port {hv['proxy']['port']} from the proxy: "
+        report.add("front", "changed", f"nginx pid {r['pid']} took port {hv.settings.proxy.port} from the proxy: "
                    f"refused connections for at most {r['gap_ms']} ms, queued ones waited {r['ready_ms']} ms")
     elif r.get("changed") and "overlap" in r:
-        report.add("front", "changed", f"nginx pid {r['pid']} started on port {hv['proxy']['port']}")
+        report.add("front", "changed", f"nginx pid {r['pid']} started on port {hv.settings.proxy.port}")
     else:
         report.add("front", "ok", f"nginx already the front, pid {r['pid']}")
     if "watcher_pid" in r:
         report.add("watcher", "changed", f"started, pid {r['watcher_pid']}")
     report.data["swap"] = r
     emit(NO_RESULTS_LOG)
-    policy = hv["proxy"]["routing"]["policy"]
+    policy = hv.settings.proxy.routing.policy
     if policy != schema.NGINX_POLICY:
         emit(NO_BODY_ROUTING.format(policy=policy))
     report.status = facts.status_of(hv, facts.probe(conn, hv))
@@ -109,7 +110,7 @@ def _swap_to_proxy(conn: Transport, hv: HostVars, emit: Emit) -> Report:
     hv, found = _prepare(conn, hv, report, emit)
     r = agent.host_command(conn, hv, "to-proxy", emit, config=agent.FRONT_CONFIG)
     if "gap_ms" in r:
-        report.add("front", "changed", f"the proxy took port {hv['proxy']['port']} from nginx: refused "
+        report.add("front", "changed", f"the proxy took port {hv.settings.proxy.port} from nginx: refused "
                    f"connections for at most {r['gap_ms']} ms")
     else:
         report.add("front", "changed" if r["changed"] else "ok",
@@ -128,7 +129,7 @@ def _confirm(report: Report, want: str) -> None:
                f"the entry port answers from {front or 'nothing'}, not {want}; see `inv status`")
 
 
-def deploy_nginx(conn: Transport, hv: HostVars, found: dict, changed_files: set[str], report: Report,
+def deploy_nginx(conn: Transport, hv: HostVars, found: HostFacts, changed_files: set[str], report: Report,
                  emit: Emit, check: bool) -> None:
     """deploy in nginx mode: keep nginx the front, start it when it is down, reload it when its
     configuration changed; the proxy is not started."""
@@ -136,18 +137,18 @@ def deploy_nginx(conn: Transport, hv: HostVars, found: dict, changed_files: set[
     if refusal:
         report.add("front", "failed", f"{refusal} `inv swap-to-proxy --host {hv.name}` makes the proxy the front.")
         return
-    n = found.get("nginx") or {}
+    n = found.nginx
     stale = any(f in NGINX_FILES or f.startswith(layout.HOSTAGENT_CODE + "/") for f in changed_files)
     keys = _keys_to_take(hv, found, report, "nginx_digest")
-    stale = stale or (keys is not None and bool(n.get("alive")))
+    stale = stale or (keys is not None and bool(n.alive))
     # keeper.enabled: the keeper does the /health watching (one agent); else the watcher does.
-    watching = (found.get("keeper") or {}).get("alive") if hv["keeper"]["enabled"] else n.get("watcher_alive")
-    if n.get("alive") and watching and not stale:
-        report.add("front", "ok", f"nginx already running on :{hv['proxy']['port']}, pid {n['pid']}")
+    watching = found.keeper.alive if hv.settings.keeper.enabled else n.watcher_alive
+    if n.alive and watching and not stale:
+        report.add("front", "ok", f"nginx already running on :{hv.settings.proxy.port}, pid {n.pid}")
         return
-    verb = "reload" if n.get("alive") else "start"
+    verb = "reload" if n.alive else "start"
     if check:
-        report.add("front", "changed", f"would {verb} nginx on :{hv['proxy']['port']}"
+        report.add("front", "changed", f"would {verb} nginx on :{hv.settings.proxy.port}"
                    + (" (the key file changed)" if keys is not None else ""))
         return
     try:
@@ -169,51 +170,51 @@ def deploy_nginx(conn: Transport, hv: HostVars, found: dict, changed_files: set[
 
 # --- the proxy ---------------------------------------------------------------------------------
 
-def deploy_front(conn: Transport, hv: HostVars, found: dict, changed_files: set[str], report: Report,
+def deploy_front(conn: Transport, hv: HostVars, found: HostFacts, changed_files: set[str], report: Report,
                  emit: Emit, check: bool) -> None:
     """deploy's front step: start the proxy, or reload or restart it when its config or code changed; in
     nginx mode, keep nginx the front instead."""
-    if found.get("mode") == "nginx":
+    if found.mode == "nginx":
         deploy_nginx(conn, hv, found, changed_files, report, emit, check)
         return
-    p = found["proxy"]
-    state = facts.proxy_state(p)
+    p = found.proxy
+    state = p.state
     # A setting an earlier reload could not change (proxy.state.RESTART_ONLY) is still owed a restart.
-    owed = bool((p.get("config") or {}).get("pending_restart"))
+    owed = bool(p.said("pending_restart"))
     # A changed start script (its environment: a group's PYTHONHASHSEED) takes effect only by a restart.
     relaunch = any(f == layout.START_PROXY or f.startswith(layout.PROXY_CODE + "/") for f in changed_files)
     stale = owed or relaunch or layout.PROXY_CONF in changed_files
     # A key file whose keys are not those the running proxy loaded: a reload takes them (by content: the
     # probe's digest of the file against the one /admin/config reports).
-    keys = _keys_to_take(hv, found, report, "running") if p["alive"] else None
+    keys = _keys_to_take(hv, found, report, "running") if p.alive else None
     stale = stale or keys is not None
     if state == "port-taken":
-        report.add("proxy", "failed", f"port {hv['proxy']['port']} is taken by a process that is not this "
+        report.add("proxy", "failed", f"port {hv.settings.proxy.port} is taken by a process that is not this "
                    "deployment's proxy; free it or change proxy.port")
         return
     if state in ("healthy", "no-backend") and not stale:
-        report.add("proxy", "ok", f"already running on :{p['port']}, pid {p['pid']}")
+        report.add("proxy", "ok", f"already running on :{p.port}, pid {p.pid}")
         return
     # Only the config changed, and the running proxy answers on the ports it names: SIGHUP re-reads it
     # without dropping a request. New code or start script, or a proxy that does not answer there, needs a
     # restart.
-    reloadable = state in ("healthy", "no-backend") and p["backends"] is not None and not owed and not relaunch
+    reloadable = state in ("healthy", "no-backend") and p.backends is not None and not owed and not relaunch
     if reloadable:
         if check:
-            report.add("proxy", "changed", f"would reload (SIGHUP) pid {p['pid']} with the new config"
+            report.add("proxy", "changed", f"would reload (SIGHUP) pid {p.pid} with the new config"
                        + (" (the key file changed)" if keys is not None else ""))
             return
         if _reload_proxy(conn, hv, p, report, keys):
             return
     verb = "restart" if state in ("healthy", "no-backend") else "start"
     if check:
-        report.add("proxy", "changed", f"would {verb} on :{hv['proxy']['port']}")
+        report.add("proxy", "changed", f"would {verb} on :{hv.settings.proxy.port}")
         return
     if verb == "restart":
         _restart_proxy(conn, hv, state, report, emit)
         return
-    bin_dir = shlex.quote(f"{hv['deploy_dir']}/bin")
-    if p["alive"]:     # alive but not answering: nothing to hand the port over from
+    bin_dir = shlex.quote(f"{hv.settings.deploy_dir}/bin")
+    if p.alive:     # alive but not answering: nothing to hand the port over from
         stop_processes(conn, hv, ["--proxy"], emit)
     r = conn.run(f"{bin_dir}/start_proxy.sh", on_line=emit)
     if not r.ok:
@@ -221,12 +222,12 @@ def deploy_front(conn: Transport, hv: HostVars, found: dict, changed_files: set[
         return
     t0 = time.monotonic()
     while True:
-        f = facts.probe(conn, hv)["proxy"]
-        if f["alive"] and f["health"] == 200:
-            report.add("proxy", "changed", f"{verb}ed, pid {f['pid']}, healthy on :{f['port']}")
+        f = facts.probe(conn, hv).proxy
+        if f.alive and f.health == 200:
+            report.add("proxy", "changed", f"{verb}ed, pid {f.pid}, healthy on :{f.port}")
             return
-        if not f["alive"] or time.monotonic() - t0 > 30:
-            report.add("proxy", "failed", _start_failure(conn, hv, f["alive"]))
+        if not f.alive or time.monotonic() - t0 > 30:
+            report.add("proxy", "failed", _start_failure(conn, hv, f.alive))
             return
         time.sleep(0.2)
 
@@ -248,13 +249,13 @@ def _restart_proxy(conn, hv, state, report, emit) -> None:
     (hostagent restart-proxy): confirmed first, then the old one drains; the port never refuses."""
     try:
         r = agent.host_command(conn, hv, "restart-proxy" + (" --healthy" if state == "healthy" else ""), emit,
-                               config=agent.FRONT_CONFIG, timeout=hv["proxy"]["shutdown_timeout_s"] + 120)
+                               config=agent.FRONT_CONFIG, timeout=hv.settings.proxy.shutdown_timeout_s + 120)
     except FleetError as e:
         report.add("proxy", "failed", str(e).removeprefix(f"{hv.name}: "))
         return
     if r["overlap"]:
         cut = r.get("cut") or []
-        report.add("proxy", "changed", f"restarted beside the old one on :{hv['proxy']['port']}, pid {r['old_pid']} "
+        report.add("proxy", "changed", f"restarted beside the old one on :{hv.settings.proxy.port}, pid {r['old_pid']} "
                    f"-> {r['pid']}: the port refused no connection; the old one finished its requests"
                    + (f", but {len(cut)} cut after proxy.shutdown_timeout_s" if cut else ""))
     else:
@@ -262,17 +263,17 @@ def _restart_proxy(conn, hv, state, report, emit) -> None:
                    f"its port, which refused connections for about {r['gap_ms']} ms")
 
 
-def _keys_to_take(hv: HostVars, found: dict, report: Report, against: str) -> str | None:
+def _keys_to_take(hv: HostVars, found: HostFacts, report: Report, against: str) -> str | None:
     """The digest of the key file's keys when the running front does not have them yet, else None.
     against: `running` (the proxy's /admin/config) or `nginx_digest` (nginx's map). A key file that
     cannot be used is a failed step: the front keeps the keys it has."""
-    if not hv["proxy"]["api_keys_file"]:
+    if not hv.settings.proxy.api_keys_file:
         return None
-    keys = found.get("api_keys") or {}
+    keys = found.api_keys or {}
     if keys.get("error"):
         report.add("api keys", "failed", f"{keys['error']} The front keeps the keys it had.")
         return None
-    running = ((found["proxy"].get("config") or {}).get("api_keys_digest") if against == "running"
+    running = (found.proxy.said("api_keys_digest") if against == "running"
                else keys.get(against))
     return keys["digest"] if keys.get("digest") and running != keys["digest"] else None
 
@@ -282,29 +283,29 @@ def _reload_proxy(conn, hv, p, report, keys: str | None = None, want: list[str] 
     keys it must then run with; want: the backends it names, the inventory's unless given); False when it refused it, kept a setting only a restart changes, or did
     not answer in time (then the caller restarts it). Backends the reload removed are waited for until
     their requests in flight end (up to drain_timeout_s), so their host can be stopped at once after."""
-    before = (p.get("config") or {}).get("reloads")
+    before = p.said("reloads")
     if before is None:        # a proxy that does not report its reloads: restart it
         return False
-    conn.run(f"kill -HUP {int(p['pid'])}")
+    conn.run(f"kill -HUP {int(p.pid)}")
     want = hv.backends if want is None else want
-    removed = [b for b in (p.get("config") or {}).get("backends") or [] if b not in want]
+    removed = [b for b in p.said("backends") or [] if b not in want]
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
-        f = facts.probe(conn, hv)["proxy"]
-        running = f.get("config") or {}
+        f = facts.probe(conn, hv).proxy
+        running = f.config or {}
         reloads = running.get("reloads") or before
-        if f["alive"] and reloads["refused"] > before["refused"]:
-            report.add("proxy", "ok", f"pid {p['pid']} refused the new config ({reloads['last_error']}); "
+        if f.alive and reloads["refused"] > before["refused"]:
+            report.add("proxy", "ok", f"pid {p.pid} refused the new config ({reloads['last_error']}); "
                        "restarting it")
             return False
-        if (f["alive"] and reloads["applied"] > before["applied"] and running.get("backends") == want
+        if (f.alive and reloads["applied"] > before["applied"] and running.get("backends") == want
                 and (keys is None or running.get("api_keys_digest") == keys)):
             # The proxy names what the reload could not change (its listeners, the body limit, the drain
             # time, its log's rotation: proxy.state.RESTART_ONLY); those need a restart.
             if running.get("pending_restart"):
                 return False
-            added = [b for b in want if b not in (p.get("config") or {}).get("backends", want)]
-            report.add("proxy", "changed", f"reloaded (SIGHUP), pid {p['pid']}, {len(want)} backends"
+            added = [b for b in want if b not in p.said("backends", want)]
+            report.add("proxy", "changed", f"reloaded (SIGHUP), pid {p.pid}, {len(want)} backends"
                        + (f" ({len(added)} added: each takes requests once its /health answers 200)" if added else "")
                        + (", API keys taken from the key file" if keys is not None else "")
                        + _drain_removed(conn, hv, removed, running))
@@ -320,11 +321,11 @@ def _drain_removed(conn, hv, removed: list[str], running: dict) -> str:
         return ""
     t0 = time.monotonic()
     leaving = running.get("leaving") or []
-    while leaving and time.monotonic() - t0 < hv["drain_timeout_s"]:
+    while leaving and time.monotonic() - t0 < hv.settings.drain_timeout_s:
         time.sleep(0.2)
-        leaving = (facts.probe(conn, hv)["proxy"].get("config") or {}).get("leaving") or []
+        leaving = facts.probe(conn, hv).proxy.said("leaving", [])
     if leaving:
         held = sum(b["in_flight"] for b in leaving)
         return (f"; {len(removed)} removed, {held} request(s) still in flight there after drain_timeout_s "
-                f"({hv['drain_timeout_s']:g}s): they finish unless their host stops")
+                f"({hv.settings.drain_timeout_s:g}s): they finish unless their host stops")
     return f"; {len(removed)} removed, drained in {time.monotonic() - t0:.1f}s (their requests finished)"

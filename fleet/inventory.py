@@ -136,7 +136,8 @@ class Inventory:
         (fleet.cluster.vrrp_groups) once per --set."""
         key = tuple(overrides or ())
         if key not in self._vrrp:
-            entries = {h: m for h in self.hosts if (m := self.merged(h, key))["vrrp"]["addresses"]}
+            entries = {h: m for h in self.hosts
+                       if (m := check_layer(self.merged(h, key), self.path, f"hosts.{h}")).vrrp.addresses}
             self._vrrp[key] = cluster.vrrp_groups(entries, self.path) if entries else {}
         return self._vrrp[key]
 
@@ -155,36 +156,36 @@ class Inventory:
         entries = sorted(e for e in graph.get(name, ()) if e != name)
         hv.entry_hosts = lambda: [self.host_vars(e, overrides) for e in entries]
         if fronted:                              # another host's proxy reaches these instances
-            hv.vars["bind"] = cluster.address(hv)
+            hv.settings.bind = cluster.address(hv.settings)
         where = f"{self.path}: hosts.{name}"
-        if hv["fronts"]:
+        if hv.settings.fronts:
             # an entry host's backends are its members' instances (the graph was checked: a member fronts
             # nothing but maybe itself, so building it never comes back here)
             members = {hv.name: hv}
-            for m in hv["fronts"]:
+            for m in hv.settings.fronts:
                 if m not in members:
                     members[m] = self.host_vars(m, overrides)
             served = cluster.front_backends(f"{where}.fronts", [
-                cluster.Member(m, hv.instance_host if m == name else cluster.address(members[m]), members[m].ports)
-                for m in hv["fronts"]])
+                cluster.Member(m, hv.instance_host if m == name else cluster.address(members[m].settings), members[m].ports)
+                for m in hv.settings.fronts])
             hv.fronted = [Fronted(backend, members[m], i) for backend, m, i in served]
             hv.front_members = [mv for mv in members.values() if mv is not hv]
         own = hv.fronted if hv.fronted is not None else [Fronted(b, hv, i) for i, b in enumerate(hv.backends)]
-        hv.pools = cluster.pools(hv["proxy"]["queue"]["headroom"], [
+        hv.pools = cluster.pools(hv.settings.proxy.queue.headroom, [
             cluster.Served(f.backend, f.host.name, f.host.plain, f.host.group_of(f.index)) for f in own], where)
-        hv.served_max_num_seqs = own[0].host.group_of(own[0].index).max_num_seqs if own else hv["max_num_seqs"]
+        hv.served_max_num_seqs = own[0].host.group_of(own[0].index).max_num_seqs if own else hv.settings.max_num_seqs
         hv.vrrp_group = self.vrrp_graph(overrides).get(name, [])
-        if len(hv["vrrp"]["addresses"]) > 1:
+        if len(hv.settings.vrrp.addresses) > 1:
             _check_split(hv, where)
-        if not hv["served_model_name"] and own:    # an entry host without a model: its members' first
-            hv.vars["served_model_name"] = own[0].host.group_of(own[0].index).name
+        if not hv.settings.served_model_name and own:    # an entry host without a model: its members' first
+            hv.settings.served_model_name = own[0].host.group_of(own[0].index).name
         return hv
 
     def explain(self, name: str, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, tuple[Any, str]]:
         """Each resolved variable of a host, nested keys dotted (`proxy.port`), with where its value came
         from: `default` (built in), `defaults`, `group NAME`, `host`, `--set`, or `derived` when a rule
         computed it from other keys (served_model_name from model, connection from ssh, ...)."""
-        resolved = self.host_vars(name, overrides).vars
+        resolved = self.host_vars(name, overrides).settings.model_dump()
         groups = self.groups_of(name)
         origins: dict[str, str] = {}
         merged = _copy(BUILTIN_DEFAULTS)
@@ -505,7 +506,7 @@ class HostVars:
     """One host's resolved variables plus what follows from them (ports, backends, deployment id)."""
 
     name: str
-    vars: dict
+    settings: schema.HostSettings      # checked, with the rules across keys applied (HostVars.build)
     inventory_path: str = ""
     deployment_id: str = ""
     ports: list[int] = field(default_factory=list)
@@ -531,9 +532,6 @@ class HostVars:
         """This entry's place in its VRRP group (0: the first address's master)."""
         return [p.name for p in self.vrrp_group].index(self.name)
 
-    def __getitem__(self, key):
-        return self.vars[key]
-
     def at_home(self, home: Callable[[], str]) -> "HostVars":
         """A copy with `~` made the host's home (home(), asked only when needed) in deploy_dir and the model
         paths: the host's, each group's and its adapters'. The engine gets a path as one quoted argument,
@@ -546,9 +544,9 @@ class HostVars:
             known[:] = known or [home().rstrip("/")]
             return known[0] + path[1:]
         hv = copy.copy(self)
-        hv.vars = copy.deepcopy(self.vars)
-        for key in ("deploy_dir", "model"):
-            hv.vars[key] = expand(hv.vars[key])
+        hv.settings = self.settings.model_copy(deep=True)
+        hv.settings.deploy_dir = expand(hv.settings.deploy_dir)
+        hv.settings.model = expand(hv.settings.model)
         hv.groups = [dataclasses.replace(g, model=expand(g.model),
                                          lora_modules={k: expand(v) for k, v in g.lora_modules.items()})
                      for g in self.groups]
@@ -557,87 +555,87 @@ class HostVars:
     @classmethod
     def build(cls, name: str, merged: dict, path: str) -> "HostVars":
         """Check the merged layers (types and bounds first, then the rules that span keys)."""
-        v = check_layer(merged, path, f"hosts.{name}").model_dump()
+        v = check_layer(merged, path, f"hosts.{name}")
         where = f"{path}: hosts.{name}"
-        if v["connection"] is None:
-            v["connection"] = "ssh" if v["ssh"] else "local"
-        if v["connection"] == "ssh" and not (v.get("ssh") or {}).get("host"):
+        if v.connection is None:
+            v.connection = "ssh" if v.ssh else "local"
+        if v.connection == "ssh" and not (v.ssh and v.ssh.host):
             raise InventoryError(f"{where}.ssh.host: connection is ssh but no ssh.host is given; add it.")
-        entry_only = bool(v["fronts"]) and name not in v["fronts"]
+        entry_only = bool(v.fronts) and name not in v.fronts
         if entry_only:
-            v["instances"] = 0                    # an entry host that fronts others only runs the proxy
-        elif v["instances"] < 1 and v["models"] is None:
-            raise InventoryError(f"{where}.instances: expected at least 1 instance, got {v['instances']}.")
-        if v["cpu_kvcache_gib"] != int(v["cpu_kvcache_gib"]):
+            v.instances = 0                    # an entry host that fronts others only runs the proxy
+        elif v.instances < 1 and v.models is None:
+            raise InventoryError(f"{where}.instances: expected at least 1 instance, got {v.instances}.")
+        if v.cpu_kvcache_gib != int(v.cpu_kvcache_gib):
             raise InventoryError(f"{where}.cpu_kvcache_gib: expected a whole number of GiB above 0 (vLLM reads "
-                                 f"VLLM_CPU_KVCACHE_SPACE as an integer), got {v['cpu_kvcache_gib']}.")
-        if v["accelerator"] is None:
-            if v["engine"] == "vllm" and not entry_only:
+                                 f"VLLM_CPU_KVCACHE_SPACE as an integer), got {v.cpu_kvcache_gib}.")
+        if v.accelerator is None:
+            if v.engine == "vllm" and not entry_only:
                 raise InventoryError(f"{where}.accelerator: engine vllm needs the host's accelerator kind; set "
                                      "accelerator: dcu (Hygon), rocm, nvidia or cpu.")
             # sim: its own fake cards; an entry host that only runs the proxy uses no card at all.
-            v["accelerator"] = "sim" if v["engine"] == "sim" else "dcu"
-        if v["accelerator"] == "sim" and v["engine"] != "sim":
+            v.accelerator = "sim" if v.engine == "sim" else "dcu"
+        if v.accelerator == "sim" and v.engine != "sim":
             raise InventoryError(f"{where}.accelerator: the sim accelerator only runs the sim engine; "
                                  "set engine: sim.")
         groups = [] if entry_only else serving.groups_of(v, where)
         if groups:
-            v["instances"] = sum(g.instances for g in groups)
+            v.instances = sum(g.instances for g in groups)
         if len(groups) == 1:                      # the host-level keys say what its one group serves
             g = groups[0]
-            v.update(model=g.model, served_model_name=g.name, max_num_seqs=g.max_num_seqs,
-                     max_model_len=g.max_model_len, gpu_memory_utilization=g.gpu_memory_utilization,
-                     enforce_eager=g.enforce_eager, extra_args=list(g.extra_args))
-        elif not v["model"] and v["engine"] == "sim":
-            v["model"] = "sim-model"
-        cards = serving.assign_cards(groups, v["accelerators"], v["accelerator"], where)
-        last = v["base_port"] + v["instances"] - 1        # instances is bounded: this list stays small
+            v.model, v.served_model_name, v.max_num_seqs = g.model, g.name, g.max_num_seqs
+            v.max_model_len, v.gpu_memory_utilization = g.max_model_len, g.gpu_memory_utilization
+            v.enforce_eager, v.extra_args = g.enforce_eager, list(g.extra_args)
+        elif not v.model and v.engine == "sim":
+            v.model = "sim-model"
+        cards = serving.assign_cards(groups, v.accelerators, v.accelerator, where)
+        last = v.base_port + v.instances - 1        # instances is bounded: this list stays small
         if last > 65535:
             raise InventoryError(f"{where}.base_port: instances would need ports up to {last}, "
                                  "past 65535; lower base_port.")
-        ports = [v["base_port"] + i for i in range(v["instances"])]
-        proxy = v["proxy"]
-        for key in ("port", "admin_port"):
-            if proxy[key] in ports:
+        ports = [v.base_port + i for i in range(v.instances)]
+        proxy = v.proxy
+        for key, port in (("port", proxy.port), ("admin_port", proxy.admin_port)):
+            if port in ports:
                 raise InventoryError(
-                    f"{where}.proxy.{key}: {proxy[key]} clashes with instance "
-                    f"{ports.index(proxy[key])} (ports {ports[0]}-{ports[-1]}); move one of them.")
-        if proxy["port"] == proxy["admin_port"]:
-            raise InventoryError(f"{where}.proxy.admin_port: {proxy['admin_port']} is also proxy.port; "
+                    f"{where}.proxy.{key}: {port} clashes with instance "
+                    f"{ports.index(port)} (ports {ports[0]}-{ports[-1]}); move one of them.")
+        if proxy.port == proxy.admin_port:
+            raise InventoryError(f"{where}.proxy.admin_port: {proxy.admin_port} is also proxy.port; "
                                  "give the admin listener its own port.")
         own = {p: f"instance {i}" for i, p in enumerate(ports)}
-        own.update({proxy["port"]: "proxy.port", proxy["admin_port"]: "proxy.admin_port"})
-        metrics_port = v["keeper"]["metrics_port"]
+        own.update({proxy.port: "proxy.port", proxy.admin_port: "proxy.admin_port"})
+        metrics_port = v.keeper.metrics_port
         if metrics_port is None:                  # the port after the host's own: never one of them
-            metrics_port = v["keeper"]["metrics_port"] = max(own) + 1
+            metrics_port = v.keeper.metrics_port = max(own) + 1
             if metrics_port > 65535:
                 raise InventoryError(f"{where}.keeper.metrics_port: the port after the host's own ports is past "
                                      "65535; set keeper.metrics_port.")
         elif metrics_port in own:
             raise InventoryError(f"{where}.keeper.metrics_port: {metrics_port} is also the port of "
                                  f"{own[metrics_port]}; give the keeper's metrics a port of their own.")
-        if v["keeper"]["backoff_base_s"] > v["keeper"]["backoff_max_s"]:
-            raise InventoryError(f"{where}.keeper.backoff_base_s: {v['keeper']['backoff_base_s']:g} is above "
-                                 f"keeper.backoff_max_s ({v['keeper']['backoff_max_s']:g}); lower one or raise the other.")
-        if not v["served_model_name"]:           # several groups and no host-level model: the first's
-            v["served_model_name"] = (os.path.basename(v["model"].rstrip("/")) or v["model"]
+        if v.keeper.backoff_base_s > v.keeper.backoff_max_s:
+            raise InventoryError(f"{where}.keeper.backoff_base_s: {v.keeper.backoff_base_s:g} is above "
+                                 f"keeper.backoff_max_s ({v.keeper.backoff_max_s:g}); lower one or raise the other.")
+        if not v.served_model_name:           # several groups and no host-level model: the first's
+            v.served_model_name = (os.path.basename(v.model.rstrip("/")) or v.model
                                       or (groups[0].name if groups else ""))
         # A plain host (one group, one card per instance, no alias, no adapter) renders as before groups.
         plain = not groups or serving.is_plain(groups)
-        if v["bind"] is None:                     # an instance serves its own host's proxy alone
-            v["bind"] = "127.0.0.1"               # (Inventory.host_vars widens it when another host fronts it)
-        hv = cls(name=name, vars=v, inventory_path=path, ports=ports, groups=groups, cards=cards, plain=plain)
-        hv.deployment_id = deployment_id(name, v["deploy_dir"])
+        if v.bind is None:                     # an instance serves its own host's proxy alone
+            v.bind = "127.0.0.1"               # (Inventory.host_vars widens it when another host fronts it)
+        hv = cls(name=name, settings=v, inventory_path=path, ports=ports, groups=groups, cards=cards, plain=plain)
+        hv.deployment_id = deployment_id(name, v.deploy_dir)
         return hv
 
     def served_models(self) -> list[dict]:
         """What clients can ask for through this host's entry port, one entry per model: its name, its
         instances (on an entry host, across the fronted hosts) and their max_num_seqs."""
         if self.pools is None:
-            return [{"name": self.vars["served_model_name"], "instances": len(self.backends),
-                     "max_num_seqs": self.served_max_num_seqs or self.vars["max_num_seqs"]}]
-        headroom = self.vars["proxy"]["queue"]["headroom"]
-        return [{"name": p["name"], "instances": len(p["backends"]), "max_num_seqs": p["slots"] - headroom}
+            return [{"name": self.settings.served_model_name, "instances": len(self.backends),
+                     "max_num_seqs": self.served_max_num_seqs or self.settings.max_num_seqs}]
+        headroom = self.settings.proxy.queue.headroom
+        return [{"name": p["name"], "instances": len(p["backends"]), "max_num_seqs": serving.seqs(p["slots"], headroom)}
                 for p in self.pools]
 
     def served_model(self, name: str = "") -> dict:
@@ -656,6 +654,12 @@ class HostVars:
         return next(g for g in self.groups if index in g.indexes)
 
     @property
+    def proxy_slots(self) -> int:
+        """Plain (pools None): the slots the proxy gives each backend, for what it serves (fleet.serving.slots)."""
+        return serving.slots(self.served_max_num_seqs or self.settings.max_num_seqs,
+                             self.settings.proxy.queue.headroom)
+
+    @property
     def backends(self) -> list[str]:
         """The proxy's backends, named host:port as in X-Backend and the admin API."""
         if self.fronted is not None:
@@ -666,15 +670,15 @@ class HostVars:
     def instance_host(self) -> str:
         """Where an instance is reached on its own host (probes, doctor): its bind address, loopback for
         a wildcard."""
-        return local_address(self.vars["bind"])
+        return local_address(self.settings.bind)
 
     def claimed_ports(self) -> list[tuple[int, str, str]]:
         """Every TCP port this host listens on: (port, the key that sets it, what listens there)."""
         out = [(p, "base_port", f"instance {i}") for i, p in enumerate(self.ports)]
-        out += [(self.vars["proxy"]["port"], "proxy.port", "proxy"),
-                (self.vars["proxy"]["admin_port"], "proxy.admin_port", "proxy admin")]
-        if self.vars["keeper"]["enabled"]:
-            out.append((self.vars["keeper"]["metrics_port"], "keeper.metrics_port", "keeper metrics"))
+        out += [(self.settings.proxy.port, "proxy.port", "proxy"),
+                (self.settings.proxy.admin_port, "proxy.admin_port", "proxy admin")]
+        if self.settings.keeper.enabled:
+            out.append((self.settings.keeper.metrics_port, "keeper.metrics_port", "keeper metrics"))
         return out
 
 
@@ -684,7 +688,7 @@ def _check_split(hv: HostVars, where: str) -> None:
     total = sum(p.weight for p in hv.vrrp_group)
     least = min(hv.vrrp_group, key=lambda p: p.weight)
     slots = min([p["slots"] for p in hv.pools or []] or
-                [hv.served_max_num_seqs + hv["proxy"]["queue"]["headroom"]])
+                [hv.proxy_slots])
     if slots * least.weight // total < 1:
         raise InventoryError(f"{where}.vrrp.slot_weight: {least.name}'s share of an instance's {slots} slot(s) "
                              f"(weight {least.weight} of {total}) is less than one; raise max_num_seqs, or give "
@@ -694,12 +698,12 @@ def _check_split(hv: HostVars, where: str) -> None:
 def machine(hv: HostVars) -> str:
     """Which machine a host runs on, as far as the inventory tells: local (also ssh to loopback), or the
     ssh target."""
-    if hv["connection"] == "local":
+    if hv.settings.connection == "local":
         return "local"
-    host = hv["ssh"]["host"]
+    host = hv.settings.ssh.host
     if host == "localhost" or host.startswith("127.") or host == "::1":
         return "local"
-    return f"{host}:{hv['ssh']['port'] or 22}"
+    return f"{host}:{hv.settings.ssh.port or 22}"
 
 
 def check_shared_machines(inv: Inventory, hosts: list[HostVars]) -> None:

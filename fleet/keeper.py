@@ -6,6 +6,7 @@ The keeper itself runs on the host (hostagent/keeper.py); this module starts it 
 from __future__ import annotations
 
 from hostagent import layout
+from hostagent.facts import HostFacts
 
 from . import agent
 from .errors import FleetError
@@ -15,18 +16,18 @@ from .inventory import HostVars
 KEEPER_FILES = (agent.AGENT_CONFIG, agent.FRONT_CONFIG)
 
 
-def status(hv: HostVars, facts: dict) -> dict:
+def status(hv: HostVars, facts: HostFacts) -> dict:
     """The `keeper` object of `inv status --json`: pid, state, and per instance what it did."""
-    k = facts.get("keeper") or {}
-    st = k.get("state") if isinstance(k.get("state"), dict) else {}
-    enabled = hv["keeper"]["enabled"]
-    if k.get("alive"):
+    k = facts.keeper
+    st = k.state if isinstance(k.state, dict) else {}
+    enabled = hv.settings.keeper.enabled
+    if k.alive:
         state = "running"
-    elif k.get("pidfile"):
+    elif k.pidfile:
         state = "dead"
     else:
         state = "stopped" if enabled else "disabled"
-    return {"pid": k.get("pid"), "state": state, "enabled": enabled, "instances": st.get("instances") or {}}
+    return {"pid": k.pid, "state": state, "enabled": enabled, "instances": st.get("instances") or {}}
 
 
 def instance_fields(keeper: dict, index: int) -> dict:
@@ -38,25 +39,25 @@ def instance_fields(keeper: dict, index: int) -> dict:
             "crashloop": bool(w.get("crashloop")), "crashloop_log": w.get("log_tail") or []}
 
 
-def deploy(conn, hv: HostVars, facts: dict, changed_files: set[str], report, emit, check: bool) -> None:
+def deploy(conn, hv: HostVars, facts: HostFacts, changed_files: set[str], report, emit, check: bool) -> None:
     """Start the keeper when it does not run, restart it when its code or configuration changed, stop it
     when keeper.enabled is false."""
-    k = facts.get("keeper") or {}
-    if not hv["keeper"]["enabled"]:
-        if k.get("alive"):
+    k = facts.keeper
+    if not hv.settings.keeper.enabled:
+        if k.alive:
             if check:
-                report.add("keeper", "changed", f"would stop pid {k['pid']} (keeper.enabled is false)")
+                report.add("keeper", "changed", f"would stop pid {k.pid} (keeper.enabled is false)")
                 return
             agent.host_command(conn, hv, "keeper-stop", emit)
-            report.add("keeper", "changed", f"stopped pid {k['pid']} (keeper.enabled is false)")
+            report.add("keeper", "changed", f"stopped pid {k.pid} (keeper.enabled is false)")
         else:
             report.add("keeper", "skipped", "keeper.enabled is false")
         return
     stale = any(f in KEEPER_FILES or f.startswith(layout.HOSTAGENT_CODE + "/") for f in changed_files)
-    if k.get("alive") and not stale:
-        report.add("keeper", "ok", f"already running, pid {k['pid']}")
+    if k.alive and not stale:
+        report.add("keeper", "ok", f"already running, pid {k.pid}")
         return
-    verb = "restart" if k.get("alive") else "start"
+    verb = "restart" if k.alive else "start"
     if check:
         report.add("keeper", "changed", f"would {verb} the keeper")
         return

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 
+from hostagent.facts import HostFacts
+
 from .inventory import HostVars
 from .render import NAMED, wanted_launches
 
@@ -34,17 +36,17 @@ def differences(recorded: dict | None, want: dict) -> list[str] | None:
     return out
 
 
-def plan(hv: HostVars, found: dict) -> list[dict]:
+def plan(hv: HostVars, found: HostFacts) -> list[dict]:
     """For each instance the probe saw: {"index", "state", "changes"} where changes is differences()'s
     answer for a running instance (loading or healthy), and None for one that does not run."""
     want = wanted_launches(hv)
-    records = found.get("launches") or []
+    records = found.launches or []
     out = []
-    for f in found["instances"]:
-        i = f["index"]
-        running = f["state"] in ("healthy", "loading")
+    for f in found.instances:
+        i = f.index
+        running = f.state in ("healthy", "loading")
         rec = records[i] if i < len(records) else None
-        out.append({"index": i, "state": f["state"], "port": f["port"], "running": running,
+        out.append({"index": i, "state": f.state, "port": f.port, "running": running,
                     "recorded": rec is not None,
                     "changes": differences(rec, want[i]) if running and i < len(want) else None,
                     "was_seqs": _seqs(rec) if running else None,

@@ -19,7 +19,7 @@ NGINX_ACCESS_LOG = "logs/nginx_access.log"   # nginx mode's only per-request rec
 
 def front_mode(conn: Transport, hv: HostVars) -> str:
     """The front the host runs: "nginx" when run/mode says so, else "proxy"."""
-    mode = conn.read(layout.path(hv["deploy_dir"], layout.MODE))
+    mode = conn.read(layout.path(hv.settings.deploy_dir, layout.MODE))
     return "nginx" if mode and mode.decode(errors="replace").strip() == "nginx" else "proxy"
 
 
@@ -29,14 +29,14 @@ def log_path(hv: HostVars, instance: int | None = None, proxy: bool = False, res
     if sum((instance is not None, proxy, results, keeper)) > 1:
         raise FleetError("choose one of --instance I, --proxy, --results and --keeper.")
     if keeper:
-        return layout.path(hv["deploy_dir"], layout.KEEPER_LOG)
+        return layout.path(hv.settings.deploy_dir, layout.KEEPER_LOG)
     if instance is not None:
-        if not 0 <= instance < hv["instances"]:
-            raise FleetError(f"{hv.name}: there is no instance {instance}; instances are 0-{hv['instances'] - 1}.")
-        return layout.path(hv["deploy_dir"], layout.instance_log(instance))
+        if not 0 <= instance < hv.settings.instances:
+            raise FleetError(f"{hv.name}: there is no instance {instance}; instances are 0-{hv.settings.instances - 1}.")
+        return layout.path(hv.settings.deploy_dir, layout.instance_log(instance))
     if results:
-        return f"{hv['deploy_dir']}/{RESULTS_LOG}"
-    return layout.path(hv["deploy_dir"], layout.PROXY_LOG)
+        return f"{hv.settings.deploy_dir}/{RESULTS_LOG}"
+    return layout.path(hv.settings.deploy_dir, layout.PROXY_LOG)
 
 
 def tail(conn: Transport, hv: HostVars, emit: Emit, lines: int = 50, follow: bool = False,
@@ -48,14 +48,14 @@ def tail(conn: Transport, hv: HostVars, emit: Emit, lines: int = 50, follow: boo
     if instance is None and not keeper and front_mode(conn, hv) == "nginx":
         # nginx is the front: it writes no proxy log and no results log; its access log is the record.
         emit(f"{hv.name} runs nginx as its front (inv swap-to-proxy to go back): showing its access log")
-        path = f"{hv['deploy_dir']}/{NGINX_ACCESS_LOG}"
+        path = f"{hv.settings.deploy_dir}/{NGINX_ACCESS_LOG}"
     if not conn.exists(path):
         report.add("logs", "failed", f"{path} does not exist yet; has `inv deploy --host {hv.name}` run?")
         return report
     emit(f"==> {hv.name}:{path} <==")
     if instance is not None:
         # An engine log rotates while the engine runs: the last lines may start in vllm_<i>.log.1.
-        cmd = _tail_across(path, hv["engine_log"]["backups"], int(lines), follow)
+        cmd = _tail_across(path, hv.settings.engine_log.backups, int(lines), follow)
     else:
         cmd = f"tail -n {int(lines)} {'-F ' if follow else ''}{shlex.quote(path)}"
     try:
@@ -108,7 +108,7 @@ def find_requests(conn: Transport, hv: HostVars, ident: str) -> list[dict]:
     """Every results-log line whose trace id (`user`), W3C trace id (`otel_trace_id`, the X-Trace-Id
     header) or request id is ident, oldest first; then the nginx access-log lines of that request id
     (nginx mode records no trace id)."""
-    d, backups = hv["deploy_dir"], hv["proxy"]["results_log"]["backups"]
+    d, backups = hv.settings.deploy_dir, hv.settings.proxy.results_log.backups
     found = [e for e in _grep_oldest_first(conn, f"{d}/{RESULTS_LOG}", backups, ident)
              if ident in (e.get("trace_id"), e.get("request_id"), e.get("otel_trace_id"))]
     for e in _grep_oldest_first(conn, f"{d}/{NGINX_ACCESS_LOG}", backups, ident):
@@ -142,6 +142,6 @@ def trace(conn: Transport, hv: HostVars, emit: Emit, ident: str) -> Report:
         # A failed step (exit 2, the sentence on standard error): a script must not take it for a find.
         report.add("trace", "failed", f"no results-log line has trace id, W3C trace id or request id {ident!r} "
                    f"(searched {RESULTS_LOG}, {NGINX_ACCESS_LOG} and their "
-                   f"{hv['proxy']['results_log']['backups']} rotated files); check the id, and that --host is "
+                   f"{hv.settings.proxy.results_log.backups} rotated files); check the id, and that --host is "
                    "the entry host that served it")
     return report

@@ -35,12 +35,12 @@ _FIND_MODULES = ("import importlib.util, sys\n"
 
 def proxy_modules(hv: HostVars) -> tuple[str, ...]:
     """The modules the host's proxy imports, with this inventory's settings."""
-    return PROXY_MODULES + (OTEL_MODULES if hv["proxy"]["otlp"]["endpoint"] else ())
+    return PROXY_MODULES + (OTEL_MODULES if hv.settings.proxy.otlp.endpoint else ())
 
 
 def script(hv: HostVars, step: str) -> str:
     """The check's shell code: one `missing KIND NAME...` line per thing that is not there."""
-    python = shlex.quote(hv["python"] or "python3")
+    python = shlex.quote(hv.settings.python or "python3")
     lines = [f"for t in {' '.join(STEP_TOOLS[step])}; do",
              '    command -v "$t" >/dev/null 2>&1 || echo "missing tool $t"',
              "done",
@@ -51,15 +51,15 @@ def script(hv: HostVars, step: str) -> str:
              "else",
              "    echo missing python",
              "fi"]
-    if hv["engine"] == "vllm":
-        engine = shlex.quote(hv["vllm_bin"] or "vllm")
+    if hv.settings.engine == "vllm":
+        engine = shlex.quote(hv.settings.vllm_bin or "vllm")
         lines.append(f"command -v {engine} >/dev/null 2>&1 || echo missing engine")
     return "\n".join(lines)
 
 
 def check(conn: Transport, hv: HostVars, step: str = "deploy") -> None:
     """Raise RemoteError naming everything the host lacks for step; return when nothing is missing."""
-    setup = hv["env_setup"] or ":"
+    setup = hv.settings.env_setup or ":"
     r = conn.run(f"{{ {setup}\n}} </dev/null >&2 || echo \"failed env_setup $?\"\n" + script(hv, step),
                  timeout=120)
     last = (r.stderr.strip().splitlines() or ["no output"])[-1]
@@ -67,7 +67,7 @@ def check(conn: Transport, hv: HostVars, step: str = "deploy") -> None:
         raise RemoteError(f"{hv.name}: the check of what {step} needs failed ({last}); run env_setup by hand "
                           "on the host and fix it.")
     missing = []
-    python = hv["python"] or "python3"
+    python = hv.settings.python or "python3"
     for line in r.stdout.splitlines():
         if line.startswith("failed env_setup "):
             raise RemoteError(f"{hv.name}: env_setup exited {line.split()[-1]} on the host ({last}); fix "
@@ -94,7 +94,7 @@ def check(conn: Transport, hv: HostVars, step: str = "deploy") -> None:
             missing.append(f"the modules {', '.join(what.split())} in {python} (pip install {pkgs} there, or "
                            "set python to the vLLM environment's Python)")
         elif kind == "engine":
-            missing.append(f"the engine binary {hv['vllm_bin'] or 'vllm'} after env_setup (set vllm_bin, or "
+            missing.append(f"the engine binary {hv.settings.vllm_bin or 'vllm'} after env_setup (set vllm_bin, or "
                            "fix env_setup)")
     if missing:
         raise RemoteError(f"{hv.name}: the host lacks what {step} needs: " + "; ".join(missing) + ".")

@@ -34,8 +34,8 @@ def read_cards(conn, hv) -> tuple[dict[int, smi.Card], str | None]:
 def device_globs(hv, indexes: list[int] | None) -> list[str]:
     """The device files to look at: every one of the kind, or only those of the given cards."""
     if indexes is None:
-        return accelerators.device_globs(hv["accelerator"], hv["deploy_dir"])
-    return [f for i in indexes for f in accelerators.card_files(hv["accelerator"], hv["deploy_dir"], i)]
+        return accelerators.device_globs(hv.settings.accelerator, hv.settings.deploy_dir)
+    return [f for i in indexes for f in accelerators.card_files(hv.settings.accelerator, hv.settings.deploy_dir, i)]
 
 
 def holders(conn, hv, indexes: list[int] | None, instance: int | None = None, kill: bool = False) -> dict:
@@ -45,11 +45,11 @@ def holders(conn, hv, indexes: list[int] | None, instance: int | None = None, ki
     """
     spare = []
     if instance is not None:
-        spare = [layout.tag(hv.deployment_id, i) for i in range(hv["instances"]) if i != instance]
+        spare = [layout.tag(hv.deployment_id, i) for i in range(hv.settings.instances) if i != instance]
         spare += [layout.tag(hv.deployment_id, "proxy")]
     cards = list(hv.cards[instance]) if instance is not None else indexes
-    spec = {"globs": device_globs(hv, cards), "spare_tags": spare, "kill": kill, "grace_s": hv["stop_grace_s"]}
-    if cards is not None and accelerators.kind(hv["accelerator"]).render_from_sysfs:
+    spec = {"globs": device_globs(hv, cards), "spare_tags": spare, "kill": kill, "grace_s": hv.settings.stop_grace_s}
+    if cards is not None and accelerators.kind(hv.settings.accelerator).render_from_sysfs:
         spec["render_cards"] = cards
     return agent.run_script(conn, hv, "holders", spec, "listing the device files' holders")
 
@@ -57,7 +57,7 @@ def holders(conn, hv, indexes: list[int] | None, instance: int | None = None, ki
 def release_threshold(hv) -> float:
     """Used memory at or under which a card counts as released. accelerator cpu: 0, for its "card" is
     the resident memory of the instance's processes, 0 only when none of them is left."""
-    return 0.0 if hv["accelerator"] == "cpu" else hv["release_threshold_mib"]
+    return 0.0 if hv.settings.accelerator == "cpu" else hv.settings.release_threshold_mib
 
 
 def released(card: smi.Card | None, threshold_mib: float) -> bool | None:
@@ -82,7 +82,7 @@ def wait_released(conn, hv, indexes: list[int], emit: Emit, stop_early: Callable
     stop_early, asked when a poll finds cards still used, ends the wait at once when it says True.
     """
     threshold = release_threshold(hv)
-    deadline = time.monotonic() + hv["release_timeout_s"]
+    deadline = time.monotonic() + hv.settings.release_timeout_s
     t0 = time.monotonic()
     said = False
     while True:
@@ -97,7 +97,7 @@ def wait_released(conn, hv, indexes: list[int], emit: Emit, stop_early: Callable
         if time.monotonic() >= deadline or (stop_early and stop_early()):
             return cards, pending, None
         if not said:
-            emit(f"release: waiting up to {hv['release_timeout_s']:g}s for card(s) "
+            emit(f"release: waiting up to {hv.settings.release_timeout_s:g}s for card(s) "
                  f"{', '.join(map(str, pending))} to give their memory back")
             said = True
         time.sleep(min(poll_s, max(0.05, deadline - time.monotonic())))
@@ -157,7 +157,7 @@ def settle(conn, hv, report, emit: Emit, indexes: list[int], before: dict[int, s
     if why or before_why:
         report.add("release", "skipped", f"cannot read the cards' memory: {why or before_why}")
         return
-    emit("instances' memory (resident in their processes/host total, from /proc):" if hv["accelerator"] == "cpu"
+    emit("instances' memory (resident in their processes/host total, from /proc):" if hv.settings.accelerator == "cpu"
          else "cards (used/total):")
     for line in card_table(indexes, before, after, threshold):
         emit(line)
@@ -171,9 +171,9 @@ def settle(conn, hv, report, emit: Emit, indexes: list[int], before: dict[int, s
 
 
 def _released_words(hv) -> str:
-    if hv["accelerator"] == "cpu":
+    if hv.settings.accelerator == "cpu":
         return "no process of the instances left, their memory given back"
-    return f"every card at or under {hv['release_threshold_mib']:g} MiB used"
+    return f"every card at or under {hv.settings.release_threshold_mib:g} MiB used"
 
 
 def _check_holders(report, emit: Emit, found: dict, force: bool, tag_prefix: str) -> None:
@@ -200,9 +200,9 @@ def _check_holders(report, emit: Emit, found: dict, force: bool, tag_prefix: str
 
 
 def _not_released_message(hv, pending, after, found, instance) -> str:
-    if hv["accelerator"] == "cpu":
+    if hv.settings.accelerator == "cpu":
         left = ", ".join(f"instance {i} ({after[i].show()} resident)" for i in pending if i in after)
-        return (f"processes still alive after {hv['release_timeout_s']:g}s: {left}; `inv status --host "
+        return (f"processes still alive after {hv.settings.release_timeout_s:g}s: {left}; `inv status --host "
                 f"{hv.name}` lists the pids carrying the deployment's tag: stop them by pid")
     cards = ", ".join(f"card {i} ({after[i].show()})" for i in pending if i in after)
     if found.get("error"):
@@ -217,4 +217,4 @@ def _not_released_message(hv, pending, after, found, instance) -> str:
     target = f" --instance {instance}" if instance is not None else ""
     fix = (f"; `inv stop --host {hv.name}{target} --force` kills the ones that are yours" if mine else
            "; ask the holder's owner to stop it")
-    return f"not released after {hv['release_timeout_s']:g}s: {cards}{who}{fix}"
+    return f"not released after {hv.settings.release_timeout_s:g}s: {cards}{who}{fix}"

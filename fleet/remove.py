@@ -7,6 +7,7 @@ import json
 import shlex
 
 from hostagent import layout
+from hostagent.facts import HostFacts
 
 from . import boot, facts
 from .errors import FleetError
@@ -22,21 +23,21 @@ OURS = {layout.RUN, layout.LOGS, layout.CONF, layout.BIN, layout.LIB, layout.SIM
 
 def recorded_id(conn: Transport, hv: HostVars) -> str | None:
     """The deployment id deploy recorded in deploy_dir (conf/hostagent.json), None when there is none."""
-    raw = conn.read(layout.path(hv["deploy_dir"], layout.HOSTAGENT_CONF))
+    raw = conn.read(layout.path(hv.settings.deploy_dir, layout.HOSTAGENT_CONF))
     try:
         return json.loads(raw)["deployment_id"] if raw else None
     except (ValueError, KeyError, TypeError):
         return None
 
 
-def running(found: dict) -> list[str]:
+def running(found: HostFacts) -> list[str]:
     """What of the deployment still runs, by the state probe's facts (each part proven ours)."""
-    parts = [f"instance {f['index']}" for f in found["instances"] if f["alive"]]
-    parts += [name for name, alive in (("the proxy", found["proxy"]["alive"]),
-                                       ("nginx", (found.get("nginx") or {}).get("alive")),
-                                       ("the keeper", (found.get("keeper") or {}).get("alive"))) if alive]
-    named = {str(f["index"]) for f in found["instances"] if f["alive"]}
-    tagged = sorted({t["pid"] for t in found["tagged"] if t["tag"].rpartition("/")[2] not in named})
+    parts = [f"instance {f.index}" for f in found.instances if f.alive]
+    parts += [name for name, alive in (("the proxy", found.proxy.alive),
+                                       ("nginx", found.nginx.alive),
+                                       ("the keeper", found.keeper.alive)) if alive]
+    named = {str(f.index) for f in found.instances if f.alive}
+    tagged = sorted({t.pid for t in found.tagged if t.part not in named})
     if tagged:
         parts.append(f"{len(tagged)} process(es) with its tag (pid {', '.join(map(str, tagged[:5]))})")
     return parts
@@ -44,7 +45,7 @@ def running(found: dict) -> list[str]:
 
 def _prove(conn: Transport, hv: HostVars) -> list[str]:
     """Refuse (one sentence) a deploy_dir that is not this deployment's; its top-level entries back."""
-    d = hv["deploy_dir"]
+    d = hv.settings.deploy_dir
     if d.rstrip("/") in ("", conn.home().rstrip("/")):
         raise FleetError(f"{hv.name}: deploy_dir is {d}, the home directory or the root: inv remove deletes "
                          "no such directory; remove the deployment's files by hand.")
@@ -69,7 +70,7 @@ def remove(conn: Transport, hv: HostVars, emit: Emit = lambda line: None, check:
            wait: bool = False) -> Report:
     """Stop, remove the boot hook, delete deploy_dir; check: say what would go, change nothing."""
     hv = facts.prepare(conn, hv)
-    d = hv["deploy_dir"]
+    d = hv.settings.deploy_dir
     if not conn.exists(d):
         report = Report(hv.name)
         boot.remove(conn, hv, report, check, emit)

@@ -17,6 +17,7 @@ from hostagent import layout
 from . import accelerators
 from . import cluster
 from . import schema
+from . import serving
 from .cluster import address, backend_name
 from .errors import TemplateError
 from .inventory import HostVars
@@ -136,10 +137,10 @@ NGINX_AUTO_CONNECTIONS = 4096
 NGINX_FILES_RESERVE = 64
 
 
-def nginx_connections(client: dict) -> dict:
+def nginx_connections(client: schema.ClientSettings) -> dict:
     """nginx mode's connection settings from proxy.client: limit_conn's bound, worker_connections and
     worker_rlimit_nofile."""
-    bound = client["max_connections"]
+    bound = client.max_connections
     bound = NGINX_AUTO_CONNECTIONS if bound in ("auto", 0) else bound
     return {"limit": bound, "worker_connections": 2 * bound,
             "nofile": 2 * bound + NGINX_FILES_RESERVE}
@@ -226,22 +227,22 @@ VRRP_FILES = {
 def engine_argv(hv: HostVars, model: str | None = None) -> list[str]:
     """The engine command before its per-instance flags: `vllm serve MODEL` or the sim's equivalent
     (model: a group's, else the host's)."""
-    v = hv.vars
-    model = model or v["model"]
-    if v["engine"] == "sim":
-        sim = v["sim"]
-        argv = [v["python"], "-m", "fleet.sim", "serve", model,
-                "--sim-load-s", _num(sim["load_s"]), "--sim-prefill-ms", _num(sim["prefill_ms"]),
-                "--sim-token-ms", _num(sim["token_ms"]), "--sim-output-tokens", str(sim["output_tokens"])]
+    v = hv.settings
+    model = model or v.model
+    if v.engine == "sim":
+        sim = v.sim
+        argv = [v.python, "-m", "fleet.sim", "serve", model,
+                "--sim-load-s", _num(sim.load_s), "--sim-prefill-ms", _num(sim.prefill_ms),
+                "--sim-token-ms", _num(sim.token_ms), "--sim-output-tokens", str(sim.output_tokens)]
         # Rendered only when set, so inventories without them render as before.
-        if sim.get("overhead_ms") is not None:
-            argv += ["--sim-overhead-ms", _num(sim["overhead_ms"])]
-        if sim.get("kv_blocks") is not None:
-            argv += ["--sim-kv-blocks", str(sim["kv_blocks"])]
-        if sim["instant"]:
+        if sim.overhead_ms is not None:
+            argv += ["--sim-overhead-ms", _num(sim.overhead_ms)]
+        if sim.kv_blocks is not None:
+            argv += ["--sim-kv-blocks", str(sim.kv_blocks)]
+        if sim.instant:
             argv.append("--sim-instant")
         return argv + [PROMPT_DETAILS, *_tracing_args(v)]
-    return [v["vllm_bin"] or "vllm", "serve", model, PROMPT_DETAILS, *_tracing_args(v)]
+    return [v.vllm_bin or "vllm", "serve", model, PROMPT_DETAILS, *_tracing_args(v)]
 
 
 # Every answer's usage says how many prompt tokens the engine found in its prefix cache
@@ -250,9 +251,9 @@ def engine_argv(hv: HostVars, model: str | None = None) -> list[str]:
 PROMPT_DETAILS = "--enable-prompt-tokens-details"
 
 
-def _tracing_args(v: dict) -> list[str]:
+def _tracing_args(v: schema.HostSettings) -> list[str]:
     """vLLM's span export, when the inventory sets it (the sim accepts and ignores the flag)."""
-    url = v.get("otlp_traces_endpoint")
+    url = v.otlp_traces_endpoint
     return ["--otlp-traces-endpoint", url] if url else []
 
 
@@ -271,12 +272,12 @@ NAMED = ("model", "served_names", "max_num_seqs", "max_model_len", "enforce_eage
 def describe_launch(hv: HostVars, i: int) -> dict:
     """Instance i's launch as start_cluster.sh runs it (without its overrides): the same argv, in the same
     order, as the script builds (tests/test_converge.py reads it back from the engine's command line)."""
-    v = hv.vars
+    v = hv.settings
     g = hv.group_of(i)
     port = hv.ports[i]
-    cpu = v["accelerator"] == "cpu"
+    cpu = v.accelerator == "cpu"
     if hv.plain:
-        flags = ["--host", v["bind"], "--port", str(port), "--max-num-seqs", str(g.max_num_seqs),
+        flags = ["--host", v.bind, "--port", str(port), "--max-num-seqs", str(g.max_num_seqs),
                  "--max-model-len", str(g.max_model_len)]
         if not cpu:
             flags += ["--gpu-memory-utilization", _num(g.gpu_memory_utilization)]
@@ -285,7 +286,7 @@ def describe_launch(hv: HostVars, i: int) -> dict:
             flags.append("--enforce-eager")
         extra_env = {}
     else:
-        flags = ["--served-model-name", *g.served_names, "--host", v["bind"], "--port", str(port),
+        flags = ["--served-model-name", *g.served_names, "--host", v.bind, "--port", str(port),
                  "--max-num-seqs", str(g.max_num_seqs), "--max-model-len", str(g.max_model_len)]
         if not cpu:
             flags += ["--gpu-memory-utilization", _num(g.gpu_memory_utilization)]
@@ -295,17 +296,17 @@ def describe_launch(hv: HostVars, i: int) -> dict:
         extra_env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} if g.runtime_lora else {}
     engine = engine_argv(hv, g.model)
     if cpu:
-        env = {"VLLM_CPU_KVCACHE_SPACE": _num(v["cpu_kvcache_gib"]),
-               "cpus_per_instance": str(v["cpus_per_instance"])}
+        env = {"VLLM_CPU_KVCACHE_SPACE": _num(v.cpu_kvcache_gib),
+               "cpus_per_instance": str(v.cpus_per_instance)}
     else:
         cards = ",".join(map(str, hv.cards[i])) if not hv.plain else str(i)
-        env = {accelerators.kind(v["accelerator"]).visibility_var: cards}
+        env = {accelerators.kind(v.accelerator).visibility_var: cards}
     env.update(extra_env)
     return {"model": g.model, "served_names": list(g.served_names), "max_num_seqs": g.max_num_seqs,
             "max_model_len": g.max_model_len, "enforce_eager": g.enforce_eager,
             "gpu_memory_utilization": None if cpu else g.gpu_memory_utilization,
             "extra_args": list(g.extra_args), "engine_flags": g.engine_flags(), "cards": list(hv.cards[i]),
-            "env": env, "env_setup": v["env_setup"] or "", "bind": v["bind"], "port": port, "group": g.name,
+            "env": env, "env_setup": v.env_setup or "", "bind": v.bind, "port": port, "group": g.name,
             "argv": engine + flags + list(g.extra_args)}
 
 
@@ -322,20 +323,20 @@ def encode_launch(description: dict) -> str:
 def wanted_launches(hv: HostVars) -> list[dict]:
     """Each instance's wanted launch: {"digest", "launch"}."""
     return [{"digest": launch_digest(d), "launch": d}
-            for d in (describe_launch(hv, i) for i in range(hv["instances"]))]
+            for d in (describe_launch(hv, i) for i in range(hv.settings.instances))]
 
 
 def stop_spec(hv: HostVars) -> dict:
     """What hostagent/processes.py needs to stop the deployment (bin/stop_cluster.sh and `inv stop`)."""
-    v = hv.vars
-    return {"deploy_dir": v["deploy_dir"], "deployment_id": hv.deployment_id, "instances": v["instances"],
-            "base_port": v["base_port"], "proxy_port": v["proxy"]["port"], "grace_s": v["stop_grace_s"]}
+    v = hv.settings
+    return {"deploy_dir": v.deploy_dir, "deployment_id": hv.deployment_id, "instances": v.instances,
+            "base_port": v.base_port, "proxy_port": v.proxy.port, "grace_s": v.stop_grace_s}
 
 
 def _reach(hv: HostVars, bind: str, port: int) -> str:
     """host:port where a port bound to `bind` on hv is scraped: the bind address, or for a wildcard the
     host's address (fleet.cluster.address: how other hosts reach it)."""
-    return backend_name(address(hv) if layout.local_address(bind) != bind else bind, port)
+    return backend_name(address(hv.settings) if layout.local_address(bind) != bind else bind, port)
 
 
 def scrape_targets(hv: HostVars) -> dict[str, list[dict]]:
@@ -343,14 +344,14 @@ def scrape_targets(hv: HostVars) -> dict[str, list[dict]]:
     entry host of every host it fronts; each {"target": host:port, "labels": {...}}."""
     jobs: dict[str, list[dict]] = {"vllm-fleet-proxy": [], "vllm-fleet-engine": [], "vllm-fleet-keeper": []}
     for h in [hv, *hv.front_members]:          # an entry host that fronts only others has no instance
-        jobs["vllm-fleet-proxy"].append({"target": _reach(h, h["proxy"]["bind"], h["proxy"]["port"]),
+        jobs["vllm-fleet-proxy"].append({"target": _reach(h, h.settings.proxy.bind, h.settings.proxy.port),
                                          "labels": {"host": h.name, "instance": "proxy"}})
         for i, port in enumerate(h.ports):
-            jobs["vllm-fleet-engine"].append({"target": _reach(h, h["bind"], port), "labels": {
+            jobs["vllm-fleet-engine"].append({"target": _reach(h, h.settings.bind, port), "labels": {
                 "host": h.name, "instance": str(i), "card": ",".join(map(str, h.cards[i])),
                 "model": h.group_of(i).name}})
-        if h["keeper"]["enabled"]:
-            jobs["vllm-fleet-keeper"].append({"target": _reach(h, h["bind"], h["keeper"]["metrics_port"]),
+        if h.settings.keeper.enabled:
+            jobs["vllm-fleet-keeper"].append({"target": _reach(h, h.settings.bind, h.settings.keeper.metrics_port),
                                               "labels": {"host": h.name, "instance": "keeper"}})
     return jobs
 
@@ -360,10 +361,10 @@ def vrrp_instances(hv: HostVars) -> list[dict]:
     group (inventory order); the others follow it by priority in the group's order after it."""
     n = len(hv.vrrp_group)
     out = []
-    for k, vip in enumerate(hv["vrrp"]["addresses"]):
+    for k, vip in enumerate(hv.settings.vrrp.addresses):
         master = k % n
-        out.append({"name": f"fleet_{hv['vrrp']['router_id'] + k}", "address": vip,
-                    "router_id": hv["vrrp"]["router_id"] + k, "master": hv.vrrp_group[master].name,
+        out.append({"name": f"fleet_{hv.settings.vrrp.router_id + k}", "address": vip,
+                    "router_id": hv.settings.vrrp.router_id + k, "master": hv.vrrp_group[master].name,
                     "priority": cluster.vrrp_priority((hv.vrrp_rank - master) % n)})
     return out
 
@@ -374,7 +375,7 @@ def share(hv: HostVars) -> dict | None:
     routing sent where; `split` (active-active: several virtual addresses) splits the slots."""
     if not hv.vrrp_group:
         return None
-    return {"me": hv.vrrp_rank, "split": len(hv["vrrp"]["addresses"]) >= 2, "entries": [
+    return {"me": hv.vrrp_rank, "split": len(hv.settings.vrrp.addresses) >= 2, "entries": [
         {"name": p.name, "weight": p.weight,
          "health": None if p.name == hv.name else f"http://{backend_name(p.address, p.proxy_port)}/health"}
         for p in hv.vrrp_group]}
@@ -385,21 +386,21 @@ def hash_seed(hv: HostVars) -> int | None:
     hashes agree (proxy/share.py): derived from the group's addresses and entries, the same on each."""
     if not hv.vrrp_group:
         return None
-    key = ",".join([*hv["vrrp"]["addresses"], *(p.name for p in hv.vrrp_group)])
+    key = ",".join([*hv.settings.vrrp.addresses, *(p.name for p in hv.vrrp_group)])
     return int(hashlib.sha256(key.encode()).hexdigest()[:8], 16)
 
 
 def context(hv: HostVars) -> dict:
     """The template variables: the host's own plus what is derived from them."""
-    v = hv.vars
+    v = hv.settings
     return {
-        **v,
+        **v.model_dump(),     # the templates read the settings as plain data: rendering is a pure function of them
         "host": hv.name,
         "inventory_path": hv.inventory_path,
         "deployment_id": hv.deployment_id,
         # Paths under deploy_dir: spelled once, in hostagent.layout (`layout.PROXY_PID`, `at(layout.LOGS)`).
         "layout": layout,
-        "at": lambda rel: f"{v['deploy_dir']}/{rel}",
+        "at": lambda rel: f"{v.deploy_dir}/{rel}",
         "start_overrides": layout.START_OVERRIDES,
         "ports": hv.ports,
         "backends": hv.backends,
@@ -409,36 +410,36 @@ def context(hv: HostVars) -> dict:
         "instance_host": hv.instance_host,
         "engine_argv": engine_argv(hv),
         "stop_spec": stop_spec(hv),
-        "visibility_var": accelerators.kind(v["accelerator"]).visibility_var,
+        "visibility_var": accelerators.kind(v.accelerator).visibility_var,
         "num": _num,
-        "card_files": [[f for card in hv.cards[i] for f in accelerators.card_files(v["accelerator"], v["deploy_dir"], card)]
-                       for i in range(v["instances"])],
+        "card_files": [[f for card in hv.cards[i] for f in accelerators.card_files(v.accelerator, v.deploy_dir, card)]
+                       for i in range(v.instances)],
         # What the host serves (fleet.serving): plain, or the models form with its groups and pools.
         "plain": hv.plain,
         "groups": hv.groups,
-        "group_of": [hv.group_of(i) for i in range(v["instances"])],
+        "group_of": [hv.group_of(i) for i in range(v.instances)],
         "group_argv": [engine_argv(hv, g.model) for g in hv.groups],
         "cards": hv.cards,
         "pools": hv.pools,
         # Plain: the slots the proxy gives each backend (what it serves runs max_num_seqs, plus headroom).
         "backend_health_timeout_s": BACKEND_HEALTH_TIMEOUT_S,
-        "nginx_connections": nginx_connections(v["proxy"]["client"]),
-        "proxy_slots": (hv.served_max_num_seqs or v["max_num_seqs"]) + v["proxy"]["queue"]["headroom"],
+        "nginx_connections": nginx_connections(v.proxy.client),
+        "proxy_slots": hv.proxy_slots,
         "scrape_targets": scrape_targets(hv),
-        "smi_candidates": accelerators.kind(v["accelerator"]).smi_candidates,
+        "smi_candidates": accelerators.kind(v.accelerator).smi_candidates,
         # Each instance's launch and its digest: start_cluster.sh records them (fleet.launch).
         "launches": [{"digest": w["digest"], "json": encode_launch(w["launch"])} for w in wanted_launches(hv)],
         # Behind virtual addresses (keepalived): the group, this entry in it, its VRRP instances.
         "vrrp_group": hv.vrrp_group,
         "vrrp_self": next((p for p in hv.vrrp_group if p.name == hv.name), None),
         "vrrp_instances": vrrp_instances(hv) if hv.vrrp_group else [],
-        "vrrp_version": 2 if float(v["vrrp"]["advert_interval_s"]).is_integer() else 3,
-        "vrrp_preempt": (v["vrrp"]["preempt"] if v["vrrp"]["preempt"] is not None
-                         else len(v["vrrp"]["addresses"]) > 1),
-        "front_local": layout.local_address(v["proxy"]["bind"]),
+        "vrrp_version": 2 if float(v.vrrp.advert_interval_s).is_integer() else 3,
+        "vrrp_preempt": (v.vrrp.preempt if v.vrrp.preempt is not None
+                         else len(v.vrrp.addresses) > 1),
+        "front_local": layout.local_address(v.proxy.bind),
         "share": share(hv),
         "hash_seed": hash_seed(hv),
-        "engine_routes": nginx_routes(v["proxy"]["open_routes"]),
+        "engine_routes": nginx_routes(v.proxy.open_routes),
     }
 
 
@@ -447,18 +448,18 @@ def offline(hv: HostVars, home: str, python: str = "python3") -> HostVars:
     becomes home, a relative deploy_dir goes under it, and python defaults to python (deploy resolves them
     on the host, the same way: fleet.facts.prepare)."""
     hv = hv.at_home(lambda: home)
-    if not hv.vars["deploy_dir"].startswith("/"):
-        hv.vars["deploy_dir"] = home.rstrip("/") + "/" + hv.vars["deploy_dir"]
-    hv.vars["python"] = hv.vars["python"] or python
+    if not hv.settings.deploy_dir.startswith("/"):
+        hv.settings.deploy_dir = home.rstrip("/") + "/" + hv.settings.deploy_dir
+    hv.settings.python = hv.settings.python or python
     return hv
 
 
 def needs_home(hv: HostVars) -> bool:
     """Whether hv's paths depend on the host's home (`~`, or a relative deploy_dir): what render cannot know
     of a host it does not contact."""
-    paths = [hv.vars["model"], *(g.model for g in hv.groups), *(p for g in hv.groups for p in g.lora_modules.values())]
-    return not hv.vars["deploy_dir"].startswith("/") or any(p == "~" or p.startswith("~/")
-                                                             for p in (hv.vars["deploy_dir"], *paths))
+    paths = [hv.settings.model, *(g.model for g in hv.groups), *(p for g in hv.groups for p in g.lora_modules.values())]
+    return not hv.settings.deploy_dir.startswith("/") or any(p == "~" or p.startswith("~/")
+                                                             for p in (hv.settings.deploy_dir, *paths))
 
 
 def proxy_config(hv: HostVars, slots: dict[str, int] | None = None,
@@ -468,12 +469,12 @@ def proxy_config(hv: HostVars, slots: dict[str, int] | None = None,
     host without pools), so that they leave the proxy only once drained."""
     ctx = context(hv)
     slots, keep = slots or {}, keep or {}
-    headroom = hv["proxy"]["queue"]["headroom"]
+    headroom = hv.settings.proxy.queue.headroom
     if not hv.pools and slots:      # plain: one model, whatever its group is named
-        ctx["proxy_slots"] = min(ctx["proxy_slots"], min(slots.values()) + headroom)
+        ctx["proxy_slots"] = min(ctx["proxy_slots"], serving.slots(min(slots.values()), headroom))
     ctx["backends"] = list(hv.backends) + [b for b in keep if b not in hv.backends]
     if hv.pools:
-        ctx["pools"] = [dict(pool, slots=min(pool["slots"], slots.get(pool["name"], pool["slots"]) + headroom),
+        ctx["pools"] = [dict(pool, slots=min(pool["slots"], serving.slots(slots[pool["name"]], headroom) if pool["name"] in slots else pool["slots"]),
                              backends=list(pool["backends"]) + [b for b, g in keep.items() if g == pool["name"]])
                         for pool in hv.pools]
     return environment().get_template(FILES[layout.PROXY_CONF][0]).render(ctx)

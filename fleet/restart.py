@@ -22,8 +22,8 @@ def restart(conn, hv: HostVars, emit: Emit = lambda line: None, instance: int | 
     hv = facts.prepare(conn, hv)
     if (instance is None) == (not rolling):
         raise FleetError("restart needs either --instance I or --rolling.")
-    if instance is not None and not 0 <= instance < hv["instances"]:
-        raise FleetError(f"{hv.name}: there is no instance {instance}; instances are 0-{hv['instances'] - 1}.")
+    if instance is not None and not 0 <= instance < hv.settings.instances:
+        raise FleetError(f"{hv.name}: there is no instance {instance}; instances are 0-{hv.settings.instances - 1}.")
     with runlock.held(conn, hv, "restart", emit, wait):
         return _restart(conn, hv, emit, instance)
 
@@ -32,8 +32,8 @@ def _restart(conn, hv: HostVars, emit: Emit, instance: int | None) -> Report:
     report = Report(hv.name)
     files = sync.host_files(hv)
     found = facts.probe(conn, hv, [f.path for f in files], readonly=True)
-    if not found["files"].get(layout.START_CLUSTER):
-        raise FleetError(f"{hv.name} is not deployed under {hv['deploy_dir']}; run "
+    if not found.files.get(layout.START_CLUSTER):
+        raise FleetError(f"{hv.name} is not deployed under {hv.settings.deploy_dir}; run "
                          f"`inv deploy --host {hv.name}` first.")
     # The instance starts with the current inventory: put what changed (the proxy keeps running as is).
     sync.put_files(conn, hv, files, found, report, emit)
@@ -41,11 +41,11 @@ def _restart(conn, hv: HostVars, emit: Emit, instance: int | None) -> Report:
         what = "--rolling" if instance is None else f"--instance {int(instance)}"
         agent.steps(conn, hv, f"restart {what} --locked", report, emit)
     else:      # one at a time from here, each out of the entry hosts' proxies too (fleet.entries)
-        for i in range(hv["instances"]) if instance is None else [int(instance)]:
+        for i in range(hv.settings.instances) if instance is None else [int(instance)]:
             with entries.drained(hv, [i], report, emit):
                 agent.steps(conn, hv, f"restart --instance {i} --locked", report, emit)
             if report.failed:
-                left = list(range(i + 1, hv["instances"])) if instance is None else []
+                left = list(range(i + 1, hv.settings.instances)) if instance is None else []
                 if left:
                     report.add("rolling", "failed", f"stopped after instance {i}; instance(s) "
                                f"{', '.join(map(str, left))} were not restarted")

@@ -54,7 +54,7 @@ def held_unless(check: bool, conn, hv, step: str, emit: Callable[[str], None] = 
 @contextmanager
 def held(conn, hv, step: str, emit: Callable[[str], None] = lambda line: None, wait: bool = False):
     """Hold the deployment's lock for the block (hv prepared: deploy_dir absolute)."""
-    d = hv["deploy_dir"]
+    d = hv.settings.deploy_dir
     key = (id(conn), d)
     with _guard:
         if key in _held:

@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass, field
 
 from .errors import InventoryError
+from .schema import HostSettings, ModelGroup
 
 # A group's keys that fall back to the host's own when the group leaves them unset.
 INHERITED = ("model", "tensor_parallel_size", "max_num_seqs", "max_model_len", "gpu_memory_utilization",
@@ -88,39 +89,49 @@ class Group:
         return flags
 
 
+def slots(max_num_seqs: int, headroom: int) -> int:
+    """The slots a proxy gives one backend: the sequences its engine runs at once (max_num_seqs), plus the
+    proxy's headroom (proxy.queue.headroom). The one spelling of the rule."""
+    return max_num_seqs + headroom
+
+
+def seqs(slots_: int, headroom: int) -> int:
+    """The max_num_seqs behind a backend's slots (slots() undone)."""
+    return slots_ - headroom
+
+
 def _served_name(model: str) -> str:
     return os.path.basename(model.rstrip("/")) or model
 
 
-def groups_of(v: dict, where: str) -> list[Group]:
-    """The host's groups from its merged variables (`where`: `FILE: hosts.NAME` for errors)."""
-    declared = v.get("models")
+def groups_of(v: HostSettings, where: str) -> list[Group]:
+    """The host's groups from its merged settings (`where`: `FILE: hosts.NAME` for errors)."""
+    declared = v.models
     entries = declared if declared is not None else [
-        {"name": v["served_model_name"], "instances": v["instances"]}]
+        ModelGroup.model_construct(name=v.served_model_name, instances=v.instances)]
     if declared is not None and not declared:
         raise InventoryError(f"{where}.models: an empty list; give at least one group or drop the key.")
     groups: list[Group] = []
     first = 0
     for n, entry in enumerate(entries):
         at = f"{where}.models[{n}]" if declared is not None else where
-        values = {key: entry[key] if entry.get(key) is not None else v[key] for key in INHERITED}
-        model = values["model"] or ("sim-model" if v["engine"] == "sim" else "")
-        if v["engine"] == "vllm" and not model:
+        # A key the group leaves unset takes the host's value.
+        e = entry.model_copy(update={k: getattr(v, k) for k in INHERITED if getattr(entry, k) is None})
+        model = e.model or ("sim-model" if v.engine == "sim" else "")
+        if v.engine == "vllm" and not model:
             raise InventoryError(f"{at}.model: the vllm engine needs a model path; set model.")
-        _check_extra_args(values["extra_args"], at)
-        if values["tensor_parallel_size"] > 1 and v["accelerator"] == "cpu":
+        _check_extra_args(e.extra_args, at)
+        if e.tensor_parallel_size > 1 and v.accelerator == "cpu":
             raise InventoryError(
-                f"{at}.tensor_parallel_size: {values['tensor_parallel_size']} on accelerator cpu; the toolkit "
+                f"{at}.tensor_parallel_size: {e.tensor_parallel_size} on accelerator cpu; the toolkit "
                 "gives a cpu instance its own cores, not several ranks; use tensor_parallel_size 1 there.")
         groups.append(Group(
-            name=entry.get("name") or _served_name(model), model=model, first=first,
-            instances=entry["instances"] if entry.get("instances") is not None else 1,
-            tensor_parallel_size=values["tensor_parallel_size"], max_num_seqs=values["max_num_seqs"],
-            max_model_len=values["max_model_len"], gpu_memory_utilization=values["gpu_memory_utilization"],
-            enforce_eager=values["enforce_eager"], extra_args=tuple(values["extra_args"]),
-            aliases=tuple(values["aliases"]), lora_modules=dict(values["lora_modules"]),
-            max_loras=values["max_loras"], max_lora_rank=values["max_lora_rank"],
-            runtime_lora=values["runtime_lora"]))
+            name=e.name or _served_name(model), model=model, first=first, instances=e.instances,
+            tensor_parallel_size=e.tensor_parallel_size, max_num_seqs=e.max_num_seqs,
+            max_model_len=e.max_model_len, gpu_memory_utilization=e.gpu_memory_utilization,
+            enforce_eager=e.enforce_eager, extra_args=tuple(e.extra_args), aliases=tuple(e.aliases),
+            lora_modules=dict(e.lora_modules), max_loras=e.max_loras, max_lora_rank=e.max_lora_rank,
+            runtime_lora=e.runtime_lora))
         first += groups[-1].instances
     _check_names(groups, where)
     return groups

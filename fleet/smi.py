@@ -248,22 +248,22 @@ SMI_KINDS = ("dcu", "rocm", "nvidia")      # the kinds whose cards an smi binary
 
 def smi_command(hv) -> str:
     """A bash line that finds the host's smi, prints `fleet-smi: PATH`, then runs it with SMI_ARGS."""
-    d = hv["deploy_dir"]
-    wanted = hv.vars.get("smi")
-    if hv["accelerator"] == "sim" and not wanted:
-        py = hv["python"] or "python3"
+    d = hv.settings.deploy_dir
+    wanted = hv.settings.smi
+    if hv.settings.accelerator == "sim" and not wanted:
+        py = hv.settings.python or "python3"
         return (f"echo {shlex.quote(MARKER + 'sim')}; "
                 f"PYTHONPATH={shlex.quote(layout.path(d, layout.LIB))}${{PYTHONPATH:+:$PYTHONPATH}} "
                 f"exec {shlex.quote(py)} -m fleet.sim smi --dev-dir {shlex.quote(layout.path(d, layout.SIM_DEV))} --showuse")
-    if hv["accelerator"] == "cpu" and not wanted:
-        spec = {"deploy_dir": d, "deployment_id": hv.deployment_id, "instances": hv["instances"]}
+    if hv.settings.accelerator == "cpu" and not wanted:
+        spec = {"deploy_dir": d, "deployment_id": hv.deployment_id, "instances": hv.settings.instances}
         return (f"echo {shlex.quote(MARKER + 'cpu')}\n" + agent.python_command(
             hv, f"-c {shlex.quote(hostcode.probe('cpu_mem'))} {shlex.quote(json.dumps(spec))}"))
-    candidates = [wanted] if wanted else list(accelerators.kind(hv["accelerator"]).smi_candidates)
+    candidates = [wanted] if wanted else list(accelerators.kind(hv.settings.accelerator).smi_candidates)
     cases = " ".join(f"{name}) set -- {shlex.join(args)} ;;" for name, args in SMI_ARGS.items())
     # None of the kind's own: name another kind's smi when one is there (a host whose accelerator is
     # the wrong kind), for the doctor to say which kind to set.
-    others = [] if wanted else other_kinds_smis(hv["accelerator"])
+    others = [] if wanted else other_kinds_smis(hv.settings.accelerator)
     look = (f"for c in {shlex.join(others)}; do p=$(command -v \"$c\" 2>/dev/null) && "
             f'echo "{OTHER_MARKER}$p" >&2; done; ') if others else ""
     return (f"for c in {shlex.join(candidates)}; do "
@@ -292,17 +292,17 @@ def found_other_smis(output: str) -> list[str]:
 
 def locate_note(hv) -> str:
     """Where read_cards looks for the smi, for messages."""
-    if hv.vars.get("smi"):
-        return hv["smi"]
-    if hv["accelerator"] in ("sim", "cpu"):
-        return KIND_TOOL[hv["accelerator"]]
-    return ", ".join(accelerators.kind(hv["accelerator"]).smi_candidates)
+    if hv.settings.smi:
+        return hv.settings.smi
+    if hv.settings.accelerator in ("sim", "cpu"):
+        return KIND_TOOL[hv.settings.accelerator]
+    return ", ".join(accelerators.kind(hv.settings.accelerator).smi_candidates)
 
 
 def parse_output(hv, stdout: str) -> list[Card]:
     """Parse what smi_command printed: the marker line names the tool, the rest is its output."""
     lines = stdout.splitlines()
-    tool = hv["accelerator"]
+    tool = hv.settings.accelerator
     if lines and lines[0].startswith(MARKER):
         tool = lines[0][len(MARKER):].strip()
         tool = KIND_TOOL.get(tool, tool) if tool in ("sim", "cpu") else tool

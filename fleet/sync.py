@@ -7,6 +7,8 @@ import difflib
 import hashlib
 from pathlib import Path
 
+from hostagent.facts import HostFacts
+
 from . import hostcode
 from .inventory import HostVars
 from .render import RenderedFile, render_host
@@ -24,7 +26,7 @@ def code_files(hv: HostVars) -> list[RenderedFile]:
     """The code the host runs besides the engine: the proxy and the host agent, and the sim engine when
     engine is sim (under lib/, as `fleet.sim`; fleet/__init__.py is empty, so no control-plane code)."""
     files = _package_files("proxy", "proxy") + _package_files("hostagent", "hostagent")
-    if hv["engine"] == "sim":
+    if hv.settings.engine == "sim":
         fleet = Path(__file__).resolve().parent
         files.append(RenderedFile("lib/fleet/__init__.py", (fleet / "__init__.py").read_text()))
         files += [RenderedFile(f"lib/fleet/sim/{p.name}", p.read_text(), 0o644)
@@ -41,21 +43,21 @@ def _sha(content: str) -> str:
     return hashlib.sha256(content.encode()).hexdigest()
 
 
-def put_files(conn: Transport, hv: HostVars, files: list[RenderedFile], facts: dict, report: Report,
+def put_files(conn: Transport, hv: HostVars, files: list[RenderedFile], facts: HostFacts, report: Report,
               emit: Emit, check: bool = False, diff: bool = False) -> set[str]:
     """Put each file whose content or mode differs from the host's copy (facts: the state probe's answer
     for these files); with diff, show how. The paths put (or that would be, with check) come back."""
     changed = set()
-    modes = facts.get("file_modes") or {}
+    modes = facts.file_modes or {}
     for f in files:
-        have = facts["files"].get(f.path)
+        have = facts.files.get(f.path)
         have_mode = modes.get(f.path)
         same_content = have == _sha(f.content)
         if same_content and have_mode in (None, f.mode):
             report.add(f"file {f.path}", "ok")
             continue
         changed.add(f.path)
-        path = f"{hv['deploy_dir']}/{f.path}"
+        path = f"{hv.settings.deploy_dir}/{f.path}"
         if diff:
             for line in _diff_lines(conn, hv, f, path, have, have_mode, same_content):
                 emit(line)

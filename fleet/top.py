@@ -175,7 +175,7 @@ def plan(inv: Inventory, pattern: str, overrides=()) -> tuple[list[HostVars], li
     for name in selected:
         hv = inv.host_vars(name, overrides)
         hosts.setdefault(hv.name, hv)
-        if hv["fronts"]:
+        if hv.settings.fronts:
             for backend, member, index in hv.fronted:
                 hosts.setdefault(member.name, member)
                 fronted[(member.name, index)] = (backend, hv.name)
@@ -190,12 +190,12 @@ def plan(inv: Inventory, pattern: str, overrides=()) -> tuple[list[HostVars], li
                     fronted[(name, index)] = (backend, entry.name)
     rows = []
     for hv in hosts.values():
-        own_proxy = None if hv["fronts"] else hv.name
+        own_proxy = None if hv.settings.fronts else hv.name
         for i, port in enumerate(hv.ports):
             backend, proxy_host = fronted.get((hv.name, i), (cluster.backend_name(hv.instance_host, port), own_proxy))
             group = hv.group_of(i) if hv.groups and not hv.plain else None
             rows.append(Row(hv.name, i, backend, proxy_host, group.name if group else None,
-                            group.max_num_seqs if group else hv["max_num_seqs"]))
+                            group.max_num_seqs if group else hv.settings.max_num_seqs))
     return list(hosts.values()) + list(proxies.values()), rows, set(proxies)
 
 
@@ -283,7 +283,7 @@ def instance_view(row: Row, frames: list[Frame], proxy_frames: list[Frame], keep
 def host_view(target: Target) -> dict:
     """One host's line: front, proxy queue and refusals, keeper, cards, what could not be read."""
     hv, frames = target.hv, target.window()
-    out = {"host": hv.name, "front": None, "queue": None, "queue_max": hv["proxy"]["queue"]["max"],
+    out = {"host": hv.name, "front": None, "queue": None, "queue_max": hv.settings.proxy.queue.max,
            "r429": None, "r503": None, "r429_min": None, "r503_min": None, "keeper": None, "cards": None,
            "errors": [], "ok": bool(frames)}
     if target.error:
@@ -302,7 +302,7 @@ def host_view(target: Target) -> dict:
     else:
         out["front"] = "none"
     k = raw.get("keeper") or {}
-    out["keeper"] = ("running" if k.get("alive") else "stopped") if hv["keeper"]["enabled"] else "disabled"
+    out["keeper"] = ("running" if k.get("alive") else "stopped") if hv.settings.keeper.enabled else "disabled"
     if k.get("alive") and k.get("restarting") is not None:
         out["keeper"] = f"restarting {k['restarting']}"
     elif k.get("alive") and k.get("lock_held"):
@@ -539,10 +539,10 @@ def sampler_spec(hv: HostVars, interval: float, count: int, proxy_only: bool = F
     without it) is not asked for its instances or cards."""
     instances = [] if proxy_only else [{"index": i, "port": p, "address": hv.instance_host}
                                        for i, p in enumerate(hv.ports)]
-    with_smi = bool(instances) and hv["accelerator"] != "none"
-    return {"deploy_dir": hv["deploy_dir"], "deployment_id": hv.deployment_id, "instances": instances,
-            "proxy_port": hv["proxy"]["port"], "proxy_address": local_address(hv["proxy"]["bind"]),
-            "health_timeout_s": hv["health_timeout_s"],
+    with_smi = bool(instances) and hv.settings.accelerator != "none"
+    return {"deploy_dir": hv.settings.deploy_dir, "deployment_id": hv.deployment_id, "instances": instances,
+            "proxy_port": hv.settings.proxy.port, "proxy_address": local_address(hv.settings.proxy.bind),
+            "health_timeout_s": hv.settings.health_timeout_s,
             "interval_s": interval, "count": count, "exit_at_eof": True,
             "smi": smi.smi_command(hv) if with_smi else None, "smi_every_s": max(SMI_EVERY_S, interval)}
 

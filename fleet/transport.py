@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .errors import InterruptedRun, RemoteError, UnreachableError
+from .schema import SSHSettings
 
 
 class Interrupt:
@@ -73,9 +74,16 @@ class Result:
 
 
 class Transport:
-    """One host: run a command, put a file with its mode, read a file, test existence."""
+    """One host: run a command, put a file with its mode, read a file, test existence.
+
+    round_trips counts the exchanges with the host (a command run or started, a file put or read): what a
+    command costs per host, which the tests hold to (tests/test_round_trips.py)."""
 
     host: str
+    round_trips: int = 0
+
+    def _trip(self) -> None:
+        self.round_trips += 1
 
     def run(self, command: str, *, stdin: str | None = None, timeout: float | None = None,
             on_line: Callable[[str], None] | None = None) -> Result:
@@ -157,6 +165,7 @@ class LocalTransport(Transport):
         self.host = host
 
     def run(self, command, *, stdin=None, timeout=None, on_line=None) -> Result:
+        self._trip()
         INTERRUPT.check(self.host)
         # The deploying process's own FLEET_TAG (if any) must not leak into what it starts.
         env = {k: v for k, v in os.environ.items() if k != "FLEET_TAG"}
@@ -192,6 +201,7 @@ class LocalTransport(Transport):
         return Result(proc.returncode, "".join(lines), err)
 
     def start(self, command) -> Running:
+        self._trip()
         INTERRUPT.check(self.host)
         env = {k: v for k, v in os.environ.items() if k != "FLEET_TAG"}
         proc = subprocess.Popen(["bash", "-c", command], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -207,6 +217,7 @@ class LocalTransport(Transport):
                        lambda: proc.stderr.read() if proc.poll() is not None else "")
 
     def put(self, path, content, mode) -> None:
+        self._trip()
         INTERRUPT.check(self.host)
         directory = os.path.dirname(path)
         try:
@@ -225,6 +236,7 @@ class LocalTransport(Transport):
                               "check deploy_dir and its permissions.") from None
 
     def read(self, path) -> bytes | None:
+        self._trip()
         try:
             with open(path, "rb") as f:
                 return f.read()
@@ -245,7 +257,7 @@ class SSHTransport(Transport):
     key is accepted and recorded only with ssh.accept_new_host_key; a changed key is always refused.
     """
 
-    def __init__(self, host: str, ssh: dict):
+    def __init__(self, host: str, ssh: SSHSettings):
         self.host = host
         self.ssh = ssh
         self._conn = None
@@ -258,12 +270,12 @@ class SSHTransport(Transport):
 
     @property
     def address(self) -> str:
-        return f"{self.ssh['host']}:{self.ssh.get('port') or 22}"
+        return f"{self.ssh.host}:{self.ssh.port or 22}"
 
     def _known_hosts(self, conn) -> str:
         """The known_hosts file to check against and record into."""
-        if self.ssh.get("known_hosts"):
-            return os.path.expanduser(self.ssh["known_hosts"])
+        if self.ssh.known_hosts:
+            return os.path.expanduser(self.ssh.known_hosts)
         configured = (conn.ssh_config.get("userknownhostsfile") or "").split()
         return os.path.expanduser(configured[0] if configured else "~/.ssh/known_hosts")
 
@@ -273,14 +285,14 @@ class SSHTransport(Transport):
 
         _silence_paramiko()
         kwargs = {}
-        if self.ssh.get("key_file"):
-            key = os.path.expanduser(self.ssh["key_file"])
+        if self.ssh.key_file:
+            key = os.path.expanduser(self.ssh.key_file)
             if not os.path.isfile(key):
                 raise UnreachableError(f"{self.host}: ssh.key_file {key} does not exist; fix the path in "
                                        "the inventory.")
             kwargs["key_filename"] = key
-        conn = Connection(self.ssh["host"], user=self.ssh.get("user"), port=self.ssh.get("port"),
-                          connect_timeout=int(max(1, float(self.ssh.get("connect_timeout_s") or 10))),
+        conn = Connection(self.ssh.host, user=self.ssh.user, port=self.ssh.port,
+                          connect_timeout=int(max(1, float(self.ssh.connect_timeout_s or 10))),
                           connect_kwargs=kwargs, config=Config(overrides={"load_ssh_configs": True}))
         client = conn.client
         known = self._known_hosts(conn)
@@ -292,7 +304,7 @@ class SSHTransport(Transport):
                 raise UnreachableError(f"{self.host}: cannot read {known} ({e}); fix or remove it.") from None
         # A new host key is accepted only when the inventory says so; a changed one never (paramiko
         # raises BadHostKeyException before it asks the policy).
-        accept = bool(self.ssh.get("accept_new_host_key"))
+        accept = bool(self.ssh.accept_new_host_key)
         recorder = _RecordNewKey()
         client.set_missing_host_key_policy(recorder if accept else paramiko.RejectPolicy())
         where = f"{conn.host}:{conn.port}"
@@ -331,6 +343,7 @@ class SSHTransport(Transport):
 
         import paramiko
 
+        self._trip()
         INTERRUPT.check(self.host)
         transport = self.conn.transport
         try:
@@ -379,6 +392,7 @@ class SSHTransport(Transport):
 
     def start(self, command) -> Running:
         import paramiko
+        self._trip()
         INTERRUPT.check(self.host)
         try:
             chan = self.conn.transport.open_session(timeout=30)
@@ -410,6 +424,7 @@ class SSHTransport(Transport):
         import io
 
         import paramiko
+        self._trip()
         INTERRUPT.check(self.host)
         directory = os.path.dirname(path)
         tmp = f"{directory}/.fleet-{os.getpid()}-{os.path.basename(path)}"
@@ -445,6 +460,7 @@ class SSHTransport(Transport):
         import io
 
         import paramiko
+        self._trip()
         buf = io.BytesIO()
         try:
             self._sftp().getfo(path, buf)
@@ -491,6 +507,6 @@ def _silence_paramiko() -> None:
 
 def connect(hv) -> Transport:
     """The transport the inventory asks for."""
-    if hv["connection"] == "ssh":
-        return SSHTransport(hv.name, hv["ssh"])
+    if hv.settings.connection == "ssh":
+        return SSHTransport(hv.name, hv.settings.ssh)
     return LocalTransport(hv.name)

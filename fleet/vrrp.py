@@ -28,14 +28,14 @@ _LOCKS = threading.Lock()
 
 def _group_lock(hv: HostVars) -> threading.Lock:
     with _LOCKS:
-        return _GROUP_LOCKS.setdefault(tuple(hv["vrrp"]["addresses"]), threading.Lock())
+        return _GROUP_LOCKS.setdefault(tuple(hv.settings.vrrp.addresses), threading.Lock())
 
 
 def spec(hv: HostVars) -> dict | None:
     """What the probes need to read keepalived's state: the vrrp section, or None when there is none."""
     if not hv.vrrp_group:
         return None
-    v = hv["vrrp"]
+    v = hv.settings.vrrp
     return {"keepalived": v["keepalived"], "interface": v["interface"], "addresses": list(v["addresses"])}
 
 
@@ -44,7 +44,7 @@ def deploy(conn, hv: HostVars, changed_files: set[str], report: Report, emit: Em
     if not hv.vrrp_group:
         return
     reload = any(f in changed_files for f in FILES)
-    addresses = ", ".join(hv["vrrp"]["addresses"])
+    addresses = ", ".join(hv.settings.vrrp.addresses)
     if check:
         report.add("keepalived", "changed" if reload else "ok",
                    f"would start keepalived for {addresses} unless it runs" + ("; would reload it" if reload else ""))
@@ -68,7 +68,7 @@ def deploy(conn, hv: HostVars, changed_files: set[str], report: Report, emit: Em
                    f"(see {layout.KEEPALIVED_LOG})")
     else:
         report.add("keepalived", "changed", f"{action}, supervisor pid {r['pid']}, for {addresses} on "
-                   f"{hv['vrrp']['interface']}; log {layout.KEEPALIVED_LOG}")
+                   f"{hv.settings.vrrp.interface}; log {layout.KEEPALIVED_LOG}")
 
 
 def stop_first(conn, hv: HostVars, report: Report, emit: Emit, check: bool) -> None:
@@ -115,4 +115,4 @@ def doctor_check(hv: HostVars, f: dict) -> tuple[str, str, str] | None:
         return None
     if v["missing"]:
         return ("fail", v["missing"], "until then the entry serves without a virtual address; docs/entry-ha.md")
-    return ("ok", f"{v['binary']} can hold {', '.join(hv['vrrp']['addresses'])} on {hv['vrrp']['interface']}", "")
+    return ("ok", f"{v['binary']} can hold {', '.join(hv.settings.vrrp.addresses)} on {hv.settings.vrrp.interface}", "")

@@ -257,7 +257,7 @@ def stop_by_own_scripts(inventory: Path, hosts: list[str] | None = None) -> None
     names = hosts if hosts is not None else list(yaml.safe_load(Path(inventory).read_text())["hosts"])
     stops = []
     for name in names:
-        script = Path(loaded.host_vars(name)["deploy_dir"]) / layout.STOP_CLUSTER
+        script = Path(loaded.host_vars(name).settings.deploy_dir) / layout.STOP_CLUSTER
         if script.exists():
             stops.append(subprocess.Popen(["bash", str(script)], stdout=subprocess.DEVNULL,
                                           stderr=subprocess.DEVNULL))

@@ -112,7 +112,7 @@ def test_fronted_instances_listen_on_their_address(tmp_path):
     path = tmp_path / "hosts.yml"
     path.write_text(yaml.safe_dump({"hosts": hosts}))
     loaded = inventory.load(path)
-    assert loaded.host_vars("m")["bind"] == outside
+    assert loaded.host_vars("m").settings.bind == outside
     assert loaded.host_vars("e").backends == [f"{outside}:{mb}", f"{outside}:{mb + 1}"]
     deps = [loaded.host_vars(h).deployment_id for h in ("m", "e")]
     try:
@@ -133,7 +133,7 @@ def test_fronted_instances_listen_on_their_address(tmp_path):
     script = {f.path: f.content for f in render.render_host(override)}["bin/start_cluster.sh"]
     assert 'BIND=${BIND:-0.0.0.0}\n' in script and '--host "$BIND"' in script
     assert override.instance_host == "127.0.0.1"
-    assert inventory.load(path).host_vars("e")["bind"] == "127.0.0.1"     # nobody fronts e: loopback
+    assert inventory.load(path).host_vars("e").settings.bind == "127.0.0.1"     # nobody fronts e: loopback
 
 
 def test_the_host_agent_reaches_its_own_instances_where_they_listen(tmp_path):
@@ -152,7 +152,7 @@ def test_the_host_agent_reaches_its_own_instances_where_they_listen(tmp_path):
 
     def agent(name):
         hv = loaded.host_vars(name)
-        hv.vars["python"] = "python3"
+        hv.settings.python = "python3"
         return json.loads({f.path: f.content for f in render.render_host(hv)}["conf/hostagent.json"])
 
     m, e = agent("m"), agent("e")

@@ -16,6 +16,9 @@ import signal
 import subprocess
 import time
 import urllib.request
+from types import SimpleNamespace
+
+from hostagent.facts import parse
 from pathlib import Path
 
 import pytest
@@ -152,9 +155,7 @@ def test_doctor_names_the_hook_it_will_use_or_what_is_missing_as_a_warning(monke
     a failure (the deployment serves without it: only a reboot would need a person)."""
     monkeypatch.delenv("FLEET_BOOT_HOOK", raising=False)
 
-    class HV(dict):
-        pass
-    got = fleet_boot.doctor_check({"boot": facts}, HV(boot_hook=wanted))
+    got = fleet_boot.doctor_check({"boot": facts}, SimpleNamespace(settings=SimpleNamespace(boot_hook=wanted)))
     assert got[0] == status and says in got[1], got
 
 
@@ -164,8 +165,8 @@ def test_remove_counts_every_live_part_and_tagged_process_as_still_running():
     found = {"instances": [{"index": 0, "alive": False}, {"index": 1, "alive": True}],
              "proxy": {"alive": False}, "nginx": {"alive": True}, "keeper": {"alive": False},
              "tagged": [{"pid": 7, "tag": "t-1/1"}, {"pid": 9, "tag": "t-1/log-0"}]}
-    assert fleet_remove.running(found) == ["instance 1", "nginx", "1 process(es) with its tag (pid 9)"]
-    assert fleet_remove.running({**found, "instances": [], "nginx": {}, "tagged": []}) == []
+    assert fleet_remove.running(parse(found)) == ["instance 1", "nginx", "1 process(es) with its tag (pid 9)"]
+    assert fleet_remove.running(parse({**found, "instances": [], "nginx": {}, "tagged": []})) == []
 
 
 @pytest.mark.unit
@@ -177,7 +178,7 @@ def test_boot_script_renders_for_local_and_ssh_hosts_and_parses(tmp_path):
     inv_ = inventory.load(Path(__file__).resolve().parent.parent / "inventory" / "hosts.yml")
     for name in ("local", "k100-01"):
         hv = inv_.host_vars(name)
-        hv.vars["deploy_dir"], hv.vars["python"] = "/srv/fleet", hv.vars["python"] or "python3"
+        hv.settings.deploy_dir, hv.settings.python = "/srv/fleet", hv.settings.python or "python3"
         text = next(f.content for f in render_host(hv) if f.path == layout.BOOT)
         script = tmp_path / f"{name}.sh"
         script.write_text(text)

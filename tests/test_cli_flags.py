@@ -302,7 +302,7 @@ def test_explain_names_the_layer_each_value_came_from(inventory_file):
     assert found["proxy.results_log.backups"][1] == "default"          # nested keys dotted
     # The values are the host's resolved variables, every one of them.
     hv = inv.host_vars("t", ["max_model_len=2048", "proxy.timeout_s=30"])
-    assert {k: v for k, (v, _) in found.items()} == inv_mod._dotted(hv.vars)
+    assert {k: v for k, (v, _) in found.items()} == inv_mod._dotted(hv.settings.model_dump())
 
 
 def test_vars_prints_each_key_its_value_and_origin(inventory_file, capsys):
@@ -399,7 +399,7 @@ def test_render_into_a_closed_output_writes_every_file_and_says_no_error(tmp_pat
     assert proc.returncode == 0 and err == "", (proc.returncode, err)
     from fleet import sync
     hv = inv_mod.load(inventory_file).host_vars("t")
-    hv.vars["python"] = "python3"
+    hv.settings.python = "python3"
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()) == \
         sorted(f.path for f in sync.host_files(hv))
 

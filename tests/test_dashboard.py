@@ -135,16 +135,16 @@ def test_every_metric_the_dashboard_reads_is_exported_by_a_live_sim_cluster(sim_
     samples."""
     _, hv = sim_cluster()
     stop = threading.Event()
-    worker = threading.Thread(target=load, args=(hv["proxy"]["port"], stop, 60), daemon=True)
+    worker = threading.Thread(target=load, args=(hv.settings.proxy.port, stop, 60), daemon=True)
     worker.start()
     try:
-        wait_until(lambda: 'status="200"' in get(f"http://127.0.0.1:{hv['proxy']['port']}/metrics"),
+        wait_until(lambda: 'status="200"' in get(f"http://127.0.0.1:{hv.settings.proxy.port}/metrics"),
                    timeout=30, what="a request answered through the proxy")
     finally:
         stop.set()
         worker.join(40)
-    texts = [get(f"http://127.0.0.1:{hv['proxy']['port']}/metrics"),
-             get(f"http://127.0.0.1:{hv['keeper']['metrics_port']}/metrics"),
+    texts = [get(f"http://127.0.0.1:{hv.settings.proxy.port}/metrics"),
+             get(f"http://127.0.0.1:{hv.settings.keeper.metrics_port}/metrics"),
              *(get(f"http://127.0.0.1:{p}/metrics") for p in hv.ports)]
     have = set().union(*map(exported, texts))
     # Scraping adds `up` to every target; the keeper's card gauges need an smi (the sim's here).

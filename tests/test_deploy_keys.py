@@ -6,6 +6,8 @@ import re
 
 import pytest
 
+from hostagent.facts import parse
+
 from fleet_helpers import deployment_id, inv, stop_by_own_scripts, tagged_pids, write_inventory
 
 pytestmark = pytest.mark.cluster
@@ -97,12 +99,12 @@ def test_settings_a_deploy_would_switch_off_are_named(tmp_path):
     from fleet.inventory import load
     hv = load(write_inventory(tmp_path, instances=1)).host_vars("t")
     found = {"proxy": {"config": {"api_keys": False, "tenants": [{"name": "default"}, {"name": "batch"}]}}}
-    said = drift.sentences(hv, found, {"inventory": hv.inventory_path, "keepalived": True})
+    said = drift.sentences(hv, parse(found), {"inventory": hv.inventory_path, "keepalived": True})
     assert said == ["the running proxy shares its slots among the tenant(s) batch, which this inventory's "
                     "proxy.tenants does not define: the deploy turns them off",
                     "keepalived of an earlier deploy runs here and this inventory sets no vrrp: the deploy leaves "
                     "it running its old config"]
-    assert drift.sentences(hv, {"proxy": {"config": None}}, {"inventory": None, "keepalived": False}) == []
+    assert drift.sentences(hv, parse({"proxy": {"config": None}}), {"inventory": None, "keepalived": False}) == []
 
 
 @pytest.mark.process

@@ -49,7 +49,7 @@ def test_every_instance_start_exports_the_deployments_ipc_directory_after_env_se
     """The rendered start_cluster.sh sets VLLM_RPC_BASE_PATH to deploy_dir/run/ipc after env_setup (whose
     own value it overrides) and before any instance starts, and makes that directory 0700."""
     hv = inventory.load(write_vllm_inventory(tmp_path, tmp_path / "deploy", tmp_path / "vllm")).host_vars("t")
-    hv.vars["python"] = "python3"
+    hv.settings.python = "python3"
     script = next(f.content for f in render.render_host(hv) if f.path == layout.START_CLUSTER)
     export = script.index(f'export VLLM_RPC_BASE_PATH="$DEPLOY_DIR/{layout.IPC_DIR}"\n')
     assert script.index(ENV_SETUP) < export < script.index("start_instance() {")

@@ -47,19 +47,19 @@ def write(tmp_path, text):
 
 def test_resolution_order_defaults_group_host_set(tmp_path):
     inv = inventory.load(write(tmp_path, BASE))
-    assert inv.host_vars("b")["max_num_seqs"] == 2                      # defaults
-    assert inv.host_vars("b")["base_port"] == 9002
-    assert inv.host_vars("a")["max_num_seqs"] == 5                      # host beats group
-    assert inv.host_vars("a", ["max_num_seqs=6"])["max_num_seqs"] == 6  # --set beats host
-    assert inv.host_vars("b", ["proxy.results_log.backups=7"])["proxy"]["results_log"]["backups"] == 7
-    assert inv.host_vars("b")["proxy"]["port"] == 8000                  # built-in default kept beside it
-    assert inv.host_vars("a")["proxy"]["results_log"]["backups"] == 3   # the nested block's own default
+    assert inv.host_vars("b").settings.max_num_seqs == 2                      # defaults
+    assert inv.host_vars("b").settings.base_port == 9002
+    assert inv.host_vars("a").settings.max_num_seqs == 5                      # host beats group
+    assert inv.host_vars("a", ["max_num_seqs=6"]).settings.max_num_seqs == 6  # --set beats host
+    assert inv.host_vars("b", ["proxy.results_log.backups=7"]).settings.proxy.results_log.backups == 7
+    assert inv.host_vars("b").settings.proxy.port == 8000                  # built-in default kept beside it
+    assert inv.host_vars("a").settings.proxy.results_log.backups == 3   # the nested block's own default
     assert inv.host_vars("a").ports == [9102, 9103, 9104, 9105]
 
 
 def test_group_var_applies_without_host_override(tmp_path):
     text = BASE.replace("    max_num_seqs: 5\n", "")
-    assert inventory.load(write(tmp_path, text)).host_vars("a")["max_num_seqs"] == 3
+    assert inventory.load(write(tmp_path, text)).host_vars("a").settings.max_num_seqs == 3
 
 
 def test_select_hosts_groups_all_and_lists(tmp_path):
@@ -73,8 +73,8 @@ def test_select_hosts_groups_all_and_lists(tmp_path):
 
 def test_ssh_block_means_ssh_connection(tmp_path):
     text = BASE + "    ssh: {host: 10.0.0.5, user: ops}\n"
-    assert inventory.load(write(tmp_path, text)).host_vars("b")["connection"] == "ssh"
-    assert inventory.load(write(tmp_path, BASE)).host_vars("b")["connection"] == "local"
+    assert inventory.load(write(tmp_path, text)).host_vars("b").settings.connection == "ssh"
+    assert inventory.load(write(tmp_path, BASE)).host_vars("b").settings.connection == "local"
 
 
 ERRORS = [
@@ -172,12 +172,12 @@ def test_missing_file_says_what_to_do(tmp_path):
 def test_example_inventory_is_valid():
     inv = inventory.load(ROOT / "inventory" / "hosts.yml")
     k = inv.host_vars("k100-01")
-    assert (k["accelerator"], k["instances"], k["max_num_seqs"], k["base_port"]) == ("dcu", 8, 4, 8002)
-    assert k["connection"] == "ssh" and "--trust-remote-code" in k["extra_args"]
-    assert inv.host_vars("local")["engine"] == "sim"
+    assert (k.settings.accelerator, k.settings.instances, k.settings.max_num_seqs, k.settings.base_port) == ("dcu", 8, 4, 8002)
+    assert k.settings.connection == "ssh" and "--trust-remote-code" in k.settings.extra_args
+    assert inv.host_vars("local").settings.engine == "sim"
     cpu = inv.host_vars("cpu")
-    assert (cpu["accelerator"], cpu["instances"], cpu["cpus_per_instance"], cpu["cpu_kvcache_gib"]) == ("cpu", 2, 0, 1)
-    assert not {8000, 8001, 8002, 8003} & {*cpu.ports, cpu["proxy"]["port"], cpu["proxy"]["admin_port"]}
+    assert (cpu.settings.accelerator, cpu.settings.instances, cpu.settings.cpus_per_instance, cpu.settings.cpu_kvcache_gib) == ("cpu", 2, 0, 1)
+    assert not {8000, 8001, 8002, 8003} & {*cpu.ports, cpu.settings.proxy.port, cpu.settings.proxy.admin_port}
 
 
 @pytest.mark.parametrize("value, message", [
@@ -188,7 +188,7 @@ def test_cpu_kvcache_gib_is_whole_gib_above_zero(value, message):
     inv = inventory.load(ROOT / "inventory" / "hosts.yml")
     with pytest.raises(InventoryError, match=message):
         inv.host_vars("cpu", [f"cpu_kvcache_gib={value}"])
-    assert inv.host_vars("cpu", ["cpus_per_instance=1", "instances=9"])["instances"] == 9  # no accelerators cap
+    assert inv.host_vars("cpu", ["cpus_per_instance=1", "instances=9"]).settings.instances == 9  # no accelerators cap
     with pytest.raises(InventoryError, match="cpus_per_instance: expected an integer from 0"):
         inv.host_vars("cpu", ["cpus_per_instance=-1"])
 
@@ -365,7 +365,7 @@ def test_an_entry_host_carries_each_backend_with_the_host_that_runs_it(tmp_path)
     gw = loaded.host_vars("gw")
     assert [(f.backend, f.host.name, f.index) for f in gw.fronted] == [
         ("127.0.0.1:7002", "gw", 0), ("127.0.0.1:7003", "gw", 1), ("10.9.0.1:7102", "k1", 0), ("10.9.0.1:7103", "k1", 1)]
-    assert gw.fronted[0].host is gw and gw.fronted[2].host["bind"] == "10.9.0.1"
+    assert gw.fronted[0].host is gw and gw.fronted[2].host.settings.bind == "10.9.0.1"
     assert loaded.host_vars("k1").fronted is None and loaded.fronted_by("k1") == {"gw"}
 
 

@@ -82,8 +82,8 @@ def test_loading_is_linear_and_one_host_costs_one_host(tmp_path, monkeypatch):
         hv = loaded.host_vars("h0")
         assert sync.host_files(hv)
         assert work.reset()[0] <= 5
-        assert loaded.host_vars("h1")["bind"] == "10.0.0.1"    # fronted by gw: reachable at its address
-        assert loaded.host_vars("h5")["bind"] == "127.0.0.1"   # fronted by none
+        assert loaded.host_vars("h1").settings.bind == "10.0.0.1"    # fronted by gw: reachable at its address
+        assert loaded.host_vars("h5").settings.bind == "127.0.0.1"   # fronted by none
         assert loaded.host_vars("gw").backends[:2] == ["10.0.0.1:8002", "10.0.0.1:8003"]
         work.reset()
     (v100, f100), (v1000, f1000) = cost[100], cost[1000]
@@ -134,7 +134,7 @@ def test_an_alias_bomb_or_a_self_alias_is_refused_before_any_validation(tmp_path
     fine = ("defaults: {engine: sim, accelerator: sim, connection: local}\n"
             "groups: {g: {hosts: [h0], extra_args: &a [--trust-remote-code]}}\n"
             "hosts:\n  h0: {}\n  h1: {extra_args: *a, base_port: 9002, proxy: {port: 9000, admin_port: 9001}}\n")
-    assert inventory.load(write(tmp_path, "fine.yml", fine)).host_vars("h1")["extra_args"] == ["--trust-remote-code"]
+    assert inventory.load(write(tmp_path, "fine.yml", fine)).host_vars("h1").settings.extra_args == ["--trust-remote-code"]
 
 
 @pytest.mark.unit

@@ -51,8 +51,9 @@ def test_layout_is_importable_alone():
 
 
 def test_each_probe_is_bundled_with_what_it_imports_in_dependency_order():
-    assert hostcode.needs("probes.state") == ["files", "apikeys", "layout", "boothook", "httpcall", "processes", "instances",
-                                              "proxyadmin", "errors", "lora", "logfiles", "config", "parts", "vrrp", "observe"]
+    assert hostcode.needs("probes.state") == ["files", "apikeys", "layout", "boothook", "facts", "httpcall", "processes",
+                                              "instances", "proxyadmin", "errors", "lora", "logfiles", "config", "parts",
+                                              "vrrp", "observe"]
     assert hostcode.needs("vrrp") == ["layout", "logfiles", "files", "processes", "errors", "config", "parts"]
     assert hostcode.needs("probes.top") == ["exposition", "httpcall", "layout", "files", "processes", "instances",
                                             "proxyadmin", "observe"]

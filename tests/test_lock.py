@@ -48,23 +48,23 @@ def test_try_hold_is_refused_while_held_and_names_the_holder(tmp_path):
 @pytest.mark.process
 def test_a_second_run_fails_at_once_naming_the_holder(hv):
     with runlock.held(LocalTransport("t"), hv, "deploy"):
-        info = lock.holder(hv["deploy_dir"])
+        info = lock.holder(hv.settings.deploy_dir)
         assert info["what"].startswith("inv deploy by ") and info["pid"] != os.getpid()
         # the holder keeps the lock until this block ends: a second run that waited would never end
         with pytest.raises(runlock.LockedError) as e:
             with runlock.held(LocalTransport("t"), hv, "stop"):
                 pass
         msg = str(e.value)
-        assert msg.startswith(f"t: another run holds {hv['deploy_dir']}/run/fleet.lock: inv deploy by ")
+        assert msg.startswith(f"t: another run holds {hv.settings.deploy_dir}/run/fleet.lock: inv deploy by ")
         assert f"(lock holder pid {info['pid']} on the host) since {info['since']}" in msg
         assert msg.endswith("wait for it to end, or run again with --wait.")
-    assert lock.holder(hv["deploy_dir"]) is None
+    assert lock.holder(hv.settings.deploy_dir) is None
     # The same run, nested (a restart's stop): no second lock, no refusal.
     conn = LocalTransport("t")
     with runlock.held(conn, hv, "restart"):
         with runlock.held(conn, hv, "stop"):
-            assert lock.holder(hv["deploy_dir"])["what"].startswith("inv restart by ")
-    assert lock.holder(hv["deploy_dir"]) is None
+            assert lock.holder(hv.settings.deploy_dir)["what"].startswith("inv restart by ")
+    assert lock.holder(hv.settings.deploy_dir) is None
 
 
 @pytest.mark.process
@@ -80,7 +80,7 @@ def test_wait_takes_the_lock_when_the_holder_ends(hv):
     t = threading.Thread(target=second)
     t.start()
     wait_until(lambda: said, what="the second run to say it waits")
-    assert said[0].startswith(f"lock: {hv['deploy_dir']} is held by inv deploy by ") and \
+    assert said[0].startswith(f"lock: {hv.settings.deploy_dir} is held by inv deploy by ") and \
         said[0].endswith("; waiting for it (--wait)")
     time.sleep(0.3)
     assert order == []
@@ -97,20 +97,20 @@ def test_a_lock_left_by_a_dead_run_is_taken_over(hv, tmp_path):
     code = ("import sys, time; sys.path.insert(0, %r); from fleet import runlock; from fleet.transport import "
             "LocalTransport\nclass HV(dict): name = 't'\nhv = HV(deploy_dir=%r, connection='local', python=%r, "
             "env_setup='')\nwith runlock.held(LocalTransport('t'), hv, 'deploy'):\n    print('held', flush=True)\n"
-            "    time.sleep(600)\n" % (str(os.path.dirname(os.path.dirname(__file__))), hv["deploy_dir"],
+            "    time.sleep(600)\n" % (str(os.path.dirname(os.path.dirname(__file__))), hv.settings.deploy_dir,
                                       sys.executable))
     run = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                            start_new_session=True)
     try:
         assert run.stdout.readline().strip() == "held"
-        holder = lock.holder(hv["deploy_dir"])
+        holder = lock.holder(hv.settings.deploy_dir)
         assert holder is not None
         os.kill(run.pid, signal.SIGKILL)
         run.wait(timeout=5)
-        wait_until(lambda: lock.holder(hv["deploy_dir"]) is None, timeout=10, what="the lock released")
+        wait_until(lambda: lock.holder(hv.settings.deploy_dir) is None, timeout=10, what="the lock released")
         wait_until(lambda: not processes.alive(holder["pid"]), timeout=10, what="the holder on the host gone")
         with runlock.held(LocalTransport("t"), hv, "stop"):
-            assert lock.holder(hv["deploy_dir"])["what"].startswith("inv stop by ")
+            assert lock.holder(hv.settings.deploy_dir)["what"].startswith("inv stop by ")
     finally:
         if run.poll() is None:
             os.killpg(run.pid, signal.SIGKILL)
@@ -134,15 +134,15 @@ def test_over_ssh_the_lock_is_on_the_host_and_a_dropped_connection_frees_it(sshd
         hv = prepare(first, hv)
         held = runlock.held(first, hv, "deploy")
         held.__enter__()
-        holder = lock.holder(hv["deploy_dir"])
+        holder = lock.holder(hv.settings.deploy_dir)
         assert holder["what"].startswith("inv deploy by ") and processes.alive(holder["pid"])
         with pytest.raises(runlock.LockedError, match="another run holds .* inv deploy by "):
             with runlock.held(second, hv, "stop"):
                 pass
         first.close()                   # the connection goes; the run never released the lock
-        wait_until(lambda: lock.holder(hv["deploy_dir"]) is None, timeout=15, what="the lock freed on the host")
+        wait_until(lambda: lock.holder(hv.settings.deploy_dir) is None, timeout=15, what="the lock freed on the host")
         with runlock.held(second, hv, "stop"):
-            assert lock.holder(hv["deploy_dir"])["what"].startswith("inv stop by ")
+            assert lock.holder(hv.settings.deploy_dir)["what"].startswith("inv stop by ")
     finally:
         first.close()
         second.close()

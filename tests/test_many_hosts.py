@@ -87,13 +87,13 @@ def test_entry_host_backends_and_order(tmp_path):
     inv_ = inventory.load(write(tmp_path, hosts))
     gw = inv_.host_vars("gw")
     assert gw.backends == ["10.1.0.1:31000", "10.1.0.1:31001", "10.1.0.2:31000", "10.1.0.2:31001"]
-    assert gw.ports == [] and gw["instances"] == 0
+    assert gw.ports == [] and gw.settings.instances == 0
     me = inv_.host_vars("self")
     assert me.backends == ["127.0.0.1:32000", "127.0.0.1:32001", "10.1.0.1:31000", "10.1.0.1:31001"]
     # k1 is fronted: its instances listen on its address (not loopback), where its own proxy reaches them too.
-    assert inv_.host_vars("k1")["bind"] == "10.1.0.1"
+    assert inv_.host_vars("k1").settings.bind == "10.1.0.1"
     assert inv_.host_vars("k1").backends == ["10.1.0.1:31000", "10.1.0.1:31001"]
-    assert me["bind"] == "127.0.0.1" and gw["bind"] == "127.0.0.1"
+    assert me.settings.bind == "127.0.0.1" and gw.settings.bind == "127.0.0.1"
     from fleet.render import render_host
     conf = yaml.safe_load(next(f for f in render_host(gw) if f.path == "conf/proxy.yaml").content)
     assert conf["backends"] == gw.backends

@@ -30,14 +30,14 @@ def files(hv) -> dict[str, str]:
 
 def example(name: str = "k100-02", overrides=()):
     hv = inventory.load(ROOT / "inventory" / "hosts.yml").host_vars(name, overrides)
-    hv.vars["python"] = "python3"
+    hv.settings.python = "python3"
     return hv
 
 
 @pytest.mark.unit
 def test_the_example_host_hands_out_cards_in_order_and_renders_pools():
     hv = example()
-    assert hv["instances"] == 7 and hv.ports == list(range(8002, 8009))
+    assert hv.settings.instances == 7 and hv.ports == list(range(8002, 8009))
     assert hv.cards == [(0,), (1,), (2,), (3,), (4,), (5,), (6, 7)]
     assert [g.name for g in hv.groups] == ["MiniCPM-V-4_5", "Qwen2.5-32B-Instruct"]
     out = files(hv)
@@ -151,7 +151,7 @@ def test_an_entry_host_pools_every_fronted_host_by_model(tmp_path):
         {"name": "vision", "aliases": ["v"], "adapters": [], "slots": 4,
          "backends": ["10.0.0.1:8002", "10.0.0.1:8003", "10.0.0.2:8002"]},
         {"name": "text", "aliases": [], "adapters": [], "slots": 8, "backends": ["10.0.0.3:8002"]}]
-    assert hv["served_model_name"] == "vision"          # inv chat's default on an entry without a model
+    assert hv.settings.served_model_name == "vision"          # inv chat's default on an entry without a model
     assert [m["name"] for m in hv.served_models()] == ["vision", "text"]
     assert hv.served_model("v") == {"name": "v", "instances": 3, "max_num_seqs": 4}
     with pytest.raises(InventoryError, match="serves no model 'nope'; it serves vision, text"):
@@ -232,7 +232,7 @@ def test_each_instance_starts_with_its_group_argv_cards_and_environment(tmp_path
               - {{name: text, model: /m/text, tensor_parallel_size: 2, max_num_seqs: 8, runtime_lora: true}}
         """, tmp_path)
     hv = inv.host_vars("h")
-    hv.vars["python"] = PYTHON
+    hv.settings.python = PYTHON
     deploy = tmp_path / "deploy"
     write_rendered(hv, deploy)
     env = {**os.environ, "RECORD_DIR": str(tmp_path)}

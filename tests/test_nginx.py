@@ -130,7 +130,7 @@ def test_fractional_sizes_and_times_render_exactly_and_pass_nginx_t(tmp_path):
 
 def status_port(inventory) -> int:
     from fleet import inventory as inv_mod
-    return inv_mod.load(inventory).host_vars("t")["proxy"]["port"]
+    return inv_mod.load(inventory).host_vars("t").settings.proxy.port
 
 
 @pytest.mark.xdist_group("load")

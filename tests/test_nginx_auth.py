@@ -11,6 +11,8 @@ import stat
 
 import pytest
 
+from hostagent.facts import parse
+
 from conftest import require_tool, wait_until
 from fleet import inventory
 from fleet_helpers import deployment_id, inv, kill_tagged, status_json, write_inventory
@@ -202,16 +204,16 @@ def test_deploy_takes_a_key_file_only_when_the_front_runs_other_keys(tmp_path):
     hv = inventory.load(path).host_vars("t")
     found = {"proxy": {"config": {"api_keys_digest": "aaaa"}}, "api_keys": {"digest": "bbbb", "error": None,
                                                                            "nginx_digest": "bbbb"}}
-    assert front._keys_to_take(hv, found, Report("t"), "running") is None          # no api_keys_file
-    hv.vars["proxy"]["api_keys_file"] = "keys"
-    assert front._keys_to_take(hv, found, Report("t"), "running") == "bbbb"
-    assert front._keys_to_take(hv, found, Report("t"), "nginx_digest") is None
+    assert front._keys_to_take(hv, parse(found), Report("t"), "running") is None          # no api_keys_file
+    hv.settings.proxy.api_keys_file = "keys"
+    assert front._keys_to_take(hv, parse(found), Report("t"), "running") == "bbbb"
+    assert front._keys_to_take(hv, parse(found), Report("t"), "nginx_digest") is None
     found["proxy"]["config"]["api_keys_digest"] = "bbbb"
-    assert front._keys_to_take(hv, found, Report("t"), "running") is None
+    assert front._keys_to_take(hv, parse(found), Report("t"), "running") is None
     report = Report("t")
     found["api_keys"] = {"digest": None, "error": "api_keys_file keys holds no key; put one key per line, or "
                          "drop the setting.", "nginx_digest": "bbbb"}
-    assert front._keys_to_take(hv, found, report, "nginx_digest") is None
+    assert front._keys_to_take(hv, parse(found), report, "nginx_digest") is None
     assert [(s.name, s.status, s.message) for s in report.steps] == [
         ("api keys", "failed", "api_keys_file keys holds no key; put one key per line, or drop the setting. "
                                "The front keeps the keys it had.")]

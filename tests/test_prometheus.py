@@ -63,7 +63,7 @@ def entry_inventory(tmp_path: Path) -> Path:
 def prometheus_text(path: Path, host: str) -> str:
     """The conf/prometheus.yml host renders from the inventory at path."""
     hv = inventory.load(path).host_vars(host)
-    hv.vars["python"] = "python3"
+    hv.settings.python = "python3"
     return {f.path: f for f in render.render_host(hv)}["conf/prometheus.yml"].content
 
 
@@ -86,7 +86,7 @@ def test_an_entry_host_scrapes_every_proxy_engine_and_keeper_it_fronts(tmp_path)
     e = inventory.load(path).host_vars("e")
     conf = prometheus_yml(path, "e")
     got = targets(conf)
-    assert got["vllm-fleet-proxy"] == [(f"127.0.0.1:{e['proxy']['port']}", {"host": "e", "instance": "proxy"}),
+    assert got["vllm-fleet-proxy"] == [(f"127.0.0.1:{e.settings.proxy.port}", {"host": "e", "instance": "proxy"}),
                                        ("10.9.0.7:8000", {"host": "m", "instance": "proxy"})]
     assert got["vllm-fleet-engine"] == [
         (f"127.0.0.1:{e.ports[0]}", {"host": "e", "instance": "0", "card": "0", "model": "sim-model"}),
@@ -96,7 +96,7 @@ def test_an_entry_host_scrapes_every_proxy_engine_and_keeper_it_fronts(tmp_path)
         ("10.9.0.7:9004", {"host": "m", "instance": "2", "card": "2,3", "model": "big"})]
     assert got["vllm-fleet-keeper"] == [(f"127.0.0.1:{e.ports[1] + 3}", {"host": "e", "instance": "keeper"}),
                                         ("10.9.0.7:9100", {"host": "m", "instance": "keeper"})]
-    assert e["keeper"]["metrics_port"] == e["proxy"]["admin_port"] + 1      # the port after the host's own
+    assert e.settings.keeper.metrics_port == e.settings.proxy.admin_port + 1      # the port after the host's own
     assert next(j for j in conf["scrape_configs"]
                 if j["job_name"] == "vllm-fleet-keeper")["honor_labels"] is True
     assert targets(prometheus_yml(path, "lone"))["vllm-fleet-keeper"] == []
@@ -174,7 +174,7 @@ def test_a_real_prometheus_with_the_rendered_config_answers_the_dashboards_queri
     config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
     port = start_prometheus(procs, tmp_path, config)
     stop = threading.Event()
-    clients = [threading.Thread(target=load, args=(hv["proxy"]["port"], stop, 150), daemon=True) for _ in range(12)]
+    clients = [threading.Thread(target=load, args=(hv.settings.proxy.port, stop, 150), daemon=True) for _ in range(12)]
     for c in clients:
         c.start()
     try:

@@ -23,7 +23,7 @@ GOLDEN = Path(__file__).parent / "golden" / "k100-01"
 
 def k100(overrides=()):
     hv = inventory.load(ROOT / "inventory" / "hosts.yml").host_vars("k100-01", overrides)
-    hv.vars["python"] = "python3"
+    hv.settings.python = "python3"
     hv.inventory_path = "inventory/hosts.yml"    # as `inv` shows it from the project root, wherever that is
     return hv
 
@@ -113,9 +113,9 @@ def recorder_deploy(tmp_path, *overrides):
     base = free_ports(2)
     hv = k100([f"vllm_bin={engine}", f"deploy_dir={tmp_path / 'deploy'}", f"base_port={base}",
                "proxy.port=1", "proxy.admin_port=2", "stagger_s=0", "env_setup=", "instances=2", *overrides])
-    hv.vars["model"] = NASTY
-    hv.vars["served_model_name"] = "name with 'quotes' and $(x)"
-    hv.vars["extra_args"] = ["--limit-mm-per-prompt", '{"image": 4}', "; touch PWNED4"]
+    hv.settings.model = NASTY
+    hv.settings.served_model_name = "name with 'quotes' and $(x)"
+    hv.settings.extra_args = ["--limit-mm-per-prompt", '{"image": 4}', "; touch PWNED4"]
     write_rendered(hv, tmp_path / "deploy")
     return hv
 
@@ -231,7 +231,7 @@ def test_extra_args_are_never_read_as_served_names(recorder_host):
     definition (nargs="+", as vLLM's; the sim's parser), serves one name and keeps the extra argument."""
     from fleet.sim import cli
     hv, tmp, env = recorder_host
-    hv.vars["extra_args"] = ["positional-looking", "--dtype", "bfloat16"]
+    hv.settings.extra_args = ["positional-looking", "--dtype", "bfloat16"]
     write_rendered(hv, tmp / "deploy")
     r = subprocess.run([str(tmp / "deploy" / "bin" / "start_cluster.sh")], env={**env, "N": "1"},
                        capture_output=True, text=True, timeout=30)

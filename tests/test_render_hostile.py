@@ -339,7 +339,7 @@ def test_keepalived_conf_passes_keepalived_t_and_finds_its_script(case, tmp_path
     command as a shell would); nothing else is said but a word on the interface and on script security."""
     keepalived = require_tool("keepalived")
     files, hv = case.files["e1"]
-    script = Path(hv["deploy_dir"]) / "bin" / "check_front.sh"
+    script = Path(hv.settings.deploy_dir) / "bin" / "check_front.sh"
     script.parent.mkdir(parents=True, exist_ok=True)
     script.write_text(files["bin/check_front.sh"].content)
     script.chmod(0o755)
@@ -404,13 +404,13 @@ def test_the_scripts_run_no_value_and_pass_each_as_one_argument(case, tmp_path):
             r = run_script(files[path].content, tmp_path, {})
             argv = calls(tmp_path)
             assert list(case.marker_dir.iterdir()) == [], f"{host}:{path} ran a value: {r.stdout}{r.stderr}"
-            if path == "bin/check_front.sh" or (path == "bin/start_cluster.sh" and not hv["instances"]):
+            if path == "bin/check_front.sh" or (path == "bin/start_cluster.sh" and not hv.settings.instances):
                 continue                    # an entry host runs no instance
             assert argv, f"{host}:{path} ran nothing: {r.stdout}{r.stderr}"
             case.assert_whole([s for call in argv for a in call for s in decoded(a)], f"{host}:{path}")
             if path == "bin/start_cluster.sh":
-                assert sum("--host" in call for call in argv) == hv["instances"], r.stdout + r.stderr
-                assert all(call[call.index("--host") + 1] == hv["bind"] for call in argv if "--host" in call)
+                assert sum("--host" in call for call in argv) == hv.settings.instances, r.stdout + r.stderr
+                assert all(call[call.index("--host") + 1] == hv.settings.bind for call in argv if "--host" in call)
 
 
 @pytest.mark.process

@@ -56,7 +56,7 @@ def rendered_hosts():
     for name in HOSTS:
         for overrides in VARIANTS:
             hv = inv.host_vars(name, list(overrides))
-            hv.vars["python"] = "python3"
+            hv.settings.python = "python3"
             yield name, overrides, hv
 
 
@@ -65,7 +65,7 @@ def test_every_deploy_dir_path_in_the_rendered_files_is_one_layout_names():
     seen, strays = set(), []
     for name, overrides, hv in rendered_hosts():
         for f in render.render_host(hv):
-            for path in deploy_dir_paths(f.content, hv["deploy_dir"]):
+            for path in deploy_dir_paths(f.content, hv.settings.deploy_dir):
                 seen.add(path)
                 if not is_named(path, constants, patterns):
                     strays.append(f"{name} {' '.join(overrides)}: {f.path}: {path}")

@@ -228,7 +228,7 @@ class Load:
 def cluster(tmp_path_factory):
     inventory, hv = deploy_sim_cluster(tmp_path_factory.mktemp("top"), sim=SIM)
     try:
-        yield inventory, hv["proxy"]["port"]
+        yield inventory, hv.settings.proxy.port
     finally:
         inv("stop", "--host", "t", inventory=inventory)
         kill_tagged(deployment_id(inventory) + "/")

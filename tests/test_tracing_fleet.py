@@ -32,7 +32,7 @@ def test_otlp_keys_render_into_the_proxy_config_and_the_engine_command(tmp_path)
     assert shlex.split(engine)[-2:] == ["--otlp-traces-endpoint", "http://collector.example:4317"]
     sim = inventory.load(write_inventory(tmp_path, instances=1, extra=f"otlp_traces_endpoint: {COLLECTOR}\n"))
     sim_hv = sim.host_vars("t")
-    sim_hv.vars["python"] = PYTHON
+    sim_hv.settings.python = PYTHON
     assert render.engine_argv(sim_hv)[-2:] == ["--otlp-traces-endpoint", COLLECTOR]
     # Unset (the default), nothing of either is rendered: tests/golden stays as it was.
     plain = rendered(k100())

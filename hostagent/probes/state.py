@@ -1,17 +1,18 @@
 """Facts about one deployment, read on the host itself: run there as `python3 - SPEC_JSON` with this
 file on standard input, bundled with the host agent modules it imports (fleet.hostcode.probe), it prints
 one JSON object.
-Standard library only, Python 3.6+, no side effects but one: an instance seen healthy gets a
+Standard library only, Python 3.7+, no side effects but one: an instance seen healthy gets a
 `run/instance_<i>.ready` marker, so a later 503 reads as dead, not as loading. Each instance's `state`
 (and `reason`) is hostagent.instances.classify's, the keeper's own classification.
-What each part is read as lives in hostagent/observe.py, which the live view's sampler shares.
+What each part is read as lives in hostagent/observe.py, which the live view's sampler shares; the answer's
+records are declared in hostagent/facts.py (the control plane parses them with it).
 """
 import json
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-from hostagent import apikeys, boothook, layout, lora, vrrp
+from hostagent import apikeys, boothook, facts, layout, lora, vrrp
 from hostagent.observe import (HEALTH_TIMEOUT_S, file_mode, instance_facts, keeper_facts, nginx_facts,
                                proxy_facts, read_launch, read_mode, sha256, tagged)
 
@@ -37,35 +38,31 @@ def main():
         prox = pool.submit(proxy_facts, d, dep, spec["proxy_port"], spec["admin_port"],
                            spec.get("proxy_address", "127.0.0.1"))
         files = {rel: pool.submit(sha256, os.path.join(d, rel)) for rel in spec.get("files", [])}
-        out = {
-            "uid": os.getuid(),
-            "deploy_dir_exists": os.path.isdir(d),
-            "instances": [f.result() for f in inst],
-            "launches": [read_launch(d, i) for i in range(len(spec["ports"]))],
-            # Instances past the inventory's that still run (their group removed, fewer instances): deploy
-            # retires them once the proxy no longer routes to them.
-            "retired": [dict(f, launch=read_launch(d, f["index"])) for f in (
-                instance_facts(d, dep, i, spec["base_port"] + i, True, host, timeout_s)
-                for i in _past(d, len(spec["ports"]))) if f["alive"]],
-            "proxy": prox.result(),
-            "nginx": nginx_facts(d, dep),
-            "keeper": keeper_facts(d, dep),
-            "files": {rel: f.result() for rel, f in files.items()},
-            "file_modes": {rel: file_mode(os.path.join(d, rel)) for rel in spec.get("files", [])},
-            "tagged": tagged(layout.tag_prefix(dep)),
-        }
-    out["lora_adapters"], out["lora_record_error"] = lora.read_record_quiet(d)
-    out["mode"] = read_mode(d)
+        # Instances past the inventory's that still run (their group removed, fewer instances): deploy
+        # retires them once the proxy no longer routes to them.
+        retired = [facts.Instance(**dict(f, launch=read_launch(d, f["index"]))) for f in (
+            instance_facts(d, dep, i, spec["base_port"] + i, True, host, timeout_s)
+            for i in _past(d, len(spec["ports"]))) if f["alive"]]
+        out = facts.HostFacts(
+            uid=os.getuid(), deploy_dir_exists=os.path.isdir(d), proxy=facts.Proxy(**prox.result()),
+            instances=[facts.Instance(**f.result()) for f in inst],
+            launches=[read_launch(d, i) for i in range(len(spec["ports"]))], retired=retired,
+            nginx=facts.Nginx(**nginx_facts(d, dep)), keeper=facts.Keeper(**keeper_facts(d, dep)),
+            files={rel: f.result() for rel, f in files.items()},
+            file_modes={rel: file_mode(os.path.join(d, rel)) for rel in spec.get("files", [])},
+            tagged=[facts.Tagged(**t) for t in tagged(layout.tag_prefix(dep))])
+    out.lora_adapters, out.lora_record_error = lora.read_record_quiet(d)
+    out.mode = read_mode(d)
     if spec.get("api_keys_file"):
         # The key file's keys by their digest (never the keys), and the digest of nginx's map of them: a
         # deploy compares them with what the running front took. A relative path is the proxy's: deploy_dir.
-        out["api_keys"] = apikeys.file_digest(os.path.join(d, os.path.expanduser(spec["api_keys_file"])))
-        out["api_keys"]["nginx_digest"] = apikeys.conf_digest(layout.path(d, layout.NGINX_KEYS))
+        out.api_keys = apikeys.file_digest(os.path.join(d, os.path.expanduser(spec["api_keys_file"])))
+        out.api_keys["nginx_digest"] = apikeys.conf_digest(layout.path(d, layout.NGINX_KEYS))
     if spec.get("vrrp"):          # an entry behind virtual addresses: who holds them, keepalived's state
-        out["vrrp"] = vrrp.state({"deploy_dir": d, "deployment_id": spec["deployment_id"], "vrrp": spec["vrrp"]})
+        out.vrrp = vrrp.state({"deploy_dir": d, "deployment_id": spec["deployment_id"], "vrrp": spec["vrrp"]})
     if spec.get("boot"):          # inv status: the installed boot hook (reads the crontab)
-        out["boot"] = boothook.show(dep)
-    json.dump(out, sys.stdout)
+        out.boot, out.asked_boot = boothook.show(dep), True
+    json.dump(facts.wire(out), sys.stdout)
 
 
 if __name__ == "__main__":

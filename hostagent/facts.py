@@ -1,0 +1,169 @@
+"""The state probe's answer as declared records: what hostagent/probes/state.py reads on the host, and what
+the control plane (fleet/facts.py) parses once from the JSON the probe prints. Shared by both sides, like
+hostagent/layout.py: the type says what a fact holds.
+
+Standard library only, Python 3.7+ (dataclasses; no `X | None` at runtime): it is bundled into the probe
+and runs with the host's Python. The records stay plain data: `asdict` is the wire form, `parse` its one
+reader. The proxy's admin answers (`config`, `backends`), the keeper's record (`state`) and an instance's
+launch record are the proxy's, the keeper's and start_cluster.sh's own JSON, carried as they are.
+"""
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Dict, List, Optional
+
+
+@dataclass
+class Instance:
+    """One instance: its process (run/instance_<i>.pid, identity-checked), /health and state
+    (hostagent.instances.classify's: the keeper's own classification)."""
+
+    index: int = 0
+    port: int = 0
+    pid: Optional[int] = None            # the running process (None when not alive)
+    pgid: Optional[int] = None
+    pidfile: bool = False
+    alive: bool = False
+    stale: Optional[str] = None          # why the pid file does not count (None when it does)
+    recorded_pid: Optional[int] = None   # what the pid file names, alive or not
+    listening: bool = False
+    health: Optional[int] = None         # the status of GET /health (None: no answer)
+    stranger: Optional[str] = None       # who holds its port when that is not the deployment
+    was_ready: bool = False
+    age_s: Optional[float] = None
+    state: str = "stopped"
+    reason: Optional[str] = None
+    launch: Optional[Dict[str, Any]] = None   # its launch record (retired instances only)
+
+
+@dataclass
+class Proxy:
+    """The proxy's process (run/proxy.pid), /health on the entry port and its admin API's view."""
+
+    port: int = 0
+    pid: Optional[int] = None
+    pgid: Optional[int] = None
+    pidfile: bool = False
+    alive: bool = False
+    stale: Optional[str] = None
+    listening: bool = False
+    health: Optional[int] = None
+    backends: Optional[List[Dict[str, Any]]] = None    # GET /admin/backends
+    config: Optional[Dict[str, Any]] = None            # GET /admin/config
+    stranger: Optional[str] = None
+
+    @property
+    def state(self) -> str:
+        """healthy, no-backend (up but no healthy backend), dead, stopped or port-taken."""
+        if self.alive:
+            if self.health == 200:
+                return "healthy"
+            return "no-backend" if self.health == 503 else "dead"
+        if self.listening:
+            return "port-taken"
+        return "dead" if self.pidfile else "stopped"
+
+    def said(self, key: str, default: Any = None) -> Any:
+        """One key of the running proxy's GET /admin/config (default when it gave none)."""
+        value = (self.config or {}).get(key)
+        return default if value is None else value
+
+
+@dataclass
+class Nginx:
+    """nginx mode's master (run/nginx.pid) and its /health watcher."""
+
+    pid: Optional[int] = None
+    alive: bool = False
+    watcher_pid: Optional[int] = None
+    watcher_alive: bool = False
+
+
+@dataclass
+class Keeper:
+    """The keeper's process (run/keeper.pid) and its record (run/keeper.json, as it wrote it)."""
+
+    pid: Optional[int] = None
+    alive: bool = False
+    pidfile: bool = False
+    state: Optional[Dict[str, Any]] = None
+
+
+@dataclass
+class Tagged:
+    """A process of this user whose environment carries the deployment's FLEET_TAG."""
+
+    pid: int
+    tag: str
+    sid: Optional[int] = None
+    ppid: Optional[int] = None
+    cmdline: str = ""
+
+    @property
+    def part(self) -> str:
+        """What the tag names: an instance index, `proxy`, `keeper`, ..."""
+        return self.tag.rpartition("/")[2]
+
+
+@dataclass
+class HostFacts:
+    """One deployment's state on its host, as one probe read it."""
+
+    uid: int = -1
+    deploy_dir_exists: bool = False
+    proxy: Proxy = field(default_factory=lambda: Proxy(port=0))
+    instances: List[Instance] = field(default_factory=list)
+    launches: List[Optional[Dict[str, Any]]] = field(default_factory=list)   # run/instance_<i>.launch
+    retired: List[Instance] = field(default_factory=list)    # running past the inventory's instances
+    nginx: Nginx = field(default_factory=Nginx)
+    keeper: Keeper = field(default_factory=Keeper)
+    files: Dict[str, Optional[str]] = field(default_factory=dict)        # path -> sha256 (None: absent)
+    file_modes: Dict[str, Optional[int]] = field(default_factory=dict)
+    tagged: List[Tagged] = field(default_factory=list)
+    lora_adapters: List[Dict[str, Any]] = field(default_factory=list)   # run/lora_adapters.json
+    lora_record_error: Optional[str] = None
+    mode: Optional[str] = None                  # run/mode: proxy or nginx (None: unset)
+    api_keys: Optional[Dict[str, Any]] = None   # the key file's digests (with proxy.api_keys_file)
+    vrrp: Optional[Dict[str, Any]] = None       # behind virtual addresses: hostagent.vrrp.state
+    boot: Optional[Dict[str, Any]] = None       # asked for: the installed boot hook
+    asked_boot: bool = False
+
+    @property
+    def front(self) -> str:
+        """The front the host runs: proxy unless run/mode says nginx."""
+        return self.mode or "proxy"
+
+    def proxy_healthy(self) -> bool:
+        """The proxy is the front and answers /health 200."""
+        return self.front != "nginx" and self.proxy.state == "healthy"
+
+    def tagged_instance(self, tag: str) -> List[Tagged]:
+        """The processes carrying exactly this tag."""
+        return [t for t in self.tagged if t.tag == tag]
+
+
+def _record(cls, data: Dict[str, Any]):
+    """A record of cls from its wire form, keys it does not declare left out (an older or newer probe)."""
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def parse(data: Dict[str, Any]) -> HostFacts:
+    """The one reader of the state probe's JSON."""
+    out = _record(HostFacts, data)
+    out.proxy = _record(Proxy, data.get("proxy") or {})
+    out.instances = [_record(Instance, i) for i in data.get("instances") or []]
+    out.retired = [_record(Instance, i) for i in data.get("retired") or []]
+    out.nginx = _record(Nginx, data.get("nginx") or {})
+    out.keeper = _record(Keeper, data.get("keeper") or {})
+    out.tagged = [_record(Tagged, t) for t in data.get("tagged") or []]
+    out.lora_adapters = data.get("lora_adapters") or []
+    out.asked_boot = "boot" in data
+    return out
+
+
+def wire(facts: HostFacts) -> Dict[str, Any]:
+    """The JSON-ready form the probe prints (parse's inverse)."""
+    out = asdict(facts)
+    if not facts.asked_boot:
+        out.pop("boot")
+    out.pop("asked_boot")
+    return out

@@ -1,0 +1,60 @@
+"""What one deploy costs per host, in SSH round trips (a command run or started, a file put or read),
+counted by the transport itself (fleet.transport.Transport.round_trips) against the real sshd.
+
+A deploy that changes nothing and a deploy that rolls every instance are held to a budget each: the
+roll's grows with its steps (the instances it rolls), never with how long something takes to answer.
+"""
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from fleet import deploy as fleet_deploy
+from fleet import inventory as inv_mod
+from fleet import transport
+from fleet_helpers import inv, stop_by_own_scripts
+from sshd import keygen, sshd  # noqa: F401  (the module-scoped fixture)
+from test_ssh import ssh_host
+
+pytestmark = [pytest.mark.ssh, pytest.mark.cluster]
+
+# The budgets, measured (docs/ARCHITECTURE.md, "What a deploy costs"): a deploy that changes nothing,
+# and a roll's cost beside that per instance it rolls.
+NO_CHANGE = 14
+PER_ROLLED_INSTANCE = 6
+
+
+def _deploy(path, name: str) -> tuple[int, dict]:
+    """One `inv deploy` of host name, in this process: its round trips and its recap counts."""
+    hv = inv_mod.load(path).host_vars(name)
+    conn = transport.connect(hv)
+    try:
+        report = fleet_deploy.deploy(conn, hv)
+    finally:
+        conn.close()
+    counts = {s: report.count(s) for s in ("ok", "changed", "failed")}
+    return conn.round_trips, counts
+
+
+def test_a_no_change_deploy_and_a_roll_cost_round_trips_by_steps_not_by_polls(sshd, tmp_path):
+    instances = 2
+    hosts = {"r1": ssh_host(sshd, tmp_path, "r1", instances=instances, max_num_seqs=4)}
+    path = tmp_path / "hosts.yml"
+    path.write_text(yaml.safe_dump({"hosts": hosts}))
+    try:
+        first = inv("deploy", "--host", "r1", inventory=path)
+        assert first.returncode == 0, first.stdout + first.stderr
+        trips, counts = _deploy(path, "r1")
+        assert counts["changed"] == 0 and counts["failed"] == 0, counts
+        print(f"no-change deploy: {trips} round trips")
+        assert trips <= NO_CHANGE, trips
+        # A smaller max_num_seqs: every instance rolls (drain, stop, start, /health, enable), the proxy
+        # takes fewer slots first.
+        hosts["r1"]["max_num_seqs"] = 2
+        path.write_text(yaml.safe_dump({"hosts": hosts}))
+        rolled, counts = _deploy(path, "r1")
+        assert counts["failed"] == 0 and counts["changed"] >= instances, counts
+        print(f"roll of {instances} instances: {rolled} round trips")
+        assert rolled <= 2 * NO_CHANGE + PER_ROLLED_INSTANCE * instances, rolled
+    finally:
+        stop_by_own_scripts(path, ["r1"])
