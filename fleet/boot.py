@@ -48,12 +48,16 @@ def held_back(conn, hv: HostVars, report: Report, why: str) -> None:
                f"(`inv stop --host {hv.name}` removes it)" if shown else f"not installed: {why}")
 
 
-def deploy(conn, hv: HostVars, report: Report, emit: Emit, check: bool) -> None:
-    """deploy's last step: install the hook (or, with boot_hook off, remove one left installed)."""
+def deploy(conn, hv: HostVars, report: Report, emit: Emit, check: bool, installed: dict | None = None) -> None:
+    """deploy's last step: install the hook (or, with boot_hook off, remove one left installed; installed: the
+    hook the state probe found, {kind, command} or None)."""
     kind = wanted(hv)
     if kind == "off":          # the operator's choice: ok, not a skip
         if check:
             report.add("boot hook", "ok", "boot_hook is off")
+            return
+        if installed is None:  # the probe found none: nothing to remove (no round trip to ask again)
+            report.add("boot hook", "ok", "boot_hook is off: nothing brings the deployment back after a reboot")
             return
         gone = _run(conn, hv, ["remove", hv.deployment_id])["removed"]
         report.add("boot hook", "changed" if gone else "ok",

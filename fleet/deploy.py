@@ -113,7 +113,7 @@ def _deploy(conn: Transport, hv: HostVars, emit: Emit, check: bool, diff: bool, 
             emit("doctor: a check failed; fix it, or deploy with --no-doctor to skip the checks")
             return report
     files = sync.host_files(hv)
-    found = facts.probe(conn, hv, [f.path for f in files], readonly=check)
+    found = facts.probe(conn, hv, [f.path for f in files], readonly=check, boot=True)
     strangers = facts.foreign_ports(hv, found)
     if strangers:
         # Nothing starts beside a stranger on our ports (the doctor says the same when it runs).
@@ -122,7 +122,7 @@ def _deploy(conn: Transport, hv: HostVars, emit: Emit, check: bool, diff: bool, 
         report.status = facts.status_of(hv, found)
         return report
     if found.deploy_dir_exists:
-        for sentence in drift.sentences(hv, found, drift.read_deployed(conn, hv)):
+        for sentence in drift.sentences(hv, found, drift.read_deployed(found)):
             emit(f"WARNING: {sentence}")        # before anything changes; beside the recap too
             report.warn(sentence)
     keys = found.api_keys or {}
@@ -131,14 +131,7 @@ def _deploy(conn: Transport, hv: HostVars, emit: Emit, check: bool, diff: bool, 
         report.add("api keys", "failed", f"{keys['error']} The proxy cannot start with it: nothing was started.")
         report.status = facts.status_of(hv, found)
         return report
-    d = hv.settings.deploy_dir
-
     changed_files = sync.put_files(conn, hv, files, found, report, emit, check, diff)
-    if hv.settings.accelerator == "sim" and not check:
-        # Device files are created once and never replaced: holders keep the inode they opened.
-        devs = " ".join(shlex.quote(layout.path(d, f"{layout.SIM_DEV}/{n}")) for n in
-                        ["kfd"] + [f"renderD{128 + i}" for i in range(hv.settings.accelerators)])
-        conn.run(f"mkdir -p {shlex.quote(layout.path(d, layout.SIM_DEV))} && touch {devs}")
 
     # Instances with processes left behind (an API server killed, its EngineCore children still holding
     # the card): those are stopped by group and tag, and their card released, before they start again.
@@ -199,10 +192,12 @@ def _deploy(conn: Transport, hv: HostVars, emit: Emit, check: bool, diff: bool, 
         if hv.settings.instances:
             fleet_keeper.deploy(conn, hv, found, changed_files, report, emit, check)
         # Last, once what it would start runs: after a reboot, bin/boot.sh starts it all again.
-        boot.deploy(conn, hv, report, emit, check)
+        boot.deploy(conn, hv, report, emit, check, found.boot)
     for line in display.step_lines(report.steps, verbose):
         emit(line)
-    report.status = facts.status_of(hv, facts.probe(conn, hv, readonly=check, boot=True))
+    # Nothing changed: the facts read first are the host's state still (one round trip less).
+    quiet = not any(s.status in ("changed", "failed") for s in report.steps)
+    report.status = facts.status_of(hv, found if quiet else facts.probe(conn, hv, readonly=check, boot=True))
     return report
 
 
@@ -214,6 +209,17 @@ def _hold_back(conn, hv: HostVars, found: HostFacts, report: Report) -> None:
     report.add("keeper", "skipped", f"not changed: {why}; the keeper of an earlier deploy still runs (pid "
                f"{k.pid})" if k.alive else f"not started: {why}")
     boot.held_back(conn, hv, report, why)
+
+
+def _sim_devices(hv: HostVars) -> str:
+    """The sim accelerator's device files, made before an instance starts (a shell line ending in `&& `; empty
+    for a real accelerator). Created once and never replaced: holders keep the inode they opened."""
+    if hv.settings.accelerator != "sim":
+        return ""
+    d = hv.settings.deploy_dir
+    devs = " ".join(shlex.quote(layout.path(d, f"{layout.SIM_DEV}/{n}")) for n in
+                    ["kfd"] + [f"renderD{128 + i}" for i in range(hv.settings.accelerators)])
+    return f"mkdir -p {shlex.quote(layout.path(d, layout.SIM_DEV))} && touch {devs} && "
 
 
 def _start_instances(conn, hv, to_start, report, emit):
@@ -233,7 +239,7 @@ def _start_instances(conn, hv, to_start, report, emit):
     # The inventory's values, whatever the environment holds (N, MAX_SEQS...: start_cluster.sh's overrides
     # by hand, which the proxy and the keeper would not know of).
     unset = " ".join(f"-u {name}" for name in layout.START_OVERRIDES)
-    r = conn.run(f"env {unset} {bin_dir}/start_cluster.sh", on_line=lambda line: emit(line))
+    r = conn.run(f"{_sim_devices(hv)}env {unset} {bin_dir}/start_cluster.sh", on_line=lambda line: emit(line))
     if r.exited == 3:
         raise RemoteError(f"{hv.name}: {r.stderr.strip()}")
     if not r.ok:
@@ -335,6 +341,8 @@ def _roll(conn, hv: HostVars, found: HostFacts, to_roll: list[dict], report: Rep
     engine more slots than it has; a larger one reaches the proxy after the roll (the front step). The
     paths put here, for the front step."""
     put: set[str] = set()
+    if _sim_devices(hv):      # a roll may move an instance to a card the host had no device file for
+        conn.run(_sim_devices(hv) + "true")
     interim = _interim_proxy_conf(hv, to_roll) if slots_first else None
     if interim is not None and found.proxy_healthy():
         conn.put(layout.path(hv.settings.deploy_dir, layout.PROXY_CONF), interim.encode(), 0o644)

@@ -7,17 +7,13 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 
-from hostagent import layout
 from hostagent.facts import HostFacts
 
 from .inventory import HostVars
-from .transport import Transport
 
 # The header every rendered conf/proxy.yaml begins with (fleet/templates/proxy.yaml.j2).
 HEADER = re.compile(r"rendered by vllm-fleet from (.+)\.$")
-KEEPALIVED = "keepalived"
 
 
 def _same_file(a: str, b: str) -> bool:
@@ -30,14 +26,11 @@ def _same_file(a: str, b: str) -> bool:
     return len(relative) == 1 and (a if relative[0] == b else b).endswith("/" + os.path.normpath(relative[0]))
 
 
-def read_deployed(conn: Transport, hv: HostVars) -> dict:
-    """The inventory path the deployed files name, and whether keepalived of an earlier deploy runs."""
-    d = hv.settings.deploy_dir
-    conf, pid = (shlex.quote(layout.path(d, rel)) for rel in (layout.PROXY_CONF, layout.KEEPALIVED_PID))
-    r = conn.run(f"head -n 1 {conf} 2>/dev/null; test -s {pid} && echo {KEEPALIVED}; true")
-    lines = r.stdout.splitlines()
-    found = HEADER.search(lines[0]) if lines else None
-    return {"inventory": found.group(1) if found else None, "keepalived": KEEPALIVED in lines[1:] + lines[:1]}
+def read_deployed(found: HostFacts) -> dict:
+    """The inventory path the deployed files name, and whether keepalived of an earlier deploy runs (both
+    read by the state probe: conf/proxy.yaml's header, run/keepalived.pid)."""
+    header = HEADER.search(found.proxy_conf_head)
+    return {"inventory": header.group(1) if header else None, "keepalived": found.keepalived_recorded}
 
 
 def sentences(hv: HostVars, found: HostFacts, deployed: dict) -> list[str]:

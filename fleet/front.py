@@ -7,10 +7,9 @@ it and turns what it prints into report steps.
 from __future__ import annotations
 
 import shlex
-import time
 
 from hostagent import layout
-from hostagent.facts import HostFacts
+from hostagent.facts import HostFacts, Proxy, record
 
 from . import agent, facts, runlock, schema, sync
 from .errors import FleetError
@@ -195,13 +194,13 @@ def deploy_front(conn: Transport, hv: HostVars, found: HostFacts, changed_files:
     if state in ("healthy", "no-backend") and not stale:
         report.add("proxy", "ok", f"already running on :{p.port}, pid {p.pid}")
         return
-    # Only the config changed, and the running proxy answers on the ports it names: SIGHUP re-reads it
+    # Only the config changed, and the running proxy answers on the ports it names: a reload re-reads it
     # without dropping a request. New code or start script, or a proxy that does not answer there, needs a
     # restart.
     reloadable = state in ("healthy", "no-backend") and p.backends is not None and not owed and not relaunch
     if reloadable:
         if check:
-            report.add("proxy", "changed", f"would reload (SIGHUP) pid {p.pid} with the new config"
+            report.add("proxy", "changed", f"would reload pid {p.pid} with the new config"
                        + (" (the key file changed)" if keys is not None else ""))
             return
         if _reload_proxy(conn, hv, p, report, keys):
@@ -220,16 +219,13 @@ def deploy_front(conn: Transport, hv: HostVars, found: HostFacts, changed_files:
     if not r.ok:
         report.add("proxy", "failed", f"start_proxy.sh failed (exit {r.exited}): {r.stderr.strip()[-300:]}")
         return
-    t0 = time.monotonic()
-    while True:
-        f = facts.probe(conn, hv).proxy
-        if f.alive and f.health == 200:
-            report.add("proxy", "changed", f"{verb}ed, pid {f.pid}, healthy on :{f.port}")
-            return
-        if not f.alive or time.monotonic() - t0 > 30:
-            report.add("proxy", "failed", _start_failure(conn, hv, f.alive))
-            return
-        time.sleep(0.2)
+    # The wait is the host's: one host agent command that answers once the proxy is healthy, or has exited.
+    f = record(Proxy, agent.host_command(conn, hv, "wait-proxy --timeout-s 30", emit, config=agent.FRONT_CONFIG,
+                                         timeout=90))
+    if f.state == "healthy":
+        report.add("proxy", "changed", f"{verb}ed, pid {f.pid}, healthy on :{f.port}")
+    else:
+        report.add("proxy", "failed", _start_failure(conn, hv, f.alive))
 
 
 def _start_failure(conn, hv: HostVars, alive: bool) -> str:
@@ -279,53 +275,44 @@ def _keys_to_take(hv: HostVars, found: HostFacts, report: Report, against: str) 
 
 
 def _reload_proxy(conn, hv, p, report, keys: str | None = None, want: list[str] | None = None) -> bool:
-    """SIGHUP the running proxy and wait until it has applied the new config (keys: the digest of the
-    keys it must then run with; want: the backends it names, the inventory's unless given); False when it refused it, kept a setting only a restart changes, or did
-    not answer in time (then the caller restarts it). Backends the reload removed are waited for until
-    their requests in flight end (up to drain_timeout_s), so their host can be stopped at once after."""
+    """Have the running proxy re-read its config and say what came of it: one host agent command
+    (`reload-proxy`: the proxy's synchronous `POST /admin/reload`, then on the host the wait for the backends
+    it removed to finish their requests, up to drain_timeout_s). keys: the digest of the keys it must then
+    run with; want: the backends it names, the inventory's unless given. False when it refused the config,
+    kept a setting only a restart changes, or did not answer (then the caller restarts it)."""
     before = p.said("reloads")
     if before is None:        # a proxy that does not report its reloads: restart it
         return False
-    conn.run(f"kill -HUP {int(p.pid)}")
     want = hv.backends if want is None else want
     removed = [b for b in p.said("backends") or [] if b not in want]
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        f = facts.probe(conn, hv).proxy
-        running = f.config or {}
-        reloads = running.get("reloads") or before
-        if f.alive and reloads["refused"] > before["refused"]:
-            report.add("proxy", "ok", f"pid {p.pid} refused the new config ({reloads['last_error']}); "
-                       "restarting it")
-            return False
-        if (f.alive and reloads["applied"] > before["applied"] and running.get("backends") == want
-                and (keys is None or running.get("api_keys_digest") == keys)):
-            # The proxy names what the reload could not change (its listeners, the body limit, the drain
-            # time, its log's rotation: proxy.state.RESTART_ONLY); those need a restart.
-            if running.get("pending_restart"):
-                return False
-            added = [b for b in want if b not in p.said("backends", want)]
-            report.add("proxy", "changed", f"reloaded (SIGHUP), pid {p.pid}, {len(want)} backends"
-                       + (f" ({len(added)} added: each takes requests once its /health answers 200)" if added else "")
-                       + (", API keys taken from the key file" if keys is not None else "")
-                       + _drain_removed(conn, hv, removed, running))
-            return True
-        time.sleep(0.2)
-    return False
+    r = agent.host_command(conn, hv, "reload-proxy" + (" --drain" if removed else ""), lambda line: None,
+                           timeout=hv.settings.drain_timeout_s + 120)
+    running = r.get("config") or {}
+    if r.get("answered") and not r.get("reloaded"):
+        error = (running.get("reloads") or {}).get("last_error")
+        report.add("proxy", "ok", f"pid {p.pid} refused the new config ({error}); restarting it")
+        return False
+    if not (r.get("reloaded") and running.get("backends") == want
+            and (keys is None or running.get("api_keys_digest") == keys)):
+        return False
+    # The proxy names what the reload could not change (its listeners, the body limit, the drain time, its
+    # log's rotation: proxy.state.RESTART_ONLY); those need a restart.
+    if running.get("pending_restart"):
+        return False
+    added = [b for b in want if b not in p.said("backends", want)]
+    report.add("proxy", "changed", f"reloaded, pid {p.pid}, {len(want)} backends"
+               + (f" ({len(added)} added: each takes requests once its /health answers 200)" if added else "")
+               + (", API keys taken from the key file" if keys is not None else "")
+               + _drained(hv, removed, r))
+    return True
 
 
-def _drain_removed(conn, hv, removed: list[str], running: dict) -> str:
-    """Wait until the requests in flight on the backends a reload removed have ended (they take no new
-    ones), up to drain_timeout_s; what came of it, for the report."""
+def _drained(hv, removed: list[str], r: dict) -> str:
+    """What came of the wait for the backends a reload removed (reload-proxy --drain), for the report."""
     if not removed:
         return ""
-    t0 = time.monotonic()
-    leaving = running.get("leaving") or []
-    while leaving and time.monotonic() - t0 < hv.settings.drain_timeout_s:
-        time.sleep(0.2)
-        leaving = facts.probe(conn, hv).proxy.said("leaving", [])
-    if leaving:
-        held = sum(b["in_flight"] for b in leaving)
+    if r.get("leaving"):
+        held = sum(b["in_flight"] for b in r["leaving"])
         return (f"; {len(removed)} removed, {held} request(s) still in flight there after drain_timeout_s "
                 f"({hv.settings.drain_timeout_s:g}s): they finish unless their host stops")
-    return f"; {len(removed)} removed, drained in {time.monotonic() - t0:.1f}s (their requests finished)"
+    return f"; {len(removed)} removed, drained in {r.get('waited_s', 0):g}s (their requests finished)"

@@ -14,6 +14,9 @@ lora remove --model GROUP --name N, lora list (hostagent/lora.py; add and remove
 unless --locked).
 Proxy front (--config conf/nginx_front.json): restart-proxy [--healthy] (a zero-gap restart of the
 proxy), drain --timeout-s T (stop's first step: the front stops taking requests, finishes those in flight).
+wait-proxy --timeout-s T (--config conf/nginx_front.json): after start_proxy.sh, until the proxy answers /health
+200 or exits (T at most). reload-proxy [--drain] (--config conf/hostagent.json): the running proxy re-reads its config through its
+synchronous `POST /admin/reload`; --drain then waits here for the backends it removed (drain_timeout_s).
 Entries behind virtual addresses (--config conf/hostagent.json, hostagent/vrrp.py): vrrp-start [--reload]
 (deploy: keepalived's supervisor started unless it runs), vrrp-run (the supervisor itself), vrrp-stop (stop's
 first step: the address moves to a peer before the front drains), vrrp-state.
@@ -26,8 +29,10 @@ import argparse
 import json
 import logging
 import sys
+import time
 
-from . import config, drain, handover, instances, keeper, lock, lora, restart, vrrp, watch
+from . import (config, drain, handover, instances, keeper, layout, lock, lora, observe, proxyadmin, restart, vrrp,
+               watch)
 from .errors import HostAgentError, LockHeld, UsageError
 
 
@@ -36,7 +41,8 @@ def main(argv=None) -> int:
     parser.add_argument("command", choices=["check", "to-nginx", "to-proxy", "reload", "watch", "restart",
                                             "keeper", "keeper-start", "keeper-stop", "restart-proxy", "drain",
                                             "drain-instance", "enable-instance", "wait-healthy", "lora",
-                                            "drain-retired", "drain-member", "enable-member", "vrrp-start",
+                                            "drain-retired", "drain-member", "enable-member", "reload-proxy", "wait-proxy",
+                                            "vrrp-start",
                                             "vrrp-run", "vrrp-state", "vrrp-stop"])
     parser.add_argument("action", nargs="?", choices=["add", "remove", "list"], help="lora: what to do")
     parser.add_argument("--config", required=True)
@@ -61,6 +67,8 @@ def main(argv=None) -> int:
     parser.add_argument("--healthy", action="store_true",
                         help="restart-proxy: the new proxy must answer 200 on /health before the old one leaves")
     parser.add_argument("--timeout-s", type=float, default=60.0, help="drain: how long requests in flight get")
+    parser.add_argument("--drain", action="store_true",
+                        help="reload-proxy: wait (up to drain_timeout_s) for the requests on the backends it removed")
     parser.add_argument("--reload", action="store_true",
                         help="vrrp-start: a running keepalived re-reads conf/keepalived.conf (it changed)")
     args = parser.parse_args(argv)
@@ -108,6 +116,13 @@ def main(argv=None) -> int:
             ok = not any(s["status"] == "failed" for s in steps)
             print("FLEET_RESULT " + json.dumps({"ok": ok, "steps": steps}), flush=True)
             return 0 if ok else 1
+        if args.command == "wait-proxy":
+            print("FLEET_RESULT " + json.dumps({"ok": True, **_wait_proxy(cfg, args.timeout_s)}), flush=True)
+            return 0
+        if args.command == "reload-proxy":
+            result = proxyadmin.reload(cfg["admin_port"], float(cfg["drain_timeout_s"]) if args.drain else 0.0)
+            print("FLEET_RESULT " + json.dumps({"ok": True, **result}), flush=True)
+            return 0
         if args.command == "wait-healthy":
             return _wait_healthy(cfg, args, say)
         if args.command == "lora":
@@ -147,6 +162,18 @@ def _one_instance(cfg: dict, args, say) -> int:
     ok = not any(s["status"] == "failed" for s in result["steps"])
     print("FLEET_RESULT " + json.dumps({"ok": ok, **result}), flush=True)
     return 0 if ok else 1
+
+
+def _wait_proxy(cfg: dict, timeout_s: float) -> dict:
+    """Poll the proxy just started (its pid file's process, identity-checked, and /health on the entry port)
+    until it answers 200, exits, or timeout_s passes: its facts then ({"pid", "alive", "health", ...})."""
+    address = layout.local_address(cfg["bind"])
+    deadline = time.monotonic() + timeout_s
+    while True:
+        f = observe.proxy_facts(cfg["deploy_dir"], cfg["deployment_id"], cfg["port"], cfg["admin_port"], address)
+        if (f["alive"] and f["health"] == 200) or not f["alive"] or time.monotonic() > deadline:
+            return f
+        time.sleep(0.1)
 
 
 def _wait_healthy(cfg: dict, args, say) -> int:

@@ -124,6 +124,8 @@ class HostFacts:
     api_keys: Optional[Dict[str, Any]] = None   # the key file's digests (with proxy.api_keys_file)
     vrrp: Optional[Dict[str, Any]] = None       # behind virtual addresses: hostagent.vrrp.state
     boot: Optional[Dict[str, Any]] = None       # asked for: the installed boot hook
+    proxy_conf_head: str = ""                   # conf/proxy.yaml's first line: the inventory it was rendered from
+    keepalived_recorded: bool = False           # run/keepalived.pid is not empty (an earlier deploy's keepalived)
     asked_boot: bool = False
 
     @property
@@ -140,7 +142,7 @@ class HostFacts:
         return [t for t in self.tagged if t.tag == tag]
 
 
-def _record(cls, data: Dict[str, Any]):
+def record(cls, data: Dict[str, Any]):
     """A record of cls from its wire form, keys it does not declare left out (an older or newer probe)."""
     names = {f.name for f in fields(cls)}
     return cls(**{k: v for k, v in data.items() if k in names})
@@ -148,13 +150,13 @@ def _record(cls, data: Dict[str, Any]):
 
 def parse(data: Dict[str, Any]) -> HostFacts:
     """The one reader of the state probe's JSON."""
-    out = _record(HostFacts, data)
-    out.proxy = _record(Proxy, data.get("proxy") or {})
-    out.instances = [_record(Instance, i) for i in data.get("instances") or []]
-    out.retired = [_record(Instance, i) for i in data.get("retired") or []]
-    out.nginx = _record(Nginx, data.get("nginx") or {})
-    out.keeper = _record(Keeper, data.get("keeper") or {})
-    out.tagged = [_record(Tagged, t) for t in data.get("tagged") or []]
+    out = record(HostFacts, data)
+    out.proxy = record(Proxy, data.get("proxy") or {})
+    out.instances = [record(Instance, i) for i in data.get("instances") or []]
+    out.retired = [record(Instance, i) for i in data.get("retired") or []]
+    out.nginx = record(Nginx, data.get("nginx") or {})
+    out.keeper = record(Keeper, data.get("keeper") or {})
+    out.tagged = [record(Tagged, t) for t in data.get("tagged") or []]
     out.lora_adapters = data.get("lora_adapters") or []
     out.asked_boot = "boot" in data
     return out

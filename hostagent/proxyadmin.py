@@ -1,9 +1,11 @@
 """The proxy's admin API, called on the host: its loopback admin listener (127.0.0.1:admin_port).
 
 `GET /admin/backends`, `POST /admin/backends/{name}/drain` and `/enable`, `GET /admin/requests`,
-`GET /admin/config`, `POST /admin/drain-and-exit`, `POST /admin/refresh-models`. Standard library only, Python 3.6+: the state probe
+`GET /admin/config`, `POST /admin/reload`, `POST /admin/drain-and-exit`, `POST /admin/refresh-models`. Standard library only, Python 3.6+: the state probe
 bundles it.
 """
+import time
+
 from hostagent import httpcall
 
 
@@ -38,6 +40,24 @@ def drain(admin_port, name):
 def enable(admin_port, name):
     """Give backend name back to the proxy's picking: (status, answer)."""
     return call(admin_port, "POST", "/admin/backends/%s/enable" % name)
+
+
+def reload(admin_port, drain_timeout_s=0.0):
+    """The proxy re-reads its config (`POST /admin/reload` answers once it has applied or refused it), then,
+    with drain_timeout_s, the wait here on the host until the backends it removed hold no request in flight
+    (up to drain_timeout_s): one host agent command instead of a probe per poll from the control node.
+    {"answered", "reloaded", "config" (GET /admin/config after it), "leaving", "waited_s"}."""
+    status, answer = call(admin_port, "POST", "/admin/reload", timeout=60.0)
+    if status is None:
+        return {"answered": False, "reloaded": False, "error": answer}
+    config = get_json(admin_port, "/admin/config") or {}
+    t0 = time.monotonic()
+    leaving = (config.get("leaving") or []) if status == 200 else []
+    while leaving and time.monotonic() - t0 < drain_timeout_s:
+        time.sleep(0.2)
+        leaving = (get_json(admin_port, "/admin/config") or {}).get("leaving") or []
+    return {"answered": True, "reloaded": status == 200, "config": config, "leaving": leaving,
+            "waited_s": round(time.monotonic() - t0, 1)}
 
 
 def refresh_models(admin_port):

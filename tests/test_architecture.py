@@ -112,3 +112,14 @@ def test_no_function_local_import_of_the_project_own_modules():
                 if local and (level > 0 or module.split(".")[0] in PARTS) and name not in LAZY:
                     found.append(name)
     assert not found, found
+
+
+def test_the_layers_name_every_module_of_the_control_plane():
+    """A module left out of the layers contract is held to nothing: every module of fleet/ (the sim, a
+    package of its own, as one) has its place in a layer, and the layers name no module that is gone."""
+    import tomllib
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    layers = next(c for c in contracts if c["type"] == "layers")["layers"]
+    named = {m.strip() for layer in layers for m in layer.split("|")}
+    modules = {f"fleet.{p.stem}" for p in (ROOT / "fleet").glob("*.py") if p.stem != "__init__"} | {"fleet.sim"}
+    assert sorted(modules - named) == [] and sorted(named - modules) == []

@@ -110,7 +110,7 @@ def test_keys_hold_on_both_fronts_and_a_changed_key_file_is_taken(tmp_path):
         keys.write_text(f"{KEY}\n")
         pid = status_json(inventory)["proxy"]["pid"]
         r = inv("deploy", "--host", "t", "--check", inventory=inventory)
-        assert "would reload (SIGHUP) pid %d with the new config (the key file changed)" % pid in r.stdout, r.stdout
+        assert "would reload pid %d with the new config (the key file changed)" % pid in r.stdout, r.stdout
         r = inv("deploy", "--host", "t", inventory=inventory)
         assert r.returncode == 0 and "API keys taken from the key file" in r.stdout, r.stdout + r.stderr
         assert status_json(inventory)["proxy"]["pid"] == pid

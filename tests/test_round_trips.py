@@ -18,10 +18,13 @@ from test_ssh import ssh_host
 
 pytestmark = [pytest.mark.ssh, pytest.mark.cluster]
 
-# The budgets, measured (docs/ARCHITECTURE.md, "What a deploy costs"): a deploy that changes nothing,
-# and a roll's cost beside that per instance it rolls.
-NO_CHANGE = 14
-PER_ROLLED_INSTANCE = 6
+# The budgets, measured (docs/ARCHITECTURE.md, "What one deploy costs"): a deploy that changes nothing
+# (the preflight, the run lock, the doctor's probe, the state probe); a roll adds its fixed steps (the
+# interim proxy config put and reloaded, the state read again, the final reload, the status read) and
+# one host agent restart per instance, whatever each wait takes (the waits are the host's).
+NO_CHANGE = 4
+ROLL_FIXED = 8
+PER_ROLLED_INSTANCE = 2
 
 
 def _deploy(path, name: str) -> tuple[int, dict]:
@@ -55,6 +58,6 @@ def test_a_no_change_deploy_and_a_roll_cost_round_trips_by_steps_not_by_polls(ss
         rolled, counts = _deploy(path, "r1")
         assert counts["failed"] == 0 and counts["changed"] >= instances, counts
         print(f"roll of {instances} instances: {rolled} round trips")
-        assert rolled <= 2 * NO_CHANGE + PER_ROLLED_INSTANCE * instances, rolled
+        assert rolled <= NO_CHANGE + ROLL_FIXED + PER_ROLLED_INSTANCE * instances, rolled
     finally:
         stop_by_own_scripts(path, ["r1"])

@@ -26,6 +26,14 @@ def _past(d, n):
     return sorted(i for i in map(layout.pidfile_instance, names) if i is not None and i >= n)
 
 
+def _first_line(path):
+    try:
+        with open(path) as f:
+            return f.readline().rstrip("\n")
+    except (OSError, ValueError):
+        return ""
+
+
 def main():
     spec = json.loads(sys.argv[1])
     d = spec["deploy_dir"]
@@ -53,6 +61,11 @@ def main():
             tagged=[facts.Tagged(**t) for t in tagged(layout.tag_prefix(dep))])
     out.lora_adapters, out.lora_record_error = lora.read_record_quiet(d)
     out.mode = read_mode(d)
+    out.proxy_conf_head = _first_line(layout.path(d, layout.PROXY_CONF))
+    try:
+        out.keepalived_recorded = os.path.getsize(layout.path(d, layout.KEEPALIVED_PID)) > 0
+    except OSError:
+        pass
     if spec.get("api_keys_file"):
         # The key file's keys by their digest (never the keys), and the digest of nginx's map of them: a
         # deploy compares them with what the running front took. A relative path is the proxy's: deploy_dir.

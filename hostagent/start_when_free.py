@@ -1,4 +1,4 @@
-"""`python -m hostagent.launch --wait-free HOST:PORT --ready-file FILE -- -m MODULE ARGS...`
+"""`python -m hostagent.start_when_free --wait-free HOST:PORT --ready-file FILE -- -m MODULE ARGS...`
 
 Start a Python server the moment a port becomes free, for swap-to-proxy: import the heavy libraries
 first (aiohttp, yaml, prometheus_client: most of a start-up), touch FILE to say so, wait until
@@ -27,7 +27,7 @@ def port_free(host: str, port: int) -> bool:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hostagent.launch")
+    parser = argparse.ArgumentParser(prog="python -m hostagent.start_when_free")
     parser.add_argument("--wait-free", required=True, help="HOST:PORT to wait for")
     parser.add_argument("--ready-file", required=True, help="touched once the imports are done")
     parser.add_argument("--timeout-s", type=float, default=60)
