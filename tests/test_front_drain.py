@@ -339,7 +339,9 @@ def test_a_new_proxy_that_does_not_come_up_leaves_the_old_one_serving(cluster, t
     on the admin port; no run/proxy.next.pid is left."""
     inventory, deploy, st = cluster
     port, pid = st["proxy"]["port"], st["proxy"]["pid"]
-    r = inv("deploy", "--host", "t", "--set", "proxy.max_body_mb=32", "--set",
+    # --no-doctor: the doctor would refuse the missing key file before anything starts (its own test);
+    # here the new proxy itself must exit at start.
+    r = inv("deploy", "--host", "t", "--no-doctor", "--set", "proxy.max_body_mb=32", "--set",
             f"proxy.api_keys_file={tmp_path / 'no-such-keys'}", inventory=inventory)
     assert r.returncode == 2, r.stdout + r.stderr
     assert re.search(rf"FAILED: proxy: the new proxy exited \(logs/proxy.log: .*no-such-keys.*\); the running "
