@@ -168,8 +168,8 @@ def test_check_and_diff_change_nothing(sshd, tmp_path, cleanup):
     assert re.search(r"^c1 \| changed: instance 1: would start on :\d+$", out, re.M), out
     # The running instance 0 was started with max_num_seqs 4: deploy would roll it to 3.
     assert re.search(r"^c1 \| changed: instance 0: would restart \(max_num_seqs 4 -> 3\)", out, re.M), out
-    # Only its config changed: the running proxy would re-read it (SIGHUP), not restart.
-    assert re.search(r"^c1 \| changed: proxy: would reload \(SIGHUP\) pid \d+", out, re.M), out
+    # Only its config changed: the running proxy would re-read it (the host agent's reload-proxy), not restart.
+    assert re.search(r"^c1 \| changed: proxy: would reload pid \d+", out, re.M), out
     assert "c1 | --- c1:bin/start_cluster.sh" in out and "c1 | +++ rendered:bin/start_cluster.sh" in out
     assert re.search(r'^c1 \| -MAX_SEQS="\$\{MAX_SEQS:-4\}"$', out, re.M), out
     assert re.search(r'^c1 \| \+MAX_SEQS="\$\{MAX_SEQS:-3\}"$', out, re.M), out
