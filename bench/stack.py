@@ -221,7 +221,7 @@ class Stack:
 
         def rendered(*overrides: str) -> dict[str, str]:
             hv = inv.host_vars("bench", [*proxy_set, *overrides])
-            hv.vars["python"] = sys.executable
+            hv.settings.python = sys.executable
             return {f.path: f.content for f in render.render_host(hv)}
         files = rendered()
         for d in ("conf", "logs", "run/nginx", "sim-dev"):
@@ -257,7 +257,7 @@ class Stack:
                 self.tenants = tenants or {"app": {}, "batch": {}}
                 # proxy-tenants: the inventory's tenant_reserve; proxy-tenants-N: N (0: fully work-conserving)
                 reserve = (int(front.rsplit("-", 1)[1]) if front[-1].isdigit()
-                           else inv.host_vars("bench", list(proxy_set))["proxy"]["queue"]["tenant_reserve"])
+                           else inv.host_vars("bench", list(proxy_set)).settings.proxy.queue.tenant_reserve)
                 conf["queue"] = {**conf["queue"], "tenant_reserve": reserve}
                 keys = self.deploy / "conf" / "api_keys"
                 keys.write_text("".join(f"{TENANT_KEY.format(t)} {t}\n" for t in self.tenants)
