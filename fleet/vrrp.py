@@ -36,7 +36,7 @@ def spec(hv: HostVars) -> dict | None:
     if not hv.vrrp_group:
         return None
     v = hv.settings.vrrp
-    return {"keepalived": v["keepalived"], "interface": v["interface"], "addresses": list(v["addresses"])}
+    return {"keepalived": v.keepalived, "interface": v.interface, "addresses": list(v.addresses)}
 
 
 def deploy(conn, hv: HostVars, changed_files: set[str], report: Report, emit: Emit, check: bool) -> None:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -19,10 +20,13 @@ from hostagent import lock, processes
 from sshd import keygen, sshd  # noqa: F401  (the module-scoped fixture)
 
 
-class HV(dict):
-    """The few host variables the lock needs (prepared: deploy_dir absolute, python resolved)."""
+class HV:
+    """The few host settings the lock needs (prepared: deploy_dir absolute, python resolved)."""
 
     name = "t"
+
+    def __init__(self, **settings):
+        self.settings = SimpleNamespace(**settings)
 
 
 @pytest.fixture
@@ -95,8 +99,9 @@ def test_a_lock_left_by_a_dead_run_is_taken_over(hv, tmp_path):
     """1. a run (another process) takes the lock; 2. it is SIGKILLed: no cleanup of its own runs;
     3. the lock is free at once, and the file's stale holder line is not obeyed."""
     code = ("import sys, time; sys.path.insert(0, %r); from fleet import runlock; from fleet.transport import "
-            "LocalTransport\nclass HV(dict): name = 't'\nhv = HV(deploy_dir=%r, connection='local', python=%r, "
-            "env_setup='')\nwith runlock.held(LocalTransport('t'), hv, 'deploy'):\n    print('held', flush=True)\n"
+            "LocalTransport\nfrom types import SimpleNamespace\nclass HV: name = 't'\nhv = HV()\n"
+            "hv.settings = SimpleNamespace(deploy_dir=%r, connection='local', python=%r, env_setup='')\n"
+            "with runlock.held(LocalTransport('t'), hv, 'deploy'):\n    print('held', flush=True)\n"
             "    time.sleep(600)\n" % (str(os.path.dirname(os.path.dirname(__file__))), hv.settings.deploy_dir,
                                       sys.executable))
     run = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
