@@ -11,7 +11,7 @@ import shlex
 from hostagent import layout
 from hostagent.facts import HostFacts
 
-from . import agent, boot, display, drift, entries, facts, front, launch, preflight, release, render, runlock, serving, sync
+from . import agent, boot, display, drift, entries, facts, front, plan, preflight, release, render, runlock, serving, sync
 from . import keeper as fleet_keeper
 from . import vrrp as fleet_vrrp
 from .cluster import backend_name
@@ -133,47 +133,24 @@ def _deploy(conn: Transport, hv: HostVars, emit: Emit, check: bool, diff: bool, 
         return report
     changed_files = sync.put_files(conn, hv, files, found, report, emit, check, diff)
 
+    # The plan: each instance's step with its reason (fleet.plan), decided before anything acts; --check
+    # reports it, a deploy applies it. (--check names a stale launch whatever --no-restart says.)
+    steps = plan.instances(hv, found, restart or check)
+    for s in steps:
+        if s.action in ("keep", "later") and not (check and s.action == "later"):
+            report.add(s.name, "ok", s.kept)
+        elif check and s.action in ("roll", "later"):
+            report.add(s.name, "changed", s.would())
     # Instances with processes left behind (an API server killed, its EngineCore children still holding
     # the card): those are stopped by group and tag, and their card released, before they start again.
-    leftovers = {t.part for t in found.tagged}
-    to_start, to_roll = [], []
-    plan = {p["index"]: p for p in launch.plan(hv, found)}
-    for f, state in ((f, f.state) for f in found.instances):
-        name = f"instance {f.index}"
-        p = plan[f.index]
-        if state in ("healthy", "loading"):
-            changes = ", ".join(p["changes"] or [])
-            if launch.stale(p) and check:
-                report.add(name, "changed", f"would restart ({changes})" if state == "healthy" else
-                           f"runs stale settings ({changes}); still loading: a deploy once it is healthy "
-                           "restarts it")
-            elif launch.stale(p) and restart and state == "healthy":
-                to_roll.append(p)
-            elif launch.stale(p):
-                report.add(name, "ok", f"already {state} on :{f.port}, pid {f.pid}; left running stale "
-                           f"settings ({changes}): `inv deploy --host {hv.name}` "
-                           + ("restarts it" if state == "healthy" else "restarts it once it is healthy"))
-            elif launch.unrecorded(p):
-                report.add(name, "ok", f"already {state} on :{f.port}, pid {f.pid}; its launch is not "
-                           "recorded (started by an older version), so deploy cannot tell whether it runs the "
-                           f"current settings: `inv restart --host {hv.name} --instance {f.index}` restarts "
-                           "it with them, and records them")
-            else:
-                report.add(name, "ok", f"already {state} on :{f.port}, pid {f.pid}")
-        elif state == "port-taken":
-            # Strangers were refused above: this holder carries the instance's tag, but its pid file is
-            # lost or stale. It is stopped (tag and session) and the instance started again.
-            to_start.append(f)
-            report.data.setdefault("restart", []).append(f.index)
-        else:
-            to_start.append(f)
-            if (state == "dead" and f.alive) or str(f.index) in leftovers:
-                report.data.setdefault("restart", []).append(f.index)
-
+    if any(s.action == "restart" for s in steps):
+        report.data["restart"] = [s.index for s in steps if s.action == "restart"]
+    to_start = [found.instances[s.index] for s in steps if s.action in ("start", "restart")]
+    to_roll = [s.launch for s in steps if s.action == "roll"]
     if check:
-        for f in to_start:
-            verb = "restart (dead)" if f.index in report.data.get("restart", []) else "start"
-            report.add(f"instance {f.index}", "changed", f"would {verb} on :{f.port}")
+        for s in steps:
+            if s.action in ("start", "restart"):
+                report.add(s.name, "changed", s.would())
     elif to_start:
         _start_instances(conn, hv, to_start, report, emit)
     retired = found.retired or []
