@@ -13,7 +13,7 @@ and the sims' 16-token blocks chain alike (fleet/sim/prefix_cache.py). A prompt 
 or not earlier answers came back (open loop), with max_tokens min(output_length, 64).
 
 Fresh sims per front (8 x 8 slots, 640,000 tokens of KV each, prefill 60 ms per 1,000 uncached tokens,
-20 ms a token; the step model's budget when the sim has one), so every front starts cold. Per front: the
+20 ms a token; one step budget of --budget tokens shared by what runs: fleet/sim/step.py), so every front starts cold. Per front: the
 engines' hit rate (their prefix-cache counters), the oracle's (the same ids through one LRU cache the size
 of the whole fleet's KV: what an ideal router could find), TTFT p50/p90/p99, inter-token latency p99,
 goodput (answers a second whose TTFT was within --ttft-slo, and their share), failures; for the proxy, its
@@ -233,16 +233,17 @@ def figures(recs: list[dict], stats: list[dict], log: list[dict], routed: dict, 
                                  if judged_prompt else None)}
 
 
-def sim_flags(kv_tokens: int, max_model_len: int, extra: list[str]) -> list[str]:
-    return ["--sim-prefill-ms", "60", "--sim-token-ms", "20", "--sim-kv-blocks", str(kv_tokens // 16),
-            "--max-model-len", str(max_model_len), "--sim-output-tokens", "1000", "--enable-prompt-tokens-details",
-            *extra]
+def sim_flags(kv_tokens: int, max_model_len: int, budget: int, extra: list[str]) -> list[str]:
+    """The sims' engine model: the issue's timing, the step's budget (0: each prefill paid on its own)."""
+    return ["--sim-prefill-ms", "60", "--sim-token-ms", "20", "--max-num-batched-tokens", str(budget),
+            "--sim-kv-blocks", str(kv_tokens // 16), "--max-model-len", str(max_model_len),
+            "--sim-output-tokens", "1000", "--enable-prompt-tokens-details", *extra]
 
 
 def run_front(front: str, reqs: list[Request], args, work: Path) -> dict | None:
     """Fresh sims and one front over them; the trace replayed; everything stopped. None: not installed."""
     longest = max(r.input_length for r in reqs) + ANSWER_CAP + 16
-    flags = sim_flags(KV_TOKENS, max(32768, longest), args.sim)
+    flags = sim_flags(KV_TOKENS, max(32768, longest), args.budget, args.sim)
     (work / front).mkdir()
     stack = Stack(work / front, BACKENDS, MAX_NUM_SEQS, flags, proxy_set=(*PROXY_SET, *args.inventory_set),
                   routing_set=tuple(f"proxy.routing.{kv}" for kv in args.routing))
@@ -295,7 +296,8 @@ def lockstep(url: str, conversations: int, rounds: int, max_tokens: int) -> list
 def run_lockstep(front: str, args, work: Path) -> dict | None:
     """The lockstep overflow case on fresh sims behind front: cached share and the prediction's error."""
     c = LOCKSTEP
-    flags = ["--sim-prefill-ms", "20", "--sim-token-ms", "1", "--sim-kv-blocks", str(c["kv_blocks"]),
+    flags = ["--sim-prefill-ms", "20", "--sim-token-ms", "1", "--max-num-batched-tokens", str(args.budget),
+             "--sim-kv-blocks", str(c["kv_blocks"]),
              "--max-model-len", str(c["max_model_len"]), "--enable-prompt-tokens-details", *args.sim]
     (work / front).mkdir()
     stack = Stack(work / front, c["backends"], c["slots"], flags, proxy_set=(*PROXY_SET, *args.inventory_set),
@@ -347,6 +349,10 @@ def main(argv=None) -> int:
     ap.add_argument("--ttft-slo", type=float, default=2.0, help="goodput's TTFT bound in seconds (default 2)")
     ap.add_argument("--drain-s", type=float, default=180.0,
                     help="how long answers may take after the last send before they count as failed (default 180)")
+    ap.add_argument("--budget", type=int, default=2048,
+                    help="the sims' --max-num-batched-tokens: one token budget a step shared by what runs "
+                         "(fleet/sim/step.py; default 2048, vLLM's serving default on CPU and A100s; 0: each "
+                         "request's prefill paid on its own, the sims' older model)")
     ap.add_argument("--sim", action="append", default=[], metavar="FLAG",
                     help="one more sim flag for every sim (--sim=--max-num-batched-tokens=2048); repeatable")
     ap.add_argument("--routing", action="append", default=[], metavar="KEY=VALUE",
@@ -392,7 +398,7 @@ def main(argv=None) -> int:
             out.update(trace=str(path), speed=args.speed, requests=len(reqs), oracle=orc, ttft_slo=args.ttft_slo)
             print(f"{path.name}: {len(reqs)} requests over {reqs[-1].at:.0f} s at {args.speed:g}x "
                   f"({reqs[-1].at / args.speed:.0f} s); {BACKENDS} sims x {MAX_NUM_SEQS} slots, {KV_TOKENS:,} tokens "
-                  f"of KV each; sim {' '.join(sim_flags(KV_TOKENS, 0, args.sim)[:6] + args.sim)}; oracle {orc:.3f}; "
+                  f"of KV each; sim {' '.join(sim_flags(KV_TOKENS, 0, args.budget, args.sim)[:8] + args.sim)}; oracle {orc:.3f}; "
                   f"{os.cpu_count()} CPUs, load average {load_before}", flush=True)
             print(HEAD, flush=True)
             for front in fronts:
