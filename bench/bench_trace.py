@@ -110,23 +110,48 @@ def prompt_text(r: Request, texts: dict[int, str]) -> str:
 def oracle(reqs: list[Request], capacity_tokens: int) -> float:
     """The share of prompt tokens an ideal router finds cached: every request's ids through one LRU cache
     of capacity_tokens (the whole fleet's KV), each request's leading run of ids found counted."""
+    hits = oracle_hits(reqs, capacity_tokens)
+    total = sum(r.input_length for r in reqs)
+    return sum(hits) / total if total else float("nan")
+
+
+def oracle_hits(reqs: list[Request], capacity_tokens: int) -> list[int]:
+    """Per request, the prompt tokens the oracle's one LRU cache (capacity_tokens) holds when it comes."""
     lru: OrderedDict[int, None] = OrderedDict()
     cap = max(1, capacity_tokens // ID_TOKENS)
-    hit = total = 0
+    hits = []
     for r in reqs:
         run = 0
         for i in r.ids:
             if i not in lru:
                 break
             run += 1
-        hit += min(run * ID_TOKENS, r.input_length)
-        total += r.input_length
+        hits.append(min(run * ID_TOKENS, r.input_length))
         for i in r.ids:
             lru[i] = None
             lru.move_to_end(i)
         while len(lru) > cap:
             lru.popitem(last=False)
-    return hit / total if total else float("nan")
+    return hits
+
+
+def losses(reqs: list[Request], recs: list[dict], log: list[dict], capacity_tokens: int) -> dict:
+    """Where the oracle's hits went, for a proxy front: per route decision, the prompt tokens the oracle
+    found cached that the engine did not (each request's shortfall, none below 0), and of the `prefix`
+    ones, the part the proxy predicted and the engine had evicted (eviction the index did not see); as
+    shares of all prompt tokens."""
+    by_id = {e.get("request_id"): e for e in log}
+    total = sum(r.input_length for r in reqs) or 1
+    out: dict[str, float] = {}
+    for r, rec, o in zip(reqs, recs, oracle_hits(reqs, capacity_tokens)):
+        e = by_id.get(rec.get("id"))
+        if e is None or not isinstance(e.get("cached_tokens"), int):
+            continue
+        route = e.get("route", "?")
+        out[route] = out.get(route, 0) + max(0, o - e["cached_tokens"]) / total
+        if route == "prefix":
+            out["unseen eviction"] = out.get("unseen eviction", 0) + max(0, e["match_tokens"] - e["cached_tokens"]) / total
+    return out
 
 
 # --- driving a front ---------------------------------------------------------------------------------
@@ -148,12 +173,13 @@ async def replay(url: str, reqs: list[Request], speed: float, drain_s: float) ->
         delay = t0 + r.at / speed - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
+        rec["id"] = f"trace-{i}"
         rec["sent"] = time.perf_counter() - t0
         rec["late"] = rec["sent"] - r.at / speed
         gaps, last = [], None
         try:
             async with session.post(url + "/v1/chat/completions", data=body,
-                                    headers={"Content-Type": "application/json"}) as resp:
+                                    headers={"Content-Type": "application/json", "X-Request-Id": rec["id"]}) as resp:
                 rec["backend"] = resp.headers.get("X-Backend")
                 if resp.status != 200:
                     rec["error"] = str(resp.status)
@@ -255,7 +281,9 @@ def run_front(front: str, reqs: list[Request], args, work: Path) -> dict | None:
         d1 = decisions(stack.url(front))
         stats = stack.sim_stats()
         routed = {k: d1[k] - d0.get(k, 0) for k in d1}
-        return figures(recs, stats, results_log(stack, front), routed, args.ttft_slo)
+        log = results_log(stack, front)
+        return {**figures(recs, stats, log, routed, args.ttft_slo),
+                "losses": losses(reqs, recs, log, BACKENDS * KV_TOKENS) if log else {}}
     finally:
         stack.stop()
 
@@ -418,6 +446,9 @@ def main(argv=None) -> int:
             total = sum(m["routed"].values()) or 1
             print(f"  {FRONT_NAMES.get(front, front)}: routes " + ", ".join(
                 f"{k} {v / total:.2f}" for k, v in sorted(m["routed"].items())) + f"; per sim {m['per_sim']}")
+        if m.get("losses"):
+            print(f"  {FRONT_NAMES.get(front, front)}: the oracle's hits missed, by route (share of prompt tokens): "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in sorted(m["losses"].items())))
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=2))
     return 0
