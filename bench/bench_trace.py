@@ -52,10 +52,10 @@ ID_TOKENS, CHARS_PER_TOKEN = 512, 4          # a trace block; the sim's tokenize
 TEMPLATE_TOKENS = 7                          # ChatML around one user message and the generation prompt
 BACKENDS, MAX_NUM_SEQS, KV_TOKENS = 8, 8, 640_000
 ANSWER_CAP = 64
-FRONT_NAMES = {"proxy-prefix": "proxy prefix", "proxy": "proxy least_conn",
+FRONT_NAMES = {"proxy-prefix": "proxy prefix", "proxy-prefix-base": "proxy prefix, baseline", "proxy": "proxy least_conn",
                "vllm-router-cache": "vllm-router cache_aware", "vllm-router-random": "vllm-router random",
                "smg-cache": "smg cache_aware"}
-DEFAULT_FRONTS = ",".join(FRONT_NAMES)
+DEFAULT_FRONTS = ",".join(f for f in FRONT_NAMES if f != "proxy-prefix-base")
 # The proxy fronts' prompt bound: the synthetic trace's longest prompt is 191,374 tokens (765 KB of text).
 PROXY_SET = ("proxy.routing.policy=least_conn", "proxy.limits.max_prompt_blocks=16384")
 
@@ -272,7 +272,8 @@ def run_front(front: str, reqs: list[Request], args, work: Path) -> dict | None:
     flags = sim_flags(KV_TOKENS, max(32768, longest), args.budget, args.sim)
     (work / front).mkdir()
     stack = Stack(work / front, BACKENDS, MAX_NUM_SEQS, flags, proxy_set=(*PROXY_SET, *args.inventory_set),
-                  routing_set=tuple(f"proxy.routing.{kv}" for kv in args.routing))
+                  routing_set=tuple(f"proxy.routing.{kv}" for kv in args.routing),
+                  baseline=Path(args.baseline).resolve() if args.baseline else None)
     try:
         if not stack.start([front]):
             return None
@@ -329,7 +330,8 @@ def run_lockstep(front: str, args, work: Path) -> dict | None:
              "--max-model-len", str(c["max_model_len"]), "--enable-prompt-tokens-details", *args.sim]
     (work / front).mkdir()
     stack = Stack(work / front, c["backends"], c["slots"], flags, proxy_set=(*PROXY_SET, *args.inventory_set),
-                  routing_set=tuple(f"proxy.routing.{kv}" for kv in args.routing))
+                  routing_set=tuple(f"proxy.routing.{kv}" for kv in args.routing),
+                  baseline=Path(args.baseline).resolve() if args.baseline else None)
     try:
         if not stack.start([front]):
             return None
@@ -387,6 +389,8 @@ def main(argv=None) -> int:
                     help="a proxy.routing key for proxy-prefix; repeatable")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="inventory_set",
                     help="an inventory key for every proxy front; repeatable")
+    ap.add_argument("--baseline", help="another checkout (the code before a change) whose proxy runs the prefix config "
+                                       "as front proxy-prefix-base, in the same run")
     ap.add_argument("--lockstep", action="store_true", help="the lockstep overflow case instead of a trace")
     ap.add_argument("--out", help="also write every figure to this JSON file")
     args = ap.parse_args(argv)
