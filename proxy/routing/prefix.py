@@ -502,12 +502,26 @@ class Prefix(Policy):
         least = min(candidates, key=lambda b: b.in_flight)
         roomy = [b for b in candidates if matched.get(b.name, 0) >= run and fan.get(b.name, 0) < after]
         best = min(roomy, key=lambda b: (b.in_flight, fan.get(b.name, 0)), default=None)
-        if best is None or (best.in_flight - least.in_flight > r.balance_abs
-                            and best.in_flight > r.balance_rel * least.in_flight):
+        if best is None:
             best = min(candidates, key=lambda b: (b.in_flight, fan.get(b.name, 0)))
+        elif best.in_flight - least.in_flight > r.balance_abs and best.in_flight > r.balance_rel * least.in_flight:
+            best = self._faster(route, matched, best, candidates, fan)
         route.matched_tokens = matched.get(best.name, 0) * BLOCK_TOKENS
         route.decision = "shared"
         return best
+
+    def _faster(self, route: PrefixRoute, matched: dict[str, int], holder: Backend,
+                candidates: Sequence[Backend], fan: dict[str, int]) -> Backend:
+        """The backend a too loaded holder gives way to: the one with the lowest predicted time to first
+        token (ties: fewer in flight, fewer branches), when that is lower than the holder's; else the holder
+        (its requests are decoding, not prefilling: it starts this one no later). Without a prediction
+        (prefill_ms 0), the least loaded."""
+        if not self.config.prefill_ms:
+            return min(candidates, key=lambda b: (b.in_flight, fan.get(b.name, 0)))
+        now = self.clock()
+        ttft = {b.name: self.ttft_s(route, b, matched, now) for b in candidates}
+        other = min(candidates, key=lambda b: (ttft[b.name], b.in_flight, fan.get(b.name, 0)))
+        return other if ttft[other.name] < ttft[holder.name] else holder
 
     def sent(self, route: PrefixRoute | None, backend: Backend) -> None:
         """Remember the prompt's blocks on backend, within what its engine keeps (its KV cache's size in
