@@ -15,8 +15,8 @@ change, in the same run), `proxy-prefix-base` (the `proxy-prefix` config served 
 `proxy-tenants` (keys naming tenants, `proxy.tenants` set, the inventory's `proxy.queue.tenant_reserve`),
 `proxy-tenants-0` and `proxy-tenants-2` (the same with a reserve of 0 and 2 slots),
 `vllm-router` and `smg` with their default policy, `vllm-router-cache` and `smg-cache` with
-`--policy cache_aware`, `vllm-router-p2` with `--policy power_of_two`, `vllm-router-random` with `--policy random` (from bench/.venv-routers, made by
-bench/setup_routers.sh, or the PATH). A front whose program is missing is left out and said so.
+`--policy cache_aware`, `vllm-router-p2` with `--policy power_of_two`, `vllm-router-random` with
+`--policy random` (from bench/.venv-routers, made by bench/setup_routers.sh, or the PATH). A front whose program is missing is left out and said so.
 
 The models form (`models:` in proxy.yaml, a pool per served model): `proxy-models` (the sims split in two
 pools, the first half serving `m`, the rest `m2`) and `proxy-models-1` (one pool `m` of every sim, alias
