@@ -15,8 +15,8 @@ change, in the same run), `proxy-prefix-base` (the `proxy-prefix` config served 
 `proxy-tenants` (keys naming tenants, `proxy.tenants` set, the inventory's `proxy.queue.tenant_reserve`),
 `proxy-tenants-0` and `proxy-tenants-2` (the same with a reserve of 0 and 2 slots),
 `vllm-router` and `smg` with their default policy, `vllm-router-cache` and `smg-cache` with
-`--policy cache_aware`, `vllm-router-p2` with `--policy power_of_two` (from bench/.venv-routers, made by
-bench/setup_routers.sh, or the PATH). A front whose program is missing is left out and said so.
+`--policy cache_aware`, `vllm-router-p2` with `--policy power_of_two`, `vllm-router-random` with
+`--policy random` (from bench/.venv-routers, made by bench/setup_routers.sh, or the PATH). A front whose program is missing is left out and said so.
 
 The models form (`models:` in proxy.yaml, a pool per served model): `proxy-models` (the sims split in two
 pools, the first half serving `m`, the rest `m2`) and `proxy-models-1` (one pool `m` of every sim, alias
@@ -175,12 +175,12 @@ class Stack:
     FRONTS = ("direct", "proxy", "proxy-tenants", "proxy-tenants-0", "proxy-tenants-2", "proxy-lc", "proxy-prefix",
               "proxy-prefix-b", "proxy-prefix-base", "proxy-pair", "proxy-pair-b", "proxy-asyncio", "proxy-models",
               "proxy-models-1", "proxy-otel", "proxy-otel-down", "proxy-base", "nginx", "vllm-router",
-              "vllm-router-cache", "vllm-router-p2", "smg", "smg-cache")
+              "vllm-router-cache", "vllm-router-p2", "vllm-router-random", "smg", "smg-cache")
     PROXIES = ("proxy", "proxy-tenants", "proxy-tenants-0", "proxy-tenants-2", "proxy-lc", "proxy-prefix",
                "proxy-prefix-b", "proxy-prefix-base", "proxy-pair", "proxy-pair-b", "proxy-asyncio", "proxy-models",
                "proxy-models-1", "proxy-otel", "proxy-otel-down", "proxy-base")
     ROUTERS = {"vllm-router": None, "vllm-router-cache": "cache_aware", "vllm-router-p2": "power_of_two",
-               "smg": None, "smg-cache": "cache_aware"}   # front -> its --policy (None: the default)
+               "vllm-router-random": "random", "smg": None, "smg-cache": "cache_aware"}   # front -> its --policy (None: the default)
 
     def __init__(self, work: Path, backends: int, max_num_seqs: int, sim_args: list[str],
                  proxy_set: tuple[str, ...] = (), served: tuple[str, ...] = ("m",),
@@ -448,6 +448,9 @@ class Stack:
 
     def _start_vllm_router_p2(self):
         return self._router("vllm-router-p2", "vllm-router")
+
+    def _start_vllm_router_random(self):
+        return self._router("vllm-router-random", "vllm-router")
 
     def _start_smg(self):
         return self._router("smg", "smg", "launch")

@@ -303,6 +303,93 @@ def test_load_overrides_the_prefix_beyond_both_thresholds():
     assert decisions[2] == (False, "override")
 
 
+class Clock:
+    """The policy's clock, moved by hand."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.unit
+def test_without_a_match_the_request_goes_where_its_predicted_time_to_first_token_is_lowest():
+    """1. Two backends, equally loaded by count: b0 was sent a 4,000-token prompt, b1 a short one.
+    2. A new request with no match anywhere: b0's prefill backlog makes its predicted TTFT the longer
+       (prefill_ms 100: 0.4 s against 0.03 s), so it goes to b1, though least_conn's tie-break says b0.
+    3. Once b0's backlog is worked off (the clock moves on 1 s), the counts' tie-break decides again."""
+    b = pool(n=2, slots=8, prefill_ms=100)
+    clock = b.policy.clock = Clock()
+    b.acquire(route=PrefixRoute(prompt_blocks(chat("long document " * 1150))))   # ~4,000 tokens on b0
+    b.acquire(route=PrefixRoute(prompt_blocks(chat("short note " * 20))))
+    new = PrefixRoute(prompt_blocks(chat("a new question " * 20)))
+    assert b.policy.backlog("b0:1", clock.now) > 3900
+    assert b.acquire(route=new).name == "b1:1" and new.decision == "load"
+    clock.now += 1
+    assert b.policy.backlog("b0:1", clock.now) == 0
+    assert b.acquire(route=PrefixRoute(prompt_blocks(chat("another " * 20)))).name == "b0:1"
+
+
+@pytest.mark.unit
+def test_a_conversation_partly_evicted_from_the_index_still_goes_home_when_that_is_faster():
+    """The lockstep overflow case in small: a conversation's history is mostly forgotten (its home's
+    capacity kept only its head), so its match covers less than min_match_ratio of the prompt; going
+    home still saves that head's prefill and copies nothing to another cache, so it goes home."""
+    b = pool(n=2, slots=8, prefill_ms=100)
+    b.policy.clock = Clock()
+    history = chat(SYSTEM, "Conversation A's own document. " * 60)
+    home = b.acquire(route=PrefixRoute(prompt_blocks(history)))
+    later = PrefixRoute(prompt_blocks(chat(SYSTEM, "Conversation A's own document. " * 60, "An answer. " * 100,
+                                           "More? " * 600)))
+    b.policy.clock.now += 10            # home's backlog is done
+    run = b.policy.index.match(later.blocks)[home.name]
+    assert run < 0.5 * len(later.blocks)
+    assert b.acquire(route=later) is home and later.decision == "prefix"
+
+
+@pytest.mark.unit
+def test_a_conversation_the_index_forgot_goes_back_to_its_home_not_by_load():
+    """1. Two backends whose engines keep 100 blocks each; conversation A is sent to one (home).
+    2. Other conversations fill home's share of the index: A's blocks there are forgotten (the engine
+       evicted them), so the index matches nothing anywhere.
+    3. A's next round goes home all the same (`route` home, predicted cached 0): its history stays in one
+       cache rather than a second copy elsewhere, even though the other backend is less loaded."""
+    b = pool(n=2, slots=8, prefill_ms=100)
+    b.policy.clock = Clock()
+    for backend in b.backends.values():
+        backend.kv_tokens = 1600
+    history = [SYSTEM, "Conversation A's own document. " * 40]
+    home = b.acquire(route=PrefixRoute(prompt_blocks(chat(*history))))
+    for i in range(3):
+        b.acquire(route=PrefixRoute(prompt_blocks(chat(f"other conversation {i} " * 200))), exclude=[
+            x for x in b.backends.values() if x is not home])
+    later = PrefixRoute(prompt_blocks(chat(*history, "An answer.", "And then?")))
+    assert b.policy.index.match(later.blocks) == {}
+    b.policy.clock.now += 10
+    assert b.acquire(route=later) is home and later.decision == "home" and later.matched_tokens == 0
+
+
+@pytest.mark.unit
+def test_load_overrides_the_prefix_only_where_the_prediction_agrees():
+    """Home has more requests in flight than both balance thresholds allow, but they are decoding (their
+    prefill is done: the clock moved on) and the conversation's prefix is long: predicted faster at home,
+    it stays; with home's backlog still waiting, it goes."""
+    b = pool(n=2, slots=100, balance_abs=1, balance_rel=1.5, prefill_ms=100)
+    clock = b.policy.clock = Clock()
+    conv = prompt_blocks(chat(SYSTEM, "The long story of a conversation. " * 60))
+    home = b.acquire(route=PrefixRoute(conv))
+    others = [x for x in b.backends.values() if x is not home]
+    for i in range(2):
+        b.acquire(route=PrefixRoute(prompt_blocks(chat(f"other work {i} " * 100))), exclude=others)
+    clock.now += 10
+    stay = PrefixRoute(conv)
+    assert home.in_flight == 3 and b.acquire(route=stay) is home and stay.decision == "prefix"
+    b.acquire(route=PrefixRoute(prompt_blocks(chat("filler for home " * 600))), exclude=others)
+    go = PrefixRoute(conv)
+    assert b.acquire(route=go) is not home and go.decision == "override"
+
+
 @pytest.mark.unit
 def test_a_backend_taken_out_comes_back_cold():
     for take_out in ("eject", "unhealthy", "drain", "remove"):

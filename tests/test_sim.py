@@ -643,8 +643,9 @@ def test_cli_ignores_unknown_vllm_flags():
                            '{"image":4}', "--gpu-memory-utilization", "0.9", "--max-num-seqs", "3",
                            "--max-num-batched-tokens", "8192", "--enforce-eager"])
     assert (args.model, args.port, args.max_num_seqs, args.enforce_eager) == ("m", 9, 3, True)
+    assert args.max_num_batched_tokens == 8192   # taken: the engine step's budget (fleet/sim/step.py)
     assert ignored == ["--trust-remote-code", "--limit-mm-per-prompt", '{"image":4}',
-                       "--gpu-memory-utilization", "0.9", "--max-num-batched-tokens", "8192"]
+                       "--gpu-memory-utilization", "0.9"]
 
 
 @pytest.mark.parametrize("argv, environ, expected", [

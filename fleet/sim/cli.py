@@ -38,6 +38,10 @@ def parser() -> argparse.ArgumentParser:
                        help="highest adapter rank (checked against an adapter_config.json's r)")
     serve.add_argument("--block-size", type=int,
                        help="tokens per KV cache block (vLLM's default: 16; its CPU build uses 128)")
+    serve.add_argument("--max-num-batched-tokens", dest="max_num_batched_tokens", type=int,
+                       help="the engine step's token budget, shared by decodes and prefill chunks (vLLM's "
+                            "flag; FLEET_SIM_MAX_NUM_BATCHED_TOKENS; default 0: each request's prefill paid on "
+                            "its own, the sim's older model)")
     serve.add_argument("--enforce-eager", action="store_true", help="accepted; no effect")
     serve.add_argument("--enable-prompt-tokens-details", action="store_true",
                        help="usage carries prompt_tokens_details.cached_tokens, as vLLM's flag does")

