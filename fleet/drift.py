@@ -17,9 +17,9 @@ HEADER = re.compile(r"rendered by vllm-fleet from (.+)\.$")
 
 
 def _same_file(a: str, b: str) -> bool:
-    """Whether two inventory paths name one file. A relative path was relative to a directory no longer
-    known: it matches an absolute path that ends with it (the checkout's inventory/hosts.yml, from
-    vllm-fleet run elsewhere)."""
+    """Whether two inventory paths name one file. Deploys record the absolute path; a relative one (written
+    by a version before that) was relative to a directory no longer known: it matches an absolute path
+    that ends with it, for the one deploy after an upgrade (the next records the absolute path)."""
     if a == b or os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b)):
         return True
     relative = [p for p in (a, b) if not os.path.isabs(os.path.expanduser(p))]

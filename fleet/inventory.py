@@ -624,7 +624,10 @@ class HostVars:
         plain = not groups or serving.is_plain(groups)
         if v.bind is None:                     # an instance serves its own host's proxy alone
             v.bind = "127.0.0.1"               # (Inventory.host_vars widens it when another host fronts it)
-        hv = cls(name=name, settings=v, inventory_path=path, ports=ports, groups=groups, cards=cards, plain=plain)
+        # The deployed files' headers name the inventory by its absolute path: a later deploy from another
+        # file (fleet/drift.py) is told apart whatever directory either ran in.
+        hv = cls(name=name, settings=v, inventory_path=os.path.abspath(path) if path else path, ports=ports,
+                 groups=groups, cards=cards, plain=plain)
         hv.deployment_id = deployment_id(name, v.deploy_dir)
         return hv
 

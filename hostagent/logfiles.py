@@ -14,9 +14,12 @@ DIR_MODE = 0o700
 
 
 def open_fd(path):
-    """A descriptor appending to path, the file created 0600 (and made so, when it was looser)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, MODE)
-    if os.fstat(fd).st_mode & 0o077:
+    """A descriptor appending to path, the file created 0600 (and made so, when it was looser). A symlink
+    at path is refused (OSError ELOOP): appending and chmod through it would reach whatever it names, a
+    system file when the agent runs as root; only a plain file of this user's is tightened."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW, MODE)
+    st = os.fstat(fd)
+    if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & 0o077:
         os.fchmod(fd, MODE)
     return fd
 

@@ -22,8 +22,9 @@ MODE, DIR_MODE = 0o600, 0o700
 def open_private(path: str, **text) -> object:
     """path opened to append text, the file created 0600 (made so, when it was looser); text: open()'s
     encoding and errors."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, MODE)
-    if os.fstat(fd).st_mode & 0o077:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW, MODE)  # a symlink: ELOOP
+    st = os.fstat(fd)
+    if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & 0o077:
         os.fchmod(fd, MODE)
     return os.fdopen(fd, "a", **text)
 

@@ -126,3 +126,20 @@ def test_an_inventory_path_is_compared_as_a_file_not_as_text(tmp_path, monkeypat
     assert _same_file("inventory/hosts.yml", "/srv/checkout/inventory/hosts.yml")      # run from elsewhere
     assert not _same_file("/etc/fleet/hosts.yml", str(tmp_path / "inventory" / "hosts.yml"))
     assert not _same_file("hosts.yml", "/etc/fleet/other-hosts.yml")
+
+
+@pytest.mark.unit
+def test_a_deploy_records_its_inventory_by_absolute_path(tmp_path, monkeypatch):
+    """1. Two checkouts, each with inventory/hosts.yml, loaded by the relative path from their own directory.
+    2. Each host's inventory_path (what the deployed headers name) is absolute, so the second is told
+    apart from the first: the default path no longer matches any other `.../inventory/hosts.yml`."""
+    from fleet import inventory
+    from fleet.drift import _same_file
+    paths = []
+    for checkout in ("a", "b"):
+        (tmp_path / checkout / "inventory").mkdir(parents=True)
+        write_inventory(tmp_path / checkout / "inventory")
+        monkeypatch.chdir(tmp_path / checkout)
+        paths.append(inventory.load("inventory/hosts.yml").host_vars("t").inventory_path)
+    assert paths == [str(tmp_path / c / "inventory" / "hosts.yml") for c in ("a", "b")]
+    assert not _same_file(*paths)

@@ -60,3 +60,26 @@ def test_tighten_names_each_loose_file_and_leaves_symlinks_and_private_ones_alon
         f.write("next\n")
     assert out.read_text() == f"{out} was mode 0664, readable beyond its user: now 0600\nnext\n"
     assert mode(out) == 0o600
+
+
+def test_a_log_path_that_is_a_symlink_is_refused_and_its_target_untouched(tmp_path):
+    """1. logs/keeper.log is a symlink to a 0644 file (as to /dev/null or a system file, for an agent run as
+    root). 2. Opening the log, by the host agent or the proxy, fails (ELOOP): nothing is appended through
+    it and the target keeps its mode. 3. The boot and proxy scripts' private_log refuses it in a sentence."""
+    from proxy import logfile as proxy_logfile
+    target = tmp_path / "someone-elses"
+    target.write_text("theirs\n")
+    target.chmod(0o644)
+    link = tmp_path / "keeper.log"
+    link.symlink_to(target)
+    with pytest.raises(OSError):
+        logfiles.open_fd(str(link))
+    with pytest.raises(OSError):
+        proxy_logfile.open_private(str(link))
+    assert target.read_text() == "theirs\n" and mode(target) == 0o644
+    import subprocess
+    from fleet import render
+    helper = render.environment().get_template("_private_log.sh.j2").render()
+    done = subprocess.run(["bash", "-c", helper + '\nprivate_log "$1"', "x", str(link)], capture_output=True,
+                          text=True)
+    assert done.returncode == 1 and "is a symlink" in done.stderr and mode(target) == 0o644
