@@ -75,7 +75,10 @@ def pid_of(pid_file: Path) -> int:
 
 
 def end_pid(pid: int) -> None:
-    """SIGTERM pid (nginx's master: a daemon, not our child) and wait for it to go, SIGKILL after 10 s."""
+    """SIGTERM pid (nginx's master: a daemon, not our child, proven by Stack.nginx_pid) and wait for it to
+    go, SIGKILL after 10 s; pid 0 (not proven) is left alone."""
+    if pid <= 0:
+        return
     for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
         try:
             os.kill(pid, sig)
@@ -485,13 +488,22 @@ class Stack:
             getattr(self, "_start_" + front.replace("-", "_"))()
 
     def nginx_pid(self) -> int:
-        """nginx's master pid, from its own pid file."""
-        return int(self.nginx_pid_file.read_text().split()[0])
+        """nginx's master pid, from its own pid file; 0 when that pid is not an nginx master of this user's
+        (a stale file whose number was handed out again: nothing is signalled then)."""
+        pid = int(self.nginx_pid_file.read_text().split()[0])
+        try:
+            ours = Path(f"/proc/{pid}").stat().st_uid == os.getuid()
+            master = Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"nginx: master process")
+        except OSError:
+            return 0
+        return pid if ours and master else 0
 
     def stop(self) -> None:
         if self.nginx_pid_file and self.nginx_pid_file.exists():
             try:
-                os.kill(int(self.nginx_pid_file.read_text().split()[0]), signal.SIGQUIT)
+                pid = self.nginx_pid()
+                if pid:
+                    os.kill(pid, signal.SIGQUIT)
             except (ProcessLookupError, ValueError):
                 pass
         for p in reversed(self.procs):
