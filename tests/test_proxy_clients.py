@@ -263,3 +263,121 @@ def test_at_the_bound_with_none_idle_a_new_connection_gets_503(procs, tmp_path):
         s.close()
     wait_until(lambda: in_flight(admin) == 0, timeout=5, what="the four gone")
     assert cut_count(port, "refused") == 1 and cut_count(port, "shed") == 0
+
+
+class FakeTransport:
+    """A transport that only records being aborted (clients.reset finds no socket on it)."""
+
+    def __init__(self) -> None:
+        self.aborted = False
+
+    def get_extra_info(self, name):
+        return None
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+class HalfHead:
+    """A connection whose head began at `since` and never completed."""
+
+    def __init__(self, since: float) -> None:
+        self.head_since, self.transport = since, FakeTransport()
+
+    def request(self):
+        return None
+
+
+@pytest.mark.unit
+def test_a_sweep_cuts_a_bounded_number_the_oldest_first():
+    """1. 600 heads, all past header_timeout_s at once (a flood accepted in one burst). 2. One sweep cuts
+    CUTS_PER_SWEEP of them, the oldest first, so the loop is not held by hundreds of resets in one turn.
+    3. The next sweeps cut the rest."""
+    from proxy.clients import CUTS_PER_SWEEP, Clients
+    clients = Clients(ClientConfig(header_timeout_s=10), bound=10_000)
+    conns = [HalfHead(since=i * 0.001) for i in range(600)]
+    for c in conns:
+        clients.open[c] = None
+    clients.sweep(now=100.0)
+    cut = [c.transport.aborted for c in conns]
+    assert cut == [True] * CUTS_PER_SWEEP + [False] * (600 - CUTS_PER_SWEEP)
+    sweeps = 1
+    while clients.open and sweeps < 10:
+        for c in [c for c in clients.open if c.transport.aborted]:
+            del clients.open[c]             # what connection_lost does once the reset is through
+        clients.sweep(now=100.0)
+        sweeps += 1
+    assert all(c.transport.aborted for c in conns) and clients.cuts == 600
+    assert sweeps == -(-600 // CUTS_PER_SWEEP) + 1     # the last one finds none left
+
+
+@pytest.mark.unit
+def test_the_public_port_accepts_a_bounded_number_per_loop_turn_and_keeps_its_long_queue():
+    """1. A ClientSite starts on a listening socket. 2. While the loop is held, 300 connections complete in
+    the kernel's queue. 3. Once the loop runs again, no turn of it makes more than ACCEPTS_PER_TURN new
+    connections (a probe counts them at every turn), and all 300 are made. 4. The listen queue is still
+    BACKLOG long (ss's Send-Q of a listener)."""
+    import asyncio
+
+    from aiohttp import web
+
+    from proxy.clients import Clients
+    from proxy.listener import ACCEPTS_PER_TURN, BACKLOG, ClientSite, listen_socket
+
+    async def main() -> tuple[list[int], int]:
+        runner = web.AppRunner(web.Application())
+        await runner.setup()
+        clients = Clients(ClientConfig(), bound=10_000)
+        sock = listen_socket("127.0.0.1", 0, reuse_port=False)
+        port = sock.getsockname()[1]
+        await ClientSite(runner, sock, clients).start()
+        peers = [socket.create_connection(("127.0.0.1", port)) for _ in range(300)]   # the loop is held here
+        seen: list[int] = []
+        while len(clients.open) < 300 and len(seen) < 1000:
+            seen.append(len(clients.open))
+            await asyncio.sleep(0)              # one turn of the loop
+        seen.append(len(clients.open))
+        queue = listen_queue(port)
+        for p in peers:
+            p.close()
+        await runner.cleanup()
+        return seen, queue
+
+    seen, queue = asyncio.run(main())
+    assert seen[-1] == 300
+    assert max(b - a for a, b in zip(seen, seen[1:])) <= ACCEPTS_PER_TURN
+    assert queue in (BACKLOG, min(BACKLOG, int(open("/proc/sys/net/core/somaxconn").read())))
+
+
+def listen_queue(port: int) -> int:
+    """The listen queue's length of the listener on port (ss -ltn: Send-Q)."""
+    out = subprocess.run(["ss", "-Hltn", f"sport = :{port}"], capture_output=True, text=True, check=True).stdout
+    return int(out.split()[2])
+
+
+@pytest.mark.unit
+def test_the_loop_lag_watch_sees_a_stall():
+    """1. The loop-lag ticker runs. 2. A callback holds the loop 150 ms. 3. The worst lag says at least
+    that much (less the tick), and the histogram counted the late tick in its over-100 ms buckets."""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry, Gauge, Histogram
+
+    from proxy import loop_lag
+    from proxy.metrics import LAG_BUCKETS
+
+    r = CollectorRegistry()
+    hist = Histogram("lag", "lag", buckets=LAG_BUCKETS, registry=r)
+    worst = Gauge("worst", "worst", registry=r)
+
+    async def main() -> None:
+        task = asyncio.create_task(loop_lag.watch(hist, worst))
+        await asyncio.sleep(0.05)
+        time.sleep(0.15)                          # the stall: nothing else runs
+        await asyncio.sleep(0.05)
+        task.cancel()
+
+    asyncio.run(main())
+    assert worst._value.get() >= 0.15 - 2 * loop_lag.TICK_S
+    over = r.get_sample_value("lag_count") - r.get_sample_value("lag_bucket", {"le": "0.1"})
+    assert over >= 1
