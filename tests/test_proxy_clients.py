@@ -9,6 +9,7 @@ import os
 import re
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 
@@ -381,3 +382,35 @@ def test_the_loop_lag_watch_sees_a_stall():
     assert worst._value.get() >= 0.15 - 2 * loop_lag.TICK_S
     over = r.get_sample_value("lag_count") - r.get_sample_value("lag_bucket", {"le": "0.1"})
     assert over >= 1
+
+
+@pytest.mark.nginx
+def test_nginx_mode_cuts_a_stream_nobody_reads_at_its_send_timeout(tmp_path):
+    """1. nginx mode as fleet renders it (bench/stack.py) over one sim with one slot streaming fast;
+    send_timeout_s 1. 2. A client with a 1 KiB receive buffer asks for a long stream and never reads.
+    3. nginx cuts it within send_timeout_s + 1.5 s: the sim's request is aborted (its running count back to
+    0). nginx's send_timeout starts only once nothing more fits in the client socket's send buffer, which
+    nginx.send_buffer_kb keeps small (with the kernel's autotuning, 4 MB, the cut came after about 40 s
+    here). 4. The next request is served."""
+    require_tool("nginx")
+    sys.path.insert(0, str(ROOT / "bench"))
+    from stack import Stack, end_pid
+    sims = ["--sim-overhead-ms", "0", "--sim-token-ms", "2", "--sim-output-tokens", "30000"]
+    stack = Stack(tmp_path, 1, 1, sims, proxy_set=("proxy.client.send_timeout_s=1",))
+    try:
+        stack.start(["nginx"])
+        port, sim = int(stack.url("nginx").rsplit(":", 1)[1]), stack.backend_ports[0]
+        reader = socket.socket()
+        reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+        reader.connect(("127.0.0.1", port))
+        reader.sendall(request_bytes(chat(max_tokens=30000, stream=True)))
+        wait_until(lambda: sim_running(sim) == 1, timeout=10, what="the sim streaming to the non-reader")
+        t0 = time.monotonic()
+        wait_until(lambda: sim_running(sim) == 0, timeout=20, interval=0.05, what="the sim's request aborted")
+        assert time.monotonic() - t0 <= 1 + 1.5
+        assert post(port, chat(), timeout=5) == 200
+        reader.close()
+    finally:
+        if stack.nginx_pid_file and stack.nginx_pid_file.exists():
+            end_pid(stack.nginx_pid())
+        stack.stop()
