@@ -29,7 +29,9 @@ Figures, per case and front: polite requests sent / failed (not 200, or no answe
 --polite-timeout), their p50 and worst latency (a failed request at the time it failed) and the worst as a
 ratio of `alone`'s; the watcher's worst gap (the longest time without any answer to /health: 50 ms and a
 little more when all is well) and its non-200 answers (errors and timeouts counted), with how many of them
-were asked once the attack had ended (does the front come back?); the front's
+were asked once the attack had ended (does the front come back?); the same gap seen by a second watcher on
+one kept-alive connection (no wait in the listen queue: what the event loop itself answers); the proxy's own
+worst event-loop lag (proxy_event_loop_lag_worst_seconds, read at the case's end); the front's
 RSS before / peak / after (VmRSS of the proxy, summed over nginx's workers; sampled every 100 ms); the
 case's own statuses. Slots "come back" once the sims run or queue at most one request (the polite client's).
 Every process it starts is stopped by pid at the end, Ctrl-C included. One pass of both fronts takes about
