@@ -28,10 +28,11 @@ BPF_RET_K = 0x06                # BPF_RET | BPF_K: return the constant k
 # thousands (a flood, or every client reconnecting at once) waits here instead of having its SYNs dropped
 # and retried a second later. The event loop listens again with the site's backlog, so both use this.
 BACKLOG = 4096
-# Connections the event loop accepts in one turn (asyncio accepts up to its `backlog` per readiness of the
-# listening socket, and each becomes a task run in the next turn): at 4,096 a flood held the loop for
-# 140 ms on two busy cores; 64 a turn cost a few ms, and the rest wait their turn in the kernel's queue
-# while /health and the streams in flight get theirs.
+# Connections asyncio's loop accepts in one turn (it accepts up to its `backlog` per readiness of the
+# listening socket, and each becomes a task run in the next turn: at 4,096 a flood is thousands of
+# connections set up in one turn); at 64 the rest wait in the kernel's queue while /health and the streams
+# in flight get their turn. uvloop (the default where installed) ignores this: libuv accepts every pending
+# connection in one callback (docs/PERFORMANCE.md, "Hostile and careless callers").
 ACCEPTS_PER_TURN = 64
 
 
