@@ -319,6 +319,7 @@ def test_the_public_port_accepts_a_bounded_number_per_loop_turn_and_keeps_its_lo
     connections (a probe counts them at every turn), and all 300 are made. 4. The listen queue is still
     BACKLOG long (ss's Send-Q of a listener)."""
     import asyncio
+    require_tool("ss")
 
     from aiohttp import web
 
