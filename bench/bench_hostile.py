@@ -29,7 +29,9 @@ Figures, per case and front: polite requests sent / failed (not 200, or no answe
 --polite-timeout), their p50 and worst latency (a failed request at the time it failed) and the worst as a
 ratio of `alone`'s; the watcher's worst gap (the longest time without any answer to /health: 50 ms and a
 little more when all is well) and its non-200 answers (errors and timeouts counted), with how many of them
-were asked once the attack had ended (does the front come back?); the front's
+were asked once the attack had ended (does the front come back?); the same gap seen by a second watcher on
+one kept-alive connection (no wait in the listen queue: what the event loop itself answers); the proxy's own
+worst event-loop lag (proxy_event_loop_lag_worst_seconds, read at the case's end); the front's
 RSS before / peak / after (VmRSS of the proxy, summed over nginx's workers; sampled every 100 ms); the
 case's own statuses. Slots "come back" once the sims run or queue at most one request (the polite client's).
 Every process it starts is stopped by pid at the end, Ctrl-C included. One pass of both fronts takes about
@@ -45,6 +47,7 @@ import errno
 import json
 import multiprocessing
 import os
+import re
 import resource
 import selectors
 import signal
@@ -82,8 +85,10 @@ async def _observe(conn, url, key, every, health_every, timeout, stop) -> dict:
     import aiohttp
     polite: list[tuple[float, float, object]] = []    # (sent at, seconds, status or error)
     health: list[tuple[float, float | None, object]] = []
+    kept: list[tuple[float, float | None, object]] = []   # the same, on one kept-alive connection
     limit = aiohttp.ClientTimeout(total=timeout)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True, limit=0)) as s:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True, limit=0)) as s, \
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as one:
         async def ask(at: float) -> None:
             status: object = None
             try:
@@ -97,19 +102,19 @@ async def _observe(conn, url, key, every, health_every, timeout, stop) -> dict:
                 status = type(e).__name__
             polite.append((at, time.monotonic() - at, status))
 
-        async def watch() -> None:
+        async def watch(session, records) -> None:
             while True:
                 at = time.monotonic()
                 try:
-                    async with s.get(url + "/health", timeout=aiohttp.ClientTimeout(total=10)) as r:
+                    async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=10)) as r:
                         await r.read()
-                        health.append((at, time.monotonic(), r.status))
+                        records.append((at, time.monotonic(), r.status))
                 except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-                    health.append((at, None, type(e).__name__))
+                    records.append((at, None, type(e).__name__))
                 await asyncio.sleep(max(0.0, at + health_every - time.monotonic()))
 
         start = time.monotonic()
-        watcher = asyncio.create_task(watch())
+        watchers = [asyncio.create_task(watch(s, health)), asyncio.create_task(watch(one, kept))]
         conn.send("ready")
         tasks, n = [], 0
         while not stop.is_set():
@@ -118,9 +123,10 @@ async def _observe(conn, url, key, every, health_every, timeout, stop) -> dict:
                 n += 1
             await asyncio.sleep(0.01)
         end = time.monotonic()
-        watcher.cancel()
+        for w in watchers:
+            w.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)   # each bounded by its own timeout
-    return {"start": start, "end": end, "polite": polite, "health": health}
+    return {"start": start, "end": end, "polite": polite, "health": health, "kept": kept}
 
 
 class Observer:
@@ -456,6 +462,7 @@ def run_case(stack: Stack, front: str, name: str, args) -> dict:
         rss.done.set()
         rss.join()
     return {"front": front, "case": name, **polite_figures(seen), **health_figures(seen, ended),
+            "loop_lag_worst_s": loop_lag(stack, front),
             "rss_mb": {"before": before, "peak": rss.peak, "after": rss_mb(pids)}, "own": own}
 
 
@@ -483,15 +490,36 @@ def polite_figures(seen: dict) -> dict:
             "polite_worst_s": max(lat) if lat else float("nan")}
 
 
-def health_figures(seen: dict, ended: float) -> dict:
-    """The longest time the watcher went without an answer (of any status); its answers not 200, and those of
-    them asked once the attack had ended (at `ended`, monotonic): does the front come back?"""
-    answered = sorted(done for _, done, _ in seen["health"] if done is not None)
+def worst_gap(seen: dict, records: list) -> float:
+    """The longest time a watcher went without an answer (of any status), from the start to the end."""
+    answered = sorted(done for _, done, _ in records if done is not None)
     marks = [seen["start"], *answered, max(seen["end"], answered[-1] if answered else seen["end"])]
-    worst = max(b - a for a, b in zip(marks, marks[1:]))
-    return {"health_asked": len(seen["health"]), "health_worst_gap_s": worst,
+    return max(b - a for a, b in zip(marks, marks[1:]))
+
+
+def health_figures(seen: dict, ended: float) -> dict:
+    """The longest time the watcher went without an answer (of any status), on new connections and on one
+    kept alive; its answers not 200, and those of them asked once the attack had ended (at `ended`,
+    monotonic): does the front come back?"""
+    return {"health_asked": len(seen["health"]), "health_worst_gap_s": worst_gap(seen, seen["health"]),
+            "kept_worst_gap_s": worst_gap(seen, seen["kept"]),
+            "kept_errors": sum(1 for _, done, _ in seen["kept"] if done is None),
             "health_non_200": sum(1 for _, _, s in seen["health"] if s != 200),
             "health_non_200_after": sum(1 for at, _, s in seen["health"] if s != 200 and at >= ended)}
+
+
+def loop_lag(stack: Stack, front: str) -> float | None:
+    """The proxy's own worst event-loop lag since it started (proxy_event_loop_lag_worst_seconds); None
+    for nginx, or a proxy that does not say."""
+    if front == "nginx":
+        return None
+    try:
+        with urllib.request.urlopen(stack.url(front) + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    found = re.search(r"^proxy_event_loop_lag_worst_seconds (\S+)$", text, re.M)
+    return float(found.group(1)) if found else None
 
 
 # --- the run --------------------------------------------------------------------------------------------
@@ -656,11 +684,21 @@ def row(r: dict, results: list[dict]) -> list[str]:
     m = r["rss_mb"]
     return [r["front"], r["case"], f"{r['polite_sent']} / {r['polite_failed']}", f"{r['polite_p50_s'] * 1000:.0f}",
             f"{r['polite_worst_s'] * 1000:.0f}", f"{r['polite_worst_s'] / base:.1f}x" if base else "",
-            f"{r['health_worst_gap_s'] * 1000:.0f}", f"{r['health_non_200']} ({r['health_non_200_after']} after)",
+            f"{r['health_worst_gap_s'] * 1000:.0f}", _kept(r), _lag(r),
+            f"{r['health_non_200']} ({r['health_non_200_after']} after)",
             f"{m['before']:.0f} / {m['peak']:.0f} / {m['after']:.0f}", r["own"]["text"]]
 
 
+def _kept(r: dict) -> str:
+    return f"{r['kept_worst_gap_s'] * 1000:.0f}" + (f" ({r['kept_errors']} errors)" if r["kept_errors"] else "")
+
+
+def _lag(r: dict) -> str:
+    return "-" if r["loop_lag_worst_s"] is None else f"{r['loop_lag_worst_s'] * 1000:.0f}"
+
+
 HEAD = ["front", "case", "polite sent / failed", "p50 ms", "worst ms", "worst / alone", "/health worst gap ms",
+        "kept-alive /health worst gap ms", "loop lag worst ms",
         "/health non-200 (asked after the attack)", "RSS MB before / peak / after", "the case's own"]
 
 

@@ -209,7 +209,7 @@ def main(argv=None) -> int:
             if not args.chat_only:
                 sse = {}
                 for r in range(args.rounds):
-                    for name in ("direct", "proxy"):
+                    for name in [n for n in ("direct", "proxy", "nginx") if n == "direct" or n in fronts]:
                         sse.setdefault(name, []).append(drive(wrk_bin, stack, name, SSE, 16, args.seconds, Path(tmp)))
                 figures["sse"] = sse
                 lat = {}
@@ -290,9 +290,9 @@ def report(f: dict) -> None:
     if "sse" not in f:
         return
     sse = {name: median_run(r) for name, r in f["sse"].items()}
-    print(f"SSE, 1,000-chunk streams, 16 connections: direct {sse['direct']['rps'] * 1000:.0f} chunks/s, "
-          f"proxy {sse['proxy']['rps'] * 1000:.0f} chunks/s: {sse['proxy']['rps'] / sse['direct']['rps']:.0%} "
-          "of direct")
+    print(f"SSE, 1,000-chunk streams, 16 connections: direct {sse['direct']['rps'] * 1000:.0f} chunks/s" + "".join(
+        f", {n} {sse[n]['rps'] * 1000:.0f} chunks/s: {sse[n]['rps'] / sse['direct']['rps']:.0%} of direct"
+        for n in ("proxy", "nginx") if n in sse))
     ol = f["open_loop"]
     for name in ("proxy", "nginx", "proxy-otel", "proxy-otel-down", "proxy-base"):
         if name in ol and "direct" in ol:

@@ -559,6 +559,15 @@ class NginxSettings(Section):
         "fraction there).")
     keepalive: _int(1, 65536) = doc(64,
         "Idle keep-alive connections to the backends kept per nginx worker.")
+    send_buffer_kb: _int(0, 65536) = doc(16,
+        "nginx mode: the kernel's send buffer of each client connection (`listen ... sndbuf=`; the kernel "
+        "doubles it). nginx's `send_timeout` runs only once nothing more fits there, so a client that stops "
+        "reading keeps its stream (and its engine slot) until this buffer is full, then "
+        "`proxy.client.send_timeout_s`; and each chunk nginx still receives from the engine restarts that "
+        "timeout, so the cut comes on time only once the engine's side has filled too (2 ms a token: about a "
+        "second; 20 ms a token: not within minutes, see docs/nginx.md). A connection carries at most about "
+        "twice this per round trip (16: 640 KB/s at 50 ms), plenty for token streams. 0: the kernel's "
+        "autotuning (up to 4 MB).")
 
 
 class KeeperSettings(Section):

@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from .balancer import Backend
 from .config import ProxyConfig, keys_digest
 from .forward import TRACE_ID, json_error, target, list_models, new_request_id, proxy_handler
-from . import share
+from . import loop_lag, share
 from .models import entries_of
 from .state import PROXY, Proxy
 
@@ -161,8 +161,9 @@ async def _context(app: web.Application):
         proxy.spans.start()
     task = asyncio.create_task(health_loop(proxy))
     peers = asyncio.create_task(share.poll(proxy))    # active-active: which entries serve (proxy/share.py)
+    lag = asyncio.create_task(loop_lag.watch(proxy.metrics.loop_lag, proxy.metrics.loop_lag_worst))
     yield
-    for t in (task, peers):
+    for t in (task, peers, lag):
         t.cancel()
         try:
             await t

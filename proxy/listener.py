@@ -28,6 +28,12 @@ BPF_RET_K = 0x06                # BPF_RET | BPF_K: return the constant k
 # thousands (a flood, or every client reconnecting at once) waits here instead of having its SYNs dropped
 # and retried a second later. The event loop listens again with the site's backlog, so both use this.
 BACKLOG = 4096
+# Connections asyncio's loop accepts in one turn (it accepts up to its `backlog` per readiness of the
+# listening socket, and each becomes a task run in the next turn: at 4,096 a flood is thousands of
+# connections set up in one turn); at 64 the rest wait in the kernel's queue while /health and the streams
+# in flight get their turn. uvloop (the default where installed) ignores this: libuv accepts every pending
+# connection in one callback (docs/PERFORMANCE.md, "Hostile and careless callers").
+ACCEPTS_PER_TURN = 64
 
 
 def listen_socket(host: str, port: int, reuse_port: bool, backlog: int = BACKLOG) -> socket.socket:
@@ -58,8 +64,11 @@ class ClientSite(web.SockSite):
     async def start(self) -> None:
         await web.BaseSite.start(self)   # registers the site with its runner, as SockSite.start does
         loop = asyncio.get_running_loop()
+        # asyncio's one backlog is both the listen queue and the accepts per turn: a short one for the
+        # loop, then the long queue again for the kernel.
         self._server = await loop.create_server(self._clients.factory(self._runner.server), sock=self._sock,
-                                                backlog=self._backlog)
+                                                backlog=ACCEPTS_PER_TURN)
+        self._sock.listen(self._backlog)
 
 
 def steer_away(sock: socket.socket) -> bool:

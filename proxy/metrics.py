@@ -12,6 +12,8 @@ WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120)
 # Time to first byte: the duration buckets, finer below a second (a first token comes in tens of ms).
 TTFB_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TOKEN_BUCKETS = tuple(2 ** k for k in range(16))   # 1 .. 32768 output tokens
+# The event loop's lag (proxy.loop_lag): a few ms is a busy turn, 100 ms is the stall issue 37 forbids.
+LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
 # The label values known before any event: their series are made at start (or when a reload adds a
 # backend), so a panel or an increase() over them starts from 0 instead of "no data".
 QUEUE_REJECT_REASONS = ("full", "timeout", "gone")
@@ -162,6 +164,11 @@ class Metrics:
                                "off (proxy.resume.enabled false)", ["outcome"], registry=r)
         for outcome in RESUME_OUTCOMES:
             self.resumes.labels(outcome)
+        self.loop_lag = Histogram("proxy_event_loop_lag_seconds",
+                                  "How late the event loop ran a task due every 10 ms (a busy or stalled loop)",
+                                  buckets=LAG_BUCKETS, registry=r)
+        self.loop_lag_worst = Gauge("proxy_event_loop_lag_worst_seconds",
+                                    "The event loop's worst lag since the proxy started", registry=r)
         r.register(BackendState(router_of))
         if tenants_of is not None:
             r.register(TenantState(tenants_of))

@@ -15,15 +15,20 @@ def test_the_worst_gap_is_the_longest_time_without_any_answer_edges_included():
     """1. answers every 50 ms, then none until 4.0 s (a stalled loop): the gap is 3.04 s, and a 503 is an
     answer too; 2. answers end at 8 s of a 10 s window: the tail counts; 3. errors are no answers."""
     health = [(t / 20, t / 20 + 0.01, 200) for t in range(20)] + [(1.0, 4.0, 503), (4.0, 4.05, 200)]
-    f = bh.health_figures({"start": 0.0, "end": 5.0, "health": health}, ended=4.5)
+    kept = [(t / 20, t / 20 + 0.01, 200) for t in range(100)]     # the kept-alive watcher: answered throughout
+    f = bh.health_figures({"start": 0.0, "end": 5.0, "health": health, "kept": kept}, ended=4.5)
     assert f["health_worst_gap_s"] == pytest.approx(4.0 - 0.96)
+    assert f["kept_worst_gap_s"] == pytest.approx(0.05) and f["kept_errors"] == 0
     assert (f["health_non_200"], f["health_non_200_after"]) == (1, 0)
-    tail = bh.health_figures({"start": 0.0, "end": 10.0, "health": [(0.0, 0.1, 200), (7.9, 8.0, 200)]}, ended=9.0)
+    tail = bh.health_figures({"start": 0.0, "end": 10.0, "health": [(0.0, 0.1, 200), (7.9, 8.0, 200)],
+                               "kept": []}, ended=9.0)
     assert tail["health_worst_gap_s"] == pytest.approx(7.9)
-    none = bh.health_figures({"start": 2.0, "end": 5.0, "health": [(2.0, None, "ClientOSError"), (4.0, None, "")]},
+    none = bh.health_figures({"start": 2.0, "end": 5.0, "health": [(2.0, None, "ClientOSError"), (4.0, None, "")],
+                             "kept": [(2.0, None, "ServerDisconnectedError")]},
                              ended=3.0)
     assert none["health_worst_gap_s"] == pytest.approx(3.0)
     assert (none["health_non_200"], none["health_non_200_after"]) == (2, 1)
+    assert none["kept_worst_gap_s"] == pytest.approx(3.0) and none["kept_errors"] == 1
 
 
 def test_polite_figures_count_every_answer_but_200_as_failed_at_the_time_it_failed():

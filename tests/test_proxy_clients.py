@@ -9,6 +9,7 @@ import os
 import re
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 
@@ -263,3 +264,154 @@ def test_at_the_bound_with_none_idle_a_new_connection_gets_503(procs, tmp_path):
         s.close()
     wait_until(lambda: in_flight(admin) == 0, timeout=5, what="the four gone")
     assert cut_count(port, "refused") == 1 and cut_count(port, "shed") == 0
+
+
+class FakeTransport:
+    """A transport that only records being aborted (clients.reset finds no socket on it)."""
+
+    def __init__(self) -> None:
+        self.aborted = False
+
+    def get_extra_info(self, name):
+        return None
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+class HalfHead:
+    """A connection whose head began at `since` and never completed."""
+
+    def __init__(self, since: float) -> None:
+        self.head_since, self.transport = since, FakeTransport()
+
+    def request(self):
+        return None
+
+
+@pytest.mark.unit
+def test_a_sweep_cuts_a_bounded_number_the_oldest_first():
+    """1. 600 heads, all past header_timeout_s at once (a flood accepted in one burst). 2. One sweep cuts
+    CUTS_PER_SWEEP of them, the oldest first, so the loop is not held by hundreds of resets in one turn.
+    3. The next sweeps cut the rest."""
+    from proxy.clients import CUTS_PER_SWEEP, Clients
+    clients = Clients(ClientConfig(header_timeout_s=10), bound=10_000)
+    conns = [HalfHead(since=i * 0.001) for i in range(600)]
+    for c in conns:
+        clients.open[c] = None
+    clients.sweep(now=100.0)
+    cut = [c.transport.aborted for c in conns]
+    assert cut == [True] * CUTS_PER_SWEEP + [False] * (600 - CUTS_PER_SWEEP)
+    sweeps = 1
+    while clients.open and sweeps < 10:
+        for c in [c for c in clients.open if c.transport.aborted]:
+            del clients.open[c]             # what connection_lost does once the reset is through
+        clients.sweep(now=100.0)
+        sweeps += 1
+    assert all(c.transport.aborted for c in conns) and clients.cuts == 600
+    assert sweeps == -(-600 // CUTS_PER_SWEEP) + 1     # the last one finds none left
+
+
+@pytest.mark.unit
+def test_the_public_port_accepts_a_bounded_number_per_loop_turn_and_keeps_its_long_queue():
+    """1. A ClientSite starts on a listening socket. 2. While the loop is held, 300 connections complete in
+    the kernel's queue. 3. Once the loop runs again, no turn of it makes more than ACCEPTS_PER_TURN new
+    connections (a probe counts them at every turn), and all 300 are made. 4. The listen queue is still
+    BACKLOG long (ss's Send-Q of a listener)."""
+    import asyncio
+    require_tool("ss")
+
+    from aiohttp import web
+
+    from proxy.clients import Clients
+    from proxy.listener import ACCEPTS_PER_TURN, BACKLOG, ClientSite, listen_socket
+
+    async def main() -> tuple[list[int], int]:
+        runner = web.AppRunner(web.Application())
+        await runner.setup()
+        clients = Clients(ClientConfig(), bound=10_000)
+        sock = listen_socket("127.0.0.1", 0, reuse_port=False)
+        port = sock.getsockname()[1]
+        await ClientSite(runner, sock, clients).start()
+        peers = [socket.create_connection(("127.0.0.1", port)) for _ in range(300)]   # the loop is held here
+        seen: list[int] = []
+        while len(clients.open) < 300 and len(seen) < 1000:
+            seen.append(len(clients.open))
+            await asyncio.sleep(0)              # one turn of the loop
+        seen.append(len(clients.open))
+        queue = listen_queue(port)
+        for p in peers:
+            p.close()
+        await runner.cleanup()
+        return seen, queue
+
+    seen, queue = asyncio.run(main())
+    assert seen[-1] == 300
+    assert max(b - a for a, b in zip(seen, seen[1:])) <= ACCEPTS_PER_TURN
+    assert queue in (BACKLOG, min(BACKLOG, int(open("/proc/sys/net/core/somaxconn").read())))
+
+
+def listen_queue(port: int) -> int:
+    """The listen queue's length of the listener on port (ss -ltn: Send-Q)."""
+    out = subprocess.run(["ss", "-Hltn", f"sport = :{port}"], capture_output=True, text=True, check=True).stdout
+    return int(out.split()[2])
+
+
+@pytest.mark.unit
+def test_the_loop_lag_watch_sees_a_stall():
+    """1. The loop-lag ticker runs. 2. A callback holds the loop 150 ms. 3. The worst lag says at least
+    that much (less the tick), and the histogram counted the late tick in its over-100 ms buckets."""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry, Gauge, Histogram
+
+    from proxy import loop_lag
+    from proxy.metrics import LAG_BUCKETS
+
+    r = CollectorRegistry()
+    hist = Histogram("lag", "lag", buckets=LAG_BUCKETS, registry=r)
+    worst = Gauge("worst", "worst", registry=r)
+
+    async def main() -> None:
+        task = asyncio.create_task(loop_lag.watch(hist, worst))
+        await asyncio.sleep(0.05)
+        time.sleep(0.15)                          # the stall: nothing else runs
+        await asyncio.sleep(0.05)
+        task.cancel()
+
+    asyncio.run(main())
+    assert worst._value.get() >= 0.15 - 2 * loop_lag.TICK_S
+    over = r.get_sample_value("lag_count") - r.get_sample_value("lag_bucket", {"le": "0.1"})
+    assert over >= 1
+
+
+@pytest.mark.nginx
+def test_nginx_mode_cuts_a_stream_nobody_reads_at_its_send_timeout(tmp_path):
+    """1. nginx mode as fleet renders it (bench/stack.py) over one sim with one slot streaming fast;
+    send_timeout_s 1. 2. A client with a 1 KiB receive buffer asks for a long stream and never reads.
+    3. nginx cuts it within send_timeout_s + 1.5 s: the sim's request is aborted (its running count back to
+    0). nginx's send_timeout starts only once nothing more fits in the client socket's send buffer, which
+    nginx.send_buffer_kb keeps small (with the kernel's autotuning, 4 MB, the cut came after about 40 s
+    here). 4. The next request is served."""
+    require_tool("nginx")
+    sys.path.insert(0, str(ROOT / "bench"))
+    from stack import Stack, end_pid
+    sims = ["--sim-overhead-ms", "0", "--sim-token-ms", "2", "--sim-output-tokens", "30000"]
+    stack = Stack(tmp_path, 1, 1, sims, proxy_set=("proxy.client.send_timeout_s=1",))
+    try:
+        stack.start(["nginx"])
+        port, sim = int(stack.url("nginx").rsplit(":", 1)[1]), stack.backend_ports[0]
+        reader = socket.socket()
+        reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+        reader.connect(("127.0.0.1", port))
+        reader.sendall(request_bytes(chat(max_tokens=30000, stream=True)))
+        wait_until(lambda: sim_running(sim) == 1, timeout=10, what="the sim streaming to the non-reader")
+        t0 = time.monotonic()
+        wait_until(lambda: sim_running(sim) == 0, timeout=20, interval=0.05, what="the sim's request aborted")
+        assert time.monotonic() - t0 <= 1 + 1.5
+        assert post(port, chat(), timeout=5) == 200
+        reader.close()
+    finally:
+        if stack.nginx_pid_file and stack.nginx_pid_file.exists():
+            end_pid(stack.nginx_pid())
+        stack.stop()
