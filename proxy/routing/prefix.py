@@ -414,7 +414,7 @@ class Prefix(Policy):
         if b is None or b is fast:
             return b
         if (b.in_flight - least.in_flight > r.balance_abs and b.in_flight > r.balance_rel * least.in_flight
-                and (not r.prefill_ms or ttft[fast.name] < ttft[b.name])):
+                and (not self._predicts(candidates) or ttft[fast.name] < ttft[b.name])):
             return None
         return b
 
@@ -430,6 +430,14 @@ class Prefix(Policy):
         (backlog) plus its own, the prompt less what backend holds, at routing.prefill_ms per 1,000 tokens."""
         own = max(1, route.prompt_tokens - matched.get(backend.name, 0) * BLOCK_TOKENS)
         return (self.backlog(backend.name, now) + own) * self.config.prefill_ms / 1e6
+
+    def _predicts(self, candidates: Sequence[Backend]) -> bool:
+        """Whether the predicted time to first token may outweigh the balance rule: with a prefill rate
+        (routing.prefill_ms) and every candidate's slots bounded (max_num_seqs + headroom), where the
+        engine runs at once all that the proxy sends, so its decodes do not delay a new prefill. Without
+        slots the proxy may send an engine more than it runs, which ttft_s does not see (64 identical
+        prompts would all go to their holder): then the balance rule holds."""
+        return bool(self.config.prefill_ms) and all(b.slots for b in candidates)
 
     def pick(self, route: PrefixRoute | None, least: Backend, candidates: Sequence[Backend]) -> Backend:
         """The backend holding the longest run of the prompt's leading blocks (ties: the less loaded,
@@ -456,13 +464,14 @@ class Prefix(Policy):
         now = self.clock()
         ttft = {b.name: self.ttft_s(route, b, matched, now) for b in candidates}
         fast = least
-        if self.config.prefill_ms:
+        predicts = self._predicts(candidates)
+        if predicts:
             fast = min(candidates, key=lambda b: (ttft[b.name], b.in_flight))
         fast_tokens = matched.get(fast.name, 0) * BLOCK_TOKENS
         r = self.config
         if (top is None or top is fast
                 or (top_run < r.min_match_ratio * len(route.blocks)
-                    and (not r.prefill_ms or ttft[top.name] > ttft[fast.name]))
+                    and (not predicts or ttft[top.name] > ttft[fast.name]))
                 or (top_run * BLOCK_TOKENS - fast_tokens < r.min_match_tokens
                     and not self._own(route, matched, top, top_run))):
             home = self._sticky(route, fast, least, candidates, ttft) if fast_tokens < r.min_match_tokens else None
@@ -473,7 +482,7 @@ class Prefix(Policy):
             route.matched_tokens = fast_tokens
             return fast
         if (top.in_flight - least.in_flight > r.balance_abs and top.in_flight > r.balance_rel * least.in_flight
-                and (not r.prefill_ms or ttft[fast.name] < ttft[top.name])):
+                and (not predicts or ttft[fast.name] < ttft[top.name])):
             route.decision, route.matched_tokens = "override", fast_tokens
             return fast
         route.decision, route.matched_tokens = "prefix", top_run * BLOCK_TOKENS
@@ -516,7 +525,7 @@ class Prefix(Policy):
         token (ties: fewer in flight, fewer branches), when that is lower than the holder's; else the holder
         (its requests are decoding, not prefilling: it starts this one no later). Without a prediction
         (prefill_ms 0), the least loaded."""
-        if not self.config.prefill_ms:
+        if not self._predicts(candidates):
             return min(candidates, key=lambda b: (b.in_flight, fan.get(b.name, 0)))
         now = self.clock()
         ttft = {b.name: self.ttft_s(route, b, matched, now) for b in candidates}
