@@ -111,8 +111,11 @@ def golden_engine_argv() -> list[str]:
         assert line in text, line
 
     def value(name):
-        m = re.search(rf'^{name}=(?:"\$\{{{name}:-(.*)\}}"|(.*))$', text, re.M)
-        return m.group(1) if m.group(1) is not None else shlex.split(m.group(2))[0]
+        # NAME="${NAME:-literal}", NAME=${NAME:-shell-quoted} (BIND: its default quoted, never expanded), NAME=word
+        m = re.search(rf'^{name}=(?:"\$\{{{name}:-(.*)\}}"|\$\{{{name}:-(.*)\}}|(.*))$', text, re.M)
+        if m.group(1) is not None:
+            return m.group(1)
+        return shlex.split(m.group(2) if m.group(2) is not None else m.group(3))[0]
 
     def array(name):
         return shlex.split(re.search(rf"^{name}=\((.*)\)$", text, re.M).group(1))
@@ -790,9 +793,13 @@ def test_sigkill_of_api_servers_leaves_engines_that_stop_finds(cluster):
     carrying the tag (SPT_NOENV); status says dead or stopped; the proxy ejects both. 3. `inv stop
     --instance I` stops them: no process of the instance left, by session, tag and title, by pid; the
     memory table shows it. (`inv deploy` bringing such an instance back is tested on the sim, which
-    renames its children the same way; here it would cost one more load of vLLM.)"""
+    renames its children the same way; here it would cost one more load of vLLM.) Before the kill, while
+    both engines run: their ZMQ sockets are in deploy_dir/run/ipc (VLLM_RPC_BASE_PATH), none in /tmp."""
     c = cluster
     c.status()
+    ipc = c.tmp / "deploy" / "run" / "ipc"
+    sockets = unix_socket_paths(session_members(c.sessions))
+    assert sockets and all(p.startswith(f"{ipc}/") for p in sockets), sockets
     victims, api = {}, {}
     for i in (0, 1):
         members = c.members(i)
@@ -841,16 +848,13 @@ def unix_socket_paths(pids) -> set[str]:
 
 def test_stop_leaves_no_process_and_no_listener(cluster):
     """What the tests before left running (the proxy, at least), then `inv stop`: no process in any
-    session an instance ever had, none with the tag, no listener on any port of the deployment. Before
-    the stop, the engines' ZMQ sockets are in deploy_dir/run/ipc (VLLM_RPC_BASE_PATH), none in /tmp;
-    after it, that directory is gone."""
+    session an instance ever had, none with the tag, no listener on any port of the deployment; the
+    engines' IPC directory, deploy_dir/run/ipc (a stop of one instance keeps it), is gone after it."""
     c = cluster
     proxy = c.status()["proxy"]["pid"]
     every = set(session_members(c.sessions)) | set(tagged_pids(c.dep + "/")) | {proxy}
     assert proxy and alive(proxy)
     ipc = c.tmp / "deploy" / "run" / "ipc"
-    sockets = unix_socket_paths(session_members(c.sessions))
-    assert sockets and all(p.startswith(f"{ipc}/") for p in sockets), sockets
     r = c.inv("stop", timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert not ipc.exists(), sorted(os.listdir(ipc))
