@@ -105,7 +105,7 @@ class Interrupted(Exception):
         self.kind = kind
 
 
-@dataclass
+@dataclass(slots=True)
 class Outcome:
     """How one attempt on one backend ended."""
 
@@ -123,7 +123,7 @@ class Outcome:
     delivered: bool = False        # the stream's last event went out: the client has the whole answer
 
 
-@dataclass
+@dataclass(slots=True)
 class Exchange:
     """One client request as it moves through the proxy."""
 
