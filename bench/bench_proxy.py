@@ -12,7 +12,8 @@ to that sim's pace and the proxy looked closer to it than it is). Each front is 
 --connections on loopback with short chat completions, in interleaved rounds (direct, proxy, nginx, ...,
 the order turned each round) so a noisy machine hurts all alike; the median round of each is reported with
 the ratios. `direct` is wrk against the sims themselves, the connections split evenly over them (one wrk
-each; its p99 is the worst of theirs). Then SSE: 1,000-chunk streams, direct against the proxy. Then the
+each; its p99 is the worst of theirs). Then SSE: 1,000-chunk streams, direct, the proxy and those of proxy-base,
+nginx, vllm-router and smg started, interleaved, as ratios to the proxy. Then the
 latency the proxy adds at a fixed rate below capacity (open loop), which is what a client feels on a
 cluster that is not overloaded. Needs wrk (Debian package `wrk`); nginx is optional (`nginx` package).
 Every process it starts is stopped by pid at the end.
@@ -78,6 +79,7 @@ function request()
 end
 """
 SSE = {"model": "m", "max_tokens": 1000, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+SSE_FRONTS = ("proxy", "proxy-base", "nginx", "vllm-router", "smg")   # the streamed rounds' fronts, when started
 DEFAULT_FRONTS = "direct,proxy,proxy-asyncio,nginx,vllm-router,smg"
 
 
@@ -208,8 +210,9 @@ def main(argv=None) -> int:
                           f"p99 {run['p99_ms']:.1f} ms  errors {run['non_2xx'] + run['socket_errors']}{cpu}", flush=True)
             if not args.chat_only:
                 sse = {}
+                streamed = ["direct", *(n for n in SSE_FRONTS if n in fronts)]
                 for r in range(args.rounds):
-                    for name in [n for n in ("direct", "proxy", "nginx") if n == "direct" or n in fronts]:
+                    for name in streamed[r % len(streamed):] + streamed[:r % len(streamed)]:
                         sse.setdefault(name, []).append(drive(wrk_bin, stack, name, SSE, 16, args.seconds, Path(tmp)))
                 figures["sse"] = sse
                 lat = {}
@@ -292,7 +295,10 @@ def report(f: dict) -> None:
     sse = {name: median_run(r) for name, r in f["sse"].items()}
     print(f"SSE, 1,000-chunk streams, 16 connections: direct {sse['direct']['rps'] * 1000:.0f} chunks/s" + "".join(
         f", {n} {sse[n]['rps'] * 1000:.0f} chunks/s: {sse[n]['rps'] / sse['direct']['rps']:.0%} of direct"
-        for n in ("proxy", "nginx") if n in sse))
+        for n in SSE_FRONTS if n in sse))
+    for name in SSE_FRONTS[1:]:
+        if name in sse and "proxy" in sse:
+            print(f"  proxy / {name}: chunks/s {sse['proxy']['rps'] / sse[name]['rps']:.2f}x")
     ol = f["open_loop"]
     for name in ("proxy", "nginx", "proxy-otel", "proxy-otel-down", "proxy-base"):
         if name in ol and "direct" in ol:

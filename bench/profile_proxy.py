@@ -4,9 +4,12 @@
 
 Starts the sims (instant mode) and the proxy as bench_proxy.py does, runs wrk against the proxy and
 py-spy (from bench/.venv-routers, made by bench/setup_routers.sh) on the proxy's pid at the same time,
-then prints the share of busy samples (the results-log thread's waits left out) per group of frames (the innermost frame that is the proxy's own code,
-aiohttp's server or client, the event loop, prometheus_client, the results log...) and the top leaf
-functions. The raw samples stay in --out (a py-spy "raw" file, one stack a line, for flame graphs).
+then prints the share of busy samples (the results-log thread's waits left out) per group of frames (the
+innermost frame that is the proxy's own code, aiohttp's server or client, the event loop, prometheus_client,
+the results log...), per feature of the proxy (FEATURES: the innermost frame of its own code names it; times
+the CPU per request bench_proxy.py measures, what the feature costs a request) and the top leaf functions.
+The raw samples stay in --out (a py-spy "raw" file, one stack a line, for flame graphs); --read FILE reads
+such a file again without running anything (a profile of an earlier commit, by today's features).
 """
 from __future__ import annotations
 
@@ -34,6 +37,62 @@ GROUPS = (  # first match on a frame's "(file:line)", innermost frame first; py-
 )
 
 
+PROXY_DIR = Path(__file__).resolve().parent.parent / "proxy"
+OWN = {f"{m.relative_to(PROXY_DIR)}" for m in PROXY_DIR.rglob("*.py")}   # py-spy names them so: forward.py, routing/prefix.py
+# What each of the proxy's features costs a request: the innermost frame of the proxy's own code names the
+# feature (its module, or (module, function) first), unless aiohttp's code is deeper (the sample is then
+# HTTP in or out, which every request pays whatever the features). Libraries the feature calls (json,
+# prometheus_client, hashlib) count as the feature's.
+FEATURES = {
+    ("forward.py", "_log_attempt"): "results log (a line per answer, the observer)",
+    "results_log.py": "results log (a line per answer, the observer)",
+    "body.py": "body read once (proxy/body.py)",
+    "routes.py": "route allow-list (proxy/routes.py)",
+    "clients.py": "client socket deadlines (proxy/clients.py)",
+    "resume.py": "stream continuation (the splice)",
+    ("balancer.py", "route_of"): "prefix routing",
+    ("metrics.py", "routed"): "prefix routing", ("metrics.py", "predicted"): "prefix routing",
+    "routing/": "prefix routing",
+    "admission.py": "tenants and keys", ("forward.py", "_rate_limited"): "tenants and keys",
+    ("forward.py", "_tenant_settled"): "tenants and keys", ("forward.py", "_refused"): "tenants and keys",
+    ("forward.py", "_tenant_of"): "tenants and keys", ("metrics.py", "tenant_"): "tenants and keys",
+    "tracing.py": "ids and trace context", ("forward.py", "_exchange"): "ids and trace context",
+    ("forward.py", "_trace_context"): "ids and trace context", ("forward.py", "new_request_id"): "ids and trace context",
+    ("forward.py", "upstream_headers"): "header filtering", ("forward.py", "downstream_headers"): "header filtering",
+    ("forward.py", "_headers_for"): "header filtering", ("forward.py", "_ids"): "header filtering",
+    "share.py": "entry pair share (proxy/share.py)",
+    "metrics.py": "metrics (prometheus_client)",
+    "balancer.py": "slots and queue (balancer, admission order)", "state.py": "slots and queue (balancer, admission order)",
+    "forward.py": "request path (forward.py, app.py)", "app.py": "request path (forward.py, app.py)",
+    "server.py": "request path (forward.py, app.py)",
+}
+HTTP = ("aiohttp/", "yarl/", "multidict/", "uvloop")
+
+
+def _frame(frame: str) -> tuple[str, str]:
+    """(file as py-spy names it, function) of a frame `function (file:line)`."""
+    function, _, where = frame.rpartition(" (")
+    return where.rsplit(":", 1)[0], function.rsplit(".", 1)[-1]
+
+
+def feature_of(stack: list[str]) -> str:
+    """The feature a sample's time goes to (FEATURES), "HTTP in and out (aiohttp, the loop)" for the rest."""
+    for depth in range(len(stack) - 1, -1, -1):
+        path, function = _frame(stack[depth])
+        if path not in OWN or path == "__main__.py":
+            continue
+        if any(h in f for f in stack[depth + 1:] for h in HTTP):
+            break
+        for key, name in FEATURES.items():
+            if isinstance(key, tuple) and path == key[0] and function.startswith(key[1]):
+                return name
+        for key, name in FEATURES.items():
+            if isinstance(key, str) and path.startswith(key):
+                return name
+        return "request path (forward.py, app.py)"
+    return "HTTP in and out (aiohttp, the loop)"
+
+
 def group_of(stack: list[str]) -> str:
     """The group of a sample: its innermost frame that matches a group."""
     for frame in reversed(stack):
@@ -50,7 +109,10 @@ def main(argv=None) -> int:
     ap.add_argument("--backends", type=int, default=4)
     ap.add_argument("--loop", choices=("auto", "asyncio"), default="auto")
     ap.add_argument("--out", default="proxy-profile.txt", help="py-spy's raw samples")
+    ap.add_argument("--read", help="a raw file of an earlier run: report it, run nothing")
     args = ap.parse_args(argv)
+    if args.read:
+        return report(Path(args.read), args.loop)
     pyspy, wrk_bin = find_program("py-spy"), shutil.which("wrk")
     if not pyspy or not wrk_bin:
         print("profile_proxy: needs py-spy (bench/setup_routers.sh) and wrk (Debian package wrk).", file=sys.stderr)
@@ -70,10 +132,16 @@ def main(argv=None) -> int:
             load.join()
         finally:
             stack.stop()
+    return report(Path(args.out), args.loop)
+
+
+def report(raw: Path, loop: str) -> int:
+    """Print the groups, features and leaves of a py-spy raw file."""
     groups: collections.Counter = collections.Counter()
     leaves: collections.Counter = collections.Counter()
+    features: collections.Counter = collections.Counter()
     total = 0
-    for line in Path(args.out).read_text().splitlines():
+    for line in raw.read_text().splitlines():
         frames, _, count = line.rpartition(" ")
         stack_frames = frames.split(";")
         if stack_frames[-1].startswith("ResultsLog._run "):
@@ -81,9 +149,13 @@ def main(argv=None) -> int:
         n = int(count)
         total += n
         groups[group_of(stack_frames)] += n
+        features[feature_of(stack_frames)] += n
         leaves[stack_frames[-1]] += n
-    print(f"{total} samples of the proxy ({args.loop} loop), by group:")
+    print(f"{total} samples of the proxy ({loop} loop), by group:")
     for name, n in groups.most_common():
+        print(f"  {n / total:6.1%}  {name}")
+    print("by feature (the innermost frame of the proxy's own code; times the bench's CPU per request: its cost):")
+    for name, n in features.most_common():
         print(f"  {n / total:6.1%}  {name}")
     print("top leaf functions:")
     for name, n in leaves.most_common(15):

@@ -124,7 +124,7 @@ def parse(body: bytes, limits: Limits = Limits()) -> Parsed:
     parsed = Parsed(body, limits)
     if not body.lstrip()[:1] == b"{":
         return parsed          # empty, an array, not JSON: the engine answers it (or it has no body)
-    skeleton = _skeleton(body, parsed.spans, limits)
+    skeleton = body if _small(body, limits) else _skeleton(body, parsed.spans, limits)
     if skeleton is None:
         return parsed          # an unterminated string: not JSON
     try:
@@ -133,6 +133,14 @@ def parse(body: bytes, limits: Limits = Limits()) -> Parsed:
         return parsed
     parsed.request = request if isinstance(request, dict) else None
     return parsed
+
+
+def _small(body: bytes, limits: Limits) -> bool:
+    """Whether body is within every limit the scan checks whatever its content: no string in it can be
+    long, it has fewer bytes than the values allowed (a value takes one at least) and fewer brackets,
+    strings' included, than the depth allowed. Most requests are: json.loads takes them as sent."""
+    return (len(body) <= min(LONG_STRING, limits.max_json_values)
+            and body.count(b"[") + body.count(b"{") <= limits.max_json_depth)
 
 
 def _skeleton(body: bytes, spans: list, limits: Limits) -> bytes | None:

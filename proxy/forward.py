@@ -55,15 +55,35 @@ def new_request_id() -> str:
     return f"{_ID_PREFIX}{next(_ID_COUNTER):016x}"
 
 
+class _Passes(dict):
+    """Whether a header name crosses the proxy, by its name as sent: the lowercasing and the set lookup
+    done once per spelling, not per header of every request (a client sends a handful of spellings)."""
+
+    MAX_NAMES = 1024   # past this many spellings (a client making them up), the answer is not kept
+
+    def __init__(self, dropped: frozenset):
+        super().__init__()
+        self.dropped = dropped
+
+    def __missing__(self, name: str) -> bool:
+        passes = name.lower() not in self.dropped
+        if len(self) < self.MAX_NAMES:
+            self[name] = passes
+        return passes
+
+
+_UPSTREAM = _Passes(NOT_FORWARDED)
+_DOWNSTREAM = _Passes(HOP_BY_HOP | {"content-length"})
+
+
 def upstream_headers(headers) -> dict:
     """The client's headers as sent to the backend (the client's API key stays with the proxy)."""
-    return {k: v for k, v in headers.items() if k.lower() not in NOT_FORWARDED}
+    return {k: v for k, v in headers.items() if _UPSTREAM[k]}
 
 
 def downstream_headers(headers) -> dict:
     """The backend's headers as sent to the client."""
-    return {k: v for k, v in headers.items()
-            if k.lower() not in HOP_BY_HOP and k.lower() != "content-length"}
+    return {k: v for k, v in headers.items() if _DOWNSTREAM[k]}
 
 
 def json_error(status: int, message: str, kind: str, headers: dict | None = None) -> web.Response:
@@ -85,7 +105,7 @@ class Interrupted(Exception):
         self.kind = kind
 
 
-@dataclass
+@dataclass(slots=True)
 class Outcome:
     """How one attempt on one backend ended."""
 
@@ -103,7 +123,7 @@ class Outcome:
     delivered: bool = False        # the stream's last event went out: the client has the whole answer
 
 
-@dataclass
+@dataclass(slots=True)
 class Exchange:
     """One client request as it moves through the proxy."""
 
@@ -777,6 +797,8 @@ async def _relay(ex: Exchange, proxy, backend: Backend, out: Outcome, up: aiohtt
     finally:
         if watch is not None:
             watch.stop()
+        if splice is not None and splice.resumable and out.observer is not None and out.observer.streamed:
+            out.observer.feed(splice.pending())   # the lines of an event the stream never completed
     if splice is not None and not splice.done:
         why = (f"{backend.name} sent an error event: {splice.error}" if splice.error is not None
                else f"{backend.name} ended the stream before `data: [DONE]`")
@@ -789,10 +811,14 @@ async def _chunks(ex: Exchange, out: Outcome, up: aiohttp.ClientResponse, resp: 
                   splice: Splice | None, watch: _Watch | None) -> None:
     """The upstream's chunks to the client as they come (a resumable stream's through its splice), until
     its end or its engine's error event."""
+    observer = out.observer
     async for chunk in up.content.iter_any():
-        if out.observer is not None:
-            out.observer.feed(chunk)
-        data = chunk if splice is None else splice.feed(chunk)
+        if splice is None or not splice.resumable or observer is None or not observer.streamed:
+            if observer is not None:
+                observer.feed(chunk)
+            data = chunk if splice is None else splice.feed(chunk)
+        else:
+            data = splice.feed(chunk, observer)    # each event parsed once, for the splice and the log
         if ex.ttfb is None:
             ex.ttfb = time.monotonic() - ex.t0
         try:

@@ -135,6 +135,11 @@ class ResponseObserver:
             if isinstance(event, dict):
                 self._absorb(event, "delta")
 
+    def take_event(self, event: dict) -> None:
+        """One SSE event (a one-line `data:` JSON object) parsed by the stream's splice: taken as
+        _feed_sse takes it, without a second parse."""
+        self._absorb(event, "delta")
+
     def _parse_body(self) -> None:
         """Parse the kept body once: a completion when 200, else the backend's error text."""
         if self._parsed:

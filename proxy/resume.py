@@ -61,6 +61,15 @@ def refusal(path: str, request: dict | None) -> str | None:
     return None
 
 
+def _json_object(payload: bytes) -> dict | None:
+    """An SSE event's data as a JSON object, None when it is not one."""
+    try:
+        event = json.loads(payload)
+    except ValueError:
+        return None
+    return event if isinstance(event, dict) else None
+
+
 def _text_prompt(prompt) -> bool:
     return isinstance(prompt, str) or (isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str))
 
@@ -127,22 +136,33 @@ class Splice:
     def resumable(self) -> bool:
         return self.refused is None
 
-    def feed(self, chunk: bytes) -> bytes:
+    def feed(self, chunk: bytes, observer=None) -> bytes:
         """The bytes of chunk to write to the client now: complete events only (the rest waits for the
-        next chunk), a continuation's rewritten, an error event withheld (and what follows it)."""
+        next chunk), a continuation's rewritten, an error event withheld (and what follows it). observer:
+        the results log's (proxy.results_log.ResponseObserver), given every byte of chunk, each event
+        parsed once for both (the caller feeds it itself when this is not resumable)."""
         if not self.resumable:
             return chunk
         self.fed = True
         events = (self._pending + chunk).split(b"\n\n")
         self._pending = events.pop()
         out = []
-        for raw in events:
+        for i, raw in enumerate(events):
             if self.error is not None or self.done:
+                if observer is not None:
+                    observer.feed(b"".join(e + b"\n\n" for e in events[i:]))
                 break
-            passed = self._event(raw) if self.resumable else raw + b"\n\n"
+            if self.resumable:
+                passed = self._event(raw, observer)
+            else:
+                passed = raw + b"\n\n"
+                if observer is not None:
+                    observer.feed(passed)
             if passed is not None:
                 out.append(passed)
         if not self.resumable:    # it stopped being resumable (a tool call began): bytes pass as they come
+            if observer is not None:
+                observer.feed(self._pending)
             out.append(self._pending)
             self._pending = b""
         if out:
@@ -152,20 +172,26 @@ class Splice:
                 hop.gap_s = self.last_write - hop.t_before
         return b"".join(out)
 
-    def _event(self, raw: bytes) -> bytes | None:
-        """One event's bytes for the client (None: withheld or dropped)."""
+    def pending(self) -> bytes:
+        """The start of an event not yet complete (what a stream that ends here leaves unread)."""
+        return self._pending
+
+    def _event(self, raw: bytes, observer=None) -> bytes | None:
+        """One event's bytes for the client (None: withheld or dropped); observer takes it first, as sent."""
         data = raw.strip()
-        if not data.startswith(b"data:"):
+        payload = data[5:].strip() if data.startswith(b"data:") else None
+        event = _json_object(payload) if payload is not None and payload != b"[DONE]" else None
+        if observer is not None:
+            if event is not None and b"\n" not in data:
+                observer.take_event(event)      # the one parse, before a continuation's rewrite
+            else:
+                observer.feed(raw + b"\n\n")    # [DONE], a comment, several lines: its own line by line
+        if payload is None:
             return raw + b"\n\n" if data else None
-        payload = data[5:].strip()
         if payload == b"[DONE]":
             self.done = True
             return DONE
-        try:
-            event = json.loads(payload)
-        except ValueError:
-            return raw + b"\n\n"
-        if not isinstance(event, dict):
+        if event is None:
             return raw + b"\n\n"
         if "error" in event or event.get("object") == "error":
             err = event.get("error", event)

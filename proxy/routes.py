@@ -65,7 +65,9 @@ class Routes:
     def allows(self, method: str, raw_path: str) -> bool:
         """Whether a request reaches the engines: its path as the engine's server routes it (the raw
         path percent-decoded, as uvicorn does: no dot segment resolved, no slash merged)."""
-        path = urllib.parse.unquote(raw_path.partition("?")[0])
+        path = raw_path.partition("?")[0] if "?" in raw_path else raw_path
+        if "%" in path:
+            path = urllib.parse.unquote(path)
         if (method, path) in self.exact or (ANY, path) in self.exact:
             return True
         return any(m in (method, ANY) and regex.match(path) for m, regex in self.patterns)
