@@ -111,8 +111,15 @@ class Parsed:
         return None if self.request is None else self.text(self.request.get("user"))
 
     def with_user(self, user: str) -> bytes:
-        """The body again with `user` set to user (its long strings copied back byte for byte)."""
-        out = json.dumps({**self.request, "user": user}, separators=(",", ":")).encode()
+        """The body again with `user` set to user (its long strings copied back byte for byte); the parse
+        takes it too (what is built of it later, a continuation, carries it)."""
+        self.request = {**self.request, "user": user}
+        return self.dumps(self.request)
+
+    def dumps(self, value) -> bytes:
+        """value (built from request: its long strings stand-ins) as JSON, its stand-ins the body's strings
+        again, byte for byte: none of them decoded."""
+        out = json.dumps(value, separators=(",", ":")).encode()   # ASCII: a lone surrogate encodes too
         if self.spans:
             body = self.body
             out = _STAND_IN.sub(lambda m: body[slice(*self.spans[int(m.group(1))])], out)

@@ -272,12 +272,16 @@ def _tenant_settled(ex: Exchange, proxy, out: Outcome) -> None:
 
 def _usage(ex: Exchange, out: Outcome | None) -> tuple[int | None, int]:
     """(prompt tokens or None, output tokens) of an answer, as its usage (or its stream) told; of a resumed
-    stream, the whole answer's (its continuation's usage counts the text so far as prompt)."""
+    stream, the whole answer's: the tokens before the last cut (the engine's count when its events told
+    it, else its content events) and the continuation's own count (its usage counts the text so far as
+    prompt; without usage, the stream's content events)."""
     observer = out.observer if out is not None else None
     if observer is None:
         return None, 0
-    if ex.splice is not None and ex.splice.hops:
-        return ex.splice.prompt_tokens, max(ex.splice.tokens, observer.reported_tokens or 0)
+    splice = ex.splice
+    if splice is not None and splice.hops:
+        after = observer.reported_tokens
+        return splice.prompt_tokens, splice.sent if after is None else splice.hops[-1].tokens_before + after
     return observer.prompt_tokens, observer.reported_tokens or 0
 
 
@@ -451,11 +455,15 @@ async def _resume(ex: Exchange, proxy, pool: Balancer, out: Outcome, tried: list
     policy's pick with the failed backends left out is the prefix index's next choice. The last
     attempt's outcome; a stream that cannot go on ends as any broken stream does, the cause logged."""
     splice, config = ex.splice, proxy.config.resume
+    if splice.done:           # cut after its `data: [DONE]` went out: the client has the whole answer
+        out.error, out.delivered = None, True
+        return out
     for _ in range(config.max_attempts):
         if not splice.resumable:
             return _not_resumed(ex, proxy, out, "refused" if config.enabled else "off", splice.refused)
         rest = None if splice.finished else await _continuation_body(ex, proxy)
         if rest is None:      # the answer was whole (its budget spent, or its finish_reason out): close it
+            proxy.metrics.resumes.labels("closed").inc()
             return await _closed(ex, out)
         other = pool.acquire(exclude=tried, over=True, route=ex.route)
         if other is None:
@@ -483,9 +491,10 @@ def _not_resumed(ex: Exchange, proxy, out: Outcome, outcome: str, why: str) -> O
 
 
 async def _closed(ex: Exchange, out: Outcome) -> Outcome:
-    """A stream cut when every token of its answer was out already: the proxy ends it ([DONE])."""
+    """A stream cut when every token of its answer was out already: the proxy ends it (its usage chunk
+    when asked for, the prompt reckoned as admission did when no event told it; [DONE])."""
     try:
-        await ex.request["response"].write(ex.splice.closing())
+        await ex.request["response"].write(ex.splice.closing(_prompt_tokens(ex)))
     except ConnectionResetError as e:
         raise ClientGone() from e
     await _eof(ex.request["response"])
@@ -494,13 +503,14 @@ async def _closed(ex: Exchange, out: Outcome) -> Outcome:
 
 
 async def _continuation_body(ex: Exchange, proxy) -> bytes | None:
-    """The continuation's body (proxy/resume.py), from the client's body as sent (the parse's long
-    strings are stand-ins); in a worker thread past proxy.limits.inline_kb. None: its budget is spent."""
-    splice, path = ex.splice, ex.request.path
+    """The continuation's body (proxy/resume.py), built from the body's one parse (its long strings, the
+    images, copied back byte for byte, never decoded); in a worker thread past proxy.limits.inline_kb.
+    None: its budget is spent."""
+    splice, path, parsed = ex.splice, ex.request.path, ex.parsed
 
     def build() -> bytes | None:
-        body = continuation(path, json.loads(ex.body), "".join(splice.text), splice.tokens)
-        return None if body is None else json.dumps(body, ensure_ascii=False).encode()
+        body = continuation(path, parsed.request, "".join(splice.text), splice.sent)
+        return None if body is None else parsed.dumps(body)
     if len(ex.body) <= proxy.config.limits.inline_kb * 1024:
         return build()
     return await asyncio.get_running_loop().run_in_executor(proxy.parser, build)
@@ -799,7 +809,7 @@ async def _relay(ex: Exchange, proxy, backend: Backend, out: Outcome, up: aiohtt
             watch.stop()
         if splice is not None and splice.resumable and out.observer is not None and out.observer.streamed:
             out.observer.feed(splice.pending())   # the lines of an event the stream never completed
-    if splice is not None and not splice.done:
+    if splice is not None and splice.resumable and not splice.done:   # else it ends as any stream does
         why = (f"{backend.name} sent an error event: {splice.error}" if splice.error is not None
                else f"{backend.name} ended the stream before `data: [DONE]`")
         _upstream_error(proxy, backend, out, "payload", why)
@@ -821,13 +831,15 @@ async def _chunks(ex: Exchange, out: Outcome, up: aiohttp.ClientResponse, resp: 
             data = splice.feed(chunk, observer)    # each event parsed once, for the splice and the log
         if ex.ttfb is None:
             ex.ttfb = time.monotonic() - ex.t0
+        if watch is not None:
+            watch.writing = True     # a client slow to take the chunk is not the backend's silence
         try:
             if data:
                 await resp.write(data)
         except ConnectionResetError as e:
             raise ClientGone() from e
         if watch is not None:
-            watch.seen()        # a client slow to take the chunk is not the backend's silence
+            watch.seen()
         if not out.delivered and (_ends_stream(chunk, out.observer) if splice is None else splice.done):
             out.delivered = True
         if splice is not None and splice.error is not None:
@@ -847,27 +859,35 @@ async def _eof(resp: web.StreamResponse) -> None:
 class _Watch:
     """A resumable stream's watch, off the chunk path: a timer every WATCH_S (at most stall_s) ends the
     upstream's read with Interrupted when no chunk came for stall_s or the backend was taken out by its
-    health check meanwhile (while the stream is resumable: else it waits as any stream does). A chunk
-    costs it one clock read."""
+    health check meanwhile. Only while the stream is resumable (else it waits as any stream does), from
+    the upstream's first chunk on (before it, an engine's prefill may take long: timeout_s bounds it, as
+    any request's), while no write to the client is under way, and until `data: [DONE]` went out. A
+    chunk costs it one clock read."""
 
     def __init__(self, up: aiohttp.ClientResponse, backend: Backend, stall_s: float, splice: Splice):
         self.up, self.backend, self.stall_s, self.splice = up, backend, stall_s, splice
         self.last = time.monotonic()
+        self.started = False     # a chunk came from this upstream
+        self.writing = False     # a chunk is being written to the client
         self.every = min(stall_s, WATCH_S)
         self.timer = asyncio.get_running_loop().call_later(self.every, self._check)
 
     def seen(self) -> None:
         self.last = time.monotonic()
+        self.started, self.writing = True, False
 
     def stop(self) -> None:
         self.timer.cancel()
 
     def _check(self) -> None:
-        name = self.backend.name
-        if self.splice.resumable and not self.backend.healthy:
+        name, splice = self.backend.name, self.splice
+        if splice.done:
+            return      # the answer is whole: nothing left to watch for
+        watched = splice.resumable and self.started and not self.writing
+        if watched and not self.backend.healthy:
             return self.up.content.set_exception(
                 Interrupted("taken_out", f"{name} was taken out: {self.backend.last_error}"))
-        if self.splice.resumable and time.monotonic() - self.last >= self.stall_s:
+        if watched and time.monotonic() - self.last >= self.stall_s:
             return self.up.content.set_exception(
                 Interrupted("stalled", f"no bytes from {name} for {self.stall_s:g}s (proxy.resume.stall_s)"))
         self.timer = asyncio.get_running_loop().call_later(self.every, self._check)

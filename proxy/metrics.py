@@ -17,7 +17,7 @@ LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 1
 # The label values known before any event: their series are made at start (or when a reload adds a
 # backend), so a panel or an increase() over them starts from 0 instead of "no data".
 QUEUE_REJECT_REASONS = ("full", "timeout", "gone")
-RESUME_OUTCOMES = ("resumed", "failed", "no_backend", "refused", "off")
+RESUME_OUTCOMES = ("resumed", "closed", "failed", "no_backend", "refused", "off")
 EJECTION_REASONS = ("connect_timeout", "connect", "5xx")
 TENANT_LIMITS = ("max_in_flight", "max_queued", "requests_per_minute", "tokens_per_minute")
 TENANT_STATUSES = ("200", "429")    # a known tenant's answers made at start: served, and refused by a limit
@@ -159,7 +159,8 @@ class Metrics:
             self.client_cuts.labels(reason)
         self.resumes = Counter("proxy_stream_resumes",
                                "Streams cut by their instance after the first chunk, by what came of it: resumed "
-                               "(finished on another instance), failed (the continuations broke off too), "
+                               "(finished on another instance), closed (its answer was whole: the proxy ended it), "
+                               "failed (the continuations broke off too), "
                                "no_backend (no other instance), refused (not resumable: the results log says why), "
                                "off (proxy.resume.enabled false)", ["outcome"], registry=r)
         for outcome in RESUME_OUTCOMES:

@@ -121,7 +121,9 @@ class Splice:
         self.include_usage = include_usage
         self.ids: dict | None = None      # id, created, model of the first answer's first event
         self.text: list[str] = []
-        self.tokens = 0                   # content events sent (one token each, as vLLM streams)
+        self.tokens = 0                   # content events sent (one token each, as vLLM streams by default)
+        self.reported: int | None = None  # completion_tokens of the last usage that went out (the engine's count)
+        self.usage_out = False            # the closing usage chunk (no choices) went out
         self.finished = False             # a finish_reason went out: the answer is whole but for [DONE]
         self.done = False                 # `data: [DONE]` went out
         self.error: str | None = None     # an engine's error event, withheld
@@ -131,10 +133,18 @@ class Splice:
         self.declined: str | None = None  # cut, and not continued: why (the results log's `resume`)
         self.fed = False                  # an SSE answer passed through it (one to continue)
         self._pending = b""
+        self._tail = b""                  # the last bytes passed untouched: where `data: [DONE]` is seen
 
     @property
     def resumable(self) -> bool:
         return self.refused is None
+
+    @property
+    def sent(self) -> int:
+        """Tokens of the answer the client has: the engine's own count when its events carried usage
+        (vLLM's stream_options.continuous_usage_stats), else one per content event, which is short when an
+        event carries several tokens (vLLM's --stream-interval, speculative decoding)."""
+        return self.tokens if self.reported is None else max(self.reported, self.tokens)
 
     def feed(self, chunk: bytes, observer=None) -> bytes:
         """The bytes of chunk to write to the client now: complete events only (the rest waits for the
@@ -142,7 +152,7 @@ class Splice:
         the results log's (proxy.results_log.ResponseObserver), given every byte of chunk, each event
         parsed once for both (the caller feeds it itself when this is not resumable)."""
         if not self.resumable:
-            return chunk
+            return self._passed(chunk)
         self.fed = True
         events = (self._pending + chunk).split(b"\n\n")
         self._pending = events.pop()
@@ -165,12 +175,21 @@ class Splice:
                 observer.feed(self._pending)
             out.append(self._pending)
             self._pending = b""
+            self._passed(b"".join(out))
         if out:
             self.last_write = time.monotonic()
             hop = self.hops[-1] if self.hops else None
             if hop is not None and hop.gap_s is None:
                 hop.gap_s = self.last_write - hop.t_before
         return b"".join(out)
+
+    def _passed(self, data: bytes) -> bytes:
+        """data, passed untouched (the stream is no longer read event by event), its end still noticed:
+        a tool call's answer ends with `data: [DONE]` like any other."""
+        if data:
+            self._tail = (self._tail + data)[-2 * len(DONE):]
+            self.done = self.done or self._tail.rstrip().endswith(DONE.rstrip())
+        return data
 
     def pending(self) -> bytes:
         """The start of an event not yet complete (what a stream that ends here leaves unread)."""
@@ -215,7 +234,6 @@ class Splice:
             prompt = usage.get("prompt_tokens")
             if isinstance(prompt, int):   # counted once, as output
                 usage["prompt_tokens"] = max(0, prompt - before)
-                self.prompt_tokens = usage["prompt_tokens"]
             if isinstance(usage.get("completion_tokens"), int):
                 usage["completion_tokens"] += before
             if isinstance(usage.get("prompt_tokens"), int) and isinstance(usage.get("completion_tokens"), int):
@@ -231,7 +249,15 @@ class Splice:
 
     def _absorb(self, event: dict) -> None:
         """Take the event's text and count its token; what it shows that a continuation cannot carry over
-        (a tool call, reasoning streamed apart, a second choice) makes the stream not resumable."""
+        (a tool call, reasoning streamed apart, a second choice) makes the stream not resumable; its usage
+        (a continuation's rewritten already: the whole answer's) is the count of what was sent."""
+        usage = event.get("usage")
+        if isinstance(usage, dict):
+            if isinstance(usage.get("completion_tokens"), int):
+                self.reported = usage["completion_tokens"]
+            if isinstance(usage.get("prompt_tokens"), int):
+                self.prompt_tokens = usage["prompt_tokens"]
+            self.usage_out = self.usage_out or not event.get("choices")
         for choice in event.get("choices") or ():
             if not isinstance(choice, dict):
                 continue
@@ -255,17 +281,27 @@ class Splice:
         self._pending = b""     # a half event of the instance that died is never completed
         self.error = None
         now = time.monotonic()
-        self.hops.append(Hop(failed, "", self.tokens, why, now, self.last_write or now))
+        self.hops.append(Hop(failed, "", self.sent, why, now, self.last_write or now))
 
     def moved(self, backend: str) -> None:
         """The hop's continuation goes to backend."""
         self.hops[-1].backend = backend
 
-    def closing(self) -> bytes:
+    def closing(self, prompt_tokens: int) -> bytes:
         """What ends a stream the proxy closes itself (the answer was whole, or its budget spent, when the
-        instance broke off): [DONE]."""
+        instance broke off): the usage chunk when one was asked for and none went out (prompt_tokens: the
+        engine's count when an event told it, else the caller's reckoning), then [DONE]; nothing once
+        [DONE] went out."""
+        if self.done:
+            return b""
         self.done = True
-        return DONE
+        if not self.include_usage or self.usage_out or self.ids is None:
+            return DONE
+        prompt = prompt_tokens if self.prompt_tokens is None else self.prompt_tokens
+        usage = {"prompt_tokens": prompt, "completion_tokens": self.sent, "total_tokens": prompt + self.sent}
+        event = {**self.ids, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                 "choices": [], "usage": usage}
+        return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n" + DONE
 
     def log_fields(self) -> dict:
         """The results log's fields of a stream cut by its instance: how it was resumed, or why not."""
@@ -274,7 +310,7 @@ class Splice:
         first = self.hops[0]
         gaps = [h.gap_s for h in self.hops if h.gap_s is not None]
         return {"resumed": True, "backends": [first.failed, *(h.backend for h in self.hops)],
-                "tokens_before": first.tokens_before, "tokens_after": self.tokens - first.tokens_before,
-                "completion_tokens": self.tokens, "resume_cause": first.why,
+                "tokens_before": first.tokens_before, "tokens_after": self.sent - first.tokens_before,
+                "completion_tokens": self.sent, "resume_cause": first.why,
                 **({} if self.declined is None else {"resume": self.declined}),
                 "resume_gap_ms": round(max(gaps) * 1000, 1) if gaps else None}

@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import time
 
 import aiohttp
@@ -204,3 +205,110 @@ async def _holder(admin: int) -> str:
             return on[0]
         await asyncio.sleep(0.01)
     raise AssertionError("no stream in flight")
+
+
+def _event(delta: dict | None = None, finish: str | None = None, usage: dict | None = None) -> bytes:
+    event = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+             "choices": [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    if usage is not None:
+        event["usage"] = usage
+    return b"data: " + json.dumps(event).encode() + b"\n\n"
+
+
+ROLE = _event({"role": "assistant", "content": ""})
+END = b"data: [DONE]\n\n"
+ABORT = "abort"     # the backend drops the connection there
+# What the scripted backend streams, by the request's `user`: bytes are written, a number is slept.
+SCRIPTS = {
+    "tool": [ROLE, _event({"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                                           "function": {"name": "weather", "arguments": ""}}]}),
+             _event({"tool_calls": [{"index": 0, "function": {"arguments": '{"city": "Oslo"}'}}]}),
+             _event({}, "tool_calls"), END],
+    "reasoning": [ROLE, _event({"reasoning_content": "It is"}), _event({"reasoning_content": " cold."}),
+                  _event({"content": "Cold."}), _event({}, "stop"), END],
+    "slow-first": [2.5, ROLE, _event({"content": "a"}), _event({"content": " b"}), _event({}, "stop"), END],
+    "done-then-hold": [ROLE, _event({"content": "a"}), _event({}, "stop"), END, 2.5],
+    "cut-after-finish": [ROLE, _event({"content": "a"}), _event({"content": " b"}), _event({}, "stop"), ABORT],
+    "big": [ROLE, *[_event({"content": "x" * 16384})] * 500, _event({}, "stop"), END],
+}
+
+
+async def slow_reader(port: int, body: dict) -> dict:
+    """A client that takes nothing of its answer for 3 s (a small receive buffer: the proxy's write
+    waits), then all of it: what `stream` says of it."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    reader, writer = await asyncio.open_connection(sock=sock)
+    data = json.dumps(body).encode()
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\n"
+                 b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data))
+    await asyncio.sleep(3)
+    answer = await reader.read()
+    writer.close()
+    whole = answer.startswith(b"HTTP/1.1 200") and answer.endswith(END + b"\r\n0\r\n\r\n")
+    return {"cut": None if whole else answer[-200:], "done": answer.count(END),
+            "text": "%d events of x" % answer.count(b'{"content": "x')}
+
+
+def scripted_backend(servers) -> int:
+    """A backend streaming SCRIPTS[the request's user] (its /health always 200); its port."""
+    from aiohttp import web
+
+    async def health(request):
+        return web.json_response({})
+
+    async def chat(request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)     # headers first, as vLLM sends them, before any token
+        for step in SCRIPTS[(await request.json())["user"]]:
+            if step == ABORT:
+                request.transport.abort()
+                return resp
+            if isinstance(step, bytes):
+                await resp.write(step)
+            else:
+                await asyncio.sleep(step)
+        await resp.write_eof()
+        return resp
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_post("/v1/chat/completions", chat)
+    return servers.serve(app)
+
+
+@pytest.mark.xdist_group("load")
+def test_whole_answers_pass_whole_with_resume_on(procs, tmp_path):
+    """One scripted backend, resume on, stall_s 1. 1. A tool call's stream and a reasoning stream (not
+    resumable once they show it) end cleanly with their [DONE]. 2. A first token 2.5 s after the headers
+    is waited for (the stall counts from the first chunk). 3. A backend holding the connection open 2.5 s
+    after [DONE]: one [DONE]. 4. A client that takes nothing for 3 s of an 8 MB answer is not the backend's
+    silence. 5. A backend gone between finish_reason and the usage chunk: the proxy sends the usage it
+    can count (include_usage), [DONE], and counts the stream `closed`."""
+    from otlp_helpers import Servers
+    servers = Servers()
+    try:
+        port, _ = start_proxy(procs, tmp_path, [f"127.0.0.1:{scripted_backend(servers)}"],
+                              resume={"stall_s": 1})
+        url = f"http://127.0.0.1:{port}"
+
+        async def one(s, script, **extra) -> dict:
+            body = {**ask(0), "user": script, "max_tokens": 1000, **extra}
+            return await (stream(s, url, body) if script != "big" else slow_reader(port, body))
+
+        async def run():
+            async with aiohttp.ClientSession() as s:
+                return {script: await one(s, script) for script in SCRIPTS}
+        seen = asyncio.run(run())
+        metrics = asyncio.run(_get(f"{url}/metrics"))
+    finally:
+        servers.close()
+    texts = {"tool": "", "reasoning": "Cold.", "slow-first": "a b", "done-then-hold": "a", "cut-after-finish": "a b",
+             "big": "500 events of x"}
+    assert {k: (s["cut"], s["done"], s["text"]) for k, s in seen.items()} == {k: (None, 1, texts[k]) for k in SCRIPTS}
+    usage = seen["cut-after-finish"]["usage"]
+    assert usage is not None and usage["completion_tokens"] == 2, seen["cut-after-finish"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + 2 and usage["prompt_tokens"] > 0
+    assert 'proxy_stream_resumes_total{outcome="closed"} 1.0' in metrics
+    lines = [e for e in results_log(tmp_path) if e.get("final")]
+    assert [e["status"] for e in lines] == [200] * len(SCRIPTS), lines

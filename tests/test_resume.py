@@ -164,3 +164,63 @@ def test_the_continuation_goes_where_the_prefix_is_next_never_back():
     assert rest.name == "b2:1"
     b.mark(b.backends["b2:1"], False)
     assert b.acquire(exclude=[first], over=True, route=PrefixRoute(blocks)).name not in ("b0:1", "b2:1")
+
+
+def test_several_tokens_an_event_are_counted_as_the_engine_counts_them():
+    """vLLM's --stream-interval (or speculative decoding) puts several tokens in one event: when the events
+    carry usage (continuous_usage_stats), the engine's count is what was sent before the cut (the budget
+    left is reduced by it, the continuation's usage counts from it), and the tenant is charged that plus the
+    continuation's own count; the proxy's own `usage` chunk carries the same count."""
+    from types import SimpleNamespace
+
+    from proxy.forward import Outcome, _usage
+
+    def usage(prompt, n):
+        return {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
+    s = Splice(CHAT, None, include_usage=True)
+    s.feed(sse(event("a", role=True)) + sse(event("a", "Once upon", usage=usage(5, 3)))
+           + sse(event("a", " a time", usage=usage(5, 6))))
+    assert (s.tokens, s.sent) == (2, 6)
+    s.cut("b0:1", "gone")
+    s.moved("b1:1")
+    assert s.hops[0].tokens_before == 6
+    assert continuation(CHAT, chat(max_tokens=50), "".join(s.text), s.sent)["max_tokens"] == 44
+    got = events_of(s.feed(sse(event("b", " there", finish="stop"))
+                           + sse(event("b", usage=usage(11, 3), choices=False)) + b"data: [DONE]\n\n"))
+    assert json.loads(got[-2])["usage"] == usage(5, 9)
+    continued = Outcome(observer=SimpleNamespace(reported_tokens=3, prompt_tokens=11))
+    assert _usage(SimpleNamespace(splice=s), continued) == (5, 9)
+    assert (s.log_fields()["tokens_before"], s.log_fields()["tokens_after"]) == (6, 3)
+    closed = Splice(CHAT, None, include_usage=True)
+    closed.feed(sse(event("a", role=True)) + sse(event("a", "Hi", usage=usage(5, 2))) + sse(event("a", finish="stop")))
+    last = json.loads(events_of(closed.closing(99))[0])
+    assert last["usage"] == usage(5, 2) and last["choices"] == [] and last["id"] == "a"
+    assert closed.closing(99) == b""     # [DONE] went out: nothing more
+
+
+def test_the_continuation_is_built_from_the_one_parse(monkeypatch):
+    """The continuation's body comes from the body's parse, its long strings (an image) copied back byte
+    for byte, never decoded: json.loads never sees the body; a numeric `user` the proxy made a string is a
+    string in the continuation too."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from proxy import forward
+    from proxy.body import LONG_STRING, parse
+    image = "data:image/png;base64," + "QUJD\\u00e9" * LONG_STRING
+    raw = ('{"model": "m", "stream": true, "max_tokens": 20, "user": 42, "messages": [{"role": "user", '
+           '"content": [{"type": "image_url", "image_url": {"url": "' + image + '"}}]}]}').encode()
+    parsed = parse(raw)
+    assert len(parsed.spans) == 1
+    parsed.with_user("42")
+    splice = Splice(CHAT, None)
+    splice.feed(sse(event("a", role=True)) + sse(event("a", "It is")))
+    ex = SimpleNamespace(splice=splice, request=SimpleNamespace(path=CHAT), parsed=parsed, body=raw)
+    proxy = SimpleNamespace(config=SimpleNamespace(limits=SimpleNamespace(inline_kb=1 << 20)))
+    expected = continuation(CHAT, {**json.loads(raw), "user": "42"}, "It is", 1)
+    loads = json.loads
+    monkeypatch.setattr(json, "loads", lambda s, *a, **k: (_ for _ in ()).throw(AssertionError("decoded"))
+                        if s is raw else loads(s, *a, **k))
+    body = asyncio.run(forward._continuation_body(ex, proxy))
+    assert image.encode() in body
+    assert loads(body) == expected
