@@ -30,11 +30,17 @@ def ask(i: int, stream: bool = True) -> dict:
                          {"role": "user", "content": f"question number {i}: what is the weather?"}]}
 
 
-async def stream(session: aiohttp.ClientSession, url: str, body: dict, path: str = "/v1/chat/completions") -> dict:
-    """One streamed answer as the client sees it: its events, text, ids, role chunks, [DONE]s, usage;
-    cut: the connection broke, or the stream ended without [DONE]."""
-    seen = {"ids": set(), "roles": 0, "done": 0, "text": "", "usage": None, "cut": None, "gaps": [],
+def new_seen() -> dict:
+    return {"ids": set(), "roles": 0, "done": 0, "text": "", "usage": None, "cut": None, "gaps": [],
             "backend": None, "chunks": 0}
+
+
+async def stream(session: aiohttp.ClientSession, url: str, body: dict, path: str = "/v1/chat/completions",
+                 seen: dict | None = None) -> dict:
+    """One streamed answer as the client sees it: its events, text, ids, role chunks, [DONE]s, usage;
+    cut: the connection broke, or the stream ended without [DONE]. seen: filled as the events come (a
+    test polls it)."""
+    seen = new_seen() if seen is None else seen
     last = None
     try:
         async with session.post(url + path, json=body) as r:
@@ -103,7 +109,8 @@ def test_sigkill_of_an_instance_holding_streams_cuts_none_and_the_texts_run_on(p
 
     async def run():
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
-            tasks = [asyncio.ensure_future(stream(s, url, ask(i))) for i in range(STREAMS)]
+            seens = [new_seen() for _ in range(STREAMS)]
+            tasks = [asyncio.ensure_future(stream(s, url, ask(i), seen=seens[i])) for i in range(STREAMS)]
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:   # every stream started on some instance
                 held = await backends(admin)
@@ -111,7 +118,7 @@ def test_sigkill_of_an_instance_holding_streams_cuts_none_and_the_texts_run_on(p
                     break
                 await asyncio.sleep(0.02)
             victim = max(names, key=lambda n: held[n]["in_flight"])
-            await asyncio.sleep(0.4)           # some tokens out: the cut comes mid-answer
+            await until(lambda: all(x["chunks"] for x in seens), "every stream's first token")   # mid-answer
             os.kill(procs.started[names.index(victim)].pid, signal.SIGKILL)
             seen = await asyncio.wait_for(asyncio.gather(*tasks), 60)
             alone = [await whole(s, url, ask(i, stream=False)) for i in range(STREAMS)]
@@ -158,9 +165,10 @@ def test_an_engine_error_chunk_and_a_stall_are_resumed_and_what_cannot_be_is_log
     url = f"http://127.0.0.1:{port}"
 
     async def faulted(s, i, fault, body=None, path="/v1/chat/completions"):
-        task = asyncio.ensure_future(stream(s, url, body or ask(i), path))
+        seen = new_seen()
+        task = asyncio.ensure_future(stream(s, url, body or ask(i), path, seen))
         held = await _holder(admin)
-        await asyncio.sleep(0.3)
+        await until(lambda: seen["chunks"], "the stream's first token")   # the fault comes mid-answer
         if fault == "kill":
             os.kill(procs.started[[f"127.0.0.1:{p}" for p in ports].index(held)].pid, signal.SIGKILL)
         else:
@@ -194,6 +202,15 @@ def test_an_engine_error_chunk_and_a_stall_are_resumed_and_what_cannot_be_is_log
                                     and e["backend"] == killed and not e.get("backends")), None),
                       what="the cut stream's results-log line")
     assert line.get("resumed") is False and line["resume"].startswith("logprobs asked for"), line
+
+
+async def until(ready, what: str, timeout_s: float = 10) -> None:
+    """Poll ready() (on this loop, every 10 ms) until it is true; AssertionError naming what past timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} within {timeout_s:g} s")
+        await asyncio.sleep(0.01)
 
 
 async def _holder(admin: int) -> str:
