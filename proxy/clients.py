@@ -205,7 +205,9 @@ class Clients:
             self._gauge.dec()
 
     def cut(self, conn: Connection, reason: str, status: int = 0, error: str = "") -> None:
-        """Close conn at once; the request it carries, if any, ends with status and error."""
+        """Close conn at once; the request it carries, if any, ends with status and error. None carried:
+        its handler ended (settled, logged) and handed the connection its last bytes (a whole answer, or a
+        stream's tail still in the write buffer): the cut is counted only (docs/proxy.md "Client connections")."""
         request = conn.request()
         if request is not None and status:
             request[CUT] = (status, error)
