@@ -327,5 +327,8 @@ def test_whole_answers_pass_whole_with_resume_on(procs, tmp_path):
     assert usage is not None and usage["completion_tokens"] == 2, seen["cut-after-finish"]
     assert usage["total_tokens"] == usage["prompt_tokens"] + 2 and usage["prompt_tokens"] > 0
     assert 'proxy_stream_resumes_total{outcome="closed"} 1.0' in metrics
-    lines = [e for e in results_log(tmp_path) if e.get("final")]
+    def finals():
+        lines = [e for e in results_log(tmp_path) if e.get("final")]
+        return lines if len(lines) >= len(SCRIPTS) else None
+    lines = wait_until(finals, what="every stream's final results-log line")
     assert [e["status"] for e in lines] == [200] * len(SCRIPTS), lines
