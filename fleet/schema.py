@@ -326,10 +326,8 @@ class RoutingSettings(Section):
         "waits for one there while other backends have free slots, rather than go cold at once; also "
         "bounded by the prefill its match saves at `prefill_ms`. 0: never waits.")
     prefill_ms: _number(0, 100_000, "a number of milliseconds from 0 to 100000") = doc(100.0,
-        "prefix: the engines' prefill time per 1,000 prompt tokens: what a request's predicted time to "
-        "first token on each backend is reckoned with (its uncached prompt and the prefill waiting there; "
-        "docs/proxy.md), and the bound of `home_wait_s`: a request never waits for home longer than going "
-        "cold would cost. 0: no prediction (the least loaded backend is the other choice).")
+        "prefix: the engines' prefill time per 1,000 prompt tokens, which bounds `home_wait_s`: a request "
+        "never waits for home longer than going cold would cost.")
 
 
 # A tenant's name, as a key file's `KEY TENANT` line writes it (proxy/config.py has the same pattern).

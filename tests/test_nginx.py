@@ -94,7 +94,7 @@ def test_rendered_config_passes_nginx_t(tmp_path):
     for directive in ("least_conn;", "keepalive 64;", "proxy_http_version 1.1;", "proxy_buffering off;",
                       "proxy_read_timeout 300s;", "proxy_send_timeout 300s;", "client_max_body_size 64m;",
                       "add_header X-Backend $upstream_addr always;", "proxy_next_upstream error timeout;",
-                      "zone vllm_backends", f"listen 0.0.0.0:{status_port(inventory)};"):
+                      "zone vllm_backends", f"listen 0.0.0.0:{status_port(inventory)} sndbuf=16k;"):
         assert directive in conf, directive
     assert not any("non_idempotent" in line.split("#")[0] for line in conf.splitlines())
     check = subprocess.run([PYTHON, "-m", "hostagent", "check", "--config", "conf/nginx_front.json"],

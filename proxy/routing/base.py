@@ -35,8 +35,7 @@ class RoutingConfig:
     spread_after: int = _bounded(3, 0, 65536)
     # prefix: a request whose home (the backend with its prefix) is full while others have a free slot
     # may wait for a slot at home, at most home_wait_s and at most the prefill its cached prefix saves at
-    # prefill_ms per 1,000 tokens (0: never waits); prefill_ms also prices a request's predicted time to
-    # first token on each backend (prefix.Prefix.ttft_s). spread_after 3 and home_wait_s 1 measured
+    # prefill_ms per 1,000 tokens (0: never waits). spread_after 3 and home_wait_s 1 measured
     # (bench/bench_routing.py, docs/PERFORMANCE.md): with 2 the groups workload's hit rate fell further.
     home_wait_s: float = _bounded(1.0, 0, 60)
     prefill_ms: float = _bounded(100.0, 0, 100_000)

@@ -13,7 +13,6 @@ dropped when the proxy takes it out (ejected, unhealthy, drained for a restart) 
 from __future__ import annotations
 
 import itertools
-import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Collection, Sequence
@@ -38,10 +37,6 @@ MISS_SLACK_BLOCKS = 2
 # one must have more branches behind it first (a group's 3,000-token context with its 6 questions stays
 # on one backend; 8 conversations on a 560-token system prompt spread over 3).
 SPREAD_TOKENS = 1000
-# A conversation's home is remembered by its latest prompt's last block, at most max_blocks / HOME_EVERY
-# of them: one entry a request, so that a conversation whose blocks its engine (and the index) evicted
-# still goes back where it was, instead of copying its history into a second cache by load.
-HOME_EVERY = 16
 
 
 def prompt_blocks(body: bytes | Parsed, limits: Limits = Limits()) -> list[int]:
@@ -136,8 +131,6 @@ class PrefixRoute:
     ticks: list[int] = field(default_factory=list)   # when the matched blocks were sent there before
     seen: int = -1                                   # the index's changes when `matches` was computed
     matches: dict[str, int] = field(default_factory=dict)
-    home: tuple[str, int] | None = None              # (backend, blocks): where its longest prompt sent went
-    home_seen: bool = False
 
     @property
     def prompt_tokens(self) -> int:
@@ -346,12 +339,6 @@ class Prefix(Policy):
     def __init__(self, config: RoutingConfig):
         super().__init__(config)
         self.index = PrefixIndex(config.max_blocks)
-        # backend -> (prefill tokens sent there and not yet done, when that was reckoned): each backend
-        # works its backlog off at routing.prefill_ms per 1,000 tokens (ttft_s)
-        self._backlog: dict[str, tuple[float, float]] = {}
-        self.clock = time.monotonic
-        # a prompt's last block -> the backend it was sent to (_home), least recently sent first
-        self._homes: OrderedDict[int, str] = OrderedDict()
         # (seq, backend, blocks) of the latest decisions, for a peer entry's proxy to learn from; kept only
         # once keep_feed() was called (a proxy with peers: proxy/share.py), so no other proxy pays for it
         self.feed: deque[tuple[int, str, list[int]]] | None = None
@@ -388,68 +375,14 @@ class Prefix(Policy):
         """The prompt's blocks (body: the request path's one parse, with its limits)."""
         return PrefixRoute(prompt_blocks(body))
 
-    def _home(self, route: PrefixRoute) -> tuple[str, int] | None:
-        """Where the longest earlier prompt this one continues was sent, and its length in blocks, whether
-        or not the index still holds its blocks there (None: no earlier prompt ended inside this one)."""
-        if not route.home_seen:
-            route.home_seen = True
-            for i in range(len(route.blocks) - 1, -1, -1):
-                name = self._homes.get(route.blocks[i])
-                if name is not None:
-                    route.home = (name, i + 1)
-                    break
-        return route.home
-
-    def _sticky(self, route: PrefixRoute, fast: Backend, least: Backend, candidates: Sequence[Backend],
-                ttft: dict[str, float]) -> Backend | None:
-        """The conversation's home when the index no longer knows its blocks there (evicted: the working
-        set overflows the caches) and it is free and not too loaded (the balance rule, with the
-        prediction): going back keeps each conversation's history in one cache, where what fits stays,
-        rather than spread by load into eviction everywhere. None: no such home."""
-        home = self._home(route)
-        r = self.config
-        if home is None or home[1] * BLOCK_TOKENS < r.min_match_tokens or self.index.branches(route.blocks, home[1]):
-            return None
-        b = next((c for c in candidates if c.name == home[0]), None)
-        if b is None or b is fast:
-            return b
-        if (b.in_flight - least.in_flight > r.balance_abs and b.in_flight > r.balance_rel * least.in_flight
-                and (not self._predicts(candidates) or ttft[fast.name] < ttft[b.name])):
-            return None
-        return b
-
-    def backlog(self, backend: str, now: float) -> float:
-        """The prefill tokens sent to backend that it has likely not run yet: what was sent there, less what
-        it ran since at routing.prefill_ms per 1,000 tokens."""
-        tokens, at = self._backlog.get(backend, (0.0, now))
-        ms = self.config.prefill_ms
-        return max(0.0, tokens - (now - at) * 1e6 / ms) if ms else 0.0
-
-    def ttft_s(self, route: PrefixRoute, backend: Backend, matched: dict[str, int], now: float) -> float:
-        """The request's predicted time to first token on backend: the prefill waiting there before it
-        (backlog) plus its own, the prompt less what backend holds, at routing.prefill_ms per 1,000 tokens."""
-        own = max(1, route.prompt_tokens - matched.get(backend.name, 0) * BLOCK_TOKENS)
-        return (self.backlog(backend.name, now) + own) * self.config.prefill_ms / 1e6
-
-    def _predicts(self, candidates: Sequence[Backend]) -> bool:
-        """Whether the predicted time to first token may outweigh the balance rule: with a prefill rate
-        (routing.prefill_ms) and every candidate's slots bounded (max_num_seqs + headroom), where the
-        engine runs at once all that the proxy sends, so its decodes do not delay a new prefill. Without
-        slots the proxy may send an engine more than it runs, which ttft_s does not see (64 identical
-        prompts would all go to their holder): then the balance rule holds."""
-        return bool(self.config.prefill_ms) and all(b.slots for b in candidates)
-
     def pick(self, route: PrefixRoute | None, least: Backend, candidates: Sequence[Backend]) -> Backend:
         """The backend holding the longest run of the prompt's leading blocks (ties: the less loaded,
-        then round robin), when that run saves at least min_match_tokens of prefill over the fastest
-        other backend (a shared prefix that every backend holds pins nothing) or runs past a shared
-        prefix into the conversation's own rounds (_own), and covers routing.min_match_ratio of the
-        prompt or is predicted no slower than going elsewhere (ttft_s: a conversation whose history
-        was partly evicted still goes home rather than copy its rest to another cache); a match that
-        ends where prompts sharing it branch off goes by _spread. Load overrides it when that backend
-        has more than balance_abs requests more than the least loaded one and more than balance_rel
-        times as many, and the prediction agrees that the other is faster. The other backend is the one
-        with the lowest predicted time to first token (ties: the less loaded, then round robin)."""
+        then round robin), when that run covers routing.min_match_ratio of the prompt (a new
+        conversation that shares only a system prompt goes by load) and saves at least min_match_tokens
+        of prefill over the least loaded backend (a shared prefix that every backend holds pins
+        nothing) or runs past a shared prefix into the conversation's own rounds (_own); a match that
+        ends where prompts sharing it branch off goes by _spread; unless that backend has more than balance_abs requests more than the least loaded one
+        and more than balance_rel times as many: then the least loaded one."""
         if route is None or not route.blocks:
             return least
         matched = self._match(route)
@@ -461,30 +394,17 @@ class Prefix(Policy):
                 top, top_run = b, run
         if top is not None and self.index.branches(route.blocks, top_run):
             return self._spread(route, matched, top_run, candidates)
-        now = self.clock()
-        ttft = {b.name: self.ttft_s(route, b, matched, now) for b in candidates}
-        fast = least
-        predicts = self._predicts(candidates)
-        if predicts:
-            fast = min(candidates, key=lambda b: (ttft[b.name], b.in_flight))
-        fast_tokens = matched.get(fast.name, 0) * BLOCK_TOKENS
+        least_tokens = matched.get(least.name, 0) * BLOCK_TOKENS
         r = self.config
-        if (top is None or top is fast
-                or (top_run < r.min_match_ratio * len(route.blocks)
-                    and (not predicts or ttft[top.name] > ttft[fast.name]))
-                or (top_run * BLOCK_TOKENS - fast_tokens < r.min_match_tokens
+        if (top is None or top is least or top_run < r.min_match_ratio * len(route.blocks)
+                or (top_run * BLOCK_TOKENS - least_tokens < r.min_match_tokens
                     and not self._own(route, matched, top, top_run))):
-            home = self._sticky(route, fast, least, candidates, ttft) if fast_tokens < r.min_match_tokens else None
-            if home is not None and home is not fast:
-                route.decision, route.matched_tokens = "home", matched.get(home.name, 0) * BLOCK_TOKENS
-                return home
-            route.decision = "prefix" if fast_tokens >= r.min_match_tokens else "load"
-            route.matched_tokens = fast_tokens
-            return fast
-        if (top.in_flight - least.in_flight > r.balance_abs and top.in_flight > r.balance_rel * least.in_flight
-                and (not predicts or ttft[fast.name] < ttft[top.name])):
-            route.decision, route.matched_tokens = "override", fast_tokens
-            return fast
+            route.decision = "prefix" if least_tokens >= r.min_match_tokens else "load"
+            route.matched_tokens = least_tokens
+            return least
+        if top.in_flight - least.in_flight > r.balance_abs and top.in_flight > r.balance_rel * least.in_flight:
+            route.decision, route.matched_tokens = "override", least_tokens
+            return least
         route.decision, route.matched_tokens = "prefix", top_run * BLOCK_TOKENS
         return top
 
@@ -511,26 +431,12 @@ class Prefix(Policy):
         least = min(candidates, key=lambda b: b.in_flight)
         roomy = [b for b in candidates if matched.get(b.name, 0) >= run and fan.get(b.name, 0) < after]
         best = min(roomy, key=lambda b: (b.in_flight, fan.get(b.name, 0)), default=None)
-        if best is None:
+        if best is None or (best.in_flight - least.in_flight > r.balance_abs
+                            and best.in_flight > r.balance_rel * least.in_flight):
             best = min(candidates, key=lambda b: (b.in_flight, fan.get(b.name, 0)))
-        elif best.in_flight - least.in_flight > r.balance_abs and best.in_flight > r.balance_rel * least.in_flight:
-            best = self._faster(route, matched, best, candidates, fan)
         route.matched_tokens = matched.get(best.name, 0) * BLOCK_TOKENS
         route.decision = "shared"
         return best
-
-    def _faster(self, route: PrefixRoute, matched: dict[str, int], holder: Backend,
-                candidates: Sequence[Backend], fan: dict[str, int]) -> Backend:
-        """The backend a too loaded holder gives way to: the one with the lowest predicted time to first
-        token (ties: fewer in flight, fewer branches), when that is lower than the holder's; else the holder
-        (its requests are decoding, not prefilling: it starts this one no later). Without a prediction
-        (prefill_ms 0), the least loaded."""
-        if not self._predicts(candidates):
-            return min(candidates, key=lambda b: (b.in_flight, fan.get(b.name, 0)))
-        now = self.clock()
-        ttft = {b.name: self.ttft_s(route, b, matched, now) for b in candidates}
-        other = min(candidates, key=lambda b: (ttft[b.name], b.in_flight, fan.get(b.name, 0)))
-        return other if ttft[other.name] < ttft[holder.name] else holder
 
     def sent(self, route: PrefixRoute | None, backend: Backend) -> None:
         """Remember the prompt's blocks on backend, within what its engine keeps (its KV cache's size in
@@ -541,21 +447,8 @@ class Prefix(Policy):
             if cap != self.index.capacity(backend.name):
                 self.index.set_capacity(backend.name, cap)
             route.ticks = self.index.insert(route.blocks, backend.name, route.matched_tokens // BLOCK_TOKENS)
-            homes = self._homes
-            homes[route.blocks[-1]] = backend.name
-            homes.move_to_end(route.blocks[-1])
-            while len(homes) > max(1, self.config.max_blocks // HOME_EVERY):
-                homes.popitem(last=False)
-            now = self.clock()
-            self._backlog[backend.name] = (self.backlog(backend.name, now)
-                                           + max(1, route.prompt_tokens - route.matched_tokens), now)
             if self.feed is not None:
                 self.feed.append((next(_feed_seq), backend.name, route.blocks))
-
-    def ended(self, backend: Backend) -> None:
-        """A request on backend finished: with none left there, nothing waits for prefill either."""
-        if not backend.in_flight:
-            self._backlog.pop(backend.name, None)
 
     def learned(self, route: PrefixRoute | None, backend: Backend, cached_tokens: int | None,
                 prompt_tokens: int | None) -> None:
@@ -571,8 +464,6 @@ class Prefix(Policy):
 
     def forget(self, backend: str) -> None:
         self.index.drop(backend)
-        self._backlog.pop(backend, None)
-        self._homes = OrderedDict((h, n) for h, n in self._homes.items() if n != backend)
 
     def hold(self, route: PrefixRoute | None, candidates: Sequence[Backend],
              backends: Sequence[Backend]) -> tuple[Backend, float] | None:
@@ -590,9 +481,7 @@ class Prefix(Policy):
             n = matched.get(b.name, 0)
             if n > run and b.available:
                 home, run = b, n
-        if home is None:
-            return self._hold_sticky(route, candidates, backends)
-        if home.free:
+        if home is None or home.free or run < r.min_match_ratio * len(route.blocks):
             return None
         if self.index.branches(route.blocks, run):
             return None      # only a shared prefix: no conversation's home
@@ -601,35 +490,15 @@ class Prefix(Policy):
             return None
         return home, min(r.home_wait_s, saved * r.prefill_ms / 1e6)
 
-    def _hold_sticky(self, route: PrefixRoute, candidates: Sequence[Backend],
-                     backends: Sequence[Backend]) -> tuple[Backend, float] | None:
-        """Wait for a full home the index no longer holds blocks on (_sticky), at most home_wait_s and at
-        most the request's own prefill at prefill_ms: no longer than going elsewhere would cost it."""
-        r = self.config
-        home = self._home(route)
-        if (home is None or home[1] * BLOCK_TOKENS < r.min_match_tokens
-                or self.index.branches(route.blocks, home[1])
-                or any(self._match(route).get(b.name, 0) * BLOCK_TOKENS >= r.min_match_tokens for b in candidates)):
-            return None
-        b = next((x for x in backends if x.name == home[0]), None)
-        if b is None or b.free or not b.available:
-            return None
-        return b, min(r.home_wait_s, route.prompt_tokens * r.prefill_ms / 1e6)
-
     def waiter(self, queue: Collection[Waiter], backends: Sequence[Backend]) -> Waiter | None:
-        """Of the first lookahead + 1 waiters, the one with the longest match on a backend with a free
-        slot (at least min_match_tokens and min_match_ratio of its prompt; ties: the earlier): the most
-        recently used conversation there first, whose blocks the engine has surely kept, before the
-        older ones it may be evicting (served the other way round, an LRU cache too small for every
-        conversation loses each before its next round). A waiter passed over lookahead times already is
-        taken as it is."""
+        """The first of the first lookahead + 1 waiters whose prompt has at least min_match_tokens on a
+        backend with a free slot; a waiter passed over lookahead times already is taken as it is."""
         r = self.config
         if not r.lookahead:
             return None
         free = [b.name for b in backends if b.free]
         if not free:
             return None      # nothing to hand out: the balancer's acquire finds no slot either
-        best, best_score = None, (0, 0)
         for w in itertools.islice(queue, r.lookahead + 1):
             if w.future.done():
                 continue
@@ -638,11 +507,6 @@ class Prefix(Policy):
             if w.route is not None and w.route.blocks:
                 matched = self._match(w.route)
                 run = max((matched.get(n, 0) for n in free), default=0)
-                score = (0, 0)
                 if run * BLOCK_TOKENS >= r.min_match_tokens and run >= r.min_match_ratio * len(w.route.blocks):
-                    score = (2, run)
-                elif (home := self._home(w.route)) is not None and home[0] in free and not matched:
-                    score = (1, home[1])      # its blocks evicted there, but its history's home (_sticky)
-                if score > best_score:
-                    best, best_score = w, score
-        return best
+                    return w
+        return None
