@@ -33,6 +33,9 @@ HOP_BY_HOP = frozenset(h.lower() for h in (
     "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE", "Trailer",
     "Transfer-Encoding", "Upgrade", "Proxy-Connection"))
 RETRY_STATUSES = frozenset({502, 503})
+# What vLLM's API server answers (500) once its EngineCore died, until it exits: the engine is gone, not the
+# request at fault, so the answer is held back for another backend like a 502/503 and the backend taken out.
+ENGINE_DEAD = b"EngineCore encountered an issue"
 ERROR_BODY_BYTES = 1024 * 1024   # a 502/503 body kept to hand on when no other backend is left
 WHOLE_BODY_BYTES = 8 * 1024 * 1024  # a non-SSE answer up to this size is read whole, then sent in one write
 CLIENT_CLOSED = 499              # nginx's status for "the client went away first"
@@ -767,6 +770,18 @@ async def _take(ex: Exchange, proxy, backend: Backend, out: Outcome, up: aiohttp
     streamed = up.headers.get("Content-Type", "").startswith("text/event-stream")
     out.observer = ResponseObserver(up.status, streamed) if ex.logged else None
     headers = {**downstream_headers(up.headers), **_ids(ex, backend)}
+    if up.status == 500 and not streamed:
+        body = await _read_up_to(up, ERROR_BODY_BYTES)
+        if ENGINE_DEAD in body:
+            out.retryable, out.error = True, body.decode("utf-8", "replace")
+            out.buffered = (up.status, downstream_headers(up.headers), body)
+            if proxy.router.eject(backend, f"{backend.name}: its engine died (EngineCore encountered an issue)"):
+                _ejected(proxy, backend, "engine_dead")
+            return
+        if out.observer is not None:
+            out.observer.feed(body)
+        out.whole = web.Response(status=up.status, body=body, headers=headers)
+        return
     if not streamed and up.content_length is not None and up.content_length <= WHOLE_BODY_BYTES:
         # A whole answer (not SSE) of known, bounded size goes out in one write with its
         # headers: nothing is gained by streaming what the engine sent all at once.

@@ -18,7 +18,7 @@ LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 1
 # backend), so a panel or an increase() over them starts from 0 instead of "no data".
 QUEUE_REJECT_REASONS = ("full", "timeout", "gone")
 RESUME_OUTCOMES = ("resumed", "closed", "failed", "no_backend", "refused", "off")
-EJECTION_REASONS = ("connect_timeout", "connect", "5xx")
+EJECTION_REASONS = ("connect_timeout", "connect", "5xx", "engine_dead")
 TENANT_LIMITS = ("max_in_flight", "max_queued", "requests_per_minute", "tokens_per_minute")
 TENANT_STATUSES = ("200", "429")    # a known tenant's answers made at start: served, and refused by a limit
 UPSTREAM_ERROR_KINDS = ("connect_timeout", "connect", "disconnected", "timeout", "payload", "connection", "stalled",

@@ -148,3 +148,23 @@ def test_results_log_rotates_with_size_and_count(procs, tmp_path):
     wait_until(lambda: (tmp_path / "req_results.log.2").exists(), what="two rotated files")
     assert not (tmp_path / "req_results.log.3").exists()
     assert all(p.stat().st_size <= 2048 for p in tmp_path.glob("req_results.log*"))
+
+
+def test_an_engine_that_died_answers_500_and_the_request_goes_elsewhere(procs, tmp_path):
+    """1. Two sims; the engine of one dies and its API server stays up answering vLLM's 500 ("EngineCore
+    encountered an issue"), as vLLM does until it exits. 2. Before any health check could see it (every
+    30 s), 8 requests: each is answered 200 by the other, none gets the dead engine's 500. 3. The dead
+    one is taken out at its first 500 (ejections by reason engine_dead)."""
+    import urllib.request
+    ports = start_sims(procs, tmp_path, 2, extra=("--sim-after-engine-death", "stay"))
+    port, admin = start_proxy(procs, tmp_path, ports, health={"interval_s": 30, "timeout_s": 3})
+    dead = f"127.0.0.1:{ports[0]}"
+    req = urllib.request.Request(f"http://{dead}/sim/fault", data=b'{"fault": "engine-death"}', method="POST")
+    urllib.request.urlopen(req).read()
+    for _ in range(8):
+        r = urllib.request.urlopen(urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/chat/completions", method="POST", headers={"Content-Type": "application/json"},
+            data=json.dumps({"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}).encode()))
+        assert r.status == 200 and r.headers["X-Backend"] == f"127.0.0.1:{ports[1]}"
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    assert f'proxy_ejections_total{{backend="{dead}",reason="engine_dead"}} 1.0' in metrics

@@ -205,6 +205,8 @@ def test_every_upstream_failure_kind_is_one_made_at_start():
                   aiohttp.ClientOSError(), ConnectionResetError(), aiohttp.InvalidURL("b:x"),
                   forward.Interrupted("stalled", "quiet"), forward.Interrupted("taken_out", "ejected")):
         forward._failed(proxy, backend, Outcome(), error)
+    # A dead engine's 500 is an answer, not an exception: _take ejects for it (tests/test_proxy.py drives it).
+    forward._ejected(proxy, backend, "engine_dead")
     text = generate_latest(proxy.metrics.registry).decode()
     kinds = {line.split('kind="')[1].split('"')[0] for line in text.splitlines()
              if line.startswith("proxy_upstream_errors_total{")}
