@@ -40,6 +40,8 @@ TICK_S = 0.1                 # the sweep's period: a deadline is kept to within 
 # connection_lost callbacks, the next turn) in one sweep held the loop for over 100 ms. The rest wait for the
 # next sweeps, oldest first: 2,560 a second, each connection's deadline kept to within a second or two.
 CUTS_PER_SWEEP = 256
+# A first request head longer than this without its end is handed to aiohttp anyway, which refuses it (431/400).
+HEAD_HOLD = 16384
 LINGER_RESET = struct.pack("ii", 1, 0)   # SO_LINGER on, 0 s: close() resets the connection
 TCP_INFO_LEN = 152           # struct tcp_info up to tcpi_notsent_bytes (Linux 4.6)
 _REFUSED_BODY = (b'{"error": {"message": "the entry holds its most connections, none of them idle; retry shortly.", '
@@ -108,22 +110,39 @@ def reset(transport) -> None:
 
 
 class Connection(asyncio.Protocol):
-    """One client connection: aiohttp's handler, with what the deadlines need to know of it."""
+    """One client connection: aiohttp's handler, with what the deadlines need to know of it.
 
-    def __init__(self, clients: Clients, handler) -> None:
-        self.clients, self.handler = clients, handler
+    The handler is built once the first request head is whole (or HEAD_HOLD bytes came without one, or bytes
+    that cannot start a request line, which aiohttp answers at once): until then the connection is a buffer. A flood of connections that send half a head, or nothing, then costs the
+    loop an accept and a few attribute writes each, not aiohttp's handler and its task (a new client's
+    /health waits in the accept queue behind every connection ahead of it: their setup is its wait)."""
+
+    __slots__ = ("clients", "server", "handler", "transport", "held", "last_in", "head_since", "acked",
+                 "progress_at")
+
+    def __init__(self, clients: Clients, server) -> None:
+        self.clients, self.server = clients, server
+        self.handler = None
         self.transport = None
+        self.held = b""                      # the first head's bytes, before the handler exists
         self.last_in = self.head_since = time.monotonic()   # a new connection owes its first head
         self.acked, self.progress_at = -1, self.last_in
 
     def connection_made(self, transport) -> None:
         self.transport = transport
-        self.handler.connection_made(transport)
         self.clients.opened(self)
 
     def data_received(self, data: bytes) -> None:
         now = self.last_in = time.monotonic()
-        if self.head_since is None and self.waiting():
+        if self.handler is None:
+            held = self.held = self.held + data
+            if held[:1].isalpha() and b"\n\r\n" not in held and b"\n\n" not in held and len(held) < HEAD_HOLD:
+                return                       # a request line's start, its head not whole yet
+            self.held = b""
+            self.handler = self.server()
+            self.handler.connection_made(self.transport)
+            data = held
+        elif self.head_since is None and self.waiting():
             self.head_since = now
             self.clients.touched(self)
         self.handler.data_received(data)
@@ -131,27 +150,38 @@ class Connection(asyncio.Protocol):
             self.head_since = None           # a whole head parsed: aiohttp queued its request
 
     def eof_received(self):
-        return self.handler.eof_received()
+        return self.handler.eof_received() if self.handler is not None else None
 
     def connection_lost(self, exc) -> None:
         self.clients.closed(self)
-        self.handler.connection_lost(exc)
+        if self.handler is not None:
+            self.handler.connection_lost(exc)
 
     def pause_writing(self) -> None:
-        self.handler.pause_writing()
+        if self.handler is not None:
+            self.handler.pause_writing()
 
     def resume_writing(self) -> None:
-        self.handler.resume_writing()
+        if self.handler is not None:
+            self.handler.resume_writing()
 
     def waiting(self) -> bool:
         """Whether the connection waits for a request head: no request queued or being handled."""
         h = self.handler
-        return (not h._messages and getattr(h, "_current_request", None) is None
-                and not getattr(h, "_request_in_progress", False))
+        return h is None or (not h._messages and getattr(h, "_current_request", None) is None
+                             and not getattr(h, "_request_in_progress", False))
 
     def request(self):
         """The request being handled, or None."""
         return getattr(self.handler, "_current_request", None)
+
+    def refuse(self) -> None:
+        """Answer 503 (the bound is reached, none idle) and close once it is written."""
+        self.transport.write(REFUSED)
+        if self.handler is not None:
+            self.handler.force_close()
+        else:
+            self.transport.close()
 
 
 class Clients:
@@ -166,7 +196,7 @@ class Clients:
 
     def factory(self, server):
         """A protocol factory for loop.create_server: aiohttp's handlers (server()), each wrapped."""
-        return lambda: Connection(self, server())
+        return lambda: Connection(self, server)
 
     def start(self) -> None:
         self._sweeper = asyncio.ensure_future(self._sweep_forever())
@@ -178,6 +208,9 @@ class Clients:
                 await self._sweeper
             except asyncio.CancelledError:
                 pass
+        for conn in list(self.open):          # aiohttp's shutdown closes the connections it has a handler for
+            if conn.handler is None and conn.transport is not None:
+                conn.transport.abort()
 
     def opened(self, conn: Connection) -> None:
         """A new connection; past the bound, the oldest idle one goes (or, none idle, this one)."""
@@ -190,9 +223,8 @@ class Clients:
         if victim is not None:
             self.cut(victim, "shed")
             return
-        conn.transport.write(REFUSED)
         self._count("refused")
-        conn.handler.force_close()        # closes once the 503 is written
+        conn.refuse()
 
     def touched(self, conn: Connection) -> None:
         """A head began on conn: it becomes the newest in the shedding order."""
