@@ -265,6 +265,11 @@ class Clients:
         c = self.config
         cuts = self.cuts
         for conn in list(self.open):
+            if conn.head_since is not None and not conn.waiting():
+                # A request under way owes no head: bytes of its body that came in the loop turn between
+                # aiohttp taking the request from its queue and running it (Python < 3.12 starts that task
+                # a turn later) found the connection idle and started a head's deadline.
+                conn.head_since = None
             if conn.head_since is not None:
                 if now - conn.head_since > c.header_timeout_s:
                     self.cut(conn, "header_timeout")

@@ -288,6 +288,9 @@ class HalfHead:
     def request(self):
         return None
 
+    def waiting(self) -> bool:
+        return True
+
 
 @pytest.mark.unit
 def test_a_sweep_cuts_a_bounded_number_the_oldest_first():
@@ -415,3 +418,44 @@ def test_nginx_mode_cuts_a_stream_nobody_reads_at_its_send_timeout(tmp_path):
         if stack.nginx_pid_file and stack.nginx_pid_file.exists():
             end_pid(stack.nginx_pid())
         stack.stop()
+
+
+@pytest.mark.unit
+def test_body_bytes_that_arrive_as_aiohttp_takes_their_request_do_not_start_a_head_deadline():
+    """Found by the real-engine resume check: a stream of 12 s was cut as a header timeout (logged 499, the
+    client saw its stream end). On Python 3.11 aiohttp's handler takes a request from its queue and runs it
+    in a task one loop turn later; body bytes arriving in that turn found the connection `waiting` for a
+    head, and the head deadline ran on under the request. 1. A POST's head, then (next turn, in that
+    window) its body. 2. The request is handled and held open. 3. A sweep well past header_timeout_s cuts
+    nothing: a connection with a request under way owes no head."""
+    import asyncio
+    from aiohttp import web
+    from proxy.clients import Clients
+
+    async def main() -> bool:
+        loop = asyncio.get_running_loop()
+        held, release = asyncio.Event(), asyncio.Event()
+
+        async def handler(request):
+            await request.read()
+            held.set()
+            await release.wait()
+            return web.Response(text="ok")
+        server = web.Server(handler)
+        clients = Clients(ClientConfig(header_timeout_s=10), bound=100)
+        ours, theirs = socket.socketpair()
+        transport, conn = await loop.connect_accepted_socket(clients.factory(server), sock=ours)
+
+        def feed():
+            conn.data_received(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n")
+            loop.call_soon(conn.data_received, b"{}")    # after the handler's wake-up: in its window
+        loop.call_soon(feed)
+        await asyncio.wait_for(held.wait(), 5)
+        clients.sweep(time.monotonic() + 60)
+        cut = transport.is_closing()
+        release.set()
+        transport.abort()
+        theirs.close()
+        await server.shutdown(0.1)
+        return cut
+    assert asyncio.run(main()) is False
