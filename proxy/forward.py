@@ -23,7 +23,7 @@ from .body import Parsed, Refused, parse
 from .fixups import numeric_user
 from .models import NO_MODEL
 from .results_log import LOGGED_PATHS, ResponseObserver, trace_id_of, user_value
-from .resume import Splice, continuation, refusal
+from .resume import Splice, continuation, counted_options, refusal
 from .routing import Route
 from .state import PROXY
 from .tracing import NOT_SAMPLED, SAMPLED, chance, new_span_id, new_trace_id, parse_traceparent, sampled
@@ -448,7 +448,9 @@ def _splice_for(ex: Exchange, proxy) -> Splice | None:
         return None
     why = refusal(ex.request.path, request) if proxy.config.resume.enabled else "off (proxy.resume.enabled false)"
     options = request.get("stream_options")
-    return Splice(ex.request.path, why, isinstance(options, dict) and bool(options.get("include_usage")))
+    options = options if isinstance(options, dict) else {}
+    return Splice(ex.request.path, why, options.get("include_usage") is True,
+                  options.get("continuous_usage_stats") is True)
 
 
 async def _resume(ex: Exchange, proxy, pool: Balancer, out: Outcome, tried: list) -> Outcome:
@@ -684,28 +686,31 @@ async def _read_body(ex: Exchange, proxy, backend: Backend | None) -> web.Respon
     router = proxy.router
     pool = next(iter(router.pools.values())) if router.needs_body and ex.logged else None
     fix = ex.logged and config.fix_numeric_user
+    counted = request.path if ex.logged and config.resume.enabled else None
     try:
-        digest = await _digested(proxy, ex.body, pool, fix)
+        digest = await _digested(proxy, ex.body, pool, fix, counted)
     except Refused as refused:
         return json_error(400, f"{refused}.", "BadRequestError", ids)
-    ex.parsed, ex.route, ex.trace_id, fixed = digest
+    ex.parsed, ex.route, ex.trace_id, fixed, fixups = digest
     if fixed is not None:
-        ex.body, ex.fixups = fixed, ["user-to-string"]
+        ex.body, ex.fixups = fixed, fixups
     return None
 
 
-async def _digested(proxy, body: bytes, pool: Balancer | None, fix: bool) -> tuple:
+async def _digested(proxy, body: bytes, pool: Balancer | None, fix: bool, counted: str | None = None) -> tuple:
     """_digest of body: on the event loop up to proxy.limits.inline_kb, in a worker thread beyond."""
     limits = proxy.config.limits
     if len(body) <= limits.inline_kb * 1024:
-        return _digest(body, limits, pool, fix)
-    return await asyncio.get_running_loop().run_in_executor(proxy.parser, _digest, body, limits, pool, fix)
+        return _digest(body, limits, pool, fix, counted)
+    return await asyncio.get_running_loop().run_in_executor(proxy.parser, _digest, body, limits, pool, fix, counted)
 
 
-def _digest(body: bytes, limits, pool: Balancer | None, fix: bool) -> tuple:
+def _digest(body: bytes, limits, pool: Balancer | None, fix: bool, counted: str | None = None) -> tuple:
     """(the body's parse, its route by pool's policy (None: no policy reads it), the trace id from its `user`,
-    the body with a numeric `user` made a string or None); Refused past limits. Runs in a worker thread
-    for a large body: it touches nothing shared."""
+    the body to send when it changed (else None), the results log's names of the changes); Refused past
+    limits. Changes: a numeric `user` made a string (fix), and a resumable stream's usage asked on every
+    event (counted: the request's path; proxy/resume.py counted_options). Runs in a worker thread for a
+    large body: it touches nothing shared."""
     parsed = parse(body, limits)
     route = pool.route_of(parsed) if pool is not None else None
     user = parsed.user if parsed.request is not None else None
@@ -714,8 +719,12 @@ def _digest(body: bytes, limits, pool: Balancer | None, fix: bool) -> tuple:
     else:
         trace = user if isinstance(user, str) or user is None else (
             json.dumps(user) if isinstance(user, (int, float)) else None)
-    fixed = parsed.with_user(json.dumps(user)) if fix and numeric_user(user) else None
-    return parsed, route, trace, fixed
+    fixups = ["user-to-string"] if fix and numeric_user(user) else []
+    fixed = parsed.with_user(json.dumps(user)) if fixups else None   # a continuation is built of it too
+    options = counted_options(counted, parsed.request) if counted and parsed.request is not None else None
+    if options is not None:
+        fixed = parsed.dumps({**parsed.request, "stream_options": options})
+    return parsed, route, trace, fixed, fixups
 
 
 async def _attempt(ex: Exchange, proxy, backend: Backend, rest: bytes | None = None) -> Outcome:

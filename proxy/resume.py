@@ -74,6 +74,21 @@ def _text_prompt(prompt) -> bool:
     return isinstance(prompt, str) or (isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str))
 
 
+def counted_options(path: str, request: dict | None) -> dict | None:
+    """The stream_options a resumable stream is sent upstream with, when the client's lack them: usage on
+    every event (vLLM's continuous_usage_stats), so the tokens sent before a cut are the engine's count. One
+    content event is one token only while the engine keeps up: a busy vLLM merges the deltas its API server
+    has not taken yet into one event, and a budget reckoned per event ran past the client's max_tokens.
+    None: not resumable, or asked for already. The splice takes out what the client did not ask for."""
+    if refusal(path, request) is not None:
+        return None
+    options = request.get("stream_options")
+    options = options if isinstance(options, dict) else {}
+    if options.get("include_usage") is True and options.get("continuous_usage_stats") is True:
+        return None
+    return {**options, "include_usage": True, "continuous_usage_stats": True}
+
+
 def continuation(path: str, request: dict, text: str, tokens: int) -> dict | None:
     """The request that finishes an answer of which text (tokens of it) reached the client: chat, the
     messages plus an assistant message of text, continued (vLLM's continue_final_message, no generation
@@ -94,6 +109,9 @@ def continuation(path: str, request: dict, text: str, tokens: int) -> dict | Non
     else:
         prompt = body["prompt"]
         body["prompt"] = (prompt if isinstance(prompt, str) else prompt[0]) + text
+    options = counted_options(path, request)
+    if options is not None:
+        body["stream_options"] = options
     return body
 
 
@@ -115,10 +133,13 @@ class Splice:
     continuation made to look like the rest of it. refused: why it cannot be continued (None: it can);
     events then pass as bytes untouched."""
 
-    def __init__(self, path: str, refused: str | None, include_usage: bool = False):
+    def __init__(self, path: str, refused: str | None, include_usage: bool = False, continuous: bool = False):
         self.chat = path == CHAT
         self.refused = refused
-        self.include_usage = include_usage
+        self.include_usage = include_usage    # the client asked for the closing usage chunk
+        # The proxy asked the engine for usage on every event (counted_options) and takes out what the
+        # client did not ask for, whether or not the stream stays resumable.
+        self.strip = refused is None and not (include_usage and continuous)
         self.ids: dict | None = None      # id, created, model of the first answer's first event
         self.text: list[str] = []
         self.tokens = 0                   # content events sent (one token each, as vLLM streams by default)
@@ -151,7 +172,7 @@ class Splice:
         next chunk), a continuation's rewritten, an error event withheld (and what follows it). observer:
         the results log's (proxy.results_log.ResponseObserver), given every byte of chunk, each event
         parsed once for both (the caller feeds it itself when this is not resumable)."""
-        if not self.resumable:
+        if not self.resumable and not self.strip:
             return self._passed(chunk)
         self.fed = True
         events = (self._pending + chunk).split(b"\n\n")
@@ -162,7 +183,7 @@ class Splice:
                 if observer is not None:
                     observer.feed(b"".join(e + b"\n\n" for e in events[i:]))
                 break
-            if self.resumable:
+            if self.resumable or self.strip:
                 passed = self._event(raw, observer)
             else:
                 passed = raw + b"\n\n"
@@ -170,7 +191,7 @@ class Splice:
                     observer.feed(passed)
             if passed is not None:
                 out.append(passed)
-        if not self.resumable:    # it stopped being resumable (a tool call began): bytes pass as they come
+        if not self.resumable and not self.strip:    # it stopped being resumable (a tool call began): bytes pass as they come
             if observer is not None:
                 observer.feed(self._pending)
             out.append(self._pending)
@@ -212,6 +233,9 @@ class Splice:
             return DONE
         if event is None:
             return raw + b"\n\n"
+        changed = self.strip and "usage" in event and not (self.include_usage and not event.get("choices"))
+        if not self.resumable:      # no longer read for a continuation: only the usage the client did not ask for goes
+            return None if self._unasked(event) is None else self._out(raw, event, changed)
         if "error" in event or event.get("object") == "error":
             err = event.get("error", event)
             self.error = err.get("message", json.dumps(err)) if isinstance(err, dict) else str(err)
@@ -221,8 +245,33 @@ class Splice:
         if self.hops and not self._rewrite(event):
             return None
         self._absorb(event)
-        return raw + b"\n\n" if not self.hops else b"data: " + json.dumps(
-            event, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+        if self.strip and self._unasked(event) is None:
+            return None
+        self.usage_out = self.usage_out or (isinstance(event.get("usage"), dict) and not event.get("choices"))
+        return self._out(raw, event, changed or bool(self.hops))
+
+    @staticmethod
+    def _out(raw: bytes, event: dict, changed: bool) -> bytes:
+        """The event's bytes: as the engine sent them when nothing in it changed."""
+        if not changed:
+            return raw + b"\n\n"
+        return b"data: " + json.dumps(event, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+    def _unasked(self, event: dict) -> dict | None:
+        """event without the usage the client did not ask for (counted_options asked it of the engine): the
+        closing usage chunk dropped (None) unless stream_options.include_usage, the usage of every other
+        event taken out, or null as vLLM sends it with include_usage alone."""
+        if not self.strip or "usage" not in event:
+            return event
+        if not event.get("choices"):
+            if self.include_usage:
+                return event
+            return None if isinstance(event.get("usage"), dict) else event
+        if self.include_usage:
+            event["usage"] = None
+        else:
+            del event["usage"]
+        return event
 
     def _rewrite(self, event: dict) -> bool:
         """Make a continuation's event the first answer's: its ids, no second role, the whole usage; False:
@@ -242,8 +291,7 @@ class Splice:
             delta = choice.get("delta") if isinstance(choice, dict) else None
             if isinstance(delta, dict) and "role" in delta:
                 del delta["role"]
-                if not delta.get("content") and not choice.get("finish_reason") and not delta.get("tool_calls") \
-                        and not event.get("usage"):
+                if not delta.get("content") and not choice.get("finish_reason") and not delta.get("tool_calls"):
                     return False
         return True
 
@@ -257,7 +305,6 @@ class Splice:
                 self.reported = usage["completion_tokens"]
             if isinstance(usage.get("prompt_tokens"), int):
                 self.prompt_tokens = usage["prompt_tokens"]
-            self.usage_out = self.usage_out or not event.get("choices")
         for choice in event.get("choices") or ():
             if not isinstance(choice, dict):
                 continue

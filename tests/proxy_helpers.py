@@ -1,6 +1,7 @@
 """Sim engines and a proxy on free loopback ports, for the proxy's tests."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import resource
@@ -64,3 +65,13 @@ def start_proxy(procs, tmp_path, ports, env_extra=None, nofile=None, **extra):
         return http_status(f"http://127.0.0.1:{port}/health") == 200
     wait_until(up, what="proxy healthy")
     return port, admin
+
+
+def results_lines(path) -> list[dict]:
+    """The results log's whole lines (none when it is not there yet): its writer thread may be appending
+    the last one as it is read, and a test that polls must not trip on half a line."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]

@@ -29,6 +29,7 @@ from conftest import PYTHON, wait_until
 from fleet_helpers import inv, stop_by_own_scripts, tagged_pids
 from hostagent import layout
 from netns import NetnsFleet, made_by, namespace_pids, netns_fleet  # noqa: F401  (the fixture)
+from proxy_helpers import results_lines
 
 # Namespaces are this machine's network: one fleet at a time (their load tests must not compete for the
 # cores either), on one worker, one test after the other.
@@ -402,7 +403,7 @@ def test_member_link_down_under_load(netns_fleet, tmp_path, cleanup):
     ok = [d for d in done if d["status"] == 200]
     in_flight_at_cut = [d for d in done if d["start"] < t_cut < d["end"]]
     # The entry's own account of its attempts on m2 that failed (the results log, one line per attempt).
-    attempts = [json.loads(line) for line in (tmp_path / "h0/logs/req_results.log").read_text().splitlines()]
+    attempts = results_lines(tmp_path / "h0/logs/req_results.log")
     lost = [a for a in attempts if a["backend"] in on_victim and (a["status"] != 200 or a.get("error"))]
     latencies = ", ".join(f"{d['end'] - t_cut:.1f}s" for d in failed) or "-"
     lost_after = ", ".join(f"{a['attempt_ms'] / 1000:.1f}s" for a in lost)

@@ -17,7 +17,7 @@ import pytest
 
 from conftest import PYTHON, ROOT, require_tool, wait_until
 from fleet_helpers import inv, write_inventory
-from proxy_helpers import start_proxy, start_sims
+from proxy_helpers import results_lines, start_proxy, start_sims
 from proxy.clients import CLIENT_STALLED, ClientConfig, connection_bound
 from proxy.config import ConfigError, parse_config
 
@@ -79,10 +79,7 @@ def sim_running(port: int) -> float:
 
 
 def final_lines(path) -> list[dict]:
-    try:
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    except FileNotFoundError:
-        return []
+    return results_lines(path)
 
 
 @pytest.mark.unit

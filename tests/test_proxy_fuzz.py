@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from proxy_helpers import start_proxy, start_sims
+from conftest import wait_until
+from proxy_helpers import results_lines, start_proxy, start_sims
 
 CASES = 300          # the budget: a few hundred cases, a few seconds
 SEED = 37
@@ -139,7 +140,9 @@ def test_malformed_requests_get_4xx_never_a_5xx_of_the_proxys_own(procs, tmp_pat
     assert time.monotonic() - started < 120
     polite = _send(port, _request(body=_chat()))
     assert polite.startswith(b"HTTP/1.1 200"), polite[:300]
-    lines = [json.loads(line) for line in (tmp_path / "req_results.log").read_text().splitlines()]
-    refused = [e for e in lines if e["status"] == 400 and e.get("backend") is None]
-    assert any("proxy.limits.max_json_depth" in (e.get("error") or "") for e in refused), refused[:3]
+    # The writer thread logs a request after its answer: wait for both refusals' lines, whole.
+    refused = wait_until(lambda: (lambda r: r if any("proxy.limits.max_json_depth" in (e.get("error") or "")
+                                                      for e in r) else None)(
+        [e for e in results_lines(tmp_path / "req_results.log") if e["status"] == 400 and e.get("backend") is None]),
+        timeout=10, what="the refused nested body's results-log line")
     assert any("proxy.limits.max_content_parts" in (e.get("error") or "") for e in refused)

@@ -9,7 +9,7 @@ import pytest
 
 from fleet.display import request_block
 from fleet.sim import protocol
-from proxy.resume import CHAT, COMPLETIONS, Splice, continuation, refusal
+from proxy.resume import CHAT, COMPLETIONS, Splice, continuation, counted_options, refusal
 
 pytestmark = pytest.mark.unit
 
@@ -100,13 +100,25 @@ def test_the_splice_makes_one_stream_of_two_answers():
 
 
 def test_a_tool_call_under_way_stops_the_splice_and_the_bytes_pass_as_they_come():
-    s = Splice(CHAT, None)
+    """A tool call makes the stream not resumable. 1. The client asked for usage on every event itself (the
+    proxy added nothing): from then on the bytes pass as they come. 2. The proxy asked the engine for it
+    (counted_options): events still pass whole, without the usage the client did not ask for."""
     call = {"id": "a", "created": 1, "model": "m", "choices": [{"index": 0, "delta": {"tool_calls": [
         {"index": 0, "function": {"name": "f", "arguments": "{"}}]}, "finish_reason": None}]}
+    s = Splice(CHAT, None, include_usage=True, continuous=True)
     data = sse(event("a", role=True)) + sse(call) + b"data: {\"half"
     assert s.feed(data) == data and not s.resumable and "tool call" in s.refused
     assert s.feed(b" an event") == b" an event"
     assert Splice(CHAT, "n > 1").feed(b"raw") == b"raw"
+    counted = Splice(CHAT, None)
+    usage = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+    more = {**call, "usage": usage}
+    assert counted.feed(sse(event("a", role=True)) + sse(call) + sse(more)[:20]) == \
+        sse(event("a", role=True)) + sse(call) and not counted.resumable
+    tail = sse(more)[20:] + sse({"id": "a", "created": 1, "model": "m", "choices": [], "usage": usage})
+    assert counted.feed(tail + b"data: [DONE]\n\n") == b"data: " + json.dumps(
+        call, separators=(",", ":")).encode() + b"\n\ndata: [DONE]\n\n"
+    assert counted.done
 
 
 def test_the_sim_continues_its_own_answer_as_vllm_does():
@@ -196,6 +208,43 @@ def test_several_tokens_an_event_are_counted_as_the_engine_counts_them():
     last = json.loads(events_of(closed.closing(99))[0])
     assert last["usage"] == usage(5, 2) and last["choices"] == [] and last["id"] == "a"
     assert closed.closing(99) == b""     # [DONE] went out: nothing more
+
+
+def test_the_proxy_asks_the_engine_to_count_and_the_client_sees_only_what_it_asked_for():
+    """Found on the real engine: a busy vLLM merges the deltas its API server has not taken yet, so one
+    content event is several tokens, and a budget reckoned per event let a resumed answer run past the
+    client's max_tokens. 1. A resumable stream is sent with usage on every event (continuous_usage_stats);
+    the continuation too; nothing is added to what cannot be continued or asked for already. 2. Events of
+    three tokens each: the budget left is the engine's count. 3. The client, who asked for no usage, gets
+    none: not on the events, not the closing usage chunk; one who asked for include_usage alone gets
+    `usage: null` on the events and the closing chunk, counting the whole answer."""
+    asked = {"include_usage": True, "continuous_usage_stats": True}
+    assert counted_options(CHAT, chat()) == asked
+    assert counted_options(CHAT, chat(stream_options={"include_usage": True})) == asked
+    assert counted_options(CHAT, chat(stream_options=asked)) is None
+    assert counted_options(CHAT, chat(n=2)) is None and counted_options(CHAT, chat(stream=False)) is None
+    assert continuation(CHAT, chat(max_tokens=9), "a", 1)["stream_options"] == asked
+
+    def usage(n, prompt=5):
+        return {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
+    for include in (False, True):
+        s = Splice(CHAT, None, include_usage=include)
+        out = s.feed(sse(event("a", role=True, usage=usage(0))) + sse(event("a", "One two three", usage=usage(3)))
+                     + sse(event("a", " four five six", usage=usage(6))))
+        assert (s.tokens, s.sent) == (2, 6)
+        for e in map(json.loads, events_of(out)):
+            assert ("usage" in e) is include and e.get("usage") is None
+        s.cut("b0:1", "gone")
+        s.moved("b1:1")
+        assert continuation(CHAT, chat(max_tokens=10), "".join(s.text), s.sent)["max_tokens"] == 4
+        rest = events_of(s.feed(sse(event("b", role=True, usage=usage(0, 11))) + sse(       # its prompt: 5 + 6
+            event("b", " seven eight", usage=usage(2, 11))) + sse(event("b", " nine ten", finish="length",
+                                                                        usage=usage(4, 11)))
+            + sse(event("b", usage=usage(4, 11), choices=False)) + b"data: [DONE]\n\n"))
+        assert rest[-1] == b"[DONE]"
+        closing = [json.loads(e) for e in rest[:-1] if not json.loads(e)["choices"]]
+        assert [c["usage"] for c in closing] == ([usage(10)] if include else [])
+        assert all(json.loads(e).get("usage") is None for e in rest[:-1] if json.loads(e)["choices"])
 
 
 def test_the_continuation_is_built_from_the_one_parse(monkeypatch):

@@ -33,6 +33,9 @@ VENV = Path(os.environ.get("FLEET_VLLM_VENV") or Path.home() / ".cache" / "vllm-
 HOST = "cpu"
 NAME = "tiny"
 LOAD_TIMEOUT_S = 600
+# The tiny model's context: room for a continued stream's prompt (the question and up to 400 tokens of
+# answer so far, as many again when its text is read back as other tokens) and the rest of its answer.
+MAX_MODEL_LEN = 2048
 
 
 def engine_venv() -> Path:
@@ -185,7 +188,7 @@ class Cluster:
                 served_model_name: {NAME}
                 vllm_bin: {VENV / 'bin' / 'vllm'}
                 max_num_seqs: 4
-                max_model_len: 512
+                max_model_len: {MAX_MODEL_LEN}
                 enforce_eager: true
                 deploy_dir: {tmp / 'deploy'}
                 stagger_s: 0
@@ -325,7 +328,10 @@ def test_chat_stream_and_non_stream_through_the_proxy_alternate_backends(cluster
 
 def results_log(c) -> list[dict]:
     path = c.tmp / "deploy" / "logs" / "req_results.log"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    if not path.exists():
+        return []
+    # Whole lines only: the proxy's writer may be appending the last one as it is read.
+    return [json.loads(line) for line in path.read_text().split("\n")[:-1] if line.strip()]
 
 
 def test_one_trace_across_proxy_and_engine(cluster):
@@ -438,11 +444,11 @@ def test_engine_prefix_cache_counters_are_the_sims(cluster):
         return gauge(t, PREFIX_CACHE_COUNTERS[0]), gauge(t, PREFIX_CACHE_COUNTERS[1])
 
     client = cluster.client(port)
-    content = "fleet cache check " * 30     # 255 tokens of the tiny model (max_model_len 512)
+    content = "fleet cache check " * 30     # 255 tokens of the tiny model
     q0, h0 = counters()
     n = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": content}],
                                        max_tokens=1).usage.prompt_tokens
-    assert block < n < 512 - 1
+    assert block < n < MAX_MODEL_LEN - 1
     q1, h1 = wait_until(lambda: (c := counters())[0] >= q0 + n and c, timeout=10, what="the first query counted")
     client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": content}], max_tokens=1)
     q2, h2 = wait_until(lambda: (c := counters())[0] >= q1 + n and c, timeout=10, what="the second query counted")
@@ -452,7 +458,7 @@ def test_engine_prefix_cache_counters_are_the_sims(cluster):
 
 def test_engine_request_metrics_are_the_sims_and_the_dashboards(cluster):
     """The vllm: families the dashboard and `inv top` read (tests/engine_shapes.py REQUEST_FAMILIES) have
-    the sim's TYPE, HELP, labels and buckets on the real engine (max_model_len 512 on both), and every
+    the sim's TYPE, HELP, labels and buckets on the real engine (the same max_model_len on both), and every
     vllm: name in dashboards/vllm-fleet.json's queries is in the real engine's /metrics."""
     from fleet.sim.config import SimConfig
     from fleet.sim.server import Engine, metrics_text
@@ -461,7 +467,7 @@ def test_engine_request_metrics_are_the_sims_and_the_dashboards(cluster):
     import asyncio
 
     async def sim_text():
-        return metrics_text(Engine(SimConfig(NAME, [NAME], max_model_len=512)))
+        return metrics_text(Engine(SimConfig(NAME, [NAME], max_model_len=MAX_MODEL_LEN)))
 
     text = engine_metrics(cluster.ports[0])
     assert family_shapes(text) == family_shapes(asyncio.run(sim_text()))
@@ -629,7 +635,6 @@ def parted(got: str, reference: str) -> tuple[int, int, str, str]:
     return at, len(reference), got[at:at + 12], reference[at:at + 12]
 
 
-@pytest.mark.xfail(run=False, reason="issue 38 open: on the real engine a stream cut by the EngineCore kill is sometimes closed unresumed (peer closed the chunked body), 3 of 6 fresh-clone runs; a failure here left the instance dead for the tests after it")
 def test_streams_survive_the_engine_core_kill_and_greedy_answers_run_on(cluster):
     """1. Twelve greedy (temperature 0) chat streams, each its own prompt, answered uninterrupted: the
     reference texts. 2. The same twelve at once; once four have text, SIGKILL of the VLLM::EngineCore of the
@@ -661,37 +666,48 @@ def test_streams_survive_the_engine_core_kill_and_greedy_answers_run_on(cluster)
         return text, ids, done
     reference = [ask(p)[0] for p in prompts]
     started = [threading.Event() for _ in prompts]
-    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-        futures = [pool.submit(ask, p, e, f"resume-{k}") for k, (p, e) in enumerate(zip(prompts, started))]
-        wait_until(lambda: sum(e.is_set() for e in started) >= 4, timeout=120, interval=0.01,
-                   what="text on the first streams")
-        cores = {i: next(p for p, t in c.members(i).items() if t == "VLLM::EngineCore") for i in range(2)}
-        held = wait_until(lambda: (lambda b: b if any(b[f"127.0.0.1:{c.ports[i]}"]["in_flight"] for i in range(2))
-                                   else None)(c.backends()), timeout=30, interval=0.01,
-                          what="streams in flight on an instance")
-        victim = max(range(2), key=lambda i: held[f"127.0.0.1:{c.ports[i]}"]["in_flight"])
-        on_victim = held[f"127.0.0.1:{c.ports[victim]}"]["in_flight"]
-        os.kill(cores[victim], signal.SIGKILL)
-        got = [f.result(timeout=300) for f in futures]    # the openai client raises on a broken stream
-    assert on_victim > 0
-    assert all(len(ids) == 1 and done == 1 for _, ids, done in got), got
-    finals = wait_until(lambda: [e for e in results_log(c) if e.get("final") and str(e.get("trace_id")).startswith(
-        "resume-")] if sum(str(e.get("trace_id")).startswith("resume-") and e.get("final") for e in results_log(c))
-        == len(prompts) else None, timeout=10, what="every stream's final line")
-    lines = [e for e in finals if e.get("resumed")]
-    resumed = {int(e["trace_id"].split("-")[1]) for e in lines}     # the streams' `user`: resume-K
-    assert all(e["backends"][0] == f"127.0.0.1:{c.ports[victim]}" for e in lines) and resumed
-    same = sum(got[k][0] == reference[k] for k in resumed)
-    c.figures["resume_streams_on_killed"] = on_victim
-    c.figures["resume_resumed"] = len(resumed)
-    c.figures["resume_identical_to_uninterrupted"] = f"{same}/{len(resumed)}"
-    print(f"\nresume on the real engine: {on_victim} streams on the killed EngineCore, {len(resumed)} resumed, "
-          f"{same}/{len(resumed)} of those identical to the uninterrupted answers; where the others part: "
-          f"{[parted(got[k][0], reference[k]) for k in resumed if got[k][0] != reference[k]]}; "
-          f"tokens before the cut: {sorted(e['tokens_before'] for e in lines)}")
-    wait_until(lambda: c.status()["instances"][victim]["state"] == "dead", timeout=60, what="the instance dead")
-    r = c.inv("restart", "--instance", str(victim))
-    assert r.returncode == 0, r.stdout + r.stderr
+    victim = None
+    logged = len(results_log(c))     # the lines before these streams' (a rerun's trace ids are the same)
+
+    def ours() -> list[dict]:
+        return [e for e in results_log(c)[logged:] if str(e.get("trace_id")).startswith("resume-")]
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            futures = [pool.submit(ask, p, e, f"resume-{k}") for k, (p, e) in enumerate(zip(prompts, started))]
+            wait_until(lambda: sum(e.is_set() for e in started) >= 4, timeout=120, interval=0.01,
+                       what="text on the first streams")
+            cores = {i: next(p for p, t in c.members(i).items() if t == "VLLM::EngineCore") for i in range(2)}
+            held = wait_until(lambda: (lambda b: b if any(b[f"127.0.0.1:{c.ports[i]}"]["in_flight"] for i in range(2))
+                                       else None)(c.backends()), timeout=30, interval=0.01,
+                              what="streams in flight on an instance")
+            victim = max(range(2), key=lambda i: held[f"127.0.0.1:{c.ports[i]}"]["in_flight"])
+            on_victim = held[f"127.0.0.1:{c.ports[victim]}"]["in_flight"]
+            os.kill(cores[victim], signal.SIGKILL)
+            concurrent.futures.wait(futures, timeout=300)
+        # The openai client raises on a broken stream: each such stream with what the proxy logged of it.
+        broken = {k: repr(f.exception()) for k, f in enumerate(futures) if f.exception() is not None}
+        assert not broken, (broken, [e for e in ours() if e.get("error")])
+        got = [f.result() for f in futures]
+        assert on_victim > 0
+        assert all(len(ids) == 1 and done == 1 for _, ids, done in got), got
+        finals = wait_until(lambda: (lambda f: f if len(f) == len(prompts) else None)(
+            [e for e in ours() if e.get("final")]), timeout=10, what="every stream's final line")
+        lines = [e for e in finals if e.get("resumed")]
+        resumed = {int(e["trace_id"].split("-")[1]) for e in lines}     # the streams' `user`: resume-K
+        assert all(e["backends"][0] == f"127.0.0.1:{c.ports[victim]}" for e in lines) and resumed
+        same = sum(got[k][0] == reference[k] for k in resumed)
+        c.figures["resume_streams_on_killed"] = on_victim
+        c.figures["resume_resumed"] = len(resumed)
+        c.figures["resume_identical_to_uninterrupted"] = f"{same}/{len(resumed)}"
+        print(f"\nresume on the real engine: {on_victim} streams on the killed EngineCore, {len(resumed)} resumed, "
+              f"{same}/{len(resumed)} of those identical to the uninterrupted answers; where the others part: "
+              f"{[parted(got[k][0], reference[k]) for k in resumed if got[k][0] != reference[k]]}; "
+              f"tokens before the cut: {sorted(e['tokens_before'] for e in lines)}")
+    finally:
+        if victim is not None:      # the tests after this one need both instances, whatever happened here
+            wait_until(lambda: c.status()["instances"][victim]["state"] == "dead", timeout=60, what="the instance dead")
+            r = c.inv("restart", "--instance", str(victim))
+            assert r.returncode == 0, r.stdout + r.stderr
 
 
 def gone(pids) -> bool:

@@ -82,6 +82,7 @@ class Job:
     continued: str = ""                # the text of the answer it continues (continue_final_message)
     cached_tokens: int | None = None   # the prompt's tokens found in the prefix cache, once scheduled
     details: bool = False              # --enable-prompt-tokens-details: usage says cached_tokens
+    continuous_usage: bool = False     # stream_options.continuous_usage_stats: usage on every event
 
 
 def output_cache_tokens(text: str) -> list[str]:
@@ -211,6 +212,8 @@ def parse(kind: str, body, served_names: list[str], max_model_len: int, adapters
     return Job(kind=kind, model=model, prompt_tokens=prompt_tokens, images=len(images),
                max_tokens=max_tokens or max_model_len - prompt_tokens, stream=stream,
                include_usage=stream and isinstance(options, dict) and bool(options.get("include_usage")),
+               continuous_usage=stream and isinstance(options, dict) and bool(options.get("include_usage"))
+               and bool(options.get("continuous_usage_stats")),
                thinking=isinstance(kwargs, dict) and bool(kwargs.get("enable_thinking")),
                seed=zlib.crc32(text.encode()),
                prompt=Prompt(tokens, images, model if model in adapters else None), continued=continued)
@@ -328,8 +331,9 @@ def response_body(job: Job, rid: str, created: int, text: str, n_tokens: int, fi
 
 
 def chunk(job: Job, rid: str, created: int, text: str | None, finish: str | None = None,
-          role: bool = False) -> bytes:
-    """One SSE event of a stream; text None with finish None is the chat's opening role chunk."""
+          role: bool = False, tokens: int = 0) -> bytes:
+    """One SSE event of a stream; text None with finish None is the chat's opening role chunk. tokens: the
+    answer's so far, this event's included (its usage with continuous_usage_stats, as vLLM 0.32 sends it)."""
     if job.kind == "chat":
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
@@ -339,7 +343,7 @@ def chunk(job: Job, rid: str, created: int, text: str | None, finish: str | None
         obj = "text_completion"
     body = {"id": rid, "object": obj, "created": created, "model": job.model, "choices": [choice]}
     if job.include_usage:
-        body["usage"] = None
+        body["usage"] = usage(job, tokens) if job.continuous_usage else None
     return sse(body)
 
 

