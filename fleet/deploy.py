@@ -140,7 +140,7 @@ def _deploy(conn: Transport, hv: HostVars, emit: Emit, check: bool, diff: bool, 
     the_plan = plan.make(hv, found, files, restart or check)
     if diff:
         for f in the_plan.files:
-            if f.changes:
+            if f.action == "put":
                 for line in sync.diff(conn, hv, f.file, found):
                     emit(line)
     if check:
@@ -165,7 +165,7 @@ def _apply(conn, hv: HostVars, found: HostFacts, the_plan: plan.Plan, report: Re
     200), the keeper, and last the boot hook (after a reboot, bin/boot.sh starts it all again); a failed
     front holds the keeper and the boot hook back."""
     for f in the_plan.files:
-        if f.changes:
+        if f.action == "put":
             sync.put(conn, hv, f.file)
             report.add(f.name, "changed", f"put ({f.reason})")
         else:

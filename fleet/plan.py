@@ -283,13 +283,17 @@ def _proxy(hv: HostVars, found: HostFacts, changed: set[str], keys: str | None) 
 
 
 def _config_change(hv: HostVars, p) -> str:
-    """What the new conf/proxy.yaml changes for the running proxy, said briefly: `1 backend added`."""
+    """What the new conf/proxy.yaml changes for the running proxy, said briefly (`1 backend(s) added`,
+    `slots 8 -> 6`), from what it reports of its config; `its config changed` for the rest."""
     had = p.said("backends")
     if not isinstance(had, list):
         return "its config changed"
     added = [b for b in hv.backends if b not in had]
     removed = [b for b in had if b not in hv.backends]
     said = [f"{len(added)} backend(s) added" if added else "", f"{len(removed)} backend(s) removed" if removed else ""]
+    slots = p.said("slots")
+    if hv.pools is None and isinstance(slots, int) and slots != hv.proxy_slots:
+        said.append(f"slots {slots} -> {hv.proxy_slots}")
     return ", ".join(w for w in said if w) or "its config changed"
 
 

@@ -32,12 +32,12 @@ PER_ROLLED_INSTANCE = 2
 INSTANCES = int(os.environ.get("FLEET_ROUND_TRIPS_INSTANCES", "2"))
 
 
-def _deploy(path, name: str) -> tuple[int, dict]:
-    """One `inv deploy` of host name, in this process: its round trips and its recap counts."""
+def _deploy(path, name: str, check: bool = False) -> tuple[int, dict]:
+    """One `inv deploy` (check: `--check`) of host name, in this process: its round trips and its recap counts."""
     hv = inv_mod.load(path).host_vars(name)
     conn = transport.connect(hv)
     try:
-        report = fleet_deploy.deploy(conn, hv)
+        report = fleet_deploy.deploy(conn, hv, check=check)
     finally:
         conn.close()
     counts = {s: report.count(s) for s in ("ok", "changed", "failed")}
@@ -56,6 +56,9 @@ def test_a_no_change_deploy_and_a_roll_cost_round_trips_by_steps_not_by_polls(ss
         assert counts["changed"] == 0 and counts["failed"] == 0, counts
         print(f"no-change deploy: {trips} round trips")
         assert trips <= NO_CHANGE, trips
+        # --check takes no lock: its plan comes from the first read alone.
+        checked, counts = _deploy(path, "r1", check=True)
+        assert counts["changed"] == 0 and counts["failed"] == 0 and checked == 1, (checked, counts)
         # A smaller max_num_seqs: every instance rolls (drain, stop, start, /health, enable), the proxy
         # takes fewer slots first.
         hosts["r1"]["max_num_seqs"] = 2
