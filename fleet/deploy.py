@@ -11,7 +11,8 @@ import shlex
 from hostagent import layout
 from hostagent.facts import HostFacts
 
-from . import agent, boot, display, drift, entries, facts, front, plan, release, render, runlock, serving, survey, sync
+from . import (agent, boot, display, drift, entries, facts, front, plan, release, render, runlock, serving, survey,
+               sync)
 from . import keeper as fleet_keeper
 from . import vrrp as fleet_vrrp
 from .cluster import backend_name
@@ -134,9 +135,9 @@ def _deploy(conn: Transport, hv: HostVars, emit: Emit, check: bool, diff: bool, 
         report.add("api keys", "failed", f"{keys['error']} The proxy cannot start with it: nothing was started.")
         report.status = facts.status_of(hv, found)
         return report
-    # The plan (fleet.plan): each file, instance, retired instance, the front, keepalived and the keeper, with
-    # its reason, decided before anything acts. --check prints it (names a stale launch whatever --no-restart
-    # says); a deploy applies it.
+    # The plan (fleet.plan): each file, instance, retired instance, the front, keepalived, the keeper and the
+    # boot hook, with its reason, decided before anything acts. --check prints it (names a stale launch
+    # whatever --no-restart says); a deploy applies it.
     the_plan = plan.make(hv, found, files, restart or check)
     if diff:
         for f in the_plan.files:
@@ -148,7 +149,6 @@ def _deploy(conn: Transport, hv: HostVars, emit: Emit, check: bool, diff: bool, 
             emit(f"plan: {line}")
         for s in the_plan.steps():
             report.add(s.name, *s.checked())
-        boot.deploy(conn, hv, report, emit, True, found.boot)
     else:
         _apply(conn, hv, found, the_plan, report, emit)
     for line in display.step_lines(report.steps, verbose):
@@ -189,7 +189,7 @@ def _apply(conn, hv: HostVars, found: HostFacts, the_plan: plan.Plan, report: Re
         return
     if the_plan.keeper:
         fleet_keeper.apply(conn, hv, the_plan.keeper, report, emit)
-    boot.deploy(conn, hv, report, emit, False, found.boot)
+    boot.apply(conn, hv, the_plan.boot_hook, report, emit)
 
 
 def _hold_back(conn, hv: HostVars, found: HostFacts, report: Report) -> None:

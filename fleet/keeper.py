@@ -1,7 +1,8 @@
 """The keeper seen from the control node: started by deploy beside the proxy, read back by status.
 
 The keeper itself runs on the host (hostagent/keeper.py); this module starts it through the host agent
-(`python -m hostagent keeper-start`) as deploy's plan says (fleet.plan.keeper), and turns what it wrote in run/keeper.json into status fields.
+(`python -m hostagent keeper-start`) as deploy's plan says (fleet.plan.keeper), and turns what it wrote in
+run/keeper.json into status fields.
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """What a deploy does, decided before anything acts: from the wanted (the settings and the rendered files)
 and the found (the state probe's facts), one step per thing with its reason: each file that differs, each
-instance, each instance the inventory no longer has, the front (the proxy or nginx) and the keeper.
+instance, each instance the inventory no longer has, the front (the proxy or nginx), keepalived, the keeper
+and the boot hook.
 `deploy --check` prints the plan (each step as it would be done, and why); deploy applies it
 (fleet/deploy.py), each applied step reporting what came of it. Pure functions: no I/O.
 """
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 from hostagent import layout
 from hostagent.facts import HostFacts
 
+from . import boot as fleet_boot
 from . import keeper as fleet_keeper
 from . import vrrp as fleet_vrrp
 from . import launch, sync
@@ -20,8 +22,9 @@ from .render import RenderedFile
 # What a step does. Nothing: keep (as it is), later (an instance still loading a stale launch: a deploy once
 # it is healthy rolls it), skip (switched off), fail (cannot be done: the plan says why). A change: put (a
 # file), start, restart (an instance: after its leftovers are stopped; the proxy: beside the old one), roll
-# (the host agent's one restart of an instance running a stale launch), reload, stop, remove.
-CHANGES = ("put", "start", "restart", "roll", "reload", "stop", "remove")
+# (the host agent's one restart of an instance running a stale launch), reload, stop, remove, install (the
+# boot hook).
+CHANGES = ("put", "start", "restart", "roll", "reload", "stop", "remove", "install")
 ACTIONS = ("keep", "later", "skip", "fail") + CHANGES
 # Files whose change nginx must take (a reload): its config and the front's host agent config.
 NGINX_FILES = (layout.NGINX_CONF, layout.NGINX_FRONT_CONF)
@@ -107,10 +110,11 @@ class Plan:
     front: list[Step]           # the key file's failed step, if any, then the front's
     keepalived: Step | None     # None unless the host is an entry behind virtual addresses
     keeper: Step | None         # None on a host without instances (an entry)
+    boot_hook: Step
 
     def steps(self) -> list[Step]:
         return [*self.files, *self.instances, *self.retired, *self.front,
-                *(s for s in (self.keepalived, self.keeper) if s)]
+                *(s for s in (self.keepalived, self.keeper) if s), self.boot_hook]
 
     def lines(self) -> list[str]:
         """The plan as `--check` shows it first: one line per step that changes something or cannot be done
@@ -130,7 +134,8 @@ def make(hv: HostVars, found: HostFacts, files: list[RenderedFile], restart: boo
                            file=f) for f, why in sync.changes(files, found)]
     changed = {f.path for f in file_steps if f.changes}
     return Plan(file_steps, instances(hv, found, restart), retired(hv, found), front(hv, found, changed),
-                keepalived(hv, found, changed), keeper(hv, found, changed) if hv.settings.instances else None)
+                keepalived(hv, found, changed), keeper(hv, found, changed) if hv.settings.instances else None,
+                boot_hook(hv, found))
 
 
 def instances(hv: HostVars, found: HostFacts, restart: bool = True) -> list[InstanceStep]:
@@ -187,7 +192,8 @@ def keeper(hv: HostVars, found: HostFacts, changed: set[str]) -> Step:
     k = found.keeper
     if not hv.settings.keeper.enabled:
         if k.alive:
-            return Step("keeper", "stop", "keeper.enabled is false", f"would stop pid {k.pid} (keeper.enabled is false)")
+            return Step("keeper", "stop", "keeper.enabled is false",
+                        f"would stop pid {k.pid} (keeper.enabled is false)")
         return Step("keeper", "skip", "keeper.enabled is false", "keeper.enabled is false")
     stale = any(f in fleet_keeper.KEEPER_FILES or f.startswith(layout.HOSTAGENT_CODE + "/") for f in changed)
     if k.alive and not stale:
@@ -211,6 +217,22 @@ def keepalived(hv: HostVars, found: HostFacts, changed: set[str]) -> Step | None
     if pid:
         return Step("keepalived", "keep", "running", f"already running, supervisor pid {pid}")
     return Step("keepalived", "start", "not running", f"would start keepalived for {addresses} (not running)")
+
+
+def boot_hook(hv: HostVars, found: HostFacts) -> Step:
+    """The boot hook (fleet.boot.wanted): installed unless the one deploy installs is there as it would be
+    (the state probe's `boot_as_wanted`); with boot_hook off, one left installed is removed."""
+    kind, installed = fleet_boot.wanted(hv), found.boot
+    if kind == "off":
+        if installed:
+            return Step("boot hook", "remove", "boot_hook is off",
+                        f"would remove the {installed['kind']} hook (boot_hook is off)")
+        return Step("boot hook", "keep", "boot_hook is off",
+                    "boot_hook is off: nothing brings the deployment back after a reboot")
+    if installed and found.boot_as_wanted:
+        return Step("boot hook", "keep", "installed", f"{installed['kind']}: {installed['command']}")
+    why = "not installed" if not installed else "it differs from the one deploy installs"
+    return Step("boot hook", "install", why, f"would install the boot hook ({kind}; {why})")
 
 
 # --- the front ---------------------------------------------------------------------------------
@@ -252,7 +274,8 @@ def front(hv: HostVars, found: HostFacts, changed: set[str]) -> list[Step]:
     digest, error = keys_to_take(hv, found, "nginx_digest" if nginx else "running")
     steps: list[Step] = []
     if error and (nginx or found.proxy.alive):
-        steps.append(Step("api keys", "fail", "the key file cannot be used", f"{error} The front keeps the keys it had."))
+        steps.append(Step("api keys", "fail", "the key file cannot be used",
+                          f"{error} The front keeps the keys it had."))
     return steps + [_nginx(hv, found, changed, digest) if nginx else _proxy(hv, found, changed, digest)]
 
 
@@ -273,7 +296,8 @@ def _proxy(hv: HostVars, found: HostFacts, changed: set[str], keys: str | None) 
     if running and not (owed or relaunch or conf or keys):
         return FrontStep("proxy", "keep", "running", f"already running on :{p.port}, pid {p.pid}")
     if running and p.backends is not None and not owed and not relaunch:
-        why = "; ".join(w for w in ("the key file changed" if keys else "", _config_change(hv, p) if conf else "") if w)
+        why = "; ".join(w for w in ("the key file changed" if keys else "",
+                                    _config_change(hv, p) if conf else "") if w)
         return FrontStep("proxy", "reload", why, f"would reload pid {p.pid} with the new config ({why})", keys=keys)
     if running:
         why = ("its code or start script changed" if relaunch else "a setting a reload cannot change is owed"
@@ -290,7 +314,8 @@ def _config_change(hv: HostVars, p) -> str:
         return "its config changed"
     added = [b for b in hv.backends if b not in had]
     removed = [b for b in had if b not in hv.backends]
-    said = [f"{len(added)} backend(s) added" if added else "", f"{len(removed)} backend(s) removed" if removed else ""]
+    said = [f"{len(added)} backend(s) added" if added else "",
+            f"{len(removed)} backend(s) removed" if removed else ""]
     slots = p.said("slots")
     if hv.pools is None and isinstance(slots, int) and slots != hv.proxy_slots:
         said.append(f"slots {slots} -> {hv.proxy_slots}")
@@ -315,5 +340,5 @@ def _nginx(hv: HostVars, found: HostFacts, changed: set[str], keys: str | None) 
     verb = "reload" if n.alive else "start"
     why = ("its config changed" if stale and keys is None else "the key file changed" if stale
            else "its /health watcher does not run" if n.alive else "not running")
-    return FrontStep("front", verb, why, f"would {verb} nginx on :{port}" + (" (the key file changed)" if keys else ""),
-                     command="reload" if stale else "to-nginx", keys=keys)
+    said = f"would {verb} nginx on :{port}" + (" (the key file changed)" if keys else "")
+    return FrontStep("front", verb, why, said, command="reload" if stale else "to-nginx", keys=keys)

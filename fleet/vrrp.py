@@ -1,11 +1,11 @@
 """Entry hosts behind virtual addresses, seen from the control node (docs/entry-ha.md).
 
 keepalived runs on the entry host under its supervisor (hostagent/vrrp.py); deploy starts it through the
-host agent (`vrrp-start`, `--reload` when its config changed) as deploy's plan says (fleet.plan.keepalived), stop takes it down first so the address
-moves to a peer before the front drains (`vrrp-stop`), status reads which addresses this entry holds (the
-state probe's `vrrp`), the doctor says whether keepalived can run here. A host where it cannot (no binary,
-no CAP_NET_ADMIN, no such interface) gets one sentence saying what is missing, and the rest of the deploy
-goes on: like nginx mode, it sits ready for when root arrives.
+host agent (`vrrp-start`, `--reload` when its config changed) as its plan says (fleet.plan.keepalived),
+stop takes it down first so the address moves to a peer before the front drains (`vrrp-stop`), status
+reads which addresses this entry holds (the state probe's `vrrp`), the doctor says whether keepalived can
+run here. A host where it cannot (no binary, no CAP_NET_ADMIN, no such interface) gets one sentence saying
+what is missing, and the rest of the deploy goes on: like nginx mode, it sits ready for when root arrives.
 """
 from __future__ import annotations
 

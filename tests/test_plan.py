@@ -92,3 +92,19 @@ def test_the_files_the_front_and_the_keeper_get_their_steps_and_reasons(tmp_path
     assert same.lines() == ["nothing to change"] and not any(s.changes for s in same.steps())
     assert steps.lines() == ["put file conf/proxy.yaml: content changed",
                              "put file bin/stop_cluster.sh: mode 0644 -> 0755", "reload proxy: its config changed"]
+
+
+def test_the_boot_hook_is_installed_only_when_the_wanted_one_is_not_there(tmp_path, monkeypatch):
+    """The state probe says whether installing the wanted hook would change anything (`boot_as_wanted`):
+    kept when not, installed when it is missing or differs; with boot_hook off, one left installed is removed."""
+    hv = inventory.load(write_inventory(tmp_path, instances=1)).host_vars("t")
+    cron = {"kind": "cron", "command": "/d/bin/boot.sh"}
+    monkeypatch.setenv("FLEET_BOOT_HOOK", "off")
+    assert plan.boot_hook(hv, parse({})).action == "keep"
+    assert plan.boot_hook(hv, parse({"boot": cron})).line() == "remove boot hook: boot_hook is off"
+    monkeypatch.setenv("FLEET_BOOT_HOOK", "cron")
+    assert plan.boot_hook(hv, parse({"boot": cron, "boot_as_wanted": True})).checked() == ("ok", "cron: /d/bin/boot.sh")
+    assert plan.boot_hook(hv, parse({"boot": cron, "boot_as_wanted": False})).line() == \
+        "install boot hook: it differs from the one deploy installs"
+    assert plan.boot_hook(hv, parse({"boot": None})).checked() == ("changed", "would install the boot hook (cron; "
+                                                                   "not installed)")

@@ -35,7 +35,8 @@ def main():
         lines = pool.submit(needs, spec["needs"]) if spec.get("needs") else None
         found = pool.submit(doctor.read, spec["doctor"]) if spec.get("doctor") else None
         st = pool.submit(state.read, spec["state"])
-        out = {"needs": lines.result() if lines else None, "doctor": found.result() if found else None, "state": st.result()}
+        out = {"needs": lines.result() if lines else None, "doctor": found.result() if found else None,
+               "state": st.result()}
     json.dump(out, sys.stdout)
 
 

@@ -75,6 +75,9 @@ def read(spec):
         out.vrrp = vrrp.state({"deploy_dir": d, "deployment_id": spec["deployment_id"], "vrrp": spec["vrrp"]})
     if spec.get("boot"):          # inv status: the installed boot hook (reads the crontab)
         out.boot, out.asked_boot = boothook.show(dep), True
+    wanted = spec.get("boot_wanted")
+    if wanted:                    # deploy: would installing the hook change anything
+        out.boot_as_wanted = boothook.as_wanted(d, dep, wanted["kind"], wanted["watchdog"])
     return facts.wire(out)
 
 
