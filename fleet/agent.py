@@ -44,9 +44,9 @@ def with_env_setup(hv: HostVars, command: str) -> str:
             f"inventory.\" >&2; exit $rc; }}\n{command}")
 
 
-def env_setup_failure(hv: HostVars, r) -> str | None:
-    """The sentence for a run that env_setup stopped (its status and last lines), or None."""
-    lines = r.stderr.strip().splitlines()
+def env_setup_failure(hv: HostVars, stderr: str) -> str | None:
+    """The sentence for a run that env_setup stopped (its status and last lines: stderr), or None."""
+    lines = stderr.strip().splitlines()
     at = next((k for k, ln in enumerate(lines) if ln.startswith(ENV_SETUP_FAILED)), None)
     if at is None:
         return None
@@ -56,16 +56,18 @@ def env_setup_failure(hv: HostVars, r) -> str | None:
             "the inventory.")
 
 
-def python_command(hv: HostVars, args: str, env_setup: bool = False) -> str:
+def python_command(hv: HostVars, args: str, env_setup: bool = False, prelude: str = "") -> str:
     """The shell line running host code (`python ARGS`) by the one interpreter rule. env_setup: run the
-    host's env_setup first in any case (the doctor's probe looks for the engine on its PATH)."""
+    host's env_setup first in any case (the doctor's probe looks for the engine on its PATH). prelude: shell
+    lines run after env_setup, before the Python (the run lock's holder: the check of what deploy needs)."""
+    env_setup = env_setup or bool(prelude)
     if hv.settings.connection == "local":
-        line = f"exec {shlex.quote(sys.executable)} {args}"
+        line = prelude + f"exec {shlex.quote(sys.executable)} {args}"
         return with_env_setup(hv, line) if env_setup and hv.settings.env_setup else line
     fallback = f"exec {shlex.quote(hv.settings.python or 'python3')} {args}"
     first = f"if {PYTHON3_RECENT} >/dev/null 2>&1; then exec python3 {args}; fi\n"
     if env_setup:
-        return with_env_setup(hv, first + fallback)
+        return with_env_setup(hv, prelude + first + fallback)
     return first + with_env_setup(hv, fallback)
 
 
@@ -80,7 +82,7 @@ def run_script(conn: Transport, hv: HostVars, name: str, spec: dict, what: str, 
     r = conn.run(python_command(hv, f"- {shlex.quote(json.dumps(spec))}", env_setup),
                  stdin=hostcode.probe(name), timeout=timeout)
     if not r.ok:
-        failed_setup = env_setup_failure(hv, r)
+        failed_setup = env_setup_failure(hv, r.stderr)
         if failed_setup:
             raise RemoteError(failed_setup)
         if r.exited == 127:
@@ -101,16 +103,17 @@ def run_module(conn: Transport, hv: HostVars, name: str, args: str, emit: Emit |
                     timeout=timeout)
 
 
-def start_module(conn: Transport, hv: HostVars, name: str, args: str):
+def start_module(conn: Transport, hv: HostVars, name: str, args: str, prelude: str = ""):
     """Start hostagent/NAME.py as `python -c SOURCE ARGS` and return the running command: its standard
-    input stays open for the caller (the run lock's holder keeps the lock while it does).
+    input stays open for the caller (the run lock's holder keeps the lock while it does). prelude: shell
+    lines run first, after env_setup (python_command's).
 
     The source goes compressed: a bundled script runs to 64 KB, and over SSH the command line holds it
     twice (python3, then the fallback interpreter) inside one quoted `bash -c` argument, which the kernel
     refuses past 128 KiB ("Argument list too long")."""
     packed = base64.b64encode(zlib.compress(hostcode.script(name).encode("utf-8"), 9)).decode("ascii")
     loader = f"import base64,zlib;exec(zlib.decompress(base64.b64decode('{packed}')))"
-    return conn.start(python_command(hv, f"-c {shlex.quote(loader)} {args}"))
+    return conn.start(python_command(hv, f"-c {shlex.quote(loader)} {args}", prelude=prelude))
 
 
 def host_command(conn: Transport, hv: HostVars, command: str, emit: Emit,

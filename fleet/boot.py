@@ -48,31 +48,20 @@ def held_back(conn, hv: HostVars, report: Report, why: str) -> None:
                f"(`inv stop --host {hv.name}` removes it)" if shown else f"not installed: {why}")
 
 
-def deploy(conn, hv: HostVars, report: Report, emit: Emit, check: bool, installed: dict | None = None) -> None:
-    """deploy's last step: install the hook (or, with boot_hook off, remove one left installed; installed: the
-    hook the state probe found, {kind, command} or None)."""
-    kind = wanted(hv)
-    if kind == "off":          # the operator's choice: ok, not a skip
-        if check:
-            report.add("boot hook", "ok", "boot_hook is off")
-            return
-        if installed is None:  # the probe found none: nothing to remove (no round trip to ask again)
-            report.add("boot hook", "ok", "boot_hook is off: nothing brings the deployment back after a reboot")
-            return
+def apply(conn, hv: HostVars, step, report: Report, emit: Emit) -> None:
+    """deploy's last step as planned (fleet.plan.boot_hook): the hook installed, one left installed removed
+    (boot_hook off), or kept as it is (no round trip)."""
+    if step.action == "keep":
+        report.add("boot hook", "ok", step.said)
+        return
+    if step.action == "remove":
         gone = _run(conn, hv, ["remove", hv.deployment_id])["removed"]
         report.add("boot hook", "changed" if gone else "ok",
                    f"boot_hook is off: removed the {' and '.join(gone)} hook" if gone else
                    "boot_hook is off: nothing brings the deployment back after a reboot")
         return
-    if check:
-        shown = _run(conn, hv, ["show", hv.deployment_id])["boot"]
-        if shown:
-            report.add("boot hook", "ok", f"{shown['kind']}: {shown['command']}")
-        else:
-            report.add("boot hook", "changed", f"would install the boot hook ({kind})")
-        return
     try:
-        r = _run(conn, hv, ["install", hv.settings.deploy_dir, hv.deployment_id, kind,
+        r = _run(conn, hv, ["install", hv.settings.deploy_dir, hv.deployment_id, wanted(hv),
                             "1" if hv.settings.keeper.enabled else "0"])
     except RemoteError as e:
         report.add("boot hook", "failed", str(e).removeprefix(f"{hv.name}: boot hook: "))

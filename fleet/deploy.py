@@ -11,12 +11,13 @@ import shlex
 from hostagent import layout
 from hostagent.facts import HostFacts
 
-from . import agent, boot, display, drift, entries, facts, front, plan, preflight, release, render, runlock, serving, sync
+from . import (agent, boot, display, drift, entries, facts, front, plan, release, render, runlock, serving, survey,
+               sync)
 from . import keeper as fleet_keeper
 from . import vrrp as fleet_vrrp
 from .cluster import backend_name
-from .doctor import doctor as run_doctor
 from .doctor import entry_port_check
+from .doctor import judge as judge_doctor
 from .errors import RemoteError
 from .inventory import HostVars
 from .report import Emit, Report
@@ -37,8 +38,9 @@ def deploy(conn: Transport, hv: HostVars, emit: Emit = lambda line: None,
     verbose: list each new file put (else one line counts them).
     """
     hv = facts.prepare(conn, hv)
-    preflight.check(conn, hv, "deploy")   # the tools every step needs: one sentence naming what is missing
-    with runlock.held_unless(check, conn, hv, "deploy", emit, wait):
+    # The lock's holder checks first what deploy needs (one sentence naming what is missing, nothing created);
+    # --check takes no lock: its first read checks it.
+    with runlock.held_unless(check, conn, hv, "deploy", emit, wait, needs=True):
         return _deploy(conn, hv, emit, check, diff, doctor, restart, verbose)
 
 
@@ -107,13 +109,15 @@ def _deploy(conn: Transport, hv: HostVars, emit: Emit, check: bool, diff: bool, 
     entry = entry_port_check(hv)
     if entry.status != "ok":         # said beside the recap, doctor or not: it is the inventory's choice
         report.warn(f"{entry.name}: {entry.message}; {entry.fix}")
+    files = sync.host_files(hv)
+    # One round trip: the doctor's facts, the state (and with --check, what deploy needs).
+    first = survey.read(conn, hv, [f.path for f in files], readonly=check, with_doctor=doctor, needs=check)
     if doctor:
-        run_doctor(conn, hv, emit, report)
+        judge_doctor(conn, hv, first.doctor, emit, report)
         if report.failed:
             emit("doctor: a check failed; fix it, or deploy with --no-doctor to skip the checks")
             return report
-    files = sync.host_files(hv)
-    found = facts.probe(conn, hv, [f.path for f in files], readonly=check, boot=True)
+    found = first.found
     strangers = facts.foreign_ports(hv, found)
     if strangers:
         # Nothing starts beside a stranger on our ports (the doctor says the same when it runs).
@@ -131,51 +135,61 @@ def _deploy(conn: Transport, hv: HostVars, emit: Emit, check: bool, diff: bool, 
         report.add("api keys", "failed", f"{keys['error']} The proxy cannot start with it: nothing was started.")
         report.status = facts.status_of(hv, found)
         return report
-    changed_files = sync.put_files(conn, hv, files, found, report, emit, check, diff)
+    # The plan (fleet.plan): each file, instance, retired instance, the front, keepalived, the keeper and the
+    # boot hook, with its reason, decided before anything acts. --check prints it (names a stale launch
+    # whatever --no-restart says); a deploy applies it.
+    the_plan = plan.make(hv, found, files, restart or check)
+    if diff:
+        for f in the_plan.files:
+            if f.action == "put":
+                for line in sync.diff(conn, hv, f.file, found):
+                    emit(line)
+    if check:
+        for line in the_plan.lines():
+            emit(f"plan: {line}")
+        for s in the_plan.steps():
+            report.add(s.name, *s.checked())
+    else:
+        _apply(conn, hv, found, the_plan, report, emit)
+    for line in display.step_lines(report.steps, verbose):
+        emit(line)
+    # Nothing changed: the facts read first are the host's state still (one round trip less).
+    quiet = check or not any(s.status in ("changed", "failed") for s in report.steps)
+    report.status = facts.status_of(hv, found if quiet else facts.probe(conn, hv, readonly=check, boot=True))
+    return report
 
-    # The plan: each instance's step with its reason (fleet.plan), decided before anything acts; --check
-    # reports it, a deploy applies it. (--check names a stale launch whatever --no-restart says.)
-    steps = plan.instances(hv, found, restart or check)
+
+def _apply(conn, hv: HostVars, found: HostFacts, the_plan: plan.Plan, report: Report, emit: Emit) -> None:
+    """Apply the plan, in its order: the files, the instances started, then the roll, the front and the
+    retired instances (_converge), keepalived once the front serves (its track script then finds /health
+    200), the keeper, and last the boot hook (after a reboot, bin/boot.sh starts it all again); a failed
+    front holds the keeper and the boot hook back."""
+    for f in the_plan.files:
+        if f.action == "put":
+            sync.put(conn, hv, f.file)
+            report.add(f.name, "changed", f"put ({f.reason})")
+        else:
+            report.add(f.name, "ok")
+    steps = the_plan.instances
     for s in steps:
-        if s.action in ("keep", "later") and not (check and s.action == "later"):
+        if s.action in ("keep", "later"):
             report.add(s.name, "ok", s.kept)
-        elif check and s.action in ("roll", "later"):
-            report.add(s.name, "changed", s.would())
     # Instances with processes left behind (an API server killed, its EngineCore children still holding
     # the card): those are stopped by group and tag, and their card released, before they start again.
     if any(s.action == "restart" for s in steps):
         report.data["restart"] = [s.index for s in steps if s.action == "restart"]
     to_start = [found.instances[s.index] for s in steps if s.action in ("start", "restart")]
-    to_roll = [s.launch for s in steps if s.action == "roll"]
-    if check:
-        for s in steps:
-            if s.action in ("start", "restart"):
-                report.add(s.name, "changed", s.would())
-    elif to_start:
+    if to_start:
         _start_instances(conn, hv, to_start, report, emit)
-    retired = found.retired or []
-    if check:
-        for f in retired:
-            report.add(f"instance {f.index}", "changed", "would remove (the inventory no longer has it): "
-                       f"drained, out of the proxy, then stopped; pid {f.pid} on :{f.port}")
-        front.deploy_front(conn, hv, found, changed_files, report, emit, check)
-    else:
-        changed_files, found = _converge(conn, hv, found, to_roll, retired, changed_files, report, emit)
-    # Once the front serves: its track script then finds /health 200, and the address can come here.
-    fleet_vrrp.deploy(conn, hv, changed_files, report, emit, check)
-    if not check and any(s.status == "failed" and s.name in ("proxy", "front") for s in report.steps):
+    found = _converge(conn, hv, found, the_plan, report, emit)
+    if the_plan.keepalived:
+        fleet_vrrp.apply(conn, hv, the_plan.keepalived, report, emit)
+    if any(s.status == "failed" and s.name in ("proxy", "front") for s in report.steps):
         _hold_back(conn, hv, found, report)
-    else:
-        if hv.settings.instances:
-            fleet_keeper.deploy(conn, hv, found, changed_files, report, emit, check)
-        # Last, once what it would start runs: after a reboot, bin/boot.sh starts it all again.
-        boot.deploy(conn, hv, report, emit, check, found.boot)
-    for line in display.step_lines(report.steps, verbose):
-        emit(line)
-    # Nothing changed: the facts read first are the host's state still (one round trip less).
-    quiet = not any(s.status in ("changed", "failed") for s in report.steps)
-    report.status = facts.status_of(hv, found if quiet else facts.probe(conn, hv, readonly=check, boot=True))
-    return report
+        return
+    if the_plan.keeper:
+        fleet_keeper.apply(conn, hv, the_plan.keeper, report, emit)
+    boot.apply(conn, hv, the_plan.boot_hook, report, emit)
 
 
 def _hold_back(conn, hv: HostVars, found: HostFacts, report: Report) -> None:
@@ -225,11 +239,10 @@ def _start_instances(conn, hv, to_start, report, emit):
     agent.steps(conn, hv, "wait-healthy --instances " + ",".join(str(f.index) for f in to_start), report, emit)
 
 
-def _converge(conn, hv: HostVars, found: HostFacts, to_roll: list[dict], retired: list[dict], changed_files: set[str],
-              report: Report, emit: Emit) -> tuple[set[str], dict]:
-    """Roll the stale instances, bring the front to the new config, retire the instances the inventory no
-    longer has; the proxy never routes a name to an engine that does not serve it, nor gives an engine
-    more slots than it runs:
+def _converge(conn, hv: HostVars, found: HostFacts, the_plan: plan.Plan, report: Report, emit: Emit) -> HostFacts:
+    """Roll the stale instances, bring the front to the new config (the plan's front step), retire the
+    instances the inventory no longer has; the proxy never routes a name to an engine that does not serve
+    it, nor gives an engine more slots than it runs:
 
     1. the instances that keep their names roll (a smaller max_num_seqs reaches the proxy first), and
        those that lose a name and gain one roll too but stay drained;
@@ -238,11 +251,13 @@ def _converge(conn, hv: HostVars, found: HostFacts, to_roll: list[dict], retired
     3. the retired instances are drained in the proxy (their requests finish);
     4. the front takes the new config (the front step), and the instances that only lose names roll;
     5. the retired instances are stopped by identity.
+
+    The state as it is after them comes back (the front's step reads the proxy's).
     """
-    before, held, after = _phases(to_roll)
+    retired = found.retired or []
+    before, held, after = _phases([s.launch for s in the_plan.instances if s.action == "roll"])
     if before or held:
-        changed_files |= _roll(conn, hv, found, before + held, report, emit, held={p["index"] for p in held},
-                               slots_first=True)
+        _roll(conn, hv, found, before + held, report, emit, held={p["index"] for p in held}, slots_first=True)
         found = facts.probe(conn, hv)     # the proxy's reload count, for the next reload
     keep = _kept(hv, retired)
     proxy_up = found.proxy_healthy()
@@ -250,7 +265,6 @@ def _converge(conn, hv: HostVars, found: HostFacts, to_roll: list[dict], retired
     if (held or keep) and proxy_up:
         conf = layout.path(hv.settings.deploy_dir, layout.PROXY_CONF)
         conn.put(conf, render.proxy_config(hv, keep=keep).encode(), 0o644)
-        changed_files.add(layout.PROXY_CONF)
         reloaded = front._reload_proxy(conn, hv, found.proxy, Report(hv.name),
                                        want=list(hv.backends) + [b for b in keep if b not in hv.backends])
         if reloaded:
@@ -268,7 +282,8 @@ def _converge(conn, hv: HostVars, found: HostFacts, to_roll: list[dict], retired
         name = backend_name(hv.instance_host, f.port)
         agent.steps(conn, hv, f"drain-retired --instance {f.index} --port {f.port} --backend "
                     f"{shlex.quote(name)} --locked", report, emit)
-    front.deploy_front(conn, hv, found, changed_files, report, emit, False)
+    for step in the_plan.front:
+        front.apply(conn, hv, found, step, report, emit)
     if not reloaded:
         enable_held()      # the proxy had no reload to take (restarted, or not running): after the front step
     if after and not report.failed:
@@ -282,7 +297,7 @@ def _converge(conn, hv: HostVars, found: HostFacts, to_roll: list[dict], retired
                                      (layout.instance_launch(f.index), layout.instance_ready(f.index))))
         report.add(f"instance {f.index}", "changed", "removed (the inventory no longer has it): drained, "
                    "out of the proxy, stopped by identity")
-    return changed_files, found
+    return found
 
 
 def _kept(hv: HostVars, retired: list[dict]) -> dict[str, str | None]:
@@ -310,26 +325,23 @@ def _phases(to_roll: list[dict]) -> tuple[list[dict], list[dict], list[dict]]:
 
 
 def _roll(conn, hv: HostVars, found: HostFacts, to_roll: list[dict], report: Report, emit: Emit,
-          held: set[int] = frozenset(), slots_first: bool = False) -> set[str]:
+          held: set[int] = frozenset(), slots_first: bool = False) -> None:
     """Restart each stale instance through the host agent's one restart (drain, stop by identity, wait for
     the card, start, /health, enable), one at a time, under the run lock this deploy holds; stops at the
     first that fails. held: instances left drained (deploy enables them after the proxy's reload).
     slots_first: while a smaller max_num_seqs rolls, the proxy runs with it already, so it never gives an
-    engine more slots than it has; a larger one reaches the proxy after the roll (the front step). The
-    paths put here, for the front step."""
-    put: set[str] = set()
+    engine more slots than it has; a larger one reaches the proxy after the roll (the front step)."""
     if _sim_devices(hv):      # a roll may move an instance to a card the host had no device file for
         conn.run(_sim_devices(hv) + "true")
     interim = _interim_proxy_conf(hv, to_roll) if slots_first else None
     if interim is not None and found.proxy_healthy():
         conn.put(layout.path(hv.settings.deploy_dir, layout.PROXY_CONF), interim.encode(), 0o644)
-        put.add(layout.PROXY_CONF)
         if front._reload_proxy(conn, hv, found.proxy, Report(hv.name)):
             report.add("proxy slots", "changed", "reloaded with the smaller max_num_seqs before the roll")
         else:
             report.add("proxy slots", "failed", "the proxy did not take the smaller max_num_seqs; nothing was "
                        "restarted: `inv logs --host " + hv.name + " --proxy` says why")
-            return put
+            return
     for n, p in enumerate(to_roll):
         i = p["index"]
         emit(f"instance {i}: rolling ({', '.join(p['changes'])})")
@@ -347,7 +359,6 @@ def _roll(conn, hv: HostVars, found: HostFacts, to_roll: list[dict], report: Rep
         final = render.proxy_config(hv)
         if final != interim:
             conn.put(layout.path(hv.settings.deploy_dir, layout.PROXY_CONF), final.encode(), 0o644)
-    return put
 
 
 def _interim_proxy_conf(hv: HostVars, to_roll: list[dict]) -> str | None:

@@ -54,8 +54,8 @@ KEEPER_METRICS = "keeper metrics"
 KEY_FILE = "api keys"
 
 
-def read_facts(conn, hv: HostVars, deep: bool = False) -> dict:
-    """Run the doctor's probe on the host, after env_setup (so PATH is the engine's); deep: run the engine's
+def spec(hv: HostVars, deep: bool = False) -> dict:
+    """What the doctor's probe reads on the host (hostagent/probes/doctor.py); deep: run the engine's
     `--version` too (it imports vLLM: seconds idle, minutes beside busy engines)."""
     dep = hv.deployment_id
     ports = [{"port": p, "host": hv.instance_host, "what": f"instance {i}", "key": "base_port",
@@ -70,13 +70,17 @@ def read_facts(conn, hv: HostVars, deep: bool = False) -> dict:
         ports.append({"port": hv.settings.keeper.metrics_port, "host": hv.instance_host, "what": KEEPER_METRICS,
                       "key": "keeper.metrics_port", "pidfiles": [(layout.KEEPER_PID, layout.tag(dep, "keeper"))]})
     engine = {"kind": hv.settings.engine, "cmd": engine_cmd(hv), "deep": deep}
-    spec = {"deploy_dir": hv.settings.deploy_dir, "deployment_id": dep, "engine": engine, "model": hv.settings.model,
+    return {"deploy_dir": hv.settings.deploy_dir, "deployment_id": dep, "engine": engine, "model": hv.settings.model,
             "check_model": hv.settings.engine != "sim", "ports": ports,
             "api_keys_file": hv.settings.proxy.api_keys_file or None,
             "tenants": sorted(hv.settings.proxy.tenants),
             # accelerator cpu: no card to read (its check is the cores and RAM); its smi is a Python run
             "smi_cmd": smi.smi_command(hv) if hv.settings.accelerator != "cpu" else None, "vrrp": vrrp.spec(hv)}
-    return agent.run_script(conn, hv, "doctor", spec, "the doctor's probe", timeout=300, env_setup=True)
+
+
+def read_facts(conn, hv: HostVars, deep: bool = False) -> dict:
+    """Run the doctor's probe on the host, after env_setup (so PATH is the engine's)."""
+    return agent.run_script(conn, hv, "doctor", spec(hv, deep), "the doctor's probe", timeout=300, env_setup=True)
 
 
 def checks(conn, hv: HostVars, f: dict) -> list[Check]:
@@ -336,8 +340,13 @@ def doctor(conn, hv: HostVars, emit: Emit = lambda line: None, report: Report | 
     """Run every check on the host, emit a line each, and add them to report (a warn counts as ok); deep:
     run the engine's `--version` too (deploy does not: the version from the metadata costs milliseconds)."""
     hv = facts.prepare(conn, hv)
-    report = report or Report(hv.name)
-    for c in checks(conn, hv, read_facts(conn, hv, deep)):
+    return judge(conn, hv, read_facts(conn, hv, deep), emit, report or Report(hv.name))
+
+
+def judge(conn, hv: HostVars, f: dict, emit: Emit, report: Report) -> Report:
+    """Judge the doctor's facts f (read by its probe, or by deploy's: fleet.survey), emit a line each, and
+    add them to report (a warn counts as ok)."""
+    for c in checks(conn, hv, f):
         emit(c.line())
         # The line is emitted once, here; a step keeps its message only when it failed (the recap and
         # the failure list show it), so deploy does not print every check twice.

@@ -38,19 +38,23 @@ def prepare(conn: Transport, hv: HostVars) -> HostVars:
 
 def probe(conn: Transport, hv: HostVars, files: list[str] = (), readonly: bool = False,
           boot: bool = False) -> HostFacts:
-    """Read the deployment's state on the host (hostagent/probes/state.py); files: paths under deploy_dir
-    whose hash and mode to report; readonly: create nothing on the host; boot: read the installed boot
-    hook too (`boot`: {kind, command} or None). Each instance's `state` is hostagent.instances.classify's,
-    the function the keeper uses too."""
-    spec = {"deploy_dir": hv.settings.deploy_dir, "ports": hv.ports, "base_port": hv.settings.base_port,
+    """Read the deployment's state on the host (hostagent/probes/state.py). Each instance's `state` is
+    hostagent.instances.classify's, the function the keeper uses too."""
+    return parse(agent.run_script(conn, hv, "state", spec(hv, files, readonly, boot),
+                                  "reading the deployment's state", timeout=60))
+
+
+def spec(hv: HostVars, files: list[str] = (), readonly: bool = False, boot: bool = False,
+         boot_wanted: dict | None = None) -> dict:
+    """What the state probe reads: files, paths under deploy_dir whose hash and mode to report; readonly:
+    create nothing on the host; boot: read the installed boot hook too (`boot`: {kind, command} or None);
+    boot_wanted ({kind, watchdog}): whether installing that hook would change anything (`boot_as_wanted`)."""
+    return {"deploy_dir": hv.settings.deploy_dir, "ports": hv.ports, "base_port": hv.settings.base_port,
             "instance_host": hv.instance_host,
             "proxy_port": hv.settings.proxy.port, "admin_port": hv.settings.proxy.admin_port,
             "proxy_address": layout.local_address(hv.settings.proxy.bind), "deployment_id": hv.deployment_id, "health_timeout_s": hv.settings.health_timeout_s,
             "files": list(files), "readonly": readonly, "api_keys_file": hv.settings.proxy.api_keys_file or None,
-            "boot": boot, "vrrp": fleet_vrrp.spec(hv)}
-    return parse(agent.run_script(conn, hv, "state", spec, "reading the deployment's state", timeout=60))
-
-
+            "boot": boot, "boot_wanted": boot_wanted, "vrrp": fleet_vrrp.spec(hv)}
 
 
 def status_of(hv: HostVars, facts: HostFacts) -> dict:

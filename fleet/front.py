@@ -11,14 +11,13 @@ import shlex
 from hostagent import layout
 from hostagent.facts import HostFacts, Proxy, record
 
-from . import agent, facts, runlock, schema, sync
+from . import agent, facts, plan, runlock, schema, sync
 from .errors import FleetError
 from .inventory import HostVars
 from .report import Emit, Report
 from .stop import stop_processes
 from .transport import Transport
 
-NGINX_FILES = (layout.NGINX_CONF, agent.FRONT_CONFIG)
 NO_RESULTS_LOG = ("nginx has no results log: logs/req_results.log gets no new lines while nginx is the "
                   "front; logs/nginx_access.log has one JSON line per request (request_id, backend, status, "
                   "request and upstream times), but no trace id, finish_reason, tokens or error bodies.")
@@ -35,30 +34,13 @@ def _prepare(conn: Transport, hv: HostVars, report: Report, emit: Emit) -> tuple
     found = facts.probe(conn, hv, [f.path for f in files])
     if not found.deploy_dir_exists:
         raise FleetError(f"{hv.name}: nothing is deployed in {hv.settings.deploy_dir}; run `inv deploy` first.")
-    sync.put_files(conn, hv, files, found, report, emit)
+    sync.put_files(conn, hv, files, found, report)
     return hv, found
-
-
-def nginx_refusal(hv: HostVars) -> str | None:
-    """Why nginx cannot be this host's front, or None: nginx does not read the body, so it cannot route
-    by the request's `model`, which a host serving several models, aliases or adapters needs; and it has
-    no shared queue to serve tenants fairly from (a per-key `limit_req` would keep a rate and silently drop
-    the weights, the slot caps and the token budgets, so a host with tenants is refused rather than mapped)."""
-    if hv.settings.proxy.tenants:
-        names = ", ".join(hv.settings.proxy.tenants)
-        return (f"{hv.name}: nginx cannot be the front here: it cannot share the slots fairly among the tenants "
-                f"{names} nor keep their limits; keep the proxy as the front, or drop `proxy.tenants` to use nginx.")
-    if hv.pools is None:
-        return None
-    names = ", ".join(p["name"] for p in hv.pools)
-    return (f"{hv.name}: nginx cannot be the front here: it does not read the request body, so it cannot "
-            f"route by `model` to the pools of {names} (aliases and adapters included); keep the proxy "
-            "as the front, or serve one model per host to use nginx.")
 
 
 def swap_to_nginx(conn: Transport, hv: HostVars, emit: Emit = lambda line: None, wait: bool = False) -> Report:
     """Preflight nginx, hand the entry port over from the proxy, start the /health watcher."""
-    refusal = nginx_refusal(hv)
+    refusal = plan.nginx_refusal(hv)
     if refusal:
         raise FleetError(refusal)
     hv = facts.prepare(conn, hv)
@@ -128,30 +110,27 @@ def _confirm(report: Report, want: str) -> None:
                f"the entry port answers from {front or 'nothing'}, not {want}; see `inv status`")
 
 
-def deploy_nginx(conn: Transport, hv: HostVars, found: HostFacts, changed_files: set[str], report: Report,
-                 emit: Emit, check: bool) -> None:
-    """deploy in nginx mode: keep nginx the front, start it when it is down, reload it when its
-    configuration changed; the proxy is not started."""
-    refusal = nginx_refusal(hv)
-    if refusal:
-        report.add("front", "failed", f"{refusal} `inv swap-to-proxy --host {hv.name}` makes the proxy the front.")
-        return
-    n = found.nginx
-    stale = any(f in NGINX_FILES or f.startswith(layout.HOSTAGENT_CODE + "/") for f in changed_files)
-    keys = _keys_to_take(hv, found, report, "nginx_digest")
-    stale = stale or (keys is not None and bool(n.alive))
-    # keeper.enabled: the keeper does the /health watching (one agent); else the watcher does.
-    watching = found.keeper.alive if hv.settings.keeper.enabled else n.watcher_alive
-    if n.alive and watching and not stale:
-        report.add("front", "ok", f"nginx already running on :{hv.settings.proxy.port}, pid {n.pid}")
-        return
-    verb = "reload" if n.alive else "start"
-    if check:
-        report.add("front", "changed", f"would {verb} nginx on :{hv.settings.proxy.port}"
-                   + (" (the key file changed)" if keys is not None else ""))
-        return
+def apply(conn: Transport, hv: HostVars, found: HostFacts, step: plan.Step, report: Report, emit: Emit) -> None:
+    """deploy's front step as planned (fleet.plan.front): the proxy started, reloaded, or restarted beside
+    the old one (a reload it refuses, or that leaves a setting only a restart changes, becomes a restart);
+    in nginx mode, nginx started or reloaded; kept, or failed, as the plan says. found: the state as it is
+    now (the roll before may have reloaded the proxy)."""
+    if step.action in ("keep", "fail"):
+        report.add(step.name, "ok" if step.action == "keep" else "failed", step.said)
+    elif step.name == "front":
+        _nginx(conn, hv, step, report, emit)
+    elif step.action == "reload" and _reload_proxy(conn, hv, found.proxy, report, step.keys):
+        pass
+    elif found.proxy.state in ("healthy", "no-backend"):
+        _restart_proxy(conn, hv, found.proxy.state, report, emit)
+    else:
+        _start_proxy(conn, hv, found.proxy, report, emit)
+
+
+def _nginx(conn: Transport, hv: HostVars, step: plan.FrontStep, report: Report, emit: Emit) -> None:
+    """nginx mode: nginx started, or reloaded (with its watcher), through the host agent."""
     try:
-        r = agent.host_command(conn, hv, "reload" if stale else "to-nginx", emit, config=agent.FRONT_CONFIG)
+        r = agent.host_command(conn, hv, step.command, emit, config=agent.FRONT_CONFIG)
     except FleetError as e:
         report.add("front", "failed", str(e))
         return
@@ -160,58 +139,15 @@ def deploy_nginx(conn: Transport, hv: HostVars, found: HostFacts, changed_files:
         drained = (f"; its old workers finished their requests in {r['drain_ms']} ms" if not r.get("still_draining")
                    else f"; {r['still_draining']} old worker(s) still finish requests after drain_timeout_s")
     took = ""
-    if keys is not None:
-        took = (", API keys taken from the key file" if r.get("keys_digest") == keys
+    if step.keys is not None:
+        took = (", API keys taken from the key file" if r.get("keys_digest") == step.keys
                 else ", but its API keys are not the key file's yet (see logs/keeper.log)")
-    report.add("front", "changed", f"nginx {verb}ed, pid {r['pid']}" + took + drained + (", watcher restarted"
-               if r.get("watcher_pid") else ""))
+    report.add("front", "changed", f"nginx {step.action}ed, pid {r['pid']}" + took + drained
+               + (", watcher restarted" if r.get("watcher_pid") else ""))
 
 
-# --- the proxy ---------------------------------------------------------------------------------
-
-def deploy_front(conn: Transport, hv: HostVars, found: HostFacts, changed_files: set[str], report: Report,
-                 emit: Emit, check: bool) -> None:
-    """deploy's front step: start the proxy, or reload or restart it when its config or code changed; in
-    nginx mode, keep nginx the front instead."""
-    if found.mode == "nginx":
-        deploy_nginx(conn, hv, found, changed_files, report, emit, check)
-        return
-    p = found.proxy
-    state = p.state
-    # A setting an earlier reload could not change (proxy.state.RESTART_ONLY) is still owed a restart.
-    owed = bool(p.said("pending_restart"))
-    # A changed start script (its environment: a group's PYTHONHASHSEED) takes effect only by a restart.
-    relaunch = any(f == layout.START_PROXY or f.startswith(layout.PROXY_CODE + "/") for f in changed_files)
-    stale = owed or relaunch or layout.PROXY_CONF in changed_files
-    # A key file whose keys are not those the running proxy loaded: a reload takes them (by content: the
-    # probe's digest of the file against the one /admin/config reports).
-    keys = _keys_to_take(hv, found, report, "running") if p.alive else None
-    stale = stale or keys is not None
-    if state == "port-taken":
-        report.add("proxy", "failed", f"port {hv.settings.proxy.port} is taken by a process that is not this "
-                   "deployment's proxy; free it or change proxy.port")
-        return
-    if state in ("healthy", "no-backend") and not stale:
-        report.add("proxy", "ok", f"already running on :{p.port}, pid {p.pid}")
-        return
-    # Only the config changed, and the running proxy answers on the ports it names: a reload re-reads it
-    # without dropping a request. New code or start script, or a proxy that does not answer there, needs a
-    # restart.
-    reloadable = state in ("healthy", "no-backend") and p.backends is not None and not owed and not relaunch
-    if reloadable:
-        if check:
-            report.add("proxy", "changed", f"would reload pid {p.pid} with the new config"
-                       + (" (the key file changed)" if keys is not None else ""))
-            return
-        if _reload_proxy(conn, hv, p, report, keys):
-            return
-    verb = "restart" if state in ("healthy", "no-backend") else "start"
-    if check:
-        report.add("proxy", "changed", f"would {verb} on :{hv.settings.proxy.port}")
-        return
-    if verb == "restart":
-        _restart_proxy(conn, hv, state, report, emit)
-        return
+def _start_proxy(conn: Transport, hv: HostVars, p: Proxy, report: Report, emit: Emit) -> None:
+    """Start the proxy (one that runs but does not answer is stopped first), and wait on the host for it."""
     bin_dir = shlex.quote(f"{hv.settings.deploy_dir}/bin")
     if p.alive:     # alive but not answering: nothing to hand the port over from
         stop_processes(conn, hv, ["--proxy"], emit)
@@ -223,7 +159,7 @@ def deploy_front(conn: Transport, hv: HostVars, found: HostFacts, changed_files:
     f = record(Proxy, agent.host_command(conn, hv, "wait-proxy --timeout-s 30", emit, config=agent.FRONT_CONFIG,
                                          timeout=90))
     if f.state == "healthy":
-        report.add("proxy", "changed", f"{verb}ed, pid {f.pid}, healthy on :{f.port}")
+        report.add("proxy", "changed", f"started, pid {f.pid}, healthy on :{f.port}")
     else:
         report.add("proxy", "failed", _start_failure(conn, hv, f.alive))
 
@@ -257,21 +193,6 @@ def _restart_proxy(conn, hv, state, report, emit) -> None:
     else:
         report.add("proxy", "changed", f"restarted, pid {r['old_pid']} -> {r['pid']}: the old one did not share "
                    f"its port, which refused connections for about {r['gap_ms']} ms")
-
-
-def _keys_to_take(hv: HostVars, found: HostFacts, report: Report, against: str) -> str | None:
-    """The digest of the key file's keys when the running front does not have them yet, else None.
-    against: `running` (the proxy's /admin/config) or `nginx_digest` (nginx's map). A key file that
-    cannot be used is a failed step: the front keeps the keys it has."""
-    if not hv.settings.proxy.api_keys_file:
-        return None
-    keys = found.api_keys or {}
-    if keys.get("error"):
-        report.add("api keys", "failed", f"{keys['error']} The front keeps the keys it had.")
-        return None
-    running = (found.proxy.said("api_keys_digest") if against == "running"
-               else keys.get(against))
-    return keys["digest"] if keys.get("digest") and running != keys["digest"] else None
 
 
 def _reload_proxy(conn, hv, p, report, keys: str | None = None, want: list[str] | None = None) -> bool:

@@ -27,6 +27,7 @@ def package_dir(name: str) -> Path:
 
 
 HOSTAGENT = package_dir("hostagent")
+PROBES = "probes"        # the one subpackage a bundle holds modules of
 # ast.parse is not thread-safe in some CPython releases (gh-106905; seen on 3.11.7 as "SystemError: AST
 # constructor recursion depth mismatch" when a deploy's hosts, threads under --forks, parsed at once).
 _PARSE = threading.Lock()
@@ -44,8 +45,9 @@ def source(name: str) -> str:
 
 @lru_cache(maxsize=None)
 def imports(name: str) -> tuple[str, ...]:
-    """The top-level host agent modules NAME imports (`from hostagent import x`, `from . import x`,
-    `from hostagent.x import ...`), in the order they appear."""
+    """The host agent modules NAME imports (`from hostagent import x`, `from . import x`,
+    `from hostagent.x import ...`, and another probe: `from hostagent.probes import x`, as `probes.x`), in
+    the order they appear."""
     parts = ["hostagent", *name.split(".")[:-1]]          # the package NAME is in
     found: list[str] = []
     with _PARSE:
@@ -57,9 +59,13 @@ def imports(name: str) -> tuple[str, ...]:
         full = base + (node.module.split(".") if node.module else [])
         if full[:1] != ["hostagent"]:
             continue
-        for top in full[1:2] or [a.name for a in node.names]:
-            if path(top).exists() and top not in found:
-                found.append(top)
+        if full[1:2] == [PROBES]:        # another probe: `from hostagent.probes import doctor`
+            names = [f"{PROBES}.{n}" for n in full[2:3] or [a.name for a in node.names]]
+        else:
+            names = full[1:2] or [a.name for a in node.names]
+        for mod in names:
+            if path(mod).exists() and mod not in found:
+                found.append(mod)
     return tuple(found)
 
 
@@ -79,17 +85,25 @@ def needs(name: str) -> list[str]:
 
 
 def bundle(script: str, *modules: str) -> str:
-    """script, preceded by the hostagent modules it imports (given in dependency order)."""
+    """script, preceded by the hostagent modules it imports (given in dependency order; a probe's as
+    `probes.NAME`, under a `hostagent.probes` package made for them)."""
     lines = ["import sys as _sys, types as _types",
              "_pkg = _sys.modules.get('hostagent') or _types.ModuleType('hostagent')",
              "_pkg.__path__ = getattr(_pkg, '__path__', [])",
              "_sys.modules['hostagent'] = _pkg"]
+    if any(name.startswith(PROBES + ".") for name in modules):
+        lines += [f"_p = _types.ModuleType('hostagent.{PROBES}')",
+                  f"_p.__path__, _p.__package__ = [], 'hostagent.{PROBES}'",
+                  f"_sys.modules['hostagent.{PROBES}'] = _p",
+                  f"setattr(_pkg, {PROBES!r}, _p)",
+                  "del _p"]
     for name in modules:
+        package, _, short = f"hostagent.{name}".rpartition(".")
         lines += [f"_m = _types.ModuleType('hostagent.{name}')",
-                  "_m.__package__ = 'hostagent'",
+                  f"_m.__package__ = {package!r}",
                   f"_sys.modules['hostagent.{name}'] = _m",
-                  f"setattr(_pkg, {name!r}, _m)",
-                  f"exec(compile({source(name)!r}, 'hostagent/{name}.py', 'exec'), _m.__dict__)"]
+                  f"setattr(_sys.modules[{package!r}], {short!r}, _m)",
+                  f"exec(compile({source(name)!r}, 'hostagent/{name.replace('.', '/')}.py', 'exec'), _m.__dict__)"]
     lines.append("del _sys, _types, _pkg" + (", _m" if modules else ""))
     return "\n".join(lines) + "\n" + script
 

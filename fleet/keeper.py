@@ -1,7 +1,8 @@
 """The keeper seen from the control node: started by deploy beside the proxy, read back by status.
 
 The keeper itself runs on the host (hostagent/keeper.py); this module starts it through the host agent
-(`python -m hostagent keeper-start`), and turns what it wrote in run/keeper.json into status fields.
+(`python -m hostagent keeper-start`) as deploy's plan says (fleet.plan.keeper), and turns what it wrote in
+run/keeper.json into status fields.
 """
 from __future__ import annotations
 
@@ -39,34 +40,22 @@ def instance_fields(keeper: dict, index: int) -> dict:
             "crashloop": bool(w.get("crashloop")), "crashloop_log": w.get("log_tail") or []}
 
 
-def deploy(conn, hv: HostVars, facts: HostFacts, changed_files: set[str], report, emit, check: bool) -> None:
-    """Start the keeper when it does not run, restart it when its code or configuration changed, stop it
-    when keeper.enabled is false."""
-    k = facts.keeper
-    if not hv.settings.keeper.enabled:
-        if k.alive:
-            if check:
-                report.add("keeper", "changed", f"would stop pid {k.pid} (keeper.enabled is false)")
-                return
-            agent.host_command(conn, hv, "keeper-stop", emit)
-            report.add("keeper", "changed", f"stopped pid {k.pid} (keeper.enabled is false)")
-        else:
-            report.add("keeper", "skipped", "keeper.enabled is false")
+def apply(conn, hv: HostVars, step, report, emit) -> None:
+    """deploy's keeper step as planned (fleet.plan.keeper): started, restarted (its code or configuration
+    changed), stopped (keeper.enabled is false), or left as it is."""
+    if step.action in ("keep", "skip"):
+        report.add("keeper", "ok" if step.action == "keep" else "skipped", step.said)
         return
-    stale = any(f in KEEPER_FILES or f.startswith(layout.HOSTAGENT_CODE + "/") for f in changed_files)
-    if k.alive and not stale:
-        report.add("keeper", "ok", f"already running, pid {k.pid}")
-        return
-    verb = "restart" if k.alive else "start"
-    if check:
-        report.add("keeper", "changed", f"would {verb} the keeper")
+    if step.action == "stop":
+        agent.host_command(conn, hv, "keeper-stop", emit)
+        report.add("keeper", "changed", f"stopped ({step.reason})")
         return
     try:
         r = agent.host_command(conn, hv, "keeper-start", emit)
     except FleetError as e:
         report.add("keeper", "failed", str(e))
         return
-    report.add("keeper", "changed", f"{verb}ed, pid {r['pid']}, log logs/keeper.log")
+    report.add("keeper", "changed", f"{step.action}ed, pid {r['pid']}, log logs/keeper.log")
 
 
 def start_again(conn, hv: HostVars, emit) -> None:

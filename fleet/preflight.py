@@ -1,7 +1,10 @@
 """What a step needs on the host, checked before the step changes anything.
 
-One read-only command after the host's env_setup finds every missing tool, the engine binary and a
-Python with the proxy's modules; the step then fails that host with one sentence naming them all.
+One read-only shell script, run on the host after env_setup, finds every missing tool, the engine binary
+and a Python with the proxy's modules; the step then fails that host with one sentence naming them all.
+A deploy's run lock holder runs it first, in the same round trip, and exits before it takes the lock (so
+before anything is created) when something is missing (fleet/runlock.py); `deploy --check`, which takes no
+lock, has the deploy probe run it beside the doctor's facts and the state (fleet/survey.py).
 """
 from __future__ import annotations
 
@@ -9,7 +12,6 @@ import shlex
 
 from .errors import RemoteError
 from .inventory import HostVars
-from .transport import Transport
 
 # Tool -> the Debian package that brings it. Used by the scripts deploy puts (ss, setsid, ps) and by
 # stop's check that the cards were given back (fuser): a cluster that cannot be stopped cleanly is
@@ -57,21 +59,26 @@ def script(hv: HostVars, step: str) -> str:
     return "\n".join(lines)
 
 
-def check(conn: Transport, hv: HostVars, step: str = "deploy") -> None:
-    """Raise RemoteError naming everything the host lacks for step; return when nothing is missing."""
-    setup = hv.settings.env_setup or ":"
-    r = conn.run(f"{{ {setup}\n}} </dev/null >&2 || echo \"failed env_setup $?\"\n" + script(hv, step),
-                 timeout=120)
-    last = (r.stderr.strip().splitlines() or ["no output"])[-1]
-    if not r.ok:
-        raise RemoteError(f"{hv.name}: the check of what {step} needs failed ({last}); run env_setup by hand "
-                          "on the host and fix it.")
+# The line the run lock's holder prints for each thing missing, before it exits (status NEEDS_EXIT) without
+# taking the lock, so a host that lacks something is left as it was: nothing created under deploy_dir.
+NEEDS = "FLEET_NEEDS "
+NEEDS_EXIT = 3
+
+
+def prelude(hv: HostVars, step: str) -> str:
+    """The shell lines the run lock's holder runs first (after env_setup): script's, each `missing` line
+    said as NEEDS, and the exit before the lock when one is."""
+    return (f"fleet_needs=$({{\n{script(hv, step)}\n}} </dev/null)\n"
+            'if [ -n "$fleet_needs" ]; then printf "%s\\n" "$fleet_needs" | while IFS= read -r l; do '
+            f'echo "{NEEDS}$l"; done; exit {NEEDS_EXIT}; fi\n')
+
+
+def judge(hv: HostVars, step: str, lines: list[str]) -> None:
+    """Raise RemoteError naming everything the host lacks for step, from the lines script printed there
+    (run by the deploy probe, hostagent/probes/deploy.py, after env_setup); return when nothing is missing."""
     missing = []
     python = hv.settings.python or "python3"
-    for line in r.stdout.splitlines():
-        if line.startswith("failed env_setup "):
-            raise RemoteError(f"{hv.name}: env_setup exited {line.split()[-1]} on the host ({last}); fix "
-                              "env_setup in the inventory.")
+    for line in lines:
         if not line.startswith("missing "):
             continue
         kind, _, what = line[len("missing "):].partition(" ")

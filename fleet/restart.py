@@ -36,7 +36,7 @@ def _restart(conn, hv: HostVars, emit: Emit, instance: int | None) -> Report:
         raise FleetError(f"{hv.name} is not deployed under {hv.settings.deploy_dir}; run "
                          f"`inv deploy --host {hv.name}` first.")
     # The instance starts with the current inventory: put what changed (the proxy keeps running as is).
-    sync.put_files(conn, hv, files, found, report, emit)
+    sync.put_files(conn, hv, files, found, report)
     if not hv.entry_hosts():
         what = "--rolling" if instance is None else f"--instance {int(instance)}"
         agent.steps(conn, hv, f"restart {what} --locked", report, emit)

@@ -16,7 +16,7 @@ import threading
 from contextlib import contextmanager, nullcontext
 from typing import Callable
 
-from . import agent
+from . import agent, preflight
 from .errors import FleetError, RemoteError
 
 # Runs of this process already holding a deployment's lock: a restart's stop does not lock twice.
@@ -46,14 +46,17 @@ def what(step: str) -> str:
 
 
 def held_unless(check: bool, conn, hv, step: str, emit: Callable[[str], None] = lambda line: None,
-                 wait: bool = False):
+                 wait: bool = False, needs: bool = False):
     """held(...), except for a --check run, which changes nothing and takes no lock."""
-    return nullcontext() if check else held(conn, hv, step, emit, wait)
+    return nullcontext() if check else held(conn, hv, step, emit, wait, needs)
 
 
 @contextmanager
-def held(conn, hv, step: str, emit: Callable[[str], None] = lambda line: None, wait: bool = False):
-    """Hold the deployment's lock for the block (hv prepared: deploy_dir absolute)."""
+def held(conn, hv, step: str, emit: Callable[[str], None] = lambda line: None, wait: bool = False,
+         needs: bool = False):
+    """Hold the deployment's lock for the block (hv prepared: deploy_dir absolute). needs: the holder first
+    checks what step needs on the host (fleet.preflight), and a host that lacks something fails in one
+    sentence naming it all, before the lock is taken (nothing created)."""
     d = hv.settings.deploy_dir
     key = (id(conn), d)
     with _guard:
@@ -70,17 +73,26 @@ def held(conn, hv, step: str, emit: Callable[[str], None] = lambda line: None, w
                 _held[key] -= 1
         return
     running = agent.start_module(conn, hv, "lock", f"hold {shlex.quote(d)} --what {shlex.quote(what(step))}"
-                                 + (" --wait" if wait else ""))
+                                 + (" --wait" if wait else ""), preflight.prelude(hv, step) if needs else "")
+    missing: list[str] = []
     try:
         while True:
             line = running.readline(timeout=None if wait else 60)
             if line is None:
                 status = running.close(5)
-                why = (running.stderr().strip().splitlines() or ["no output"])[-1]
+                err = running.stderr()
+                why = (err.strip().splitlines() or ["no output"])[-1]
+                if status == preflight.NEEDS_EXIT and missing:
+                    preflight.judge(hv, step, missing)
+                failed_setup = agent.env_setup_failure(hv, err)
+                if failed_setup:
+                    raise RemoteError(failed_setup)
                 if status == 2:    # the holder could not create or open the file: deploy_dir is not writable
                     raise RemoteError(f"{hv.name}: {why}: deploy_dir {d} must be a directory this user can "
                                       "write; fix its permissions, or set deploy_dir to one you own.")
                 raise RemoteError(f"{hv.name}: taking the lock {d}/run/fleet.lock failed (exit {status}): {why}")
+            if line.startswith(preflight.NEEDS):
+                missing.append(line[len(preflight.NEEDS):])
             if not line.startswith("FLEET_LOCK "):
                 continue
             msg = json.loads(line[len("FLEET_LOCK "):])

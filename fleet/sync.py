@@ -1,6 +1,7 @@
 """What goes into a host's deploy_dir, and putting it there: the rendered files plus the code the host
 runs (the proxy, the host agent, the sim engine when engine is sim); only files whose content or mode
-differs from the host's copy are put, and --diff shows how they differ."""
+differs from the host's copy are put (fleet.plan's file steps, from `changes`), and --diff shows how
+they differ."""
 from __future__ import annotations
 
 import difflib
@@ -12,7 +13,7 @@ from hostagent.facts import HostFacts
 from . import hostcode
 from .inventory import HostVars
 from .render import RenderedFile, render_host
-from .report import Emit, Report
+from .report import Report
 from .transport import Transport
 
 
@@ -43,29 +44,45 @@ def _sha(content: str) -> str:
     return hashlib.sha256(content.encode()).hexdigest()
 
 
-def put_files(conn: Transport, hv: HostVars, files: list[RenderedFile], facts: HostFacts, report: Report,
-              emit: Emit, check: bool = False, diff: bool = False) -> set[str]:
-    """Put each file whose content or mode differs from the host's copy (facts: the state probe's answer
-    for these files); with diff, show how. The paths put (or that would be, with check) come back."""
-    changed = set()
+def changes(files: list[RenderedFile], facts: HostFacts) -> list[tuple[RenderedFile, str | None]]:
+    """Each file with why it must be put (`new`, `content changed`, `mode 0600 -> 0644`), or None when the
+    host's copy is the same (facts: the state probe's answer for these files). No I/O."""
+    out = []
     modes = facts.file_modes or {}
     for f in files:
-        have = facts.files.get(f.path)
-        have_mode = modes.get(f.path)
+        have, have_mode = facts.files.get(f.path), modes.get(f.path)
         same_content = have == _sha(f.content)
         if same_content and have_mode in (None, f.mode):
+            out.append((f, None))
+        else:
+            out.append((f, "new" if have is None else "content changed" if not same_content
+                        else f"mode {have_mode:04o} -> {f.mode:04o}"))
+    return out
+
+
+def put(conn: Transport, hv: HostVars, f: RenderedFile) -> None:
+    """Put one file under deploy_dir, with its mode."""
+    conn.put(f"{hv.settings.deploy_dir}/{f.path}", f.content.encode(), f.mode)
+
+
+def diff(conn: Transport, hv: HostVars, f: RenderedFile, facts: HostFacts) -> list[str]:
+    """How the host's copy of f differs from the rendered one: a unified diff, git style for modes."""
+    have, have_mode = facts.files.get(f.path), (facts.file_modes or {}).get(f.path)
+    return _diff_lines(conn, hv, f, f"{hv.settings.deploy_dir}/{f.path}", have, have_mode,
+                       have == _sha(f.content))
+
+
+def put_files(conn: Transport, hv: HostVars, files: list[RenderedFile], facts: HostFacts, report: Report) -> set[str]:
+    """Put each file that differs from the host's copy (restart and the swaps; deploy puts its plan's); the
+    paths put come back."""
+    changed: set[str] = set()
+    for f, why in changes(files, facts):
+        if why is None:
             report.add(f"file {f.path}", "ok")
             continue
+        put(conn, hv, f)
         changed.add(f.path)
-        path = f"{hv.settings.deploy_dir}/{f.path}"
-        if diff:
-            for line in _diff_lines(conn, hv, f, path, have, have_mode, same_content):
-                emit(line)
-        if not check:
-            conn.put(path, f.content.encode(), f.mode)
-        why = ("new" if have is None else "content changed" if not same_content
-               else f"mode {have_mode:04o} -> {f.mode:04o}")
-        report.add(f"file {f.path}", "changed", ("would put" if check else "put") + f" ({why})")
+        report.add(f"file {f.path}", "changed", f"put ({why})")
     return changed
 
 

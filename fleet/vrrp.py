@@ -1,11 +1,11 @@
 """Entry hosts behind virtual addresses, seen from the control node (docs/entry-ha.md).
 
 keepalived runs on the entry host under its supervisor (hostagent/vrrp.py); deploy starts it through the
-host agent (`vrrp-start`, `--reload` when its config changed), stop takes it down first so the address
-moves to a peer before the front drains (`vrrp-stop`), status reads which addresses this entry holds (the
-state probe's `vrrp`), the doctor says whether keepalived can run here. A host where it cannot (no binary,
-no CAP_NET_ADMIN, no such interface) gets one sentence saying what is missing, and the rest of the deploy
-goes on: like nginx mode, it sits ready for when root arrives.
+host agent (`vrrp-start`, `--reload` when its config changed) as its plan says (fleet.plan.keepalived),
+stop takes it down first so the address moves to a peer before the front drains (`vrrp-stop`), status
+reads which addresses this entry holds (the state probe's `vrrp`), the doctor says whether keepalived can
+run here. A host where it cannot (no binary, no CAP_NET_ADMIN, no such interface) gets one sentence saying
+what is missing, and the rest of the deploy goes on: like nginx mode, it sits ready for when root arrives.
 """
 from __future__ import annotations
 
@@ -39,19 +39,16 @@ def spec(hv: HostVars) -> dict | None:
     return {"keepalived": v.keepalived, "interface": v.interface, "addresses": list(v.addresses)}
 
 
-def deploy(conn, hv: HostVars, changed_files: set[str], report: Report, emit: Emit, check: bool) -> None:
-    """Start keepalived's supervisor unless it runs; a running one re-reads a changed config."""
-    if not hv.vrrp_group:
+def apply(conn, hv: HostVars, step, report: Report, emit: Emit) -> None:
+    """deploy's keepalived step as planned (fleet.plan.keepalived): its supervisor started, or a running one
+    told to re-read its config; kept when it runs and nothing changed."""
+    if step.action == "keep":
+        report.add("keepalived", "ok", step.said)
         return
-    reload = any(f in changed_files for f in FILES)
     addresses = ", ".join(hv.settings.vrrp.addresses)
-    if check:
-        report.add("keepalived", "changed" if reload else "ok",
-                   f"would start keepalived for {addresses} unless it runs" + ("; would reload it" if reload else ""))
-        return
     try:
         with _group_lock(hv):
-            r = agent.host_command(conn, hv, "vrrp-start" + (" --reload" if reload else ""), emit)
+            r = agent.host_command(conn, hv, "vrrp-start" + (" --reload" if step.action == "reload" else ""), emit)
     except FleetError as e:
         report.add("keepalived", "failed", str(e).removeprefix(hv.name + ": "))
         return

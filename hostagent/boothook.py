@@ -293,6 +293,31 @@ def install(deploy_dir, deployment_id, kind="auto", watchdog=True):
             "missing": "" if cron_running() else found["missing"]}
 
 
+def as_wanted(deploy_dir, deployment_id, kind="auto", watchdog=True):
+    """Whether install(...) would change nothing: the deployment's hook is there as install puts it (the
+    unit's text, enabled and active; or the crontab's lines) and the other kind's is not. Reads only."""
+    try:
+        if kind == "auto":
+            kind = detect()["kind"]
+        if kind == "systemd":
+            try:
+                with open(unit_path(deployment_id)) as f:
+                    same = f.read() == unit_text(deploy_dir, deployment_id)
+            except OSError:
+                return False
+            systemctl = _which("systemctl") or "systemctl"
+            on = all(_run([systemctl, "--user", verb, unit_name(deployment_id)], timeout=30)[0] == 0
+                     for verb in ("is-enabled", "is-active"))
+            return same and on and not any(ours(line, deployment_id) for line in read_crontab().splitlines())
+        if kind != "cron" or not _which("crontab"):
+            return False
+        text = read_crontab()
+        lines = cron_lines(deploy_dir, deployment_id, watchdog)
+        return with_lines(text, lines, deployment_id) == text and not os.path.exists(unit_path(deployment_id))
+    except BootHookError:
+        return False
+
+
 def remove(deployment_id):
     """Remove every hook of the deployment; {"removed": [kinds]}."""
     removed = [k for k, gone in (("cron", _cron_remove(deployment_id)), ("systemd", _systemd_remove(deployment_id)))

@@ -124,6 +124,7 @@ class HostFacts:
     api_keys: Optional[Dict[str, Any]] = None   # the key file's digests (with proxy.api_keys_file)
     vrrp: Optional[Dict[str, Any]] = None       # behind virtual addresses: hostagent.vrrp.state
     boot: Optional[Dict[str, Any]] = None       # asked for: the installed boot hook
+    boot_as_wanted: Optional[bool] = None       # asked for by deploy: installing the hook would change nothing
     proxy_conf_head: str = ""                   # conf/proxy.yaml's first line: the inventory it was rendered from
     keepalived_recorded: bool = False           # run/keepalived.pid is not empty (an earlier deploy's keepalived)
     asked_boot: bool = False

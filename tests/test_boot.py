@@ -28,8 +28,8 @@ from conftest import require_tool, wait_until
 from fleet import boot as fleet_boot
 from fleet import remove as fleet_remove
 from fleet.render import environment, render_host
-from fleet_helpers import (deployment_id, inv, kill_tagged, session_members, status_json, tagged_pids,
-                           write_inventory)
+from fleet_helpers import (deployment_id, inv, kill_tagged, session_members, status_json, stop_by_own_scripts,
+                           tagged_pids, write_inventory)
 from hostagent import boothook, layout, processes
 from netns import namespace_pids, netns_fleet  # noqa: F401  (the fixture)
 
@@ -211,16 +211,22 @@ def test_install_picks_systemd_where_lingering_is_on_else_cron_and_remove_leaves
                                                                                         linger):
     """On stand-in tools (the real crontab and user manager untouched): 1. with lingering, install writes
     the user unit and enables it (`systemctl --user enable --now`); without, it adds the two crontab lines
-    after the user's own; 2. a second install changes nothing; 3. `show` names the kind and command;
+    after the user's own; 2. a second install changes nothing, and `as_wanted` (deploy's plan: keep it) says
+    so, where before the install and for another deploy_dir it does not; 3. `show` names the kind and command;
     4. remove leaves the user's crontab as it was and no unit."""
     tab = fake_tools(tmp_path / "bin", linger)
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     tab.write_text("MAILTO=me\n")
+    assert boothook.as_wanted("/srv/fleet", "h-1", "auto", watchdog=True) is False     # deploy would install it
     got = boothook.install("/srv/fleet", "h-1", "auto", watchdog=True)
     kind = "systemd" if linger else "cron"
     assert got["kind"] == kind and got["changed"], got
     assert boothook.install("/srv/fleet", "h-1", "auto", watchdog=True)["changed"] is False
+    # As installed: deploy's plan keeps it (no install); without the keeper's watchdog, cron's differs.
+    assert boothook.as_wanted("/srv/fleet", "h-1", "auto", watchdog=True) is True
+    assert boothook.as_wanted("/srv/fleet", "h-1", "auto", watchdog=False) is linger
+    assert boothook.as_wanted("/srv/other", "h-1", "auto", watchdog=True) is False
     assert boothook.show("h-1")["kind"] == kind
     if linger:
         assert "--user enable --now vllm-fleet-h-1.service" in (tmp_path / "bin" / "systemctl.log").read_text()
@@ -286,6 +292,32 @@ def test_a_crontab_lock_made_first_in_tmp_neither_blocks_an_install_nor_is_follo
 
 
 # --- the local host ---------------------------------------------------------------------------------
+
+@pytest.mark.cluster
+def test_a_second_deploy_with_its_hook_installed_as_wanted_spends_no_round_trip_on_it(tmp_path, monkeypatch):
+    """On stand-in tools (the real crontab untouched): 1. a deploy with boot_hook cron installs the hook;
+    2. a second deploy, nothing changed, plans the hook kept (the state probe found it as wanted) and spends
+    two round trips in all, the run lock and the first read, as tests/test_round_trips.py's SSH host does."""
+    from fleet import deploy as fleet_deploy
+    from fleet import inventory as inv_mod
+    from fleet import transport
+    tab = fake_tools(tmp_path / "bin", linger=False)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv(fleet_boot.ENV, "cron")
+    path = write_inventory(tmp_path, instances=1)
+    try:
+        first = inv("deploy", "--host", "t", inventory=path)
+        assert first.returncode == 0 and "@reboot" in tab.read_text(), first.stdout + first.stderr
+        hv = inv_mod.load(path).host_vars("t")
+        conn = transport.connect(hv)
+        report = fleet_deploy.deploy(conn, hv)
+        hook = next(s for s in report.steps if s.name == "boot hook")
+        assert (hook.status, hook.message.split(":")[0]) == ("ok", "cron"), hook
+        assert report.count("changed") == 0 and conn.round_trips == 2, (conn.round_trips, report.steps)
+    finally:
+        stop_by_own_scripts(path, ["t"])
+
 
 @GROUP
 @pytest.mark.cluster

@@ -129,16 +129,25 @@ def test_refused_in_one_sentence(tmp_path, edit, words):
 
 
 def test_a_deploy_of_both_entries_reloads_their_keepalived_one_at_a_time(tmp_path, monkeypatch):
-    """1. Both entries' keepalived.conf changed; their deploys run at once, in two threads. 2. Each one's
+    """1. Both entries' keepalived.conf changed (their plans reload keepalived); their deploys run at once, in
+    two threads. 2. Each one's
     `vrrp-start --reload` (the host agent returns once keepalived settled) runs holding the group's one
     lock, the same for both entries and another for another group: the reloads never overlap.
     3. Each recap line says reloaded."""
     import threading
 
-    from fleet import vrrp
+    from fleet import plan, vrrp
     from fleet.report import Report
+    from hostagent.facts import parse
     inv = load(tmp_path)
     e1, e2 = inv.host_vars("e1"), inv.host_vars("e2")
+    running = parse({"vrrp": {"pid": 5}})
+    steps = {hv.name: plan.keepalived(hv, running, {"conf/keepalived.conf"}) for hv in (e1, e2)}
+    assert steps["e1"].line() == "reload keepalived: its config changed"
+    # Running, its config the same: kept, no host agent command; not running: started.
+    assert plan.keepalived(e1, running, set()).action == "keep"
+    assert plan.keepalived(e1, parse({}), set()).line() == "start keepalived: not running"
+    assert plan.keepalived(inv.host_vars("m1"), running, {"conf/keepalived.conf"}) is None
     calls = []
 
     def host_command(conn, hv, command, emit):
@@ -146,8 +155,8 @@ def test_a_deploy_of_both_entries_reloads_their_keepalived_one_at_a_time(tmp_pat
         return {"action": "reloaded", "pid": 7, "settled": True}
     monkeypatch.setattr(vrrp.agent, "host_command", host_command)
     reports = {e: Report(e) for e in ("e1", "e2")}
-    threads = [threading.Thread(target=vrrp.deploy, args=(None, hv, {"conf/keepalived.conf"}, reports[hv.name],
-                                                          lambda line: None, False)) for hv in (e1, e2)]
+    threads = [threading.Thread(target=vrrp.apply, args=(None, hv, steps[hv.name], reports[hv.name],
+                                                          lambda line: None)) for hv in (e1, e2)]
     for t in threads:
         t.start()
     for t in threads:

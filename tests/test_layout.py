@@ -57,6 +57,10 @@ def test_each_probe_is_bundled_with_what_it_imports_in_dependency_order():
     assert hostcode.needs("vrrp") == ["layout", "logfiles", "files", "processes", "errors", "config", "parts"]
     assert hostcode.needs("probes.top") == ["exposition", "httpcall", "layout", "files", "processes", "instances",
                                             "proxyadmin", "observe"]
+    deploy = hostcode.needs("probes.deploy")         # another probe's modules, then that probe
+    assert deploy.index("probes.doctor") > deploy.index("processes") and deploy[-1] == "probes.state", deploy
+    assert set(deploy) == set(hostcode.needs("probes.doctor") + hostcode.needs("probes.state")
+                              + ["probes.doctor", "probes.state"]), deploy
     assert hostcode.needs("probes.holders") == ["files", "layout", "processes"]
     assert hostcode.needs("probes.cpu_mem") == ["layout", "files", "processes"]
     assert hostcode.needs("processes") == ["files", "layout"] and hostcode.needs("lock") == ["layout"]
@@ -83,3 +87,22 @@ def test_the_state_probe_runs_alone_on_standard_input(tmp_path, state_spec):
     out = json.loads(r.stdout)
     assert [(i["index"], i["state"], i["reason"]) for i in out["instances"]] == [(0, "stopped", None),
                                                                                (1, "stopped", None)]
+
+
+def test_the_deploy_probe_runs_alone_on_standard_input_with_the_probes_it_bundles(tmp_path):
+    """deploy's first read (fleet.survey) as the control node sends it: the deploy probe bundled with the
+    doctor and state probes it imports, run from another directory; it answers the preflight script's
+    lines, the doctor's facts and the state in one JSON object."""
+    d = str(tmp_path / "none")
+    state = {"deploy_dir": d, "ports": [1], "proxy_port": 3, "admin_port": 4, "deployment_id": "d"}
+    doctor = {"deploy_dir": d, "deployment_id": "d", "engine": {"kind": "sim", "cmd": [sys.executable, "-c", ""],
+                                                                "deep": False},
+              "model": "m", "check_model": False, "ports": [], "api_keys_file": None, "tenants": [], "smi_cmd": None}
+    spec = {"needs": "echo missing tool nothere-xyz", "doctor": doctor, "state": state}
+    r = subprocess.run([sys.executable, "-I", "-", json.dumps(spec)], input=hostcode.probe("deploy"),
+                       capture_output=True, text=True, cwd="/", timeout=60)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["needs"] == ["missing tool nothere-xyz"]
+    assert out["doctor"]["engine"]["exit"] == 0 and out["doctor"]["disk"]["dir"] == str(tmp_path)
+    assert [(i["index"], i["state"]) for i in out["state"]["instances"]] == [(0, "stopped")]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fleet import display, front, inventory, render
+from fleet import display, inventory, plan, render
 from fleet.errors import InventoryError
 
 from conftest import PYTHON, ROOT, free_ports, require_tool, wait_until
@@ -171,8 +171,8 @@ def test_two_fronted_hosts_disagreeing_on_a_model_are_refused(tmp_path):
 
 @pytest.mark.unit
 def test_nginx_refuses_a_host_that_routes_by_model():
-    assert front.nginx_refusal(example("k100-01")) is None
-    why = front.nginx_refusal(example())
+    assert plan.nginx_refusal(example("k100-01")) is None
+    why = plan.nginx_refusal(example())
     assert "nginx cannot be the front here: it does not read the request body" in why
     assert "MiniCPM-V-4_5, Qwen2.5-32B-Instruct" in why
 

@@ -198,22 +198,22 @@ def test_deploy_takes_a_key_file_only_when_the_front_runs_other_keys(tmp_path):
     """What deploy decides from the probe's facts, on either front: 1. no key file set: nothing to take;
     2. the file's digest differs from the running proxy's (or from nginx's map): take it; 3. the same:
     nothing; 4. a file that cannot be used: a failed `api keys` step in one sentence, nothing taken."""
-    from fleet import front
-    from fleet.report import Report
+    from fleet import plan
     path = write_inventory(tmp_path, instances=1)
     hv = inventory.load(path).host_vars("t")
     found = {"proxy": {"config": {"api_keys_digest": "aaaa"}}, "api_keys": {"digest": "bbbb", "error": None,
                                                                            "nginx_digest": "bbbb"}}
-    assert front._keys_to_take(hv, parse(found), Report("t"), "running") is None          # no api_keys_file
+    assert plan.keys_to_take(hv, parse(found), "running") == (None, None)          # no api_keys_file
     hv.settings.proxy.api_keys_file = "keys"
-    assert front._keys_to_take(hv, parse(found), Report("t"), "running") == "bbbb"
-    assert front._keys_to_take(hv, parse(found), Report("t"), "nginx_digest") is None
+    assert plan.keys_to_take(hv, parse(found), "running") == ("bbbb", None)
+    assert plan.keys_to_take(hv, parse(found), "nginx_digest") == (None, None)
     found["proxy"]["config"]["api_keys_digest"] = "bbbb"
-    assert front._keys_to_take(hv, parse(found), Report("t"), "running") is None
-    report = Report("t")
+    assert plan.keys_to_take(hv, parse(found), "running") == (None, None)
     found["api_keys"] = {"digest": None, "error": "api_keys_file keys holds no key; put one key per line, or "
                          "drop the setting.", "nginx_digest": "bbbb"}
-    assert front._keys_to_take(hv, parse(found), report, "nginx_digest") is None
-    assert [(s.name, s.status, s.message) for s in report.steps] == [
-        ("api keys", "failed", "api_keys_file keys holds no key; put one key per line, or drop the setting. "
-                               "The front keeps the keys it had.")]
+    assert plan.keys_to_take(hv, parse(found), "nginx_digest") == (None, found["api_keys"]["error"])
+    found["mode"] = "nginx"
+    steps = plan.front(hv, parse(found), set())
+    assert [(s.name, *s.checked()) for s in steps][0] == (
+        "api keys", "failed", "api_keys_file keys holds no key; put one key per line, or drop the setting. "
+                              "The front keeps the keys it had.")

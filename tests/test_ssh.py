@@ -170,6 +170,12 @@ def test_check_and_diff_change_nothing(sshd, tmp_path, cleanup):
     assert re.search(r"^c1 \| changed: instance 0: would restart \(max_num_seqs 4 -> 3\)", out, re.M), out
     # Only its config changed: the running proxy would re-read it (the host agent's reload-proxy), not restart.
     assert re.search(r"^c1 \| changed: proxy: would reload pid \d+", out, re.M), out
+    # The plan first, a line per change with its reason.
+    plan = [ln.removeprefix("c1 | plan: ") for ln in out.splitlines() if ln.startswith("c1 | plan: ")]
+    assert "put file bin/start_cluster.sh: content changed" in plan and "put file conf/proxy.yaml: content changed" \
+        in plan, plan
+    assert plan[-4:] == ["roll instance 0: max_num_seqs 4 -> 3", "start instance 1: stopped",
+                         "reload proxy: slots 4 -> 3", "restart keeper: its code or configuration changed"], plan
     assert "c1 | --- c1:bin/start_cluster.sh" in out and "c1 | +++ rendered:bin/start_cluster.sh" in out
     assert re.search(r'^c1 \| -MAX_SEQS="\$\{MAX_SEQS:-4\}"$', out, re.M), out
     assert re.search(r'^c1 \| \+MAX_SEQS="\$\{MAX_SEQS:-3\}"$', out, re.M), out

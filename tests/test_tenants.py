@@ -348,10 +348,10 @@ def test_a_reload_keeps_a_tenants_counts_and_drops_a_removed_one():
 def test_nginx_refuses_a_host_with_tenants_saying_what_to_keep():
     """nginx mode has no shared queue to share slots by tenant: swap-to-nginx (and a deploy in nginx mode)
     refuse a host with `proxy.tenants` in one sentence; without tenants nothing changes."""
-    from fleet import front
+    from fleet import plan
     from test_render import k100 as host_vars
-    assert front.nginx_refusal(host_vars([])) is None
-    why = front.nginx_refusal(host_vars(["proxy.tenants.app.weight=3", "proxy.tenants.batch.weight=1"]))
+    assert plan.nginx_refusal(host_vars([])) is None
+    why = plan.nginx_refusal(host_vars(["proxy.tenants.app.weight=3", "proxy.tenants.batch.weight=1"]))
     assert why == ("k100-01: nginx cannot be the front here: it cannot share the slots fairly among the tenants "
                    "app, batch nor keep their limits; keep the proxy as the front, or drop `proxy.tenants` to use "
                    "nginx.")

@@ -8,9 +8,9 @@ import shlex
 import pytest
 
 from conftest import PYTHON
-from fleet import inventory, preflight, render
+from fleet import inventory, preflight, render, survey
 from fleet.errors import InventoryError, RemoteError
-from fleet.transport import LocalTransport, Result
+from fleet.transport import LocalTransport
 from fleet_helpers import write_inventory
 from test_render import k100, rendered
 
@@ -65,44 +65,35 @@ def test_preflight_asks_for_the_sdk_only_when_the_proxy_exports():
     assert "opentelemetry.sdk opentelemetry.exporter.otlp.proto.http" in script
 
 
-class FakeHost:
-    """A transport whose host answers the check with the lines given."""
-
-    def __init__(self, stdout: str):
-        self.stdout = stdout
-
-    def run(self, command, **kw) -> Result:
-        return Result(0, self.stdout, "")
-
-
 @pytest.mark.unit
 def test_preflight_refuses_the_endpoint_without_the_sdk_in_one_sentence():
     hv = k100([f"proxy.otlp.endpoint={COLLECTOR}"])
     with pytest.raises(RemoteError) as e:
-        preflight.check(FakeHost("missing modules opentelemetry.sdk opentelemetry.exporter.otlp.proto.http\n"), hv)
+        preflight.judge(hv, "deploy", ["missing modules opentelemetry.sdk opentelemetry.exporter.otlp.proto.http"])
     message = str(e.value)
     assert message.count(".") >= 1 and "\n" not in message
     assert "pip install opentelemetry-sdk opentelemetry-exporter-otlp-proto-http" in message
     assert "proxy.otlp.endpoint" in message and "aiohttp" not in message
     with pytest.raises(RemoteError) as e:    # other modules missing too: each said, in the one sentence
-        preflight.check(FakeHost("missing modules aiohttp opentelemetry.sdk\n"), hv)
+        preflight.judge(hv, "deploy", ["missing modules aiohttp opentelemetry.sdk"])
     assert "the modules aiohttp in python3" in str(e.value) and "opentelemetry-sdk" in str(e.value)
 
 
 @pytest.mark.process
 def test_preflight_finds_the_sdk_missing_on_a_real_host(tmp_path):
-    """The check as deploy runs it, on this machine: a Python whose path shadows the `opentelemetry`
-    package with an empty one (as a Python without the SDK) is refused; the test venv's own passes."""
+    """The check as `deploy --check` runs it (its first read, fleet.survey: the deploy probe after env_setup), on this
+    machine: a Python whose path shadows the `opentelemetry` package with an empty one (as a Python without
+    the SDK) is refused; the test venv's own passes."""
     shadow = tmp_path / "shadow" / "opentelemetry"
     shadow.mkdir(parents=True)
     (shadow / "__init__.py").write_text("")
     path = write_inventory(tmp_path, instances=1)
     hv = inventory.load(path).host_vars("t", [f"python={PYTHON}", f"proxy.otlp.endpoint={COLLECTOR}"])
-    preflight.check(LocalTransport(), hv)       # this venv has the SDK (the test extra)
+    survey.read(LocalTransport(), hv, with_doctor=False, needs=True)       # this venv has the SDK (the test extra)
     hv = inventory.load(path).host_vars("t", [f"python={PYTHON}", f"proxy.otlp.endpoint={COLLECTOR}",
                                               f"env_setup=export PYTHONPATH={shadow.parent}"])
     with pytest.raises(RemoteError, match="lacks what deploy needs: the OpenTelemetry SDK in"):
-        preflight.check(LocalTransport(), hv)
+        survey.read(LocalTransport(), hv, with_doctor=False, needs=True)
 
 
 @pytest.mark.cluster

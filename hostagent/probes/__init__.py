@@ -7,5 +7,6 @@ names.
   the proxy, nginx, the keeper, file hashes; read by deploy, status, restart and the swaps.
 - `holders`: who holds the accelerators' device files, and the kill of the user's own holders.
 - `doctor`: what `inv doctor` checks (engine, model, ports, smi, tools, disk, memory).
+- `deploy`: deploy's first read in one run: the preflight's script, the doctor's and the state's answers.
 - `cpu_mem`: the memory of each `cpu` instance from /proc, printed as `rocm-smi --json` would.
 """

@@ -240,13 +240,13 @@ def cores():
         return os.cpu_count() or 0
 
 
-def main():
-    spec = json.loads(sys.argv[1])
+def read(spec):
+    """What the doctor judges, for the deployment spec names (a JSON-ready dict)."""
     engine = engine_facts(spec["engine"])
     model = model_facts(spec["model"]) if spec["check_model"] else {"exists": None, "bytes": 0, "files": 0}
     smi_code, smi_out = run(spec["smi_cmd"], 60, shell=True) if spec["smi_cmd"] else (None, "")
     where, free = disk(spec["deploy_dir"])
-    json.dump({
+    return {
         "engine": dict(engine, output=engine["output"][-300:]),
         "model": model,
         "api_keys": key_file_facts(spec),
@@ -261,7 +261,11 @@ def main():
         # an entry behind virtual addresses: keepalived's binary, capabilities and interface
         "vrrp": {"missing": vrrp.cannot_run(spec["vrrp"]), "binary": vrrp.binary(spec["vrrp"])}
         if spec.get("vrrp") else None,
-    }, sys.stdout)
+    }
+
+
+def main():
+    json.dump(read(json.loads(sys.argv[1])), sys.stdout)
 
 
 if __name__ == "__main__":

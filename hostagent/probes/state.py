@@ -34,8 +34,8 @@ def _first_line(path):
         return ""
 
 
-def main():
-    spec = json.loads(sys.argv[1])
+def read(spec):
+    """The state of the deployment spec names, as hostagent.facts' wire form (a JSON-ready dict)."""
     d = spec["deploy_dir"]
     with ThreadPoolExecutor(max_workers=16) as pool:
         dep = spec["deployment_id"]
@@ -75,7 +75,14 @@ def main():
         out.vrrp = vrrp.state({"deploy_dir": d, "deployment_id": spec["deployment_id"], "vrrp": spec["vrrp"]})
     if spec.get("boot"):          # inv status: the installed boot hook (reads the crontab)
         out.boot, out.asked_boot = boothook.show(dep), True
-    json.dump(facts.wire(out), sys.stdout)
+    wanted = spec.get("boot_wanted")
+    if wanted:                    # deploy: would installing the hook change anything
+        out.boot_as_wanted = boothook.as_wanted(d, dep, wanted["kind"], wanted["watchdog"])
+    return facts.wire(out)
+
+
+def main():
+    json.dump(read(json.loads(sys.argv[1])), sys.stdout)
 
 
 if __name__ == "__main__":
