@@ -86,11 +86,25 @@ class OneLineBadRequests(logging.Filter):
         return True
 
 
-def setup(config: LogConfig) -> None:
+class SharedLog(logging.handlers.WatchedFileHandler):
+    """The log of a process that writes it beside another one that rotates it (proxy.workers > 1): appended
+    to, opened again once the path names a new file."""
+
+    def __init__(self, config: LogConfig):
+        os.makedirs(os.path.dirname(os.path.abspath(config.path)), mode=DIR_MODE, exist_ok=True)
+        super().__init__(config.path, encoding="utf-8", errors="backslashreplace")
+
+    def _open(self):
+        return open_private(self.baseFilename, encoding=self.encoding, errors=self.errors)
+
+
+def setup(config: LogConfig, rotate: bool = True) -> None:
     """Log to config.path, rotated by size, when a path is given (the deployed proxy); else to standard
-    error (by hand, in tests). Either way a malformed request is one line."""
-    notes = tighten(config.path, config.backups) if config.path else []
-    handler: logging.Handler = RotatingLog(config) if config.path else logging.StreamHandler()
+    error (by hand, in tests). Either way a malformed request is one line. rotate False: another process
+    (worker 0 of several) rotates the file; this one only follows it."""
+    notes = tighten(config.path, config.backups) if config.path and rotate else []
+    handler: logging.Handler = ((RotatingLog if rotate else SharedLog)(config) if config.path
+                                else logging.StreamHandler())
     handler.setFormatter(logging.Formatter(FORMAT))
     root = logging.getLogger()
     root.handlers[:] = [handler]

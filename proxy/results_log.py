@@ -201,6 +201,11 @@ class ResultsLog:
     """
 
     BATCH = 4096     # lines per write at most
+    # With proxy.workers > 1 every worker appends to the same file (whole batches, O_APPEND: one write each):
+    # the size is the file's own, read per batch, and only worker 0 rotates; the others follow the new file
+    # by the stat they already make per batch (proxy/workers.py sets these once per process).
+    shared = False
+    rotates = True
     GATHER_S = 0.05  # how long the writer lets lines gather after the first one of a batch
 
     def __init__(self, config: ResultsLogConfig, on_dropped=None):
@@ -308,13 +313,15 @@ class ResultsLog:
 
     def _write(self, lines: list[str]) -> None:
         """Write lines, rotating first whenever the next line would take the file past max_bytes."""
-        limit = self.config.max_bytes
+        limit = self.config.max_bytes if self.rotates else float("inf")
         batch: list[str] = []
         batch_size = 0
         if self._file is None or self._moved():
             self._reopen()
             if self._file is None:
                 raise self._error or OSError("the file is not open")
+        if self.shared:
+            self._size = os.fstat(self._file.fileno()).st_size
         for line in lines:
             n = len(line.encode("utf-8", "backslashreplace"))
             if self._size + batch_size + n > limit and (self._size + batch_size) > 0:
