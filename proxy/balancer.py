@@ -3,6 +3,7 @@ it is unit-testable."""
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Collection, Iterable
 
@@ -37,7 +38,7 @@ class Backend:
     removed: bool = False   # gone from the config: its in-flight requests finish, new ones go elsewhere
     slots: int = 0          # requests it runs at once (max_num_seqs + headroom); 0: no limit, no queue
     kv_tokens: int | None = None   # its engine's KV cache in tokens (vllm:cache_config_info); 0: not published
-    share: int | None = None  # with proxy.workers > 1: this worker's part of its slots (proxy/workers.py); None: all
+    share: int | None = None  # proxy.workers > 1: this worker's part of its slots, < 0 when it owes; None: all
     served: list = field(default_factory=list)  # its /v1/models entries (read in the models form only)
     url: str = field(init=False)
 
@@ -83,6 +84,7 @@ class Waiter:
     overtaken: int = 0
     seq: int = 0        # its place in arrival order (the fair queue's tie-break)
     home: str | None = None   # the backend it waits for until its hold is up (Policy.hold); None: any
+    since: float = field(default_factory=time.monotonic)   # when it began waiting (workers compare theirs)
 
 
 class Balancer:
@@ -384,6 +386,17 @@ class Balancer:
         """Whether a new request must queue behind others: one waits that is not held for its home (held
         ones wait for one backend only; a new request may take another's free slot)."""
         return any(w.home is None and not w.future.done() for w in self._queue)
+
+    def waiting_since(self, most: int) -> list[float]:
+        """When the first `most` waiters in the fair order began waiting (proxy/workers.py: which worker's
+        waiter is oldest gets the next freed slot)."""
+        out = []
+        for w in self._queue:
+            if not w.future.done():
+                out.append(w.since)
+                if len(out) >= most:
+                    break
+        return out
 
     @property
     def queued(self) -> int:

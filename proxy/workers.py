@@ -26,8 +26,10 @@ and the keeper read what one process would have published.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -48,6 +50,7 @@ log = logging.getLogger("proxy")
 
 WANT_EVERY_S = 0.001   # a pool's WANT goes out at most this often (each waiter queued asks otherwise)
 WANT_FOR_S = 0.05      # a WANT not renewed in this long is forgotten (its worker's queue emptied)
+SINCE_SENT = 32        # a WANT tells when its pool's first this many waiters began waiting
 RENEW_S = 0.02         # while a pool has waiters, its WANT goes out again this often (its queue's length now)
 ASK_TIMEOUT_S = 5.0    # one worker's admin answer to worker 0's fan-out
 STATE_GAUGES = frozenset({"proxy_backend_healthy", "proxy_backend_drained", "proxy_backend_slots",
@@ -135,8 +138,8 @@ class Lending:
     """This worker's part of every backend's slots, and the messages that move idle slots between workers.
 
     net[backend]: slots received less slots given; a backend's part is split(slots, N)[me] + net (None:
-    a backend without a slot limit). A WANT from worker x is kept (x's queue's length, its pool's backends)
-    until it is met or WANT_FOR_S passes."""
+    a backend without a slot limit). A WANT from worker x is kept ([x's queue's length, its pool's backends,
+    when it came, when x's first waiters began waiting]) until it is met or WANT_FOR_S passes."""
 
     def __init__(self, run_dir: str, me: int, count: int):
         self.run_dir, self.me, self.count = run_dir, me, count
@@ -160,7 +163,9 @@ class Lending:
     def shares(self, pool) -> None:
         """Set each of pool's backends' part (its slots changed, or it is new)."""
         for b in pool.backends.values():
-            b.share = None if not b.slots else max(0, split(b.slots, [1] * self.count)[self.me] + self.net.get(b.name, 0))
+            # Below 0 when a reload lowered the slots under what this worker had lent: it owes, and takes
+            # no slot until the slots it lent come back (clamped at 0, the parts would add up to more).
+            b.share = None if not b.slots else split(b.slots, [1] * self.count)[self.me] + self.net.get(b.name, 0)
 
     def waiting(self, pool) -> None:
         """A request of pool must wait: ask the others for slots, at once or, within WANT_EVERY_S of the
@@ -182,7 +187,7 @@ class Lending:
             return
         self._asked[id(pool)] = time.monotonic()
         self._renew[id(pool)] = asyncio.get_running_loop().call_later(RENEW_S, self._ask, pool)
-        message = json.dumps({"t": "want", "from": self.me, "n": pool.queued,
+        message = json.dumps({"t": "want", "from": self.me, "n": pool.queued, "since": pool.waiting_since(SINCE_SENT),
                               "b": [b.name for b in pool.backends.values() if b.available and b.share is not None]})
         for w in range(self.count):
             if w != self.me:
@@ -190,16 +195,22 @@ class Lending:
         self.sent["want"] += 1
 
     def freed(self, pool, backend) -> bool:
-        """A slot of backend came free here: True when it went to a worker whose queue is longer."""
+        """A slot of backend came free here: True when it went to another worker, whose waiter has waited
+        longer than this worker's first (any of its waiters, when none waits here): one queue, oldest first,
+        as far as the workers know of each other."""
         if not self.wants or backend.share is None or not backend.available or backend.in_flight >= backend.share:
             return False
-        now, mine = time.monotonic(), pool.queued
+        now = time.monotonic()
+        mine = pool.waiting_since(1)
+        best, oldest = None, mine[0] if mine else math.inf
         for w, want in list(self.wants.items()):
             if now - want[2] > WANT_FOR_S or want[0] <= 0:
                 del self.wants[w]
-            elif want[0] > mine and backend.name in want[1]:
-                return self._give(w, backend, 1) == 1
-        return False
+            elif backend.name in want[1]:
+                theirs = want[3][0] if want[3] else (math.inf if mine else now)
+                if theirs < oldest:
+                    best, oldest = w, theirs
+        return best is not None and self._give(best, backend, 1) == 1
 
     # messages
 
@@ -218,7 +229,8 @@ class Lending:
             if m.get("t") == "give":
                 self._got(m["b"], int(m["k"]))
             elif m.get("t") == "want":
-                self.wants[int(m["from"])] = [int(m["n"]), set(m["b"]), time.monotonic()]
+                self.wants[int(m["from"])] = [int(m["n"]), set(m["b"]), time.monotonic(),
+                                              collections.deque(m.get("since", ()))]
                 self._lend_idle(int(m["from"]))
 
     def _got(self, name: str, k: int) -> None:
@@ -230,8 +242,8 @@ class Lending:
             self.router.pool(b).dispatch()
 
     def _lend_idle(self, w: int) -> None:
-        """Worker w waits: give it this worker's idle slots of its pool (those of a pool with waiters of
-        its own only when w's queue is longer), up to its queue's length."""
+        """Worker w waits: give it this worker's idle slots of its pool (none of a pool with waiters of its
+        own: those take its freed slots, oldest first), up to w's queue's length."""
         want = self.wants[w]
         for name in want[1]:
             if want[0] <= 0:
@@ -240,7 +252,7 @@ class Lending:
             if b is None or b.share is None or not b.available:
                 continue
             idle = b.share - b.in_flight
-            if idle <= 0 or self.router.pool(b).queued >= want[0]:
+            if idle <= 0 or self.router.pool(b).queued:
                 continue
             self._give(w, b, min(idle, want[0]))
 
@@ -258,6 +270,8 @@ class Lending:
         want = self.wants.get(w)
         if want is not None:
             want[0] -= k
+            for _ in range(min(k, len(want[3]))):
+                want[3].popleft()
         return k
 
     def _send(self, w: int, message: str) -> bool:
