@@ -12,7 +12,7 @@ to that sim's pace and the proxy looked closer to it than it is). Each front is 
 --connections on loopback with short chat completions, in interleaved rounds (direct, proxy, nginx, ...,
 the order turned each round) so a noisy machine hurts all alike; the median round of each is reported with
 the ratios. `direct` is wrk against the sims themselves, the connections split evenly over them (one wrk
-each; its p99 is the worst of theirs). Then SSE: 1,000-chunk streams, direct, the proxy and those of proxy-base,
+each; its p99 is the worst of theirs). Then SSE: 1,000-chunk streams, direct, the proxy and those of proxy-base, proxy-w2,
 nginx, vllm-router and smg started, interleaved, as ratios to the proxy. Then the
 latency the proxy adds at a fixed rate below capacity (open loop), which is what a client feels on a
 cluster that is not overloaded. Needs wrk (Debian package `wrk`); nginx is optional (`nginx` package).
@@ -79,7 +79,7 @@ function request()
 end
 """
 SSE = {"model": "m", "max_tokens": 1000, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
-SSE_FRONTS = ("proxy", "proxy-base", "nginx", "vllm-router", "smg")   # the streamed rounds' fronts, when started
+SSE_FRONTS = ("proxy", "proxy-base", "proxy-w2", "nginx", "vllm-router", "smg")   # the streamed rounds' fronts, when started
 DEFAULT_FRONTS = "direct,proxy,proxy-asyncio,nginx,vllm-router,smg"
 
 

@@ -498,7 +498,8 @@ class ProxySettings(Section):
         "workers accepting on the port, each owning a part of every engine's slots and lending idle ones to "
         "a worker whose requests wait (docs/proxy.md, \"Several workers\"): never more requests on an engine "
         "than its slots. `auto`: the host's cores less those its engines need (2 an instance; on a CPU host "
-        "`cpus_per_instance` each, all of them when it is 0), at least 1. Changed by a restart, not a reload.")
+        "`cpus_per_instance` each, all of them when it is 0), at least 1. Changed by a restart, not a reload. "
+        "Not yet with `proxy.tenants` (refused: the workers do not split a tenant's limits).")
     fix_numeric_user: Flag = doc(True,
         "Turn a numeric `user` into a string before vLLM sees it (vLLM answers 400 otherwise); "
         "recorded as a fixup in the results log.")

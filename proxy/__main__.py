@@ -91,7 +91,7 @@ def main(argv=None) -> int:
             listen = config.listen
             return workers.supervise(config, ["--config", args.config, "--admin-wait-s", str(args.admin_wait_s),
                                               "--loop", args.loop], count,
-                                     lambda: listen_socket(listen.host, listen.port, listen.reuse_port))
+                                     lambda: listen_socket(listen.host, listen.port, listen.reuse_port, listening=False))
         collect_less()
         run(Server(config, args.config, args.admin_wait_s, worker).serve(), args.loop)
     except OSError as e:

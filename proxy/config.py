@@ -326,18 +326,20 @@ def parse_config(data: Any, source: str = "config") -> ProxyConfig:
         limits=_limits(top.get("limits", {})),
         client=_client(top.get("client", {})),
         resume=_resume(top.get("resume", {})),
-        workers=_workers(top.get("workers", 1)),
+        workers=_workers(top.get("workers", 1), top.get("tenants")),
     )
 
 
-def _workers(value: Any) -> Workers:
+def _workers(value: Any, tenants: Any) -> Workers:
     """workers: a number of processes, or {count: N or auto, engine_cores: C} (auto: the host's cores less
-    C, at least 1)."""
+    C, at least 1). Not beside tenants: each worker would admit a tenant's limits in full."""
     m = value if isinstance(value, dict) else {"count": value}
     m = _mapping(m, "workers", ("count", "engine_cores"))
     count = m.get("count", 1)
     if count != "auto" and (isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_WORKERS):
         raise ConfigError(f"workers must be a whole number from 1 to {MAX_WORKERS}, or auto; not {count!r}.")
+    if count != 1 and tenants:
+        raise ConfigError("workers above 1 do not split the tenants' limits yet: keep workers 1 with tenants.")
     return Workers(count, _count(m, "engine_cores", 0, minimum=0, prefix="workers."))
 
 

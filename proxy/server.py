@@ -145,6 +145,7 @@ class Server:
         await self.public.start()
         self.clients.start()
         if worker is not None:
+            stop_steering(self.sock)   # the socket joined the port's group only now, as it listened
             await web.UnixSite(self.admin_runner, admin_path(worker.run_dir, worker.me)).start()
             if worker.me != 0:
                 return     # worker 0 holds the admin port

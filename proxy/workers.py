@@ -1,10 +1,10 @@
 """Several worker processes on the entry port (proxy.workers > 1): the supervisor that starts them, the
 lending of idle slots between them, and the one admin port and /metrics they answer as.
 
-The supervisor (`python -m proxy` itself) binds the entry port's listening socket once and starts N workers
-that inherit it: each accepts from the same queue, whoever is free first, and the port's reuseport group
-holds one socket per proxy, as with one process, so a zero-gap restart steers connections exactly as it
-does for one (proxy/listener.py). It passes SIGHUP, SIGTERM and SIGINT to every worker, and when one exits
+The supervisor (`python -m proxy` itself) binds the entry port's socket once and starts N workers that
+inherit it; the first worker ready (its first round of health checks done) listens on it, and each accepts
+from the same queue, whoever is free first. The port's reuseport group holds one socket per proxy, as with
+one process, so a zero-gap restart steers connections exactly as it does for one (proxy/listener.py). It passes SIGHUP, SIGTERM and SIGINT to every worker, and when one exits
 on its own it stops the others and exits with its status (the host agent restarts the proxy).
 
 Slots are owned, never shared. Worker w owns a part of every backend's slots (proxy/share.py's split,

@@ -15,6 +15,8 @@ import pytest
 import yaml
 
 from conftest import wait_until
+from fleet import inventory, render
+from proxy.config import ConfigError, Workers, parse_config
 from proxy.workers import merged_metrics
 from proxy_helpers import start_proxy, start_sims
 
@@ -79,6 +81,45 @@ async def _load(port, requests, connections):
                 await r.read()
                 return r.status
         return await asyncio.gather(*(one(i) for i in range(requests)))
+
+
+def _host(tmp_path, proxy: str):
+    path = tmp_path / "hosts.yml"
+    path.write_text(f"""hosts:
+  h:
+    connection: local
+    engine: sim
+    accelerator: sim
+    accelerators: 3
+    instances: 3
+    deploy_dir: {tmp_path}/deploy
+    proxy: {proxy}
+""")
+    hv = inventory.load(path).host_vars("h")
+    hv.settings.python = "python3"
+    return yaml.safe_load({f.path: f.content for f in render.render_host(hv)}["conf/proxy.yaml"])
+
+
+@pytest.mark.unit
+def test_workers_render_from_the_inventory_and_auto_leaves_the_engines_their_cores(tmp_path):
+    """1. The default (1) renders no `workers` key at all. 2. `auto` renders the engines' cores (2 an
+    instance): on 16 cores, 10 workers; on 4, 1 (at least one). 3. A number renders as it is."""
+    assert "workers" not in _host(tmp_path, "{port: 8000}")
+    auto = parse_config(_host(tmp_path, "{workers: auto}")).workers
+    assert auto == Workers("auto", 6) and auto.resolve(16) == 10 and auto.resolve(4) == 1
+    assert parse_config(_host(tmp_path, "{workers: 3}")).workers.resolve(16) == 3
+
+
+@pytest.mark.unit
+def test_workers_beside_tenants_or_out_of_bounds_are_refused_in_one_sentence(tmp_path):
+    """Several workers do not split a tenant's limits yet: the inventory and the proxy's config refuse
+    the pair, naming the key; 0 workers is no number of processes."""
+    with pytest.raises(inventory.InventoryError, match=r"hosts\.h\.proxy\.workers: several workers do not split"):
+        _host(tmp_path, "{workers: 2, tenants: {app: {}}}")
+    with pytest.raises(inventory.InventoryError, match=r"proxy\.workers: expected auto or a number"):
+        _host(tmp_path, "{workers: 0}")
+    with pytest.raises(ConfigError, match="workers above 1 do not split the tenants"):
+        parse_config({"backends": ["a:1"], "workers": "auto", "tenants": {"app": {}}})
 
 
 @pytest.mark.unit
@@ -204,3 +245,52 @@ def _zombie(pid):
             return f.read().split(") ", 1)[1].startswith("Z")
     except OSError:
         return True
+
+
+@pytest.mark.process
+def test_a_zero_gap_restart_of_two_workers_refuses_no_connection(procs, tmp_path):
+    """1. A 2-worker proxy serves a load of 8 clients, a new connection for every request. 2. A second
+    2-worker proxy of the same config starts beside it (SO_REUSEPORT, --admin-wait-s) and answers /health.
+    3. SIGTERM to the first supervisor: its workers steer new connections to the second, drain, and it
+    exits 0. 4. Not one request of the load failed, and the second proxy serves on, the admin port too."""
+    from conftest import PYTHON, ROOT
+    sims = start_sims(procs, tmp_path, 1, seqs=4, token_ms=5)
+    port, admin = _start(procs, tmp_path, sims)
+    old = _get(f"http://127.0.0.1:{port}/health")["pid"]
+    errors: list = []
+    answered = [0]
+
+    async def run():
+        stop = asyncio.Event()
+
+        async def client(session):
+            while not stop.is_set():
+                try:
+                    async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={
+                            "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}) as r:
+                        await r.read()
+                        answered[0] += 1
+                        if r.status != 200:
+                            errors.append(r.status)
+                except aiohttp.ClientError as e:
+                    errors.append(repr(e))
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+            load = asyncio.gather(*(client(session) for _ in range(8)))
+            with open(tmp_path / "proxy-new.log", "ab") as log:
+                new = procs.start([PYTHON, "-m", "proxy", "--config", str(tmp_path / "proxy.yaml"), "--admin-wait-s",
+                                   "20"], cwd=ROOT, stderr=log)
+            seen: set = set()
+            while new.pid not in seen:       # the kernel gives each new connection to one proxy or the other
+                seen.add((await asyncio.to_thread(_get, f"http://127.0.0.1:{port}/health"))["pid"])
+            before = answered[0]
+            os.kill(old, signal.SIGTERM)
+            await asyncio.to_thread(wait_until, lambda: _zombie(old), 60, 0.05, "the old supervisor exits")
+            while answered[0] < before + 50:  # the load goes on through the new proxy alone
+                await asyncio.sleep(0.05)
+            stop.set()
+            await load
+            return new
+    new = asyncio.run(run())
+    assert errors == [], errors[:5]
+    assert _get(f"http://127.0.0.1:{port}/health")["pid"] == new.pid
+    wait_until(lambda: _get(f"http://127.0.0.1:{admin}/admin/config")["pid"] == new.pid, what="the new proxy's admin")
