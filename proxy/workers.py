@@ -144,12 +144,11 @@ class Lending:
     def __init__(self, run_dir: str, me: int, count: int):
         self.run_dir, self.me, self.count = run_dir, me, count
         self.net: dict[str, int] = {}
-        self.wants: dict[int, list] = {}          # worker -> [queue length, backend names, when]
+        self.wants: dict[int, list] = {}          # worker -> [queue length, backend names, when, waiters' since]
         self._asked: dict[int, float] = {}        # id(pool) -> when its last WANT went out
         self._soon: dict[int, asyncio.TimerHandle] = {}   # id(pool) -> its next WANT, a new waiter's
         self._renew: dict[int, asyncio.TimerHandle] = {}  # id(pool) -> its WANT again, while it has waiters
         self.router = None                        # the worker's proxy.models.Router, once it is made
-        self.sent = {"want": 0, "give": 0, "taken_back": 0}
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.bind(lend_path(run_dir, me))
         self.sock.setblocking(False)
@@ -192,7 +191,6 @@ class Lending:
         for w in range(self.count):
             if w != self.me:
                 self._send(w, message)
-        self.sent["want"] += 1
 
     def freed(self, pool, backend) -> bool:
         """A slot of backend came free here: True when it went to another worker, whose waiter has waited
@@ -264,9 +262,7 @@ class Lending:
         if not self._send(w, json.dumps({"t": "give", "from": self.me, "b": b.name, "k": k})):
             b.share += k
             self.net[b.name] += k
-            self.sent["taken_back"] += 1
             return 0
-        self.sent["give"] += 1
         want = self.wants.get(w)
         if want is not None:
             want[0] -= k
@@ -380,7 +376,10 @@ def front_admin(peers: Peers, supervisor_pid: int) -> web.Application:
             return web.json_response([r for a in answers if a[0] == 200 for r in json.loads(a[1])])
         if request.method == "GET" and request.path == "/admin/config" and first[0] == 200:
             config = json.loads(first[1])
-            config["queued"] = sum(json.loads(a[1]).get("queued", 0) for a in answers if a[0] == 200)
+            every = [json.loads(a[1]) for a in answers if a[0] == 200]
+            config["queued"] = sum(c.get("queued", 0) for c in every)
+            for i, pool in enumerate(config.get("models") or ()):
+                pool["queued"] = sum(c["models"][i]["queued"] for c in every if len(c.get("models") or ()) > i)
             config["workers"] = peers.count
             return web.json_response(config)
         if request.method == "POST":    # reload, a backend's drain or enable, refresh-models: all of them must
