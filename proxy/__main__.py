@@ -79,7 +79,7 @@ def main(argv=None) -> int:
         workers.follow_supervisor(args.supervisor)
         app.PID = args.supervisor       # the proxy the operator sees: /health, /admin/config, drain-and-exit
         Balancer.lending = workers.Lending(args.run_dir, me, count)
-        ResultsLog.shared, ResultsLog.rotates = True, me == 0
+        ResultsLog.shared = True
         worker = Worker(me, count, args.run_dir, args.listen_fd, Balancer.lending, args.supervisor)
     try:
         logfile.setup(config.log, rotate=worker is None and count == 1 or worker is not None and worker.me == 0)

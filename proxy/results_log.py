@@ -1,6 +1,7 @@
 """The results log: one JSON line per chat/completions request, written off the event loop."""
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -201,11 +202,11 @@ class ResultsLog:
     """
 
     BATCH = 4096     # lines per write at most
-    # With proxy.workers > 1 every worker appends to the same file (whole batches, O_APPEND: one write each):
-    # the size is the file's own, read per batch, and only worker 0 rotates; the others follow the new file
-    # by the stat they already make per batch (proxy/workers.py sets these once per process).
+    # With proxy.workers > 1 every worker appends to the same file (whole batches, O_APPEND: one write each;
+    # proxy/workers.py sets this once per process): the size is the file's own, read per batch, and the
+    # worker that finds it full rotates it under a lock on its directory; one that finds, under the lock,
+    # that another has rotated it only opens the new file (the others follow by their per-batch stat).
     shared = False
-    rotates = True
     GATHER_S = 0.05  # how long the writer lets lines gather after the first one of a batch
 
     def __init__(self, config: ResultsLogConfig, on_dropped=None):
@@ -313,7 +314,7 @@ class ResultsLog:
 
     def _write(self, lines: list[str]) -> None:
         """Write lines, rotating first whenever the next line would take the file past max_bytes."""
-        limit = self.config.max_bytes if self.rotates else float("inf")
+        limit = self.config.max_bytes
         batch: list[str] = []
         batch_size = 0
         if self._file is None or self._moved():
@@ -339,7 +340,23 @@ class ResultsLog:
             self._file.flush()
 
     def _rotate(self) -> None:
-        """req_results.log -> .1 -> .2 ... up to backups; the oldest goes."""
+        """req_results.log -> .1 -> .2 ... up to backups; the oldest goes. Shared: under the directory's
+        lock, and only when no other worker has rotated it since this one opened it."""
+        if not self.shared:
+            return self._rotate_now()
+        lock = os.open(os.path.dirname(self.path), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if self._moved():
+                self._file.close()
+                self._file = None
+                self._open()
+            else:
+                self._rotate_now()
+        finally:
+            os.close(lock)      # and the lock with it
+
+    def _rotate_now(self) -> None:
         self._file.close()
         self._file = None
         try:

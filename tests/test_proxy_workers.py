@@ -21,10 +21,10 @@ from proxy.workers import merged_metrics
 from proxy_helpers import start_proxy, start_sims
 
 
-def _start(procs, tmp_path, sims):
-    """The proxy over sims with slots 4 and 2 workers, once its admin port (worker 0's) answers too: the
-    public port answers as soon as either worker listens."""
-    port, admin = start_proxy(procs, tmp_path, sims, slots=4, workers=2)
+def _start(procs, tmp_path, sims, **extra):
+    """The proxy over sims with slots 4 and 2 workers (extra: more config keys), once its admin port
+    (worker 0's) answers too: the public port answers as soon as either worker listens."""
+    port, admin = start_proxy(procs, tmp_path, sims, slots=4, workers=2, **extra)
 
     def admin_up():
         try:
@@ -164,6 +164,24 @@ def test_two_workers_never_put_more_on_an_engine_than_its_slots(procs, tmp_path)
     wait_until(lambda: len(log.read_text().splitlines()) >= 300, what="300 lines in the results log")
     lines = log.read_text().splitlines()
     assert len(lines) == 300 and all(json.loads(line)["status"] == 200 for line in lines)
+
+
+@pytest.mark.process
+def test_one_results_log_rotated_by_its_workers_loses_and_cuts_no_line(procs, tmp_path):
+    """1. 2 workers, the results log rotated at 20 KB with 20 backups. 2. 200 requests over 16 connections
+    (both workers write). 3. It rotated, and the files together hold exactly 200 whole JSON lines: 200
+    request ids, none twice (a worker that did not rotate followed the new file; none rotated twice)."""
+    sims = start_sims(procs, tmp_path, 1, seqs=4, token_ms=0)
+    port, _ = _start(procs, tmp_path, sims, results_log={"path": str(tmp_path / "req_results.log"), "max_mb": 0.02,
+                                                          "backups": 20})
+    assert asyncio.run(_load(port, 200, 16)) == [200] * 200
+
+    def lines():
+        return [line for p in tmp_path.glob("req_results.log*") for line in p.read_text().splitlines()]
+    wait_until(lambda: len(lines()) >= 200, what="200 lines in the results logs")
+    assert (tmp_path / "req_results.log.1").exists()
+    ids = [json.loads(line)["request_id"] for line in lines()]
+    assert len(ids) == 200 and len(set(ids)) == 200
 
 
 @pytest.mark.process
