@@ -205,7 +205,7 @@ def main(argv=None) -> int:
                     figures["runs"].setdefault(name, []).append(run)
                     cpu = f"  cpu {run['cpu_us_per_request']:.0f} us/req" if "cpu_us_per_request" in run else ""
                     if run.get("child_cpu_us_per_request"):
-                        cpu += f" (+ {run['child_cpu_us_per_request']:.0f} in its exporter child)"
+                        cpu += f" (+ {run['child_cpu_us_per_request']:.0f} in its children: span exporter, workers)"
                     print(f"  round {r + 1} {name:<14} {run['rps']:>8.0f} r/s  p50 {run['p50_ms']:.1f} ms  "
                           f"p99 {run['p99_ms']:.1f} ms  errors {run['non_2xx'] + run['socket_errors']}{cpu}", flush=True)
             if not args.chat_only:
