@@ -12,7 +12,7 @@ to that sim's pace and the proxy looked closer to it than it is). Each front is 
 --connections on loopback with short chat completions, in interleaved rounds (direct, proxy, nginx, ...,
 the order turned each round) so a noisy machine hurts all alike; the median round of each is reported with
 the ratios. `direct` is wrk against the sims themselves, the connections split evenly over them (one wrk
-each; its p99 is the worst of theirs). Then SSE: 1,000-chunk streams, direct, the proxy and those of proxy-base,
+each; its p99 is the worst of theirs). Then SSE: 1,000-chunk streams, direct, the proxy and those of proxy-base, proxy-w2,
 nginx, vllm-router and smg started, interleaved, as ratios to the proxy. Then the
 latency the proxy adds at a fixed rate below capacity (open loop), which is what a client feels on a
 cluster that is not overloaded. Needs wrk (Debian package `wrk`); nginx is optional (`nginx` package).
@@ -79,7 +79,7 @@ function request()
 end
 """
 SSE = {"model": "m", "max_tokens": 1000, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
-SSE_FRONTS = ("proxy", "proxy-base", "nginx", "vllm-router", "smg")   # the streamed rounds' fronts, when started
+SSE_FRONTS = ("proxy", "proxy-base", "proxy-w2", "nginx", "vllm-router", "smg")   # the streamed rounds' fronts, when started
 DEFAULT_FRONTS = "direct,proxy,proxy-asyncio,nginx,vllm-router,smg"
 
 
@@ -205,7 +205,7 @@ def main(argv=None) -> int:
                     figures["runs"].setdefault(name, []).append(run)
                     cpu = f"  cpu {run['cpu_us_per_request']:.0f} us/req" if "cpu_us_per_request" in run else ""
                     if run.get("child_cpu_us_per_request"):
-                        cpu += f" (+ {run['child_cpu_us_per_request']:.0f} in its exporter child)"
+                        cpu += f" (+ {run['child_cpu_us_per_request']:.0f} in its children: span exporter, workers)"
                     print(f"  round {r + 1} {name:<14} {run['rps']:>8.0f} r/s  p50 {run['p50_ms']:.1f} ms  "
                           f"p99 {run['p99_ms']:.1f} ms  errors {run['non_2xx'] + run['socket_errors']}{cpu}", flush=True)
             if not args.chat_only:

@@ -566,6 +566,10 @@ class HostVars:
             v.instances = 0                    # an entry host that fronts others only runs the proxy
         elif v.instances < 1 and v.models is None:
             raise InventoryError(f"{where}.instances: expected at least 1 instance, got {v.instances}.")
+        if v.proxy.workers != 1 and v.proxy.tenants:
+            raise InventoryError(f"{where}.proxy.workers: several workers do not split the tenants' limits yet "
+                                 "(each would admit all of them; docs/proxy.md, \"Several workers\"): keep "
+                                 "proxy.workers 1 on a host with proxy.tenants.")
         if v.cpu_kvcache_gib != int(v.cpu_kvcache_gib):
             raise InventoryError(f"{where}.cpu_kvcache_gib: expected a whole number of GiB above 0 (vLLM reads "
                                  f"VLLM_CPU_KVCACHE_SPACE as an integer), got {v.cpu_kvcache_gib}.")

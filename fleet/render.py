@@ -425,6 +425,7 @@ def context(hv: HostVars) -> dict:
         "backend_health_timeout_s": BACKEND_HEALTH_TIMEOUT_S,
         "nginx_connections": nginx_connections(v.proxy.client),
         "proxy_slots": hv.proxy_slots,
+        "proxy_engine_cores": engine_cores(hv),
         "scrape_targets": scrape_targets(hv),
         "smi_candidates": accelerators.kind(v.accelerator).smi_candidates,
         # Each instance's launch and its digest: start_cluster.sh records them (fleet.launch).
@@ -460,6 +461,18 @@ def needs_home(hv: HostVars) -> bool:
     paths = [hv.settings.model, *(g.model for g in hv.groups), *(p for g in hv.groups for p in g.lora_modules.values())]
     return not hv.settings.deploy_dir.startswith("/") or any(p == "~" or p.startswith("~/")
                                                              for p in (hv.settings.deploy_dir, *paths))
+
+
+ENGINE_CORES = 2        # what one engine instance's processes keep busy (its API server, its EngineCore)
+ALL_CORES = 4096        # a CPU host whose engines split every core (cpus_per_instance 0): none left
+
+
+def engine_cores(hv: HostVars) -> int:
+    """The cores this host's engines need, which proxy.workers `auto` leaves them."""
+    v = hv.settings
+    if v.accelerator == "cpu":
+        return v.cpus_per_instance * v.instances if v.cpus_per_instance else ALL_CORES
+    return ENGINE_CORES * v.instances
 
 
 def proxy_config(hv: HostVars, slots: dict[str, int] | None = None,

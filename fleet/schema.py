@@ -462,6 +462,10 @@ class ResumeSettings(Section):
         "prefill of another request, seconds on a CPU engine); below `timeout_s`.")
 
 
+ProxyWorkers = Annotated[Literal["auto"] | Annotated[int, Field(ge=1, le=1024)],
+                        Field(description="auto or a number of processes from 1 to 1024")]
+
+
 class ProxySettings(Section):
     port: Port = doc(8000,
         "The entry port (nginx mode listens on it too).")
@@ -489,6 +493,13 @@ class ProxySettings(Section):
     shutdown_timeout_s: _seconds() = doc(30.0,
         "How long requests in flight may finish on SIGTERM, and for the old proxy at a zero-gap "
         "restart.")
+    workers: ProxyWorkers = doc(1,
+        "Processes serving the entry port (proxy mode). Above 1, the proxy is a supervisor and that many "
+        "workers accepting on the port, each owning a part of every engine's slots and lending idle ones to "
+        "a worker whose requests wait (docs/proxy.md, \"Several workers\"): never more requests on an engine "
+        "than its slots. `auto`: the host's cores less those its engines need (2 an instance; on a CPU host "
+        "`cpus_per_instance` each, all of them when it is 0), at least 1. Changed by a restart, not a reload. "
+        "Not yet with `proxy.tenants` (refused: the workers do not split a tenant's limits).")
     fix_numeric_user: Flag = doc(True,
         "Turn a numeric `user` into a string before vLLM sees it (vLLM answers 400 otherwise); "
         "recorded as a fixup in the results log.")

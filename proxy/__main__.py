@@ -7,8 +7,11 @@ import gc
 import logging
 import sys
 
-from . import logfile, otlp
-from .server import Server
+from . import app, logfile, otlp, workers
+from .balancer import Balancer
+from .listener import listen_socket
+from .results_log import ResultsLog
+from .server import Server, Worker
 from .state import tenant_names
 from .config import ConfigError, load_api_keys, load_config
 
@@ -54,6 +57,11 @@ def main(argv=None) -> int:
                         help="a zero-gap restart: the admin port is taken once the proxy replaced leaves it")
     parser.add_argument("--loop", choices=("auto", "asyncio"), default="auto",
                         help="auto: uvloop when installed (the default); asyncio: the standard loop")
+    # A worker of several (proxy.workers > 1): started by the supervisor, which `python -m proxy` then is.
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--run-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--supervisor", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=logfile.FORMAT)
     try:
@@ -64,14 +72,28 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"proxy: {e}", file=sys.stderr)
         return 2
+    count = config.workers.resolve(workers.cores())
+    worker = None
+    if args.worker is not None:
+        me, count = workers.parse_worker(args.worker)
+        workers.follow_supervisor(args.supervisor)
+        app.PID = args.supervisor       # the proxy the operator sees: /health, /admin/config, drain-and-exit
+        Balancer.lending = workers.Lending(args.run_dir, me, count)
+        ResultsLog.shared = True
+        worker = Worker(me, count, args.run_dir, args.listen_fd, Balancer.lending, args.supervisor)
     try:
-        logfile.setup(config.log)
+        logfile.setup(config.log, rotate=worker is None and count == 1 or worker is not None and worker.me == 0)
     except OSError as e:
         print(f"proxy: cannot write its log {config.log.path} ({e.strerror or e}).", file=sys.stderr)
         return 2
-    collect_less()
     try:
-        run(Server(config, args.config, args.admin_wait_s).serve(), args.loop)
+        if worker is None and count > 1:
+            listen = config.listen
+            return workers.supervise(config, ["--config", args.config, "--admin-wait-s", str(args.admin_wait_s),
+                                              "--loop", args.loop], count,
+                                     lambda: listen_socket(listen.host, listen.port, listen.reuse_port, listening=False))
+        collect_less()
+        run(Server(config, args.config, args.admin_wait_s, worker).serve(), args.loop)
     except OSError as e:
         print(f"proxy: cannot listen ({e.strerror or e}); is the port taken?", file=sys.stderr)
         return 1

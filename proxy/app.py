@@ -45,7 +45,8 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = generate_latest(request.app[PROXY].metrics.registry)
+    proxy = request.app[PROXY]
+    body = generate_latest(proxy.metrics.registry) if proxy.gather_metrics is None else await proxy.gather_metrics()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

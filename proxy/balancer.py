@@ -3,6 +3,7 @@ it is unit-testable."""
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Collection, Iterable
 
@@ -37,6 +38,7 @@ class Backend:
     removed: bool = False   # gone from the config: its in-flight requests finish, new ones go elsewhere
     slots: int = 0          # requests it runs at once (max_num_seqs + headroom); 0: no limit, no queue
     kv_tokens: int | None = None   # its engine's KV cache in tokens (vllm:cache_config_info); 0: not published
+    share: int | None = None  # proxy.workers > 1: this worker's part of its slots, < 0 when it owes; None: all
     served: list = field(default_factory=list)  # its /v1/models entries (read in the models form only)
     url: str = field(init=False)
 
@@ -51,7 +53,8 @@ class Backend:
     @property
     def free(self) -> bool:
         """Whether it takes a new request now: available with a slot free."""
-        return self.available and (not self.slots or self.in_flight < self.slots)
+        return (self.available and (not self.slots or self.in_flight < self.slots)
+                and (self.share is None or self.in_flight < self.share))
 
     @property
     def state(self) -> str:
@@ -81,6 +84,7 @@ class Waiter:
     overtaken: int = 0
     seq: int = 0        # its place in arrival order (the fair queue's tie-break)
     home: str | None = None   # the backend it waits for until its hold is up (Policy.hold); None: any
+    since: float = field(default_factory=time.monotonic)   # when it began waiting (workers compare theirs)
 
 
 class Balancer:
@@ -91,7 +95,12 @@ class Balancer:
     slot to a waiter other than the fair order's first.
 
     slots: a backend's slots (0: no limit). queue_max: how many may wait (0: none, refuse at once).
+    lending: with proxy.workers > 1, the worker's proxy.workers.Lending (set once per process): told of
+    every pool's backends, of a request that must wait, and of every slot freed, so that workers lend
+    each other their idle slots.
     """
+
+    lending = None
 
     def __init__(self, names: Iterable[str], slots: int = 0, queue_max: int = 0,
                  routing: RoutingConfig | None = None):
@@ -179,6 +188,8 @@ class Balancer:
         self._order = list(self.backends.values())
         self._at = {b.name: at for at, b in enumerate(self._order)}
         self._cursor = 0
+        if self.lending is not None:
+            self.lending.shares(self)
         self.dispatch()
         return added, removed
 
@@ -264,6 +275,8 @@ class Balancer:
         loop = asyncio.get_running_loop()
         waiter = Waiter(loop.create_future(), route, tenant, tokens)
         self._queue.append(waiter)
+        if self.lending is not None:
+            self.lending.waiting(self)
         self._after_ramp()       # kept back by the reserve's ramp: a dispatch when it lets one more in
         timer = loop.call_later(timeout_s, self._expire, waiter)
         unhold = None
@@ -374,6 +387,17 @@ class Balancer:
         ones wait for one backend only; a new request may take another's free slot)."""
         return any(w.home is None and not w.future.done() for w in self._queue)
 
+    def waiting_since(self, most: int) -> list[float]:
+        """When the first `most` waiters in the fair order began waiting (proxy/workers.py: which worker's
+        waiter is oldest gets the next freed slot)."""
+        out = []
+        for w in self._queue:
+            if not w.future.done():
+                out.append(w.since)
+                if len(out) >= most:
+                    break
+        return out
+
     @property
     def queued(self) -> int:
         """How many requests wait for a slot."""
@@ -396,6 +420,8 @@ class Balancer:
         if tenant is not None:
             self._queue.finished(tenant)
         self.policy.ended(backend)
+        if self.lending is not None and self.lending.freed(self, backend):
+            return           # the slot went to another worker that waits for one
         if self._queue:
             self.dispatch()
 

@@ -133,6 +133,24 @@ class ModelPool:
         return (self.name, *self.aliases, *self.adapters)
 
 
+MAX_WORKERS = 1024
+
+
+@dataclass(frozen=True)
+class Workers:
+    """How many processes serve the entry port (proxy/workers.py): count, or "auto": the host's cores less
+    engine_cores (what its engines' processes need), at least 1."""
+
+    count: int | str = 1
+    engine_cores: int = 0
+
+    def resolve(self, cores: int | None) -> int:
+        """The number of workers on a host of `cores` cores."""
+        if self.count != "auto":
+            return int(self.count)
+        return max(1, min(MAX_WORKERS, (cores or 1) - self.engine_cores))
+
+
 @dataclass(frozen=True)
 class ProxyConfig:
     """Everything the proxy needs to run."""
@@ -167,6 +185,7 @@ class ProxyConfig:
         return compiled(self.open_routes)
     client: ClientConfig = ClientConfig()  # the client sockets' deadlines and bound (proxy/clients.py)
     resume: ResumeConfig = ResumeConfig()  # a stream cut by its instance, finished on another (proxy/resume.py)
+    workers: Workers = Workers()  # processes on the entry port, sharing every backend's slots (proxy/workers.py)
 
     @property
     def max_body_bytes(self) -> int:
@@ -177,7 +196,7 @@ class ProxyConfig:
 TOP_KEYS = ("listen", "admin", "backends", "health", "timeout_s", "connect_timeout_s",
             "max_body_mb", "results_log", "log", "retries", "max_fails", "shutdown_timeout_s",
             "fix_numeric_user", "api_keys_file", "slots", "queue", "models", "routing", "otlp", "tenants",
-            "share", "open_routes", "limits", "client", "resume")
+            "share", "open_routes", "limits", "client", "resume", "workers")
 LIMIT_KEYS = tuple(f.name for f in fields(Limits))
 MAX_JSON_DEPTH = 512              # fleet/schema.py has the same
 CLIENT_KEYS = tuple(f.name for f in fields(ClientConfig))
@@ -307,7 +326,21 @@ def parse_config(data: Any, source: str = "config") -> ProxyConfig:
         limits=_limits(top.get("limits", {})),
         client=_client(top.get("client", {})),
         resume=_resume(top.get("resume", {})),
+        workers=_workers(top.get("workers", 1), top.get("tenants")),
     )
+
+
+def _workers(value: Any, tenants: Any) -> Workers:
+    """workers: a number of processes, or {count: N or auto, engine_cores: C} (auto: the host's cores less
+    C, at least 1). Not beside tenants: each worker would admit a tenant's limits in full."""
+    m = value if isinstance(value, dict) else {"count": value}
+    m = _mapping(m, "workers", ("count", "engine_cores"))
+    count = m.get("count", 1)
+    if count != "auto" and (isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_WORKERS):
+        raise ConfigError(f"workers must be a whole number from 1 to {MAX_WORKERS}, or auto; not {count!r}.")
+    if count != 1 and tenants:
+        raise ConfigError("workers above 1 do not split the tenants' limits yet: keep workers 1 with tenants.")
+    return Workers(count, _count(m, "engine_cores", 0, minimum=0, prefix="workers."))
 
 
 def _open_routes(value: Any) -> tuple[str, ...]:

@@ -36,8 +36,11 @@ BACKLOG = 4096
 ACCEPTS_PER_TURN = 64
 
 
-def listen_socket(host: str, port: int, reuse_port: bool, backlog: int = BACKLOG) -> socket.socket:
-    """A listening TCP socket on host:port (OSError when it cannot be bound)."""
+def listen_socket(host: str, port: int, reuse_port: bool, backlog: int = BACKLOG,
+                  listening: bool = True) -> socket.socket:
+    """A listening TCP socket on host:port (OSError when it cannot be bound). listening False: bound only
+    (several workers' supervisor): it joins the port's group, and gets connections, once a worker that is
+    ready to accept listens on it."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -45,7 +48,8 @@ def listen_socket(host: str, port: int, reuse_port: bool, backlog: int = BACKLOG
         if reuse_port:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host or "0.0.0.0", port))
-        sock.listen(backlog)
+        if listening:
+            sock.listen(backlog)
         sock.setblocking(False)
     except OSError:
         sock.close()

@@ -63,12 +63,16 @@ class RotatingLog(logging.handlers.RotatingFileHandler):
         self._take_std_streams()
 
     def _take_std_streams(self) -> None:
-        if self.stream is None:
-            return
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        for fd in (1, 2):
-            os.dup2(self.stream.fileno(), fd)
+        if self.stream is not None:
+            take_std_streams(self.stream)
+
+
+def take_std_streams(log) -> None:
+    """Point this process's standard output and error at the open log file."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    for fd in (1, 2):
+        os.dup2(log.fileno(), fd)
 
 
 class OneLineBadRequests(logging.Filter):
@@ -86,11 +90,27 @@ class OneLineBadRequests(logging.Filter):
         return True
 
 
-def setup(config: LogConfig) -> None:
+class SharedLog(logging.handlers.WatchedFileHandler):
+    """The log of a process that writes it beside another one that rotates it (proxy.workers > 1): appended
+    to, opened again once the path names a new file; standard output and error follow it too."""
+
+    def __init__(self, config: LogConfig):
+        os.makedirs(os.path.dirname(os.path.abspath(config.path)), mode=DIR_MODE, exist_ok=True)
+        super().__init__(config.path, encoding="utf-8", errors="backslashreplace")
+
+    def _open(self):
+        stream = open_private(self.baseFilename, encoding=self.encoding, errors=self.errors)
+        take_std_streams(stream)     # a crash's traceback follows the file as worker 0 rotates it
+        return stream
+
+
+def setup(config: LogConfig, rotate: bool = True) -> None:
     """Log to config.path, rotated by size, when a path is given (the deployed proxy); else to standard
-    error (by hand, in tests). Either way a malformed request is one line."""
-    notes = tighten(config.path, config.backups) if config.path else []
-    handler: logging.Handler = RotatingLog(config) if config.path else logging.StreamHandler()
+    error (by hand, in tests). Either way a malformed request is one line. rotate False: another process
+    (worker 0 of several) rotates the file; this one only follows it."""
+    notes = tighten(config.path, config.backups) if config.path and rotate else []
+    handler: logging.Handler = ((RotatingLog if rotate else SharedLog)(config) if config.path
+                                else logging.StreamHandler())
     handler.setFormatter(logging.Formatter(FORMAT))
     root = logging.getLogger()
     root.handlers[:] = [handler]

@@ -1,6 +1,7 @@
 """The results log: one JSON line per chat/completions request, written off the event loop."""
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -201,6 +202,11 @@ class ResultsLog:
     """
 
     BATCH = 4096     # lines per write at most
+    # With proxy.workers > 1 every worker appends to the same file (whole batches, O_APPEND: one write each;
+    # proxy/workers.py sets this once per process): the size is the file's own, read per batch, and the
+    # worker that finds it full rotates it under a lock on its directory; one that finds, under the lock,
+    # that another has rotated it only opens the new file (the others follow by their per-batch stat).
+    shared = False
     GATHER_S = 0.05  # how long the writer lets lines gather after the first one of a batch
 
     def __init__(self, config: ResultsLogConfig, on_dropped=None):
@@ -315,6 +321,8 @@ class ResultsLog:
             self._reopen()
             if self._file is None:
                 raise self._error or OSError("the file is not open")
+        if self.shared:
+            self._size = os.fstat(self._file.fileno()).st_size
         for line in lines:
             n = len(line.encode("utf-8", "backslashreplace"))
             if self._size + batch_size + n > limit and (self._size + batch_size) > 0:
@@ -332,7 +340,23 @@ class ResultsLog:
             self._file.flush()
 
     def _rotate(self) -> None:
-        """req_results.log -> .1 -> .2 ... up to backups; the oldest goes."""
+        """req_results.log -> .1 -> .2 ... up to backups; the oldest goes. Shared: under the directory's
+        lock, and only when no other worker has rotated it since this one opened it."""
+        if not self.shared:
+            return self._rotate_now()
+        lock = os.open(os.path.dirname(self.path), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if self._moved():
+                self._file.close()
+                self._file = None
+                self._open()
+            else:
+                self._rotate_now()
+        finally:
+            os.close(lock)      # and the lock with it
+
+    def _rotate_now(self) -> None:
         self._file.close()
         self._file = None
         try:

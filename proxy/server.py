@@ -6,14 +6,18 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import time
+from dataclasses import dataclass
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .app import make_admin_app, make_app
 from .clients import Clients, connection_bound, raise_nofile
 from .listener import ClientSite, listen_socket, queued, steer_away, stop_steering
 from .state import PROXY
+from .workers import Peers, admin_path, front_admin
 
 log = logging.getLogger("proxy")
 
@@ -24,6 +28,19 @@ CUT_GRACE_S = 0.5     # past the drain bound, how long the requests still in fli
 ADMIN_RETRY_S = 0.05  # how often a new proxy tries the admin port its predecessor still holds
 
 
+@dataclass
+class Worker:
+    """This process as worker `me` of `count` (proxy.workers > 1; proxy/workers.py): the run directory of
+    their sockets, the entry port's listening socket it inherited, its lending, the supervisor's pid."""
+
+    me: int
+    count: int
+    run_dir: str
+    listen_fd: int
+    lending: object
+    supervisor: int
+
+
 class Server:
     """One running proxy: its applications, listeners and client connections, and their lifecycle.
 
@@ -31,12 +48,21 @@ class Server:
     confirms this one on the public port first): bind it as soon as that one has gone, up to this long.
     """
 
-    def __init__(self, config, config_path: str, admin_wait_s: float = 0.0):
+    def __init__(self, config, config_path: str, admin_wait_s: float = 0.0, worker: Worker | None = None):
         self.config = config
         self.admin_wait_s = admin_wait_s
+        self.worker = worker
         self.app = make_app(config, config_path)
         self.proxy = self.app[PROXY]
         self.admin = make_admin_app(self.proxy)
+        self.peers: Peers | None = None
+        self.front_runner: web.AppRunner | None = None   # worker 0's admin port: every worker's admin as one
+        if worker is not None:
+            registry = self.proxy.metrics.registry
+            self.admin.router.add_get("/admin/worker-metrics", lambda request: web.Response(
+                body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST}))
+            self.peers = Peers(worker.run_dir, worker.count)
+            self.proxy.gather_metrics = self.peers.metrics
         self.clients: Clients | None = None
         self.runner: web.AppRunner | None = None
         self.admin_runner: web.AppRunner | None = None
@@ -85,6 +111,11 @@ class Server:
         self.admin_runner = web.AppRunner(self.admin, access_log=None)
         await self.runner.setup()
         await self.admin_runner.setup()
+        if self.worker is not None:
+            self.worker.lending.start(proxy.router)
+            if self.worker.me == 0:
+                self.front_runner = web.AppRunner(front_admin(self.peers, self.worker.supervisor), access_log=None)
+                await self.front_runner.setup()
         # One round of health checks before listening: a proxy joining a port another one serves (a restart,
         # a swap) takes its first connection knowing which backends are up, instead of answering 503.
         try:
@@ -96,24 +127,41 @@ class Server:
         except OSError:   # a port taken: close the client session and the health loop before saying so
             await self.runner.cleanup()
             await self.admin_runner.cleanup()
+            if self.front_runner is not None:
+                await self.front_runner.cleanup()
             raise
         log.info("listening on %s:%d, admin on %s:%d, backends %s", config.listen.host, config.listen.port,
                  config.admin.host, config.admin.port, ", ".join(config.backends))
 
     async def _listen(self) -> None:
-        config = self.config
-        self.sock = listen_socket(config.listen.host, config.listen.port, config.listen.reuse_port)
+        config, worker = self.config, self.worker
+        if worker is None:
+            self.sock = listen_socket(config.listen.host, config.listen.port, config.listen.reuse_port)
+        else:   # the supervisor's, shared by the workers (proxy/workers.py)
+            self.sock = socket.socket(fileno=worker.listen_fd)
+            self.sock.setblocking(False)
         stop_steering(self.sock)   # a program left by a proxy that handed the port over must not favour us
         self.public = ClientSite(self.runner, self.sock, self.clients)
         await self.public.start()
         self.clients.start()
+        if worker is not None:
+            stop_steering(self.sock)   # the socket joined the port's group only now, as it listened
+            await web.UnixSite(self.admin_runner, admin_path(worker.run_dir, worker.me)).start()
+            if worker.me != 0:
+                return     # worker 0 holds the admin port
         try:
-            await web.TCPSite(self.admin_runner, config.admin.host, config.admin.port).start()
+            await web.TCPSite(self._admin_port_runner, config.admin.host, config.admin.port).start()
         except OSError:
             if self.admin_wait_s <= 0:
                 raise
             log.info("admin port %d held by the proxy this one replaces; taken when it leaves", config.admin.port)
             self._admin_task = asyncio.create_task(self._take_admin())
+
+    @property
+    def _admin_port_runner(self) -> web.AppRunner:
+        """What answers the admin port: this proxy's admin application, or, on worker 0 of several, the
+        front of every worker's."""
+        return self.front_runner or self.admin_runner
 
     def reload(self) -> bool:
         """Re-read the config file and apply it (proxy.state.Proxy.reload); False: refused, the old one stays."""
@@ -161,7 +209,11 @@ class Server:
         """Close what is left: idle connections, then (after CUT_GRACE_S) what is still in flight, the
         admin port (after the answer to /admin/drain-and-exit went out), the client connections."""
         await self.runner.cleanup()
+        if self.front_runner is not None:     # its drain-and-exit answer waits for every worker's
+            await self.front_runner.cleanup()
         await self.admin_runner.cleanup()
+        if self.peers is not None:
+            await self.peers.close()
         await self.clients.stop()
         log.info("stopped")
 
@@ -171,7 +223,7 @@ class Server:
         deadline = time.monotonic() + self.admin_wait_s
         while True:
             try:
-                await web.TCPSite(self.admin_runner, config.admin.host, config.admin.port).start()
+                await web.TCPSite(self._admin_port_runner, config.admin.host, config.admin.port).start()
                 break
             except OSError:
                 if time.monotonic() > deadline:

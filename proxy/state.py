@@ -57,6 +57,8 @@ class Proxy:
         # Reloads applied and refused, and why the last one was refused: /admin/config reports them, so a
         # deploy that sent SIGHUP knows what came of it.
         self.reloads = {"applied": 0, "refused": 0, "last_error": None}
+        # With proxy.workers > 1: what answers the public /metrics, every worker's series as one (proxy/workers.py).
+        self.gather_metrics = None
 
     def reload(self) -> bool:
         """Re-read the config file and apply it; an invalid one is refused and the old one stays."""
@@ -147,7 +149,7 @@ def tenant_names(config: ProxyConfig) -> tuple[str, ...]:
 
 # The settings a reload cannot change: bound when the listeners and the application are built. The docs
 # list them by their inventory keys (tests/test_docs.py holds the lists to this one).
-RESTART_ONLY = ("listen", "admin", "shutdown_timeout_s", "max_body_mb", "log", "client")
+RESTART_ONLY = ("listen", "admin", "shutdown_timeout_s", "max_body_mb", "log", "client", "workers")
 
 
 PROXY = web.AppKey("proxy", Proxy)
