@@ -310,7 +310,9 @@ def lockstep(url: str, conversations: int, rounds: int, max_tokens: int) -> list
 
     def ask(messages: list[dict]) -> dict:
         body = json.dumps({"model": "m", "max_tokens": max_tokens, "messages": messages}).encode()
-        req = urllib.request.Request(url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        c, n = histories.index(messages), len(messages) // 2     # named in the results log: c<conversation>-r<round>
+        req = urllib.request.Request(url + "/v1/chat/completions", body, {
+            "Content-Type": "application/json", "X-Request-Id": f"c{c}-r{n}"})
         with urllib.request.urlopen(req, timeout=120) as r:
             answer = json.loads(r.read())
         messages += [{"role": "assistant", "content": answer["choices"][0]["message"]["content"]},
