@@ -532,8 +532,8 @@ class Prefix(Policy):
         list, a group's context): no conversation's home. A backend holding it takes the request while
         fewer than routing.spread_after prompts per SPREAD_TOKENS of the shared part (at least
         spread_after) branched off it there and it is not too loaded (the
-        balance rule against the least loaded); past that, the least loaded backend, holder or not, and
-        among equally loaded ones the one where the fewest branched off (round robin after that). New
+        balance rule against the least loaded); past that, any backend, holder or not; of either, the one
+        _quickest picks (then the one where the fewest branched off, then round robin). New
         conversations spread even one at a time, each backend pays the shared part a few times at most,
         and their own later rounds go home."""
         fan = self.index.fan(route.blocks[run - 1])
@@ -541,12 +541,23 @@ class Prefix(Policy):
         after = r.spread_after * max(1.0, run * BLOCK_TOKENS / SPREAD_TOKENS)
         least = min(candidates, key=lambda b: b.in_flight)
         roomy = [b for b in candidates if matched.get(b.name, 0) >= run and fan.get(b.name, 0) < after]
-        best = min(roomy, key=lambda b: (b.in_flight, fan.get(b.name, 0)), default=None)
+        best = self._quickest(route, roomy, least, fan) if roomy else None
         if best is None or self._too_loaded(best, least):
-            best = min(candidates, key=lambda b: (b.in_flight, fan.get(b.name, 0)))
+            best = self._quickest(route, candidates, least, fan)
         route.matched_tokens = matched.get(best.name, 0) * BLOCK_TOKENS
         route.decision = "shared"
         return best
+
+    def _quickest(self, route: PrefixRoute, pool: Sequence[Backend], least: Backend,
+                  fan: dict[str, int]) -> Backend:
+        """Of pool, the backends the balance rule leaves open (at most balance_abs requests more than
+        the least loaded; while one runs nothing, only those), the one predicted to start the whole
+        prompt soonest (ttft_s: the prefill queued there and what runs there, so a backend busy with a
+        long prefill is passed over for one only decoding), then the less loaded, then the one where
+        the fewest branched off the shared prefix (fan)."""
+        slack = self.config.balance_abs if least.in_flight else 0
+        near = [b for b in pool if b.in_flight <= least.in_flight + slack] or pool
+        return min(near, key=lambda b: (self.ttft_s(route, b, None), b.in_flight, fan.get(b.name, 0)))
 
     def sent(self, route: PrefixRoute | None, backend: Backend) -> None:
         """Remember the prompt's blocks on backend, within what its engine keeps (its KV cache's size in
@@ -635,9 +646,10 @@ class Prefix(Policy):
         """Wait for the home of a conversation whose blocks there the index forgot (_home_at): when home
         is full, at most home_wait_s and at most what going elsewhere costs: its prompt's prefill at the
         measured rate (ttft.py), twice over where every other backend's cache would overflow with it
-        (its history copied there evicts about as much of theirs, paid again at their next round); when
-        it queues anyway (no slot free anywhere), only there, and as long as a hold may last. Home with
-        a slot free: _defer."""
+        (its history copied there evicts about as much of theirs, paid again at their next round), and
+        as long as a hold may last when it queues anyway (no slot free anywhere) there. Where the caches
+        have room, only while home still holds more of it than a free backend. Home with a slot free:
+        _defer."""
         r = self.config
         home = self._home(route)
         best = max((matched.get(b.name, 0) for b in candidates), default=0)
@@ -651,8 +663,8 @@ class Prefix(Policy):
         cost = route.prompt_tokens * self.predict.rates(b.name)[0]
         if self._overflow(route, b, backends):
             cost = cost * 2 if candidates else r.home_wait_s
-        elif not candidates:
-            return None
+        elif not candidates or matched.get(b.name, 0) <= best:
+            return None      # the caches have room, and home holds no more of it: any slot will do
         return Hold(b, min(r.home_wait_s, cost))
 
     def _defer(self, route: PrefixRoute, home: Backend, run: int) -> Hold | None:
@@ -670,11 +682,14 @@ class Prefix(Policy):
 
     def _hold_room(self, route: PrefixRoute, candidates: Sequence[Backend],
                    backends: Sequence[Backend]) -> Hold | None:
-        """A new conversation that queues anyway (no slot free) waits for the backend with the most room
-        for it (the least working set, counting the new conversations held for it already), when it
-        would overflow another's cache: at most home_wait_s and its prompt's predicted prefill there."""
+        """A new conversation that queues anyway (no slot free) and whose prompt no backend holds
+        min_match_tokens of waits for the backend with the most room for it (the least working set,
+        counting the new conversations held for it already), when it would overflow another's cache: at
+        most home_wait_s and its prompt's predicted prefill there."""
         if candidates or route.placing is not None or self._home(route) is not None:
             return None
+        if max(self._match(route).values(), default=0) * BLOCK_TOKENS >= self.config.min_match_tokens:
+            return None      # a prefix worth keeping is somewhere: the pick's rules decide
         up = [b for b in backends if b.available]
         if len(up) < 2:
             return None
@@ -690,19 +705,20 @@ class Prefix(Policy):
         return Hold(best, wait)
 
     def waiter(self, queue: Collection[Waiter], backends: Sequence[Backend]) -> Waiter | None:
-        """Of the first lookahead + 1 waiters, the one with the longest match on a backend with a free
-        slot (at least min_match_tokens and min_match_ratio of its prompt; ties: the earlier): the most
-        recently used conversation there first, whose blocks the engine has surely kept, before the
-        older ones it may be evicting (served the other way round, an LRU cache too small for every
-        conversation loses each before its next round); then one whose home it is (_home_at), the
-        longest first. A waiter passed over lookahead times already is taken as it is."""
+        """Of the first lookahead + 1 waiters whose prompt has at least min_match_tokens and
+        min_match_ratio of it on a backend with a free slot, the one with the least left to prefill there
+        (ties: the earlier): the shortest first, and among a backend's conversations the one whose blocks
+        the engine surely kept before the older ones it may be evicting (served the other way round, an
+        LRU cache too small for every conversation loses each before its next round); failing that, the
+        first whose conversation lives there (Homes: the index forgot its blocks, but its history's home
+        is there). A waiter passed over lookahead times already is taken as it is."""
         r = self.config
         if not r.lookahead:
             return None
         free = [b.name for b in backends if b.free]
         if not free:
             return None      # nothing to hand out: the balancer's acquire finds no slot either
-        best, best_score = None, (0, 0)
+        best, least_left, homed = None, 0, None
         for w in itertools.islice(queue, r.lookahead + 1):
             if w.future.done():
                 continue
@@ -711,11 +727,10 @@ class Prefix(Policy):
             if w.route is not None and w.route.blocks:
                 matched = self._match(w.route)
                 run = max((matched.get(n, 0) for n in free), default=0)
-                score = (0, 0)
                 if run * BLOCK_TOKENS >= r.min_match_tokens and run >= r.min_match_ratio * len(w.route.blocks):
-                    score = (2, run)
-                elif (home := self._home(w.route)) is not None and home[0] in free and home[1] > run:
-                    score = (1, home[1])
-                if score > best_score:
-                    best, best_score = w, score
-        return best
+                    left = len(w.route.blocks) - run
+                    if best is None or left < least_left:
+                        best, least_left = w, left
+                elif homed is None and (home := self._home(w.route)) is not None and home[0] in free and home[1] > run:
+                    homed = w
+        return best or homed

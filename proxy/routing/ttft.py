@@ -25,7 +25,7 @@ from dataclasses import dataclass
 # answers count): engines' speed changes with what they run.
 FORGET = 0.98
 # The prior weighs as many observations as this (per feature): a few answers move it, many replace it.
-PRIOR_WEIGHT = 4.0
+PRIOR_WEIGHT = 1.0
 
 
 @dataclass
