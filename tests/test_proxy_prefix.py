@@ -472,7 +472,9 @@ def test_the_routers_prediction_agrees_with_what_the_engines_had_cached(procs, t
        is gone by the next round.
     3. Every results-log line carries the engine's cached_tokens beside the router's match_tokens, and
        the sum of |match_tokens - cached_tokens| is within 5% of the prompt tokens.
-    4. The proxy's /metrics count the prediction's error."""
+    4. The engines found at least a quarter of the prompt tokens cached (each conversation kept home,
+       the hits of a round served first).
+    5. The proxy's /metrics count the prediction's error."""
     ports = start_sims(procs, tmp_path, 2, seqs=4, token_ms=1,
                        extra=("--enable-prompt-tokens-details", "--sim-kv-blocks", "400", "--max-model-len", "4096"))
     port, _ = start_proxy(procs, tmp_path, ports, slots=4, queue={"max": 64, "timeout_s": 60})
@@ -497,9 +499,13 @@ def test_the_routers_prediction_agrees_with_what_the_engines_had_cached(procs, t
     assert all(isinstance(e["cached_tokens"], int) for e in lines), lines
     error = sum(abs(e["match_tokens"] - e["cached_tokens"]) for e in lines)
     prompt = sum(e["prompt_tokens"] for e in lines)
-    print(f"predicted {sum(e['match_tokens'] for e in lines)}, cached {sum(e['cached_tokens'] for e in lines)}, "
+    cached = sum(e["cached_tokens"] for e in lines)
+    print(f"predicted {sum(e['match_tokens'] for e in lines)}, cached {cached} ({cached / prompt:.2f}), "
           f"prompt {prompt}, error {error} ({100 * error / prompt:.1f}%)")
     assert error <= 0.05 * prompt
+    # placement that keeps what fits (homes, the hits first): about half of the prompt tokens cached
+    # where spreading by load kept 1 to 16% (docs/PERFORMANCE.md); bounded well below that
+    assert cached >= 0.25 * prompt
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
     assert 'proxy_route_prediction_error_tokens_total{kind="cached"}' in metrics
 

@@ -408,7 +408,7 @@ class Prefix(Policy):
         nothing) or runs past a shared prefix into the conversation's own rounds (_own); a match that
         ends where prompts sharing it branch off goes by _spread; unless that backend has more than
         balance_abs requests more than the least loaded one and more than balance_rel times as many:
-        then the least loaded one. Where the index holds too little of a conversation (its engine
+        then another (_elsewhere). Where the index holds too little of a conversation (its engine
         evicted it: the working set overflows the caches), it goes back to its home (_home_at); a new
         one goes where it fits (_roomiest). The balance rule gives way where the predicted time to first
         token disagrees (_elsewhere)."""
