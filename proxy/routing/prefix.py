@@ -512,11 +512,11 @@ class Prefix(Policy):
         """A new conversation's backend: of the backends the balance rule lets take it, one where the
         conversations living there (Homes' working set) and it fit the KV cache, if any does
         (capacity-aware placement: each engine's share fits its cache, as far as the fleet's caches hold
-        them all); of those the least loaded, and of equally loaded ones the one predicted to start it
-        soonest (its whole prompt behind the backlog there: ttft_s), then round robin. Load first: the
-        prediction never puts a request beside another while a backend with fewer runs nothing new."""
+        them all); of those the least loaded, and of equally loaded ones one not _busy, then round robin.
+        Load first: the prediction never puts a request beside another while a backend with fewer runs
+        nothing new."""
         def key(b: Backend):
-            return self._share(b, route.prompt_tokens) > 1, b.in_flight, self.ttft_s(route, b, None)
+            return self._share(b, route.prompt_tokens) > 1, b.in_flight, self._busy(route, b)
         return min((b for b in candidates if b is least or not self._too_loaded(b, least)), key=key)
 
     def _own(self, route: PrefixRoute, matched: dict[str, int], top: Backend, top_run: int) -> bool:
@@ -541,23 +541,25 @@ class Prefix(Policy):
         after = r.spread_after * max(1.0, run * BLOCK_TOKENS / SPREAD_TOKENS)
         least = min(candidates, key=lambda b: b.in_flight)
         roomy = [b for b in candidates if matched.get(b.name, 0) >= run and fan.get(b.name, 0) < after]
-        best = self._quickest(route, roomy, least, fan) if roomy else None
+        best = self._quickest(route, roomy, fan) if roomy else None
         if best is None or self._too_loaded(best, least):
-            best = self._quickest(route, candidates, least, fan)
+            best = self._quickest(route, candidates, fan)
         route.matched_tokens = matched.get(best.name, 0) * BLOCK_TOKENS
         route.decision = "shared"
         return best
 
-    def _quickest(self, route: PrefixRoute, pool: Sequence[Backend], least: Backend,
-                  fan: dict[str, int]) -> Backend:
-        """Of pool, the backends the balance rule leaves open (at most balance_abs requests more than
-        the least loaded; while one runs nothing, only those), the one predicted to start the whole
-        prompt soonest (ttft_s: the prefill queued there and what runs there, so a backend busy with a
-        long prefill is passed over for one only decoding), then the less loaded, then the one where
-        the fewest branched off the shared prefix (fan)."""
-        slack = self.config.balance_abs if least.in_flight else 0
-        near = [b for b in pool if b.in_flight <= least.in_flight + slack] or pool
-        return min(near, key=lambda b: (self.ttft_s(route, b, None), b.in_flight, fan.get(b.name, 0)))
+    def _quickest(self, route: PrefixRoute, pool: Sequence[Backend], fan: dict[str, int]) -> Backend:
+        """Of pool, the least loaded; of equally loaded ones, one not _busy (a backend busy with a long
+        prefill is passed over for one only decoding), then the one where the fewest branched off the
+        shared prefix (fan), then round robin."""
+        return min(pool, key=lambda b: (b.in_flight, self._busy(route, b), fan.get(b.name, 0)))
+
+    def _busy(self, route: PrefixRoute, b: Backend) -> bool:
+        """Whether more prefill is queued on b (the prediction's backlog, in seconds at b's measured rate)
+        than the prompt's own would take there: a new prompt there would wait longer behind others' than
+        for itself. Short backlogs tie (equal engines are not told apart by the noise of their fits)."""
+        prefill_s = self.predict.rates(b.name)[0]
+        return self.predict.queued_s(b.name, self.clock()) > route.prompt_tokens * prefill_s
 
     def sent(self, route: PrefixRoute | None, backend: Backend) -> None:
         """Remember the prompt's blocks on backend, within what its engine keeps (its KV cache's size in

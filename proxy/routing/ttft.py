@@ -114,6 +114,11 @@ class Predictor:
             return 0.0
         return max(0.0, b.backlog - (now - b.at) / rate)
 
+    def queued_s(self, name: str, now: float) -> float:
+        """The prefill queued on the backend, in seconds at its rate: what a new prompt waits behind
+        there before its own (0 when nothing is queued, whatever the backend's rates)."""
+        return self.backlog(name, now) * self._get(name).fit.coef[1]
+
     def ttft_s(self, name: str, uncached: int, running: int, free: bool, now: float) -> float:
         """The predicted time to first token of a prompt with `uncached` tokens not cached there, on a
         backend running `running` requests (free: with a slot for it)."""
