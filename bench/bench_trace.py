@@ -22,7 +22,8 @@ log). Every process it starts is stopped by pid.
 
 --lockstep: the routing-truth check's workload (tests/test_proxy_prefix.py): 2 sims of 4 slots whose KV
 caches (400 blocks) are too small for 12 conversations of 4 rounds sent in lockstep; prints the share of
-prompt tokens the engines found cached and the prediction's error.
+prompt tokens the engines found cached and the prediction's error. Each request carries `X-Request-Id`
+c<conversation>-r<round>, so a proxy's results log tells where each round went and what it found.
 """
 from __future__ import annotations
 
