@@ -22,7 +22,8 @@ log). Every process it starts is stopped by pid.
 
 --lockstep: the routing-truth check's workload (tests/test_proxy_prefix.py): 2 sims of 4 slots whose KV
 caches (400 blocks) are too small for 12 conversations of 4 rounds sent in lockstep; prints the share of
-prompt tokens the engines found cached and the prediction's error.
+prompt tokens the engines found cached and the prediction's error. Each request carries `X-Request-Id`
+c<conversation>-r<round>, so a proxy's results log tells where each round went and what it found.
 """
 from __future__ import annotations
 
@@ -310,7 +311,9 @@ def lockstep(url: str, conversations: int, rounds: int, max_tokens: int) -> list
 
     def ask(messages: list[dict]) -> dict:
         body = json.dumps({"model": "m", "max_tokens": max_tokens, "messages": messages}).encode()
-        req = urllib.request.Request(url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        c, n = histories.index(messages), len(messages) // 2     # named in the results log: c<conversation>-r<round>
+        req = urllib.request.Request(url + "/v1/chat/completions", body, {
+            "Content-Type": "application/json", "X-Request-Id": f"c{c}-r{n}"})
         with urllib.request.urlopen(req, timeout=120) as r:
             answer = json.loads(r.read())
         messages += [{"role": "assistant", "content": answer["choices"][0]["message"]["content"]},

@@ -324,10 +324,11 @@ class RoutingSettings(Section):
     home_wait_s: _number(0, 60, "a number of seconds from 0 to 60") = doc(1.0,
         "prefix: how long at most a request whose home backend (where its prefix is) has no free slot "
         "waits for one there while other backends have free slots, rather than go cold at once; also "
-        "bounded by the prefill its match saves at `prefill_ms`. 0: never waits.")
+        "bounded by the prefill its match saves at the engine's measured prefill rate. 0: never waits.")
     prefill_ms: _number(0, 100_000, "a number of milliseconds from 0 to 100000") = doc(100.0,
-        "prefix: the engines' prefill time per 1,000 prompt tokens, which bounds `home_wait_s`: a request "
-        "never waits for home longer than going cold would cost.")
+        "prefix: the engines' prefill time per 1,000 prompt tokens assumed until their streamed answers "
+        "measure it (the predicted time to first token, docs/proxy.md), which bounds `home_wait_s`: a "
+        "request never waits for home longer than going cold would cost.")
 
 
 # A tenant's name, as a key file's `KEY TENANT` line writes it (proxy/config.py has the same pattern).

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Collection, Iterable
 
 from .admission import FairQueue, Tenant
-from .routing import Route, RoutingConfig, make_policy
+from .routing import Hold, Route, RoutingConfig, make_policy
 
 
 class QueueFull(Exception):
@@ -85,6 +85,7 @@ class Waiter:
     seq: int = 0        # its place in arrival order (the fair queue's tie-break)
     home: str | None = None   # the backend it waits for until its hold is up (Policy.hold); None: any
     since: float = field(default_factory=time.monotonic)   # when it began waiting (workers compare theirs)
+    not_before: float = 0.0   # time.monotonic() before which it takes no slot (a hold's defer_s)
 
 
 class Balancer:
@@ -235,7 +236,7 @@ class Balancer:
             return False
         return not self.ahead()
 
-    def hold(self, route: Route | None) -> tuple[Backend, float] | None:
+    def hold(self, route: Route | None) -> Hold | None:
         """Whether the policy would have the request wait for a full backend (its home) while others have
         a free slot: (that backend, seconds at most), to pass to wait_for_slot; None: acquire now. Never
         when the queue is full or others wait already (they go first)."""
@@ -244,7 +245,7 @@ class Balancer:
         return self.policy.hold(route, [b for b in self._order if b.free], self._order)
 
     async def wait_for_slot(self, timeout_s: float, route: Route | None = None, tenant: Tenant | None = None,
-                            tokens: int = 0, hold: tuple[Backend, float] | None = None) -> Backend | None:
+                            tokens: int = 0, hold: Hold | None = None) -> Backend | None:
         """A backend with the request (and its tenant) counted on it, once the requests the fair order
         serves before it have theirs (the caller tried `acquire` first when it could). None when no
         backend is available at all. hold: (home, seconds) from `hold`: the request takes only a slot of
@@ -272,6 +273,8 @@ class Balancer:
             crowding.future.set_exception(QueueFull())
         if tenant is not None and (why := tenant.queue_refusal()) is not None:
             raise TenantFull(*why)
+        if hold is None and route is not None:   # it waits anyway: for its home's slot, if the policy has one
+            hold = self.policy.hold(route, [b for b in self._order if b.free], self._order)
         loop = asyncio.get_running_loop()
         waiter = Waiter(loop.create_future(), route, tenant, tokens)
         self._queue.append(waiter)
@@ -279,10 +282,13 @@ class Balancer:
             self.lending.waiting(self)
         self._after_ramp()       # kept back by the reserve's ramp: a dispatch when it lets one more in
         timer = loop.call_later(timeout_s, self._expire, waiter)
-        unhold = None
+        unhold = defer = None
         if hold is not None:
             waiter.home = hold[0].name
             unhold = loop.call_later(hold[1], self._unhold, waiter)
+            if len(hold) > 2 and hold[2] > 0:
+                waiter.not_before = time.monotonic() + hold[2]
+                defer = loop.call_later(hold[2], self.dispatch)
         try:
             return await waiter.future
         except asyncio.CancelledError:
@@ -295,6 +301,8 @@ class Balancer:
             timer.cancel()
             if unhold is not None:
                 unhold.cancel()
+            if defer is not None:
+                defer.cancel()
 
     def _unhold(self, waiter: Waiter) -> None:
         """A held waiter's time is up: any free slot will do now."""
@@ -303,8 +311,10 @@ class Balancer:
             self.dispatch()
 
     def _ready(self, w: Waiter) -> bool:
-        """Whether a waiter may take a slot now: it waits for no backend, or for one that has a free slot
-        (or that is out: then for none)."""
+        """Whether a waiter may take a slot now: its hold's defer is over, and it waits for no backend, or
+        for one that has a free slot (or that is out: then for none)."""
+        if w.not_before and time.monotonic() < w.not_before:
+            return False
         home = self.backends.get(w.home) if w.home is not None else None
         return home is None or home.free or not home.available
 
@@ -404,12 +414,16 @@ class Balancer:
         return len(self._queue)
 
     def finish(self, backend: Backend, tenant: Tenant | None = None, route: Route | None = None,
-               cached_tokens: int | None = None, prompt_tokens: int | None = None, output_tokens: int = 0) -> None:
+               cached_tokens: int | None = None, prompt_tokens: int | None = None, output_tokens: int = 0,
+               timing: tuple[float, float] | None = None) -> None:
         """A request that held a slot on backend ended: the one call its end makes to its pool. What the
         engine said of its cached prompt tokens goes to the policy (cached_tokens None: nothing learned),
-        its answer's tokens to the fair queue's count of its tenant's service, then its slot is released."""
+        and a streamed answer's timing (seconds from its slot to its first token, then to its last), its
+        answer's tokens to the fair queue's count of its tenant's service, then its slot is released."""
         if cached_tokens is not None:
-            self.policy.learned(route, backend, cached_tokens, prompt_tokens)
+            self.policy.learned(route, backend, cached_tokens, prompt_tokens, output_tokens)
+        if timing is not None:
+            self.policy.timed(route, backend, timing[0], timing[1], output_tokens)
         self._queue.ended(tenant, output_tokens)
         self.release(backend, tenant)
 

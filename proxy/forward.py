@@ -413,12 +413,15 @@ def _finish(ex: Exchange, proxy, pool: Balancer) -> None:
     """The request ends at its pool, once: its slot released, what the engine said of the prompt's cache
     hit to the policy (and to the prediction's metrics), its answer's tokens to its tenant's fair share."""
     out = ex.outcome
-    cached = prompt = None
+    cached = prompt = timing = None
     if ex.route is not None and out is not None and out.observer is not None and out.status == 200:
         cached, prompt = out.observer.engine_cache()
         if cached is not None:
             proxy.metrics.predicted(ex.route, cached)
-    pool.finish(ex.slot, ex.tenant, ex.route, cached, prompt, _usage(ex, out)[1])
+        if ex.splice is not None and not ex.splice.hops and ex.attempts <= 1 and ex.ttfb is not None:
+            # a stream from one backend: its first token's time from the slot, and the rest's
+            timing = (ex.ttfb - ex.queued_ms / 1000, time.monotonic() - ex.t0 - ex.ttfb)
+    pool.finish(ex.slot, ex.tenant, ex.route, cached, prompt, _usage(ex, out)[1], timing)
 
 
 async def _tries(ex: Exchange, proxy, pool: Balancer) -> Outcome:

@@ -6,7 +6,7 @@ tests/test_routing_contract.py holds the two equal).
 """
 from __future__ import annotations
 
-from .base import Policy, Route, RoutingConfig
+from .base import Hold, Policy, Route, RoutingConfig
 from .least_conn import LeastConn
 from .prefix import Prefix
 
@@ -22,4 +22,4 @@ def make_policy(config: RoutingConfig) -> Policy:
     return POLICIES[config.policy](config)
 
 
-__all__ = ["POLICIES", "Policy", "Route", "RoutingConfig", "make_policy"]
+__all__ = ["POLICIES", "Hold", "Policy", "Route", "RoutingConfig", "make_policy"]

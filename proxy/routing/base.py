@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Collection, Protocol, Sequence
+from typing import Collection, NamedTuple, Protocol, Sequence
 
 
 def _bounded(default, lo, hi):
@@ -67,6 +67,16 @@ class Backend(Protocol):
         """Whether it takes new requests at all (healthy, not drained), a slot free or not."""
 
 
+class Hold(NamedTuple):
+    """A request a policy would have wait for one backend (Policy.hold): its slot only, until seconds
+    passed (then any); and not before defer_s, though it has a free slot (0: at once), so that the
+    requests arriving with it that find their prefix there start first."""
+
+    backend: "Backend"
+    seconds: float
+    defer_s: float = 0.0
+
+
 class Waiter(Protocol):
     """A queued request as a policy sees it (proxy.balancer.Waiter)."""
 
@@ -105,18 +115,25 @@ class Policy:
         """Learn that a request on backend finished."""
 
     def learned(self, route: Route | None, backend: Backend, cached_tokens: int | None,
-                prompt_tokens: int | None) -> None:
+                prompt_tokens: int | None, output_tokens: int = 0) -> None:
         """Learn what the engine said of a request it answered: the prompt's tokens it found in its
-        prefix cache (usage.prompt_tokens_details.cached_tokens; None: it did not say) of prompt_tokens."""
+        prefix cache (usage.prompt_tokens_details.cached_tokens; None: it did not say) of prompt_tokens,
+        and its answer's output_tokens (which its engine caches too)."""
+
+    def timed(self, route: Route | None, backend: Backend, first_token_s: float, decode_s: float,
+              output_tokens: int) -> None:
+        """Learn how long a streamed answer took on backend: from its slot to its first token, and from
+        there to its last of output_tokens."""
 
     def forget(self, backend: str) -> None:
         """Forget what was learned of a backend: it left, or lost its cache (ejected, down, drained)."""
 
     def hold(self, route: Route | None, candidates: Sequence[Backend],
-             backends: Sequence[Backend]) -> tuple[Backend, float] | None:
-        """A backend with no free slot worth waiting for, and how long at most (seconds), rather than
-        one of candidates (the backends with a free slot) now; None: pick now. The balancer queues the
-        request for that backend's next slot and, the time up, hands it any free slot."""
+             backends: Sequence[Backend]) -> Hold | None:
+        """A backend worth waiting for, and how long at most (seconds), rather than one of candidates
+        (the backends with a free slot; none when the request queues anyway) now; None: pick now. The
+        balancer queues the request for that backend's next slot (not before defer_s) and, the time up,
+        hands it any free slot."""
         return None
 
     def keep_feed(self) -> None:

@@ -13,12 +13,15 @@ dropped when the proxy takes it out (ejected, unhealthy, drained for a restart) 
 from __future__ import annotations
 
 import itertools
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Collection, Sequence
 
 from ..body import Limits, Parsed, Refused, parse
-from .base import Backend, Policy, RoutingConfig, Waiter
+from .base import Backend, Hold, Policy, RoutingConfig, Waiter
+from .homes import Homes
+from .ttft import Predictor, Sent
 
 BLOCK_BYTES = 64      # vLLM's 16-token block at about 4 bytes of text a token
 TOKEN_BYTES = 4       # what the match length in tokens is reckoned with
@@ -37,6 +40,12 @@ MISS_SLACK_BLOCKS = 2
 # one must have more branches behind it first (a group's 3,000-token context with its 6 questions stays
 # on one backend; 8 conversations on a 560-token system prompt spread over 3).
 SPREAD_TOKENS = 1000
+# A conversation whose blocks its home's engine evicted (its working set overflows the cache) starts there
+# this share of its own prefill late, so that the requests arriving with it that still find their blocks
+# there start first (an LRU cache served in the order its conversations last came keeps none of them).
+COLD_DEFER = 0.3
+# The weight of a new answer's length in the moving average of answers' tokens (Prefix.learned).
+ANSWER_AVERAGE = 0.1
 
 
 def prompt_blocks(body: bytes | Parsed, limits: Limits = Limits()) -> list[int]:
@@ -131,6 +140,10 @@ class PrefixRoute:
     ticks: list[int] = field(default_factory=list)   # when the matched blocks were sent there before
     seen: int = -1                                   # the index's changes when `matches` was computed
     matches: dict[str, int] = field(default_factory=dict)
+    home: tuple[str, int] | None = None              # (backend, blocks): its conversation's home (Homes.find)
+    home_seen: bool = False
+    sent: Sent | None = None                         # what the prediction knew when it was sent (ttft.Sent)
+    placing: str | None = None                       # the backend a new conversation is held for (_hold_room)
 
     @property
     def prompt_tokens(self) -> int:
@@ -151,6 +164,7 @@ class PrefixIndex:
         self._of: dict[str, OrderedDict[int, int]] = {}
         self._cap: dict[str, int] = {}
         self._tick = 0
+        self._unnamed = itertools.count(-(1 << 80), -1)   # keys of the blocks held without a name (insert)
         self.changes = 0     # counts every change, so a match computed since none may be reused
         self._parent: dict[int, int] = {}    # block -> the block before it (a prompt's first has none)
         self._fan: dict[int, dict[str, int]] = {}   # block -> backend -> blocks after it sent there
@@ -210,11 +224,13 @@ class PrefixIndex:
         else:
             self._cap.pop(backend, None)
 
-    def insert(self, blocks: list[int], backend: str, known: int = 0) -> list[int]:
+    def insert(self, blocks: list[int], backend: str, known: int = 0, unnamed: int = 0) -> list[int]:
         """Remember that the prompt's blocks went to backend (they become the most recently used). Last
         block first, so the first is the most recent of all: eviction takes a prompt's tail before its
-        head, as vLLM's does (a chain without its head matches nothing). Returns when each of the first
-        `known` blocks had been sent there before (0: never), what a later miss is dated by."""
+        head, as vLLM's does (a chain without its head matches nothing). Before them, `unnamed` blocks
+        the index cannot name take their room in backend's share: the answer's, which its engine caches
+        too and frees before the prompt's tail. Returns when each of the first `known` blocks had been
+        sent there before (0: never), what a later miss is dated by."""
         self.changes += 1
         lru, parent, fans = self._lru, self._parent, self._fan
         mine = self._of.get(backend)
@@ -222,6 +238,9 @@ class PrefixIndex:
             mine = self._of[backend] = OrderedDict()
         before = [0] * known
         tick = self._tick
+        for _ in range(unnamed):
+            tick += 1
+            mine[next(self._unnamed)] = tick     # never a block's hash: matches nothing, only takes room
         for i in range(len(blocks) - 1, -1, -1):
             h = blocks[i]
             holders = lru.get(h)
@@ -339,6 +358,12 @@ class Prefix(Policy):
     def __init__(self, config: RoutingConfig):
         super().__init__(config)
         self.index = PrefixIndex(config.max_blocks)
+        self.homes = Homes(config.max_blocks)
+        self.predict = Predictor(config.prefill_ms)
+        # id(route) -> (backend, prompt tokens, until when) of the new conversations held for a backend
+        self._placing: dict[int, tuple[str, int, float]] = {}
+        self._answer_tokens = 0.0            # an answer's tokens, a moving average (the engines cache them)
+        self.clock = time.monotonic
         # (seq, backend, blocks) of the latest decisions, for a peer entry's proxy to learn from; kept only
         # once keep_feed() was called (a proxy with peers: proxy/share.py), so no other proxy pays for it
         self.feed: deque[tuple[int, str, list[int]]] | None = None
@@ -381,8 +406,12 @@ class Prefix(Policy):
         conversation that shares only a system prompt goes by load) and saves at least min_match_tokens
         of prefill over the least loaded backend (a shared prefix that every backend holds pins
         nothing) or runs past a shared prefix into the conversation's own rounds (_own); a match that
-        ends where prompts sharing it branch off goes by _spread; unless that backend has more than balance_abs requests more than the least loaded one
-        and more than balance_rel times as many: then the least loaded one."""
+        ends where prompts sharing it branch off goes by _spread; unless that backend has more than
+        balance_abs requests more than the least loaded one and more than balance_rel times as many:
+        then another (_elsewhere). Where the index holds too little of a conversation (its engine
+        evicted it: the working set overflows the caches), it goes back to its home (_home_at); a new
+        one goes where it fits (_roomiest). The balance rule gives way where the predicted time to first
+        token disagrees (_elsewhere)."""
         if route is None or not route.blocks:
             return least
         matched = self._match(route)
@@ -393,20 +422,102 @@ class Prefix(Policy):
             if run and (run > top_run or (run == top_run and b.in_flight < top.in_flight)):
                 top, top_run = b, run
         if top is not None and self.index.branches(route.blocks, top_run):
-            return self._spread(route, matched, top_run, candidates)
+            return self._home_at(route, matched, top_run, least, candidates) or self._spread(
+                route, matched, top_run, candidates)
         least_tokens = matched.get(least.name, 0) * BLOCK_TOKENS
         r = self.config
         if (top is None or top is least or top_run < r.min_match_ratio * len(route.blocks)
                 or (top_run * BLOCK_TOKENS - least_tokens < r.min_match_tokens
                     and not self._own(route, matched, top, top_run))):
-            route.decision = "prefix" if least_tokens >= r.min_match_tokens else "load"
-            route.matched_tokens = least_tokens
-            return least
-        if top.in_flight - least.in_flight > r.balance_abs and top.in_flight > r.balance_rel * least.in_flight:
-            route.decision, route.matched_tokens = "override", least_tokens
-            return least
+            home = self._home_at(route, matched, top_run, least, candidates)
+            if home is not None:
+                return home
+            if least_tokens >= r.min_match_tokens:
+                route.decision, route.matched_tokens = "prefix", least_tokens
+                return least
+            best = self._roomiest(route, least, candidates)
+            route.decision, route.matched_tokens = "load", matched.get(best.name, 0) * BLOCK_TOKENS
+            return best
+        other = self._elsewhere(route, matched, top, least, candidates)
+        if other is not None:
+            route.decision, route.matched_tokens = "override", matched.get(other.name, 0) * BLOCK_TOKENS
+            return other
         route.decision, route.matched_tokens = "prefix", top_run * BLOCK_TOKENS
         return top
+
+    def _too_loaded(self, b: Backend, least: Backend) -> bool:
+        """The balance rule: b has more than balance_abs requests more than the least loaded backend and
+        more than balance_rel times as many."""
+        r = self.config
+        return b.in_flight - least.in_flight > r.balance_abs and b.in_flight > r.balance_rel * least.in_flight
+
+    def ttft_s(self, route: PrefixRoute, b: Backend, matched: dict[str, int] | None) -> float:
+        """The request's predicted time to first token on b (proxy/routing/ttft.py has the formula): the
+        prompt less what b holds of it (matched None: all of it), behind b's backlog and what runs there."""
+        uncached = route.prompt_tokens - (matched.get(b.name, 0) * BLOCK_TOKENS if matched else 0)
+        return self.predict.ttft_s(b.name, max(1, uncached), b.in_flight, b.free, self.clock())
+
+    def _elsewhere(self, route: PrefixRoute, matched: dict[str, int], keep: Backend, least: Backend,
+                   candidates: Sequence[Backend]) -> Backend | None:
+        """Where a request goes instead of keep (its match's holder, or its home) when the balance rule
+        passes keep over: of the other backends the rule allows, the one predicted to start it soonest.
+        None, keep it, when the rule holds, or when the prediction disagrees: keep is predicted no later,
+        every backend's slots are bounded (the engine runs what the proxy sends, no more) and the prompt
+        goes on past what keep holds (a conversation's next round, not the same prompt again: repeats of
+        one prompt spread by the rule, so that every backend works while the others would idle)."""
+        if not self._too_loaded(keep, least):
+            return None
+        others = [b for b in candidates if b is not keep and (b is least or not self._too_loaded(b, least))]
+        fast = min(others, key=lambda b: (self.ttft_s(route, b, matched), b.in_flight))
+        if (getattr(keep, "slots", 0) and all(getattr(b, "slots", 0) for b in candidates)
+                and matched.get(keep.name, 0) < len(route.blocks)
+                and self.ttft_s(route, keep, matched) <= self.ttft_s(route, fast, matched)):
+            return None
+        return fast
+
+    def _home(self, route: PrefixRoute) -> tuple[str, int] | None:
+        """Its conversation's home and the earlier prompt's length in blocks (Homes.find), once a route."""
+        if not route.home_seen:
+            route.home_seen = True
+            route.home = self.homes.find(route.blocks)
+        return route.home
+
+    def _home_at(self, route: PrefixRoute, matched: dict[str, int], run: int, least: Backend,
+                 candidates: Sequence[Backend]) -> Backend | None:
+        """The conversation's home, when the prompt continues an earlier one sent there that is longer
+        than the index's match (run blocks: the index forgot the rest, as the engine's LRU evicted it, or
+        the match ends at a prefix others share), at least min_match_tokens long, and home is one of
+        candidates and not too loaded (the balance rule). Going back keeps each conversation's history in
+        one cache, where what fits stays, rather than copying it by load into another and evicting
+        what lives there. None: no such home."""
+        home = self._home(route)
+        if home is None or home[1] <= run or home[1] * BLOCK_TOKENS < self.config.min_match_tokens:
+            return None
+        b = next((c for c in candidates if c.name == home[0]), None)
+        if b is None or self._elsewhere(route, matched, b, least, candidates) is not None:
+            return None
+        route.decision, route.matched_tokens = "home", matched.get(b.name, 0) * BLOCK_TOKENS
+        return b
+
+    def _share(self, b: Backend, more: int = 0) -> float:
+        """b's working set (Homes), the new conversations held for it (_hold_room) and `more` tokens, as
+        a share of its KV cache (0: its size unknown)."""
+        cap = getattr(b, "kv_tokens", None)
+        if not cap:
+            return 0.0
+        placing = sum(n for name, n, _ in self._placing.values() if name == b.name) if self._placing else 0
+        return (self.homes.working.get(b.name, 0) * BLOCK_TOKENS + placing + more) / cap
+
+    def _roomiest(self, route: PrefixRoute, least: Backend, candidates: Sequence[Backend]) -> Backend:
+        """A new conversation's backend: of the backends the balance rule lets take it, one where the
+        conversations living there (Homes' working set) and it fit the KV cache, if any does
+        (capacity-aware placement: each engine's share fits its cache, as far as the fleet's caches hold
+        them all); of those the least loaded, and of equally loaded ones one not _busy, then round robin.
+        Load first: the prediction never puts a request beside another while a backend with fewer runs
+        nothing new."""
+        def key(b: Backend):
+            return self._share(b, route.prompt_tokens) > 1, b.in_flight, self._busy(route, b)
+        return min((b for b in candidates if b is least or not self._too_loaded(b, least)), key=key)
 
     def _own(self, route: PrefixRoute, matched: dict[str, int], top: Backend, top_run: int) -> bool:
         """Whether top holds the prompt past a prefix that others share and leave: the conversation's own
@@ -421,8 +532,8 @@ class Prefix(Policy):
         list, a group's context): no conversation's home. A backend holding it takes the request while
         fewer than routing.spread_after prompts per SPREAD_TOKENS of the shared part (at least
         spread_after) branched off it there and it is not too loaded (the
-        balance rule against the least loaded); past that, the least loaded backend, holder or not, and
-        among equally loaded ones the one where the fewest branched off (round robin after that). New
+        balance rule against the least loaded); past that, any backend, holder or not; of either, the one
+        _quickest picks (then the one where the fewest branched off, then round robin). New
         conversations spread even one at a time, each backend pays the shared part a few times at most,
         and their own later rounds go home."""
         fan = self.index.fan(route.blocks[run - 1])
@@ -430,13 +541,25 @@ class Prefix(Policy):
         after = r.spread_after * max(1.0, run * BLOCK_TOKENS / SPREAD_TOKENS)
         least = min(candidates, key=lambda b: b.in_flight)
         roomy = [b for b in candidates if matched.get(b.name, 0) >= run and fan.get(b.name, 0) < after]
-        best = min(roomy, key=lambda b: (b.in_flight, fan.get(b.name, 0)), default=None)
-        if best is None or (best.in_flight - least.in_flight > r.balance_abs
-                            and best.in_flight > r.balance_rel * least.in_flight):
-            best = min(candidates, key=lambda b: (b.in_flight, fan.get(b.name, 0)))
+        best = self._quickest(route, roomy, fan) if roomy else None
+        if best is None or self._too_loaded(best, least):
+            best = self._quickest(route, candidates, fan)
         route.matched_tokens = matched.get(best.name, 0) * BLOCK_TOKENS
         route.decision = "shared"
         return best
+
+    def _quickest(self, route: PrefixRoute, pool: Sequence[Backend], fan: dict[str, int]) -> Backend:
+        """Of pool, the least loaded; of equally loaded ones, one not _busy (a backend busy with a long
+        prefill is passed over for one only decoding), then the one where the fewest branched off the
+        shared prefix (fan), then round robin."""
+        return min(pool, key=lambda b: (b.in_flight, self._busy(route, b), fan.get(b.name, 0)))
+
+    def _busy(self, route: PrefixRoute, b: Backend) -> bool:
+        """Whether more prefill is queued on b (the prediction's backlog, in seconds at b's measured rate)
+        than the prompt's own would take there: a new prompt there would wait longer behind others' than
+        for itself. Short backlogs tie (equal engines are not told apart by the noise of their fits)."""
+        prefill_s = self.predict.rates(b.name)[0]
+        return self.predict.queued_s(b.name, self.clock()) > route.prompt_tokens * prefill_s
 
     def sent(self, route: PrefixRoute | None, backend: Backend) -> None:
         """Remember the prompt's blocks on backend, within what its engine keeps (its KV cache's size in
@@ -446,34 +569,59 @@ class Prefix(Policy):
             cap = cap and max(1, cap // BLOCK_TOKENS)
             if cap != self.index.capacity(backend.name):
                 self.index.set_capacity(backend.name, cap)
-            route.ticks = self.index.insert(route.blocks, backend.name, route.matched_tokens // BLOCK_TOKENS)
+            route.ticks = self.index.insert(route.blocks, backend.name, route.matched_tokens // BLOCK_TOKENS,
+                                            int(self._answer_tokens) // BLOCK_TOKENS)
+            home = self._home(route)
+            self.homes.sent(route.blocks, backend.name, home[1] if home else 0)
+            if route.placing is not None:
+                self._placing.pop(id(route), None)
+                route.placing = None
+            route.sent = self.predict.sent(backend.name, max(1, route.prompt_tokens - route.matched_tokens),
+                                           backend.in_flight, self.clock())
             if self.feed is not None:
                 self.feed.append((next(_feed_seq), backend.name, route.blocks))
 
     def learned(self, route: PrefixRoute | None, backend: Backend, cached_tokens: int | None,
-                prompt_tokens: int | None) -> None:
+                prompt_tokens: int | None, output_tokens: int = 0) -> None:
         """The engine said how many of the prompt's tokens it had cached. When that falls short of the
         match by more than MISS_SLACK_BLOCKS (tokenizers differ; the engine recomputes the last token),
         the first block it lacked had been evicted, and with it every block sent to that backend before
-        that one was: the index forgets them (the prompt itself, sent again, stays)."""
+        that one was: the index forgets them (the prompt itself, sent again, stays). The answer's length
+        goes into the average that sizes the room answers take in the index (insert's unnamed blocks)."""
+        if output_tokens > 0:
+            a = self._answer_tokens
+            self._answer_tokens = output_tokens if not a else a + (output_tokens - a) * ANSWER_AVERAGE
         if route is None or not route.ticks or cached_tokens is None or not prompt_tokens:
             return
         keep = len(route.blocks) * min(cached_tokens, prompt_tokens) // prompt_tokens
         if keep + MISS_SLACK_BLOCKS < len(route.ticks):
             self.index.evict_through(backend.name, route.ticks[keep])
 
+    def ended(self, backend: Backend) -> None:
+        self.predict.ended(backend.name, backend.in_flight)
+
+    def timed(self, route: PrefixRoute | None, backend: Backend, first_token_s: float, decode_s: float,
+              output_tokens: int) -> None:
+        """A streamed answer's timing: what the prediction measures the backend's speeds by (ttft.py)."""
+        if route is not None and route.sent is not None:
+            self.predict.answered(backend.name, route.sent, first_token_s, decode_s, output_tokens)
+
     def forget(self, backend: str) -> None:
         self.index.drop(backend)
+        self.homes.drop(backend)
+        self.predict.forget(backend)
 
     def hold(self, route: PrefixRoute | None, candidates: Sequence[Backend],
-             backends: Sequence[Backend]) -> tuple[Backend, float] | None:
+             backends: Sequence[Backend]) -> Hold | None:
         """Wait a little for home: when the backend with the prompt's longest match (its conversation's
         home, a match that would win a pick) has no free slot, while another has, the request waits for
         a slot there at most routing.home_wait_s, and at most the prefill the match saves over the best
-        free backend's at routing.prefill_ms per 1,000 tokens: waiting longer than going cold would
-        cost is never worth it."""
+        free backend's at the measured rate (ttft.py): waiting longer than going cold would cost is
+        never worth it. A conversation the index forgot waits for its home (_hold_home). A request that
+        queues anyway (no slot free: candidates empty) waits for home only where the caches overflow
+        (_overflow): otherwise the first slot freed anywhere is its. Home with a slot free: _defer."""
         r = self.config
-        if not r.home_wait_s or route is None or not route.blocks or not candidates:
+        if not r.home_wait_s or route is None or not route.blocks:
             return None
         matched = self._match(route)
         home, run = None, 0
@@ -481,24 +629,98 @@ class Prefix(Policy):
             n = matched.get(b.name, 0)
             if n > run and b.available:
                 home, run = b, n
-        if home is None or home.free or run < r.min_match_ratio * len(route.blocks):
+        if home is None or run < r.min_match_ratio * len(route.blocks) or self.index.branches(route.blocks, run):
+            return self._hold_home(route, matched, candidates, backends) or self._hold_room(route, candidates, backends)
+        if home.free:
+            return self._defer(route, home, run)
+        saved = (run - max((matched.get(b.name, 0) for b in candidates), default=0)) * BLOCK_TOKENS
+        if saved < max(r.min_match_tokens, 1) or (not candidates and not self._overflow(route, home, backends)):
             return None
-        if self.index.branches(route.blocks, run):
-            return None      # only a shared prefix: no conversation's home
-        saved = (run - max(matched.get(b.name, 0) for b in candidates)) * BLOCK_TOKENS
-        if saved < max(r.min_match_tokens, 1):
+        return Hold(home, min(r.home_wait_s, saved * self.predict.rates(home.name)[0]))
+
+    def _overflow(self, route: PrefixRoute, home: Backend, backends: Sequence[Backend]) -> bool:
+        """Whether every backend but home would hold more conversations than its cache with this one."""
+        others = [c for c in backends if c is not home and c.available]
+        return bool(others) and all(self._share(c, route.prompt_tokens) > 1 for c in others)
+
+    def _hold_home(self, route: PrefixRoute, matched: dict[str, int], candidates: Sequence[Backend],
+                   backends: Sequence[Backend]) -> Hold | None:
+        """Wait for the home of a conversation whose blocks there the index forgot (_home_at): when home
+        is full, at most home_wait_s and at most what going elsewhere costs: its prompt's prefill at the
+        measured rate (ttft.py), twice over where every other backend's cache would overflow with it
+        (its history copied there evicts about as much of theirs, paid again at their next round), and
+        as long as a hold may last when it queues anyway (no slot free anywhere) there. Where the caches
+        have room, only while home still holds more of it than a free backend. Home with a slot free:
+        _defer."""
+        r = self.config
+        home = self._home(route)
+        best = max((matched.get(b.name, 0) for b in candidates), default=0)
+        if home is None or home[1] <= best or home[1] * BLOCK_TOKENS < max(r.min_match_tokens, 1):
             return None
-        return home, min(r.home_wait_s, saved * r.prefill_ms / 1e6)
+        b = next((x for x in backends if x.name == home[0]), None)
+        if b is None or not b.available:
+            return None
+        if b.free:
+            return self._defer(route, b, matched.get(b.name, 0))
+        cost = route.prompt_tokens * self.predict.rates(b.name)[0]
+        if self._overflow(route, b, backends):
+            cost = cost * 2 if candidates else r.home_wait_s
+        elif not candidates or matched.get(b.name, 0) <= best:
+            return None      # the caches have room, and home holds no more of it: any slot will do
+        return Hold(b, min(r.home_wait_s, cost))
+
+    def _defer(self, route: PrefixRoute, home: Backend, run: int) -> Hold | None:
+        """A request whose home has a slot free starts there at once, unless the conversations living
+        there overflow its cache and home holds only run blocks of the prompt: then it starts COLD_DEFER
+        of its uncached part's prefill late, at home, so that the requests arriving with it that find
+        more of theirs there start first (served most recently used first, an LRU cache keeps what it
+        can; in the order the conversations last came, it evicts each before its next round)."""
+        if self._share(home) <= 1 or len(route.blocks) - run <= MISS_SLACK_BLOCKS:
+            return None
+        r = self.config
+        defer = min(r.home_wait_s, COLD_DEFER * (len(route.blocks) - run) * BLOCK_TOKENS
+                    * self.predict.rates(home.name)[0])
+        return Hold(home, min(r.home_wait_s, 2 * defer), defer) if defer > 0 else None
+
+    def _hold_room(self, route: PrefixRoute, candidates: Sequence[Backend],
+                   backends: Sequence[Backend]) -> Hold | None:
+        """A new conversation that queues anyway (no slot free) and whose prompt no backend holds
+        min_match_tokens of waits for the backend with the most room for it (the least working set,
+        counting the new conversations held for it already), when it would overflow another's cache: at
+        most home_wait_s and its prompt's predicted prefill there."""
+        if candidates or route.placing is not None or self._home(route) is not None:
+            return None
+        if max(self._match(route).values(), default=0) * BLOCK_TOKENS >= self.config.min_match_tokens:
+            return None      # a prefix worth keeping is somewhere: the pick's rules decide
+        up = [b for b in backends if b.available]
+        if len(up) < 2:
+            return None
+        best = min(up, key=self._share)
+        if all(self._share(b, route.prompt_tokens) <= 1 for b in up):
+            return None
+        wait = min(self.config.home_wait_s, route.prompt_tokens * self.predict.rates(best.name)[0])
+        now = self.clock()
+        for key in [k for k, (_, _, until) in self._placing.items() if until < now]:
+            del self._placing[key]       # sent elsewhere once its hold was up, or it left the queue
+        route.placing = best.name
+        self._placing[id(route)] = (best.name, route.prompt_tokens, now + wait)
+        return Hold(best, wait)
 
     def waiter(self, queue: Collection[Waiter], backends: Sequence[Backend]) -> Waiter | None:
-        """The first of the first lookahead + 1 waiters whose prompt has at least min_match_tokens on a
-        backend with a free slot; a waiter passed over lookahead times already is taken as it is."""
+        """Of the first lookahead + 1 waiters whose prompt has at least min_match_tokens and
+        min_match_ratio of it on a backend with a free slot, the one with the least left to prefill there
+        (ties: the earlier): the shortest first, and among a backend's conversations the one whose blocks
+        the engine surely kept before the older ones it may be evicting (served the other way round, an
+        LRU cache too small for every conversation loses each before its next round); failing that, the
+        first whose conversation lives there (Homes: the index forgot its blocks, but its history's home
+        is there). A waiter passed over lookahead times already is taken as it is."""
         r = self.config
         if not r.lookahead:
             return None
         free = [b.name for b in backends if b.free]
         if not free:
             return None      # nothing to hand out: the balancer's acquire finds no slot either
+        best, least_left, homed = None, 0, None
         for w in itertools.islice(queue, r.lookahead + 1):
             if w.future.done():
                 continue
@@ -508,5 +730,9 @@ class Prefix(Policy):
                 matched = self._match(w.route)
                 run = max((matched.get(n, 0) for n in free), default=0)
                 if run * BLOCK_TOKENS >= r.min_match_tokens and run >= r.min_match_ratio * len(w.route.blocks):
-                    return w
-        return None
+                    left = len(w.route.blocks) - run
+                    if best is None or left < least_left:
+                        best, least_left = w, left
+                elif homed is None and (home := self._home(w.route)) is not None and home[0] in free and home[1] > run:
+                    homed = w
+        return best or homed
