@@ -117,14 +117,15 @@ class Connection(asyncio.Protocol):
     loop an accept and a few attribute writes each, not aiohttp's handler and its task (a new client's
     /health waits in the accept queue behind every connection ahead of it: their setup is its wait)."""
 
-    __slots__ = ("clients", "server", "handler", "transport", "held", "last_in", "head_since", "acked",
+    __slots__ = ("clients", "server", "handler", "transport", "held", "body", "last_in", "head_since", "acked",
                  "progress_at")
 
     def __init__(self, clients: Clients, server) -> None:
         self.clients, self.server = clients, server
         self.handler = None
         self.transport = None
-        self.held = b""                      # the first head's bytes, before the handler exists
+        self.held = bytearray()              # the first head's bytes, before the handler exists
+        self.body = None                     # the payload of the newest request aiohttp parsed
         self.last_in = self.head_since = time.monotonic()   # a new connection owes its first head
         self.acked, self.progress_at = -1, self.last_in
 
@@ -135,18 +136,24 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         now = self.last_in = time.monotonic()
         if self.handler is None:
-            held = self.held = self.held + data
-            if held[:1].isalpha() and b"\n\r\n" not in held and b"\n\n" not in held and len(held) < HEAD_HOLD:
+            held = self.held
+            held += data
+            tail = held[-len(data) - 2:]     # only the new bytes can end the head (a head sent a byte at a time: linear)
+            if held[:1].isalpha() and b"\n\r\n" not in tail and b"\n\n" not in tail and len(held) < HEAD_HOLD:
                 return                       # a request line's start, its head not whole yet
-            self.held = b""
+            self.held = bytearray()
             self.handler = self.server()
             self.handler.connection_made(self.transport)
-            data = held
-        elif self.head_since is None and self.waiting():
+            data = bytes(held)
+        elif self.head_since is None and self.waiting() and (self.body is None or self.body.is_eof()):
+            # A new head begins; not when these are the last request's body bytes: on Python < 3.12 aiohttp
+            # runs a request a loop turn after taking it from its queue, and in that turn it looks idle.
             self.head_since = now
             self.clients.touched(self)
         self.handler.data_received(data)
-        if self.head_since is not None and self.handler._messages:
+        messages = self.handler._messages
+        if messages:
+            self.body = messages[-1][1]      # the newest request's body, still coming or whole
             self.head_since = None           # a whole head parsed: aiohttp queued its request
 
     def eof_received(self):
@@ -265,11 +272,6 @@ class Clients:
         c = self.config
         cuts = self.cuts
         for conn in list(self.open):
-            if conn.head_since is not None and not conn.waiting():
-                # A request under way owes no head: bytes of its body that came in the loop turn between
-                # aiohttp taking the request from its queue and running it (Python < 3.12 starts that task
-                # a turn later) found the connection idle and started a head's deadline.
-                conn.head_since = None
             if conn.head_since is not None:
                 if now - conn.head_since > c.header_timeout_s:
                     self.cut(conn, "header_timeout")

@@ -23,7 +23,7 @@ from .body import Parsed, Refused, parse
 from .fixups import numeric_user
 from .models import NO_MODEL
 from .results_log import LOGGED_PATHS, ResponseObserver, trace_id_of, user_value
-from .resume import Splice, continuation, counted_options, refusal
+from .resume import Splice, continuation, counted_options, refusal, usage_asked
 from .routing import Route
 from .state import PROXY
 from .tracing import NOT_SAMPLED, SAMPLED, chance, new_span_id, new_trace_id, parse_traceparent, sampled
@@ -450,10 +450,7 @@ def _splice_for(ex: Exchange, proxy) -> Splice | None:
     if not ex.logged or not isinstance(request, dict) or not request.get("stream"):
         return None
     why = refusal(ex.request.path, request) if proxy.config.resume.enabled else "off (proxy.resume.enabled false)"
-    options = request.get("stream_options")
-    options = options if isinstance(options, dict) else {}
-    return Splice(ex.request.path, why, options.get("include_usage") is True,
-                  options.get("continuous_usage_stats") is True)
+    return Splice(ex.request.path, why, *usage_asked(request))
 
 
 async def _resume(ex: Exchange, proxy, pool: Balancer, out: Outcome, tried: list) -> Outcome:

@@ -82,11 +82,27 @@ def counted_options(path: str, request: dict | None) -> dict | None:
     None: not resumable, or asked for already. The splice takes out what the client did not ask for."""
     if refusal(path, request) is not None:
         return None
+    asked = usage_asked(request)
+    if asked == (True, True):
+        return None
+    options = request.get("stream_options")
+    return {**(options if isinstance(options, dict) else {}), "include_usage": True, "continuous_usage_stats": True}
+
+
+def usage_asked(request: dict) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats) as vLLM 0.32 reads a request's stream_options: both off by
+    default, a value pydantic takes as true (true, 1, "true"...) on, continuous only with include_usage."""
     options = request.get("stream_options")
     options = options if isinstance(options, dict) else {}
-    if options.get("include_usage") is True and options.get("continuous_usage_stats") is True:
-        return None
-    return {**options, "include_usage": True, "continuous_usage_stats": True}
+    include = _true(options.get("include_usage"))
+    return include, include and _true(options.get("continuous_usage_stats"))
+
+
+def _true(value) -> bool:
+    """Whether pydantic's lax bool reads value as true (its false values and anything it refuses: false)."""
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "t", "yes", "y", "on")
+    return value is True or (type(value) in (int, float) and value == 1)
 
 
 def continuation(path: str, request: dict, text: str, tokens: int) -> dict | None:
@@ -260,17 +276,14 @@ class Splice:
     def _unasked(self, event: dict) -> dict | None:
         """event without the usage the client did not ask for (counted_options asked it of the engine): the
         closing usage chunk dropped (None) unless stream_options.include_usage, the usage of every other
-        event taken out, or null as vLLM sends it with include_usage alone."""
+        event taken out (vLLM 0.32 sends none there with include_usage alone: exclude_unset)."""
         if not self.strip or "usage" not in event:
             return event
         if not event.get("choices"):
             if self.include_usage:
                 return event
             return None if isinstance(event.get("usage"), dict) else event
-        if self.include_usage:
-            event["usage"] = None
-        else:
-            del event["usage"]
+        del event["usage"]
         return event
 
     def _rewrite(self, event: dict) -> bool:

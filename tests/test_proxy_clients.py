@@ -456,3 +456,40 @@ def test_body_bytes_that_arrive_as_aiohttp_takes_their_request_do_not_start_a_he
         await server.shutdown(0.1)
         return cut
     assert asyncio.run(main()) is False
+
+
+@pytest.mark.unit
+def test_a_fast_request_whose_body_came_in_that_turn_leaves_no_head_deadline_behind():
+    """The same window, a request answered at once: once it is under way the head deadline its body bytes
+    started is gone, so the kept-alive connection is not cut as a header timeout 10 s later."""
+    import asyncio
+    from aiohttp import web
+    from proxy.clients import Clients
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        answered = asyncio.Event()
+
+        async def handler(request):
+            await request.read()
+            answered.set()
+            return web.Response(text="ok")
+        server = web.Server(handler)
+        clients = Clients(ClientConfig(header_timeout_s=10), bound=100)
+        ours, theirs = socket.socketpair()
+        transport, conn = await loop.connect_accepted_socket(clients.factory(server), sock=ours)
+
+        def feed():
+            conn.data_received(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n")
+            loop.call_soon(conn.data_received, b"{}")
+        loop.call_soon(feed)
+        await asyncio.wait_for(answered.wait(), 5)
+        await asyncio.sleep(0.05)          # the answer written; the connection kept alive, waiting
+        since = conn.head_since
+        clients.sweep(time.monotonic() + 60)
+        cut = transport.is_closing()
+        transport.abort()
+        theirs.close()
+        await server.shutdown(0.1)
+        return since, cut
+    assert asyncio.run(main()) == (None, False)
