@@ -7,7 +7,7 @@ two groups (`fleet` holding every host, `rack-K` a rack of 50), and N SSH hosts 
 every one with its own address (10.x.y.z). For each size it times, in a fresh process each so nothing
 is cached between them:
 
-- validate all: `fleet.inventory.load` (every host's layers, its variables, the checks across hosts);
+- validate all: `fleet.settings.inventory.load` (every host's layers, its variables, the checks across hosts);
 - render one: `inv render --host h0 --out DIR` (the whole command line, Python's start included);
 - deploy --check one: `inv deploy --check --host h0`; h0's ssh address is 127.0.0.1 on a port where
   nothing listens, so the run goes through the whole control plane and ends at once at the refused

@@ -39,7 +39,6 @@ import heapq
 import json
 import multiprocessing
 import random
-import statistics
 import sys
 import tempfile
 import time

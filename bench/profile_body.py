@@ -20,7 +20,7 @@ import tracemalloc
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from proxy.body import Limits, Refused  # noqa: E402
-from proxy.forward import _digest  # noqa: E402
+from proxy.forward import digest  # noqa: E402
 from proxy.routing import POLICIES, RoutingConfig  # noqa: E402
 from proxy.state import SWITCH_S  # noqa: E402
 
@@ -67,9 +67,9 @@ async def measure(body: bytes | None, limits: Limits, pool) -> tuple[str, float,
             await asyncio.sleep(0.05)
             raise Refused("-")
         if len(body) > limits.inline_kb * 1024:
-            out = await loop.run_in_executor(pool, _digest, body, limits, policy, True)
+            out = await loop.run_in_executor(pool, digest, body, limits, policy, True)
         else:
-            out = _digest(body, limits, policy, True)
+            out = digest(body, limits, policy, True)
         outcome = f"{len(out[1].blocks)} blocks"
     except Refused as e:
         outcome = "400: " + str(e).split(";")[0][:48]

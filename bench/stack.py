@@ -44,8 +44,10 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from fleet import inventory, render  # noqa: E402
 from hostagent import nginx_front, processes, upstream  # noqa: E402
+
+from fleet import render  # noqa: E402
+from fleet.settings import inventory
 
 # An OTLP/HTTP sink: takes every export and discards it (the empty body is an empty ExportTraceServiceResponse).
 SINK = """import sys

@@ -25,19 +25,25 @@ from invoke import Collection, Exit, ParseError, Program, Task, task
 from invoke.completion.complete import print_completion_script
 from invoke.parser import Argument, ParserContext
 
-from . import bench as bench_mod
-from . import deploy as fleet_deploy
-from . import display, facts, front, inventory, render, runner, sync
-from . import doctor as doctor_mod
-from . import logs as fleet_logs
-from . import lora as lora_mod
-from . import restart as restart_mod
-from . import remove as fleet_remove
-from . import stop as fleet_stop
-from . import top as top_mod
-from .client import api_key as key_to_send
-from .client import chat as chat_request
-from .errors import FleetError
+from fleet import render
+from fleet.commands import (
+    bench as bench_mod,
+    deploy as fleet_deploy,
+    display,
+    front,
+    logs as fleet_logs,
+    lora as lora_mod,
+    remove as fleet_remove,
+    restart as restart_mod,
+    runner,
+    stop as fleet_stop,
+    top as top_mod,
+)
+from fleet.errors import FleetError
+from fleet.facts import doctor as doctor_mod, state as facts
+from fleet.host import sync
+from fleet.settings import inventory
+from fleet.transport.client import api_key as key_to_send, chat as chat_request
 
 NAME = "vllm-fleet"
 # The checkout this module runs from, when it runs from one (an installed wheel has none).

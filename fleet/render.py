@@ -14,13 +14,10 @@ import jinja2
 
 from hostagent import layout
 
-from . import accelerators
-from . import cluster
-from . import schema
-from . import serving
-from .cluster import address, backend_name
-from .errors import TemplateError
-from .inventory import HostVars
+from fleet.errors import TemplateError
+from fleet.settings import accelerators, cluster, schema, serving
+from fleet.settings.cluster import address, backend_name
+from fleet.settings.inventory import HostVars
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"   # package data: shipped in the wheel
 
@@ -261,7 +258,7 @@ def _num(x) -> str:
     return f"{x:g}" if isinstance(x, float) else str(x)
 
 
-# --- the launch of each instance (fleet/launch.py compares it with the recorded one) ------------------
+# --- the launch of each instance (fleet/plan/launches.py compares it with the recorded one) ------------------
 
 # The settings a difference is named by, in the order a report names them; argv holds them all, so a
 # difference elsewhere (the engine's own command, the sim's timings) reads as "engine command".
@@ -335,7 +332,7 @@ def stop_spec(hv: HostVars) -> dict:
 
 def _reach(hv: HostVars, bind: str, port: int) -> str:
     """host:port where a port bound to `bind` on hv is scraped: the bind address, or for a wildcard the
-    host's address (fleet.cluster.address: how other hosts reach it)."""
+    host's address (fleet.settings.cluster.address: how other hosts reach it)."""
     return backend_name(address(hv.settings) if layout.local_address(bind) != bind else bind, port)
 
 
@@ -414,7 +411,7 @@ def context(hv: HostVars) -> dict:
         "num": _num,
         "card_files": [[f for card in hv.cards[i] for f in accelerators.card_files(v.accelerator, v.deploy_dir, card)]
                        for i in range(v.instances)],
-        # What the host serves (fleet.serving): plain, or the models form with its groups and pools.
+        # What the host serves (fleet.settings.serving): plain, or the models form with its groups and pools.
         "plain": hv.plain,
         "groups": hv.groups,
         "group_of": [hv.group_of(i) for i in range(v.instances)],
@@ -428,7 +425,7 @@ def context(hv: HostVars) -> dict:
         "proxy_engine_cores": engine_cores(hv),
         "scrape_targets": scrape_targets(hv),
         "smi_candidates": accelerators.kind(v.accelerator).smi_candidates,
-        # Each instance's launch and its digest: start_cluster.sh records them (fleet.launch).
+        # Each instance's launch and its digest: start_cluster.sh records them (fleet.plan.launches).
         "launches": [{"digest": w["digest"], "json": encode_launch(w["launch"])} for w in wanted_launches(hv)],
         # Behind virtual addresses (keepalived): the group, this entry in it, its VRRP instances.
         "vrrp_group": hv.vrrp_group,
@@ -447,7 +444,7 @@ def context(hv: HostVars) -> dict:
 def offline(hv: HostVars, home: str, python: str = "python3") -> HostVars:
     """hv as `inv render` writes it without contacting the host: `~` in deploy_dir and the model paths
     becomes home, a relative deploy_dir goes under it, and python defaults to python (deploy resolves them
-    on the host, the same way: fleet.facts.prepare)."""
+    on the host, the same way: fleet.facts.state.prepare)."""
     hv = hv.at_home(lambda: home)
     if not hv.settings.deploy_dir.startswith("/"):
         hv.settings.deploy_dir = home.rstrip("/") + "/" + hv.settings.deploy_dir

@@ -23,7 +23,7 @@
 - One spelling each: `httpcall` (the HTTP call), `exposition` (the Prometheus text parser), `files` (the
   atomic write), `config` (the config files), `errors` (the error tree: one error per part).
 - `probes/`: the scripts that read a host's state (state, holders, doctor, cpu_mem), sent on standard
-  input with the modules they import (fleet.hostcode).
+  input with the modules they import (fleet.transport.hostcode).
 
 Shipped into deploy_dir/hostagent/ like the proxy's code and run there with the host's Python
 (`python -m hostagent COMMAND ...`). Standard library only, never `fleet`, never `proxy`.

@@ -8,7 +8,7 @@ Two kinds, the first the host allows:
   are found and removed exactly, and no other line of the crontab is touched): `@reboot bin/boot.sh`, and
   every minute `bin/boot.sh --keeper`, the watchdog (a no-op while the keeper lives).
 
-Run on the host as a script sent on standard input (`python - COMMAND ...`; fleet.agent.run_module), so
+Run on the host as a script sent on standard input (`python - COMMAND ...`; fleet.transport.agent.run_module), so
 it works where nothing is deployed (a stop removes the hook even then); the probes import it too.
 Commands, each printing one JSON line:
     detect                                  which kind the host allows, or what is missing

@@ -1,9 +1,9 @@
 """The cards' memory and use for the keeper's /metrics, read from the host's smi (standard library only).
 
-The control node reads the smi through fleet/smi.py (every format it knows, with errors that name the
+The control node reads the smi through fleet/host/smi.py (every format it knows, with errors that name the
 fix); the keeper needs only the figures, so this reads the same three outputs tolerantly: hy-smi's (and
 the sim's) `HCU[i] : key: value` lines, `rocm-smi --json`, and nvidia-smi's CSV. Arguments per smi as
-fleet/smi.py's SMI_ARGS gives them.
+fleet/host/smi.py's SMI_ARGS gives them.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The host agent's errors: a small tree, each named for its part. Every one is a sentence that says what
 to do; `python -m hostagent` reports it as `FLEET_RESULT {"ok": false, "error": ...}`.
 
-Standard library only, Python 3.6+ (bundled with the probes that import lora, fleet.hostcode).
+Standard library only, Python 3.6+ (bundled with the probes that import lora, fleet.transport.hostcode).
 """
 
 

@@ -2,7 +2,7 @@
 
 The keeper, the drain and the live view's sampler read engines' and the proxy's /metrics through it; the
 sampler sends what it parsed (numbers), so the control plane parses no exposition text. Standard library
-only, Python 3.6+ (the probes bundle it, fleet.hostcode).
+only, Python 3.6+ (the probes bundle it, fleet.transport.hostcode).
 """
 import re
 

@@ -1,5 +1,6 @@
-"""The state probe's answer as declared records: what hostagent/probes/state.py reads on the host, and what
-the control plane (fleet/facts.py) parses once from the JSON the probe prints. Shared by both sides, like
+"""The probes' answers as declared records: what hostagent/probes/state.py (and holders.py, who holds the
+device files) read on the host, and what the control plane (fleet/facts/state.py, fleet/host/release.py)
+parses once from the JSON the probe prints. Shared by both sides, like
 hostagent/layout.py: the type says what a fact holds.
 
 Standard library only, Python 3.7+ (dataclasses; no `X | None` at runtime): it is bundled into the probe
@@ -143,6 +144,42 @@ class HostFacts:
         return [t for t in self.tagged if t.tag == tag]
 
 
+@dataclass
+class Holder:
+    """A process holding one of the accelerators' device files (hostagent/probes/holders.py). kind:
+    `self` (the probe, its ancestors, its session: never touched), `other-user` (only reported), `spared`
+    (another instance of this deployment during `--instance I`), `yours` (killed with --force)."""
+
+    pid: int
+    kind: str
+    user: str = ""
+    uid: int = -1
+    tag: Optional[str] = None
+    cmdline: str = ""
+    files: List[str] = field(default_factory=list)
+    start: Optional[int] = None
+
+    def shown(self) -> str:
+        """`pid 123 (user alice, tag d/0: vllm serve ...)`."""
+        tag = ", tag " + self.tag if self.tag else ""
+        return "pid {} (user {}{}: {})".format(self.pid, self.user, tag, self.cmdline[:70])
+
+
+@dataclass
+class Holders:
+    """The holders probe's answer: the device files found and who holds them; with kill, the pids killed
+    and those alive after SIGKILL; error, why the holders could not be listed (then nothing else)."""
+
+    files: List[str] = field(default_factory=list)
+    holders: List[Holder] = field(default_factory=list)
+    killed: List[int] = field(default_factory=list)
+    survivors: List[int] = field(default_factory=list)
+    error: Optional[str] = None
+
+    def of_kind(self, *kinds: str) -> List[Holder]:
+        return [h for h in self.holders if h.kind in kinds]
+
+
 def record(cls, data: Dict[str, Any]):
     """A record of cls from its wire form, keys it does not declare left out (an older or newer probe)."""
     names = {f.name for f in fields(cls)}
@@ -160,6 +197,13 @@ def parse(data: Dict[str, Any]) -> HostFacts:
     out.tagged = [record(Tagged, t) for t in data.get("tagged") or []]
     out.lora_adapters = data.get("lora_adapters") or []
     out.asked_boot = "boot" in data
+    return out
+
+
+def parse_holders(data: Dict[str, Any]) -> Holders:
+    """The one reader of the holders probe's JSON."""
+    out = record(Holders, data)
+    out.holders = [record(Holder, h) for h in data.get("holders") or []]
     return out
 
 

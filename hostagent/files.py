@@ -1,6 +1,6 @@
 """The host agent's one atomic write: a file is replaced whole or not at all, never seen half written.
 
-Standard library only, Python 3.6+ (bundled with the modules that import it, fleet.hostcode).
+Standard library only, Python 3.6+ (bundled with the modules that import it, fleet.transport.hostcode).
 """
 import os
 

@@ -2,7 +2,7 @@
 
 Every reader of /health, /metrics, the proxy's admin API and vLLM's endpoints goes through `call`, so a
 refused connection, a timeout, an HTTP error status and a stranger that speaks no HTTP (sshd on the port)
-read the same everywhere. Standard library only, Python 3.6+ (the probes bundle it, fleet.hostcode).
+read the same everywhere. Standard library only, Python 3.6+ (the probes bundle it, fleet.transport.hostcode).
 """
 import http.client
 import json

@@ -12,7 +12,7 @@ connection drops, the input closes and the lock goes with the process.
     python3 lock.py hold DEPLOY_DIR --what "inv deploy" [--wait]
 prints `FLEET_LOCK {"state": "locked" | "held" | "waiting", "holder": {...}}` lines, then holds the lock
 until its standard input closes. Standard library only, Python 3.6+, runs alone (its one import, `layout`,
-bundled in front of it by fleet.hostcode, or found beside it).
+bundled in front of it by fleet.transport.hostcode, or found beside it).
 
 On the host, in Python:
     held = try_hold(deploy_dir, "keeper")     # None while a run holds it
@@ -27,7 +27,7 @@ import signal
 import sys
 import time
 
-from hostagent import layout  # in the package, or bundled in front by fleet.hostcode
+from hostagent import layout  # in the package, or bundled in front by fleet.transport.hostcode
 
 
 def lock_path(deploy_dir):

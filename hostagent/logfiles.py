@@ -3,7 +3,7 @@ and the keeper's and nginx's records. Each is created 0600 whatever the umask (a
 too), a directory made for them 0700, and a file left looser (by an earlier version, or by hand) is
 tightened when its writer starts, which says so in a log line.
 
-Standard library only, Python 3.6+ (bundled with the modules that import it, fleet.hostcode).
+Standard library only, Python 3.6+ (bundled with the modules that import it, fleet.transport.hostcode).
 """
 import logging.handlers
 import os

@@ -16,7 +16,7 @@ its own process group or session; and nothing of another user.
 
 Standard library only, Python 3.6+, no import of the rest of the package but `layout` and `files`: the file
 also runs alone, `python3 - stop SPEC_JSON [--instance I | --proxy] [--check]` with this file (and those two,
-fleet.hostcode) on standard input, so `inv stop` works where deploy never put the code
+fleet.transport.hostcode) on standard input, so `inv stop` works where deploy never put the code
 (bin/stop_cluster.sh runs the deployed copy).
 """
 import json
@@ -26,7 +26,7 @@ import signal
 import sys
 import time
 
-from hostagent import files, layout  # in the package, or bundled in front by fleet.hostcode
+from hostagent import files, layout  # in the package, or bundled in front by fleet.transport.hostcode
 
 PROTECTED = (0, 1)
 

@@ -25,7 +25,12 @@ import subprocess
 import sys
 import time
 
-from hostagent import layout, logfiles, parts, processes  # in the package, or bundled in front by fleet.hostcode
+from hostagent import (  # in the package, or bundled in front by fleet.transport.hostcode
+    layout,
+    logfiles,
+    parts,
+    processes,
+)
 
 CANDIDATES = ("/usr/sbin/keepalived", "/usr/local/sbin/keepalived")
 CAP_NET_ADMIN, CAP_NET_RAW = 12, 13

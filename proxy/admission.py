@@ -33,7 +33,7 @@ RAMP_S = 0.05            # with a reserve, a tenant above its share takes one mo
 
 
 def _bounded(lo, hi):
-    """A tenant setting, None (no limit) by default, and the bounds a value must keep (fleet/schema.py
+    """A tenant setting, None (no limit) by default, and the bounds a value must keep (fleet/settings/schema.py
     has the same; tests/test_tenants.py holds them equal)."""
     return field(default=None, metadata={"bounds": (lo, hi)})
 

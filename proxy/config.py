@@ -14,13 +14,13 @@ import yaml
 
 from .admission import DEFAULT, TENANT_KEYS, TenantConfig
 from .body import Limits
-from .routes import Routes, compiled, parse_route
 from .clients import ClientConfig
 from .resume import ResumeConfig
+from .routes import Routes, compiled, parse_route
 from .routing import POLICIES, RoutingConfig
 
 MIB = 1024 * 1024
-TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")   # fleet/schema.py has the same
+TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")   # fleet/settings/schema.py has the same
 
 
 class ConfigError(Exception):
@@ -198,7 +198,7 @@ TOP_KEYS = ("listen", "admin", "backends", "health", "timeout_s", "connect_timeo
             "fix_numeric_user", "api_keys_file", "slots", "queue", "models", "routing", "otlp", "tenants",
             "share", "open_routes", "limits", "client", "resume", "workers")
 LIMIT_KEYS = tuple(f.name for f in fields(Limits))
-MAX_JSON_DEPTH = 512              # fleet/schema.py has the same
+MAX_JSON_DEPTH = 512              # fleet/settings/schema.py has the same
 CLIENT_KEYS = tuple(f.name for f in fields(ClientConfig))
 RESUME_KEYS = tuple(f.name for f in fields(ResumeConfig))
 ROUTING_KEYS = tuple(f.name for f in fields(RoutingConfig))

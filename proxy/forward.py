@@ -666,7 +666,7 @@ def _tenant_of(request: web.Request, keys: dict) -> str | None:
 
 
 async def _read_body(ex: Exchange, proxy, backend: Backend | None) -> web.Response | None:
-    """Read the body and read inside it once (_digest: in a worker thread past proxy.limits.inline_kb);
+    """Read the body and read inside it once (digest: in a worker thread past proxy.limits.inline_kb);
     a response when the request ends here (413, or a 400 past proxy.limits). backend: the one picked
     (None: the models form, or a policy that reads the body, reads it before the pick)."""
     request, config = ex.request, proxy.config
@@ -688,24 +688,24 @@ async def _read_body(ex: Exchange, proxy, backend: Backend | None) -> web.Respon
     fix = ex.logged and config.fix_numeric_user
     counted = request.path if ex.logged and config.resume.enabled else None
     try:
-        digest = await _digested(proxy, ex.body, pool, fix, counted)
+        digested = await _digested(proxy, ex.body, pool, fix, counted)
     except Refused as refused:
         return json_error(400, f"{refused}.", "BadRequestError", ids)
-    ex.parsed, ex.route, ex.trace_id, fixed, fixups = digest
+    ex.parsed, ex.route, ex.trace_id, fixed, fixups = digested
     if fixed is not None:
         ex.body, ex.fixups = fixed, fixups
     return None
 
 
 async def _digested(proxy, body: bytes, pool: Balancer | None, fix: bool, counted: str | None = None) -> tuple:
-    """_digest of body: on the event loop up to proxy.limits.inline_kb, in a worker thread beyond."""
+    """digest of body: on the event loop up to proxy.limits.inline_kb, in a worker thread beyond."""
     limits = proxy.config.limits
     if len(body) <= limits.inline_kb * 1024:
-        return _digest(body, limits, pool, fix, counted)
-    return await asyncio.get_running_loop().run_in_executor(proxy.parser, _digest, body, limits, pool, fix, counted)
+        return digest(body, limits, pool, fix, counted)
+    return await asyncio.get_running_loop().run_in_executor(proxy.parser, digest, body, limits, pool, fix, counted)
 
 
-def _digest(body: bytes, limits, pool: Balancer | None, fix: bool, counted: str | None = None) -> tuple:
+def digest(body: bytes, limits, pool: Balancer | None, fix: bool, counted: str | None = None) -> tuple:
     """(the body's parse, its route by pool's policy (None: no policy reads it), the trace id from its `user`,
     the body to send when it changed (else None), the results log's names of the changes); Refused past
     limits. Changes: a numeric `user` made a string (fix), and a resumable stream's usage asked on every

@@ -32,7 +32,7 @@ from .config import ConfigError, OtlpConfig
 log = logging.getLogger("proxy")
 
 INSTALL = "pip install opentelemetry-sdk opentelemetry-exporter-otlp-proto-http"
-# What the export imports, for the deploy's check of the proxy's Python (fleet/preflight.py).
+# What the export imports, for the deploy's check of the proxy's Python (fleet/host/preflight.py).
 MODULES = ("opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.http")
 # The directory that holds the proxy package: the exporter imports it from there whatever its cwd.
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -4,7 +4,7 @@ vLLM's API server also serves its management: runtime adapters (`/v1/load_lora_a
 `/v1/unload_lora_adapter`), cache resets, sleep and wake, profiling, `/collective_rpc`, weight updates.
 Through the entry port any key holder would reach them, on whichever instance the pick chose; they are
 the operator's, on each instance's own port (`inv lora` loads adapters so). Everything not listed here
-is answered 404 by the proxy itself, and nginx mode renders the same list (fleet/schema.py holds a copy,
+is answered 404 by the proxy itself, and nginx mode renders the same list (fleet/settings/schema.py holds a copy,
 tests/test_routes.py holds the two equal).
 """
 from __future__ import annotations

@@ -110,7 +110,7 @@ def main() -> int:
     ap.add_argument("--keepalive", action="store_true")
     ap.add_argument("--hold-s", type=float, default=2.0)
     args = ap.parse_args()
-    from fleet import inventory
+    from fleet.settings import inventory
     inv_args = ["--inventory", args.inventory] if args.inventory else []
     hv = inventory.load(args.inventory or None).host_vars(args.host)
     with Load(hv["proxy"]["port"], hv["served_model_name"], args.clients, args.keepalive) as load:

@@ -251,8 +251,10 @@ def stop_by_own_scripts(inventory: Path, hosts: list[str] | None = None) -> None
     For hosts whose deploy_dir is on this machine (SSH and namespace hosts in tests): no SSH round, drain or
     card wait just to end a test; the tests of `inv stop` itself keep those."""
     import yaml
-    from fleet import inventory as inv_mod
+
     from hostagent import layout
+
+    from fleet.settings import inventory as inv_mod
     loaded = inv_mod.load(inventory)
     names = hosts if hosts is not None else list(yaml.safe_load(Path(inventory).read_text())["hosts"])
     stops = []
@@ -274,7 +276,7 @@ def status_json(inventory: Path, *args: str, host: str = "t") -> dict:
 
 
 def deployment_id(inventory: Path, host: str = "t") -> str:
-    from fleet import inventory as inv_mod
+    from fleet.settings import inventory as inv_mod
     return inv_mod.load(inventory).host_vars(host).deployment_id
 
 
@@ -301,7 +303,7 @@ def deploy_sim_cluster(tmp_path, instances: int = 2, queue_max: int | None = Non
     """A local sim cluster through `inv deploy` (on ports of this xdist worker's slice: conftest.free_ports):
     its inventory and host variables. queue_max: the proxy's proxy.queue.max. A deploy that fails
     leaves nothing running."""
-    from fleet import inventory as inv_mod
+    from fleet.settings import inventory as inv_mod
     path = write_inventory(tmp_path, instances=instances, sim=sim)
     if queue_max is not None:
         interval = "      health_interval_s: 0.5\n"

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT
 
 pytestmark = pytest.mark.unit
@@ -44,23 +43,23 @@ def test_a_circle_put_back_breaks_the_layers(tmp_path):
     """1. Copy the three parts; 2. make the facts import deploy, which reads them (a circle);
     3. the layers contract is broken and names the import."""
     root = copy_of_the_parts(tmp_path)
-    facts = root / "fleet" / "facts.py"
-    facts.write_text(facts.read_text() + "\nfrom . import deploy  # noqa: E402\n")
+    facts = root / "fleet" / "facts" / "state.py"
+    facts.write_text(facts.read_text() + "\nfrom fleet.commands import deploy  # noqa: E402\n")
     r = lint_imports(root)
     assert r.returncode == 1, r.stdout + r.stderr
-    assert "The control plane's layers" in r.stdout and "fleet.facts -> fleet.deploy" in r.stdout, r.stdout
+    assert "The control plane's layers" in r.stdout and "fleet.facts.state -> fleet.commands.deploy" in r.stdout, r.stdout
 
 
 def test_a_circle_put_back_for_type_hints_alone_breaks_the_layers(tmp_path):
-    """1. Copy the three parts; 2. make fleet.cluster import fleet.inventory (which calls it) under
+    """1. Copy the three parts; 2. make fleet.settings.cluster import fleet.settings.inventory (which calls it) under
     TYPE_CHECKING only, for a type hint; 3. the layers contract still sees the circle and names it."""
     root = copy_of_the_parts(tmp_path)
-    cluster = root / "fleet" / "cluster.py"
+    cluster = root / "fleet" / "settings" / "cluster.py"
     cluster.write_text(cluster.read_text() + "\nfrom typing import TYPE_CHECKING  # noqa: E402\n"
-                       "if TYPE_CHECKING:\n    from .inventory import HostVars  # noqa: F401\n")
+                       "if TYPE_CHECKING:\n    from fleet.settings.inventory import HostVars  # noqa: F401\n")
     r = lint_imports(root)
     assert r.returncode == 1, r.stdout + r.stderr
-    assert "The control plane's layers" in r.stdout and "fleet.cluster -> fleet.inventory" in r.stdout, r.stdout
+    assert "The control plane's layers" in r.stdout and "fleet.settings.cluster -> fleet.settings.inventory" in r.stdout, r.stdout
 
 
 def test_the_control_plane_imported_on_a_host_breaks_the_independence(tmp_path):
@@ -116,10 +115,73 @@ def test_no_function_local_import_of_the_project_own_modules():
 
 def test_the_layers_name_every_module_of_the_control_plane():
     """A module left out of the layers contract is held to nothing: every module of fleet/ (the sim, a
-    package of its own, as one) has its place in a layer, and the layers name no module that is gone."""
+    package of its own, as one) has its place in the module layers, every room (a subpackage, or a module
+    at fleet/'s top) in the rooms' layers, and neither names a module or room that is gone."""
     import tomllib
     contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
-    layers = next(c for c in contracts if c["type"] == "layers")["layers"]
-    named = {m.strip() for layer in layers for m in layer.split("|")}
-    modules = {f"fleet.{p.stem}" for p in (ROOT / "fleet").glob("*.py") if p.stem != "__init__"} | {"fleet.sim"}
-    assert sorted(modules - named) == [] and sorted(named - modules) == []
+    rooms_layers, module_layers = [c["layers"] for c in contracts if c["type"] == "layers"]
+
+    def named(layers):
+        return {m.strip() for layer in layers for m in layer.split("|")}
+
+    fleet = ROOT / "fleet"
+    rooms = {p for p in fleet.iterdir() if p.name not in ("__init__.py", "__pycache__", "templates")
+             and (p.suffix == ".py" or (p / "__init__.py").exists())}
+    room_names = {f"fleet.{p.stem}" for p in rooms}
+    modules = {"fleet.sim"} | {
+        "fleet." + ".".join(p.relative_to(fleet).with_suffix("").parts)
+        for p in fleet.rglob("*.py") if "sim" not in p.relative_to(fleet).parts[:1] and p.name != "__init__.py"}
+    assert sorted(room_names ^ named(rooms_layers)) == []
+    assert sorted(modules ^ named(module_layers)) == []
+
+
+def test_a_command_imported_by_the_library_breaks_the_rooms(tmp_path):
+    """1. Copy the three parts; 2. make the plan import a command (fleet.commands.display); 3. the rooms'
+    contract is broken: nothing below the commands imports one."""
+    root = copy_of_the_parts(tmp_path)
+    steps = root / "fleet" / "plan" / "steps.py"
+    steps.write_text(steps.read_text() + "\nfrom fleet.commands import display  # noqa: E402\n")
+    r = lint_imports(root)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "The control plane's rooms" in r.stdout and "fleet.plan.steps -> fleet.commands.display" in r.stdout, r.stdout
+
+
+# What the benchmarks and profilers (bench/, scripts run from a checkout, not a package) may reach of the
+# three parts: the control plane's public surface (load an inventory, render a host, its errors), the data
+# plane's units a benchmark drives alone (a routing policy, the body's parse and the per-request digest, the
+# fair queue, a timing constant), and the host agent's modules that find, start and stop processes and run
+# nginx. Nothing else, and no name with a leading underscore: a benchmark measures what the product runs.
+BENCH_MAY_IMPORT = {
+    "fleet.settings.inventory", "fleet.render", "fleet.errors",
+    "proxy.routing", "proxy.routing.base", "proxy.routing.prefix", "proxy.body", "proxy.forward",
+    "proxy.admission", "proxy.state",
+    "hostagent.processes", "hostagent.nginx_front", "hostagent.upstream", "hostagent.apikeys", "hostagent.layout",
+}
+
+
+def _bench_reach(bench: Path) -> list[str]:
+    found = []
+    for path in sorted(bench.glob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                pairs = [(a.name, None) for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                pairs = [(node.module, a.name) for a in node.names]
+            else:
+                continue
+            for module, name in pairs:
+                if module.split(".")[0] not in PARTS:
+                    continue
+                whole = f"{module}.{name}" if name and f"{module}.{name}" in BENCH_MAY_IMPORT else module
+                if whole not in BENCH_MAY_IMPORT or (name or "").startswith("_"):
+                    found.append(f"{path.name}: {module}{'.' + name if name else ''}")
+    return found
+
+
+def test_the_benchmarks_reach_only_the_declared_surfaces(tmp_path):
+    """Every import of fleet/, proxy/ or hostagent/ in bench/ is in BENCH_MAY_IMPORT (and no private name);
+    shown to bite: a benchmark reaching a private name or another module is named."""
+    assert _bench_reach(ROOT / "bench") == []
+    (tmp_path / "bench_x.py").write_text("from proxy.forward import _digested\nfrom fleet.commands import deploy\n")
+    assert _bench_reach(tmp_path) == ["bench_x.py: proxy.forward._digested", "bench_x.py: fleet.commands.deploy"]

@@ -9,11 +9,10 @@ import zlib
 from datetime import datetime
 
 import pytest
-
-from fleet import bench
 from conftest import wait_until
 from fleet_helpers import deployment_id, inv, kill_tagged, status_json, write_inventory
 
+from fleet.commands import bench
 
 # One request: 300 ms to the first token (whatever the prompt: no prefill time) + 16 tokens x 40 ms,
 # about 1 s, long enough that process start-up jitter on a loaded machine stays well inside the 20% the
@@ -276,8 +275,8 @@ def test_percentile_interpolates_between_ranks():
 
 @pytest.mark.unit
 def test_util_summary_is_the_median_of_the_cards_mean():
-    """Cards as fleet.smi reads them (hy-smi's default table gives VRAM% only: MiB unknown, NaN)."""
-    from fleet.smi import Card
+    """Cards as fleet.host.smi reads them (hy-smi's default table gives VRAM% only: MiB unknown, NaN)."""
+    from fleet.host.smi import Card
     samples = [{"cards": [bench.card_figures(Card(0, 52000, 65520, 50.0)),
                           bench.card_figures(Card(1, util_pct=90.0, vram_pct=70.0))]},
                {"cards": [bench.card_figures(Card(0, 52000, 65520, 100.0)),

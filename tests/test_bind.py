@@ -10,10 +10,11 @@ import urllib.request
 
 import pytest
 import yaml
-
 from conftest import ROOT, free_ports, http_status
-from fleet import inventory, render
 from fleet_helpers import deployment_id, inv, kill_tagged, status_json, write_inventory
+
+from fleet import render
+from fleet.settings import inventory
 
 pytestmark = pytest.mark.cluster
 

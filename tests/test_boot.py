@@ -16,22 +16,30 @@ import signal
 import subprocess
 import time
 import urllib.request
-from types import SimpleNamespace
-
-from hostagent.facts import parse
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
-
 from conftest import require_tool, wait_until
-from fleet import boot as fleet_boot
-from fleet import remove as fleet_remove
-from fleet.render import environment, render_host
-from fleet_helpers import (deployment_id, inv, kill_tagged, session_members, status_json, stop_by_own_scripts,
-                           tagged_pids, write_inventory)
-from hostagent import boothook, layout, processes
+from fleet_helpers import (
+    deployment_id,
+    inv,
+    kill_tagged,
+    session_members,
+    status_json,
+    stop_by_own_scripts,
+    tagged_pids,
+    write_inventory,
+)
 from netns import namespace_pids, netns_fleet  # noqa: F401  (the fixture)
+
+from hostagent import boothook, layout, processes
+from hostagent.facts import parse
+
+from fleet.commands import remove as fleet_remove
+from fleet.host import boot as fleet_boot
+from fleet.render import environment, render_host
 
 HOOK = {"FLEET_BOOT_HOOK": "auto"}
 GROUP = pytest.mark.xdist_group("boot")          # one crontab: these tests run one after the other
@@ -174,7 +182,7 @@ def test_boot_script_renders_for_local_and_ssh_hosts_and_parses(tmp_path):
     """1. the example inventory's hosts (local; k100-01 over SSH with env_setup) render bin/boot.sh;
     2. bash parses it; 3. the SSH host's runs the host agent by deploy's interpreter rule (python3 when
     recent, else the inventory's python after env_setup), the local one with its resolved python."""
-    from fleet import inventory
+    from fleet.settings import inventory
     inv_ = inventory.load(Path(__file__).resolve().parent.parent / "inventory" / "hosts.yml")
     for name in ("local", "k100-01"):
         hv = inv_.host_vars(name)
@@ -298,9 +306,9 @@ def test_a_second_deploy_with_its_hook_installed_as_wanted_spends_no_round_trip_
     """On stand-in tools (the real crontab untouched): 1. a deploy with boot_hook cron installs the hook;
     2. a second deploy, nothing changed, plans the hook kept (the state probe found it as wanted) and spends
     two round trips in all, the run lock and the first read, as tests/test_round_trips.py's SSH host does."""
-    from fleet import deploy as fleet_deploy
-    from fleet import inventory as inv_mod
-    from fleet import transport
+    from fleet.commands import deploy as fleet_deploy
+    from fleet.settings import inventory as inv_mod
+    from fleet.transport import connection as transport
     tab = fake_tools(tmp_path / "bin", linger=False)
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))

@@ -21,13 +21,12 @@ import threading
 from pathlib import Path
 
 import pytest
-from invoke import Collection
-
 from conftest import PYTHON, ROOT, free_port, free_ports
 from fleet_helpers import inv
+from invoke import Collection
 
 import fleet.cli
-from fleet import inventory as inv_mod
+from fleet.settings import inventory as inv_mod
 
 pytestmark = pytest.mark.process
 
@@ -397,7 +396,7 @@ def test_render_into_a_closed_output_writes_every_file_and_says_no_error(tmp_pat
             proc.kill()
             proc.wait()
     assert proc.returncode == 0 and err == "", (proc.returncode, err)
-    from fleet import sync
+    from fleet.host import sync
     hv = inv_mod.load(inventory_file).host_vars("t")
     hv.settings.python = "python3"
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()) == \

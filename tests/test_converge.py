@@ -14,11 +14,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from conftest import free_ports, wait_until
-from fleet import launch, render
-from fleet import inventory as inv_mod
 from fleet_helpers import deployment_id, inv, kill_tagged, status_json, write_inventory
+
+from fleet import render
+from fleet.plan import launches as launch
+from fleet.settings import inventory as inv_mod
 
 pytestmark = pytest.mark.xdist_group("converge")
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 import re
 
 import pytest
+from fleet_helpers import deployment_id, inv, stop_by_own_scripts, tagged_pids, write_inventory
 
 from hostagent.facts import parse
-
-from fleet_helpers import deployment_id, inv, stop_by_own_scripts, tagged_pids, write_inventory
 
 pytestmark = pytest.mark.cluster
 
@@ -95,8 +94,8 @@ def test_chat_and_bench_send_the_key_from_the_option_or_the_environment(tmp_path
 @pytest.mark.unit
 def test_settings_a_deploy_would_switch_off_are_named(tmp_path):
     """Tenants and keepalived, from the running proxy's config and the deployed files (keys: above)."""
-    from fleet import drift
-    from fleet.inventory import load
+    from fleet.plan import drift
+    from fleet.settings.inventory import load
     hv = load(write_inventory(tmp_path, instances=1)).host_vars("t")
     found = {"proxy": {"config": {"api_keys": False, "tenants": [{"name": "default"}, {"name": "batch"}]}}}
     said = drift.sentences(hv, parse(found), {"inventory": hv.inventory_path, "keepalived": True})
@@ -120,7 +119,7 @@ def test_deploy_check_counts_the_new_files_in_one_line_and_lists_them_with_v(tmp
 
 @pytest.mark.unit
 def test_an_inventory_path_is_compared_as_a_file_not_as_text(tmp_path, monkeypatch):
-    from fleet.drift import _same_file
+    from fleet.plan.drift import _same_file
     monkeypatch.chdir(tmp_path)
     assert _same_file("inventory/hosts.yml", str(tmp_path / "inventory" / "hosts.yml"))
     assert _same_file("inventory/hosts.yml", "/srv/checkout/inventory/hosts.yml")      # run from elsewhere
@@ -133,8 +132,8 @@ def test_a_deploy_records_its_inventory_by_absolute_path(tmp_path, monkeypatch):
     """1. Two checkouts, each with inventory/hosts.yml, loaded by the relative path from their own directory.
     2. Each host's inventory_path (what the deployed headers name) is absolute, so the second is told
     apart from the first: the default path no longer matches any other `.../inventory/hosts.yml`."""
-    from fleet import inventory
-    from fleet.drift import _same_file
+    from fleet.plan.drift import _same_file
+    from fleet.settings import inventory
     paths = []
     for checkout in ("a", "b"):
         (tmp_path / checkout / "inventory").mkdir(parents=True)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from fleet import schema_doc
+from fleet.settings import schema_doc
 
 pytestmark = pytest.mark.unit
 
@@ -19,14 +19,14 @@ def test_inventory_reference_is_generated_from_the_schema():
     written = (ROOT / "docs" / "inventory.md").read_text()
     assert written == schema_doc.markdown(), (
         "docs/inventory.md differs from the schema's reference: run "
-        "`python -m fleet.schema_doc > docs/inventory.md`")
+        "`python -m fleet.settings.schema_doc > docs/inventory.md`")
 
 
 def test_every_key_of_the_schema_is_documented():
     """Every key the schema takes (nested keys dotted) has its text and its heading in the reference."""
     text = schema_doc.markdown()
     for _, key, info in schema_doc.keys():
-        assert (info.json_schema_extra or {}).get("doc"), f"{key}: add doc() text in fleet/schema.py"
+        assert (info.json_schema_extra or {}).get("doc"), f"{key}: add doc() text in fleet/settings/schema.py"
         assert f"#### `{key}`" in text
 
 

@@ -8,9 +8,7 @@ import socket
 import textwrap
 
 import pytest
-
 from conftest import PYTHON, free_ports
-
 from fleet_helpers import inv
 
 
@@ -83,7 +81,8 @@ def test_doctor_names_a_missing_model_path_and_a_taken_port(tmp_path, short_dir)
 def test_cpu_instances_beyond_the_cores_say_so_plainly(tmp_path):
     """cpus_per_instance 0 splits the host's cores: 4 instances on 2 cores get none each (it said
     "4 instance(s) x 0 core(s) do not fit the 2 core(s)")."""
-    from fleet import doctor, inventory
+    from fleet.facts import doctor
+    from fleet.settings import inventory
     path = tmp_path / "hosts.yml"
     path.write_text("hosts:\n  c: {engine: vllm, accelerator: cpu, instances: 4, model: /m}\n")
     hv = inventory.load(path).host_vars("c")
@@ -278,10 +277,12 @@ KEY_FILE_CASES = [
 def test_the_key_file_is_judged_as_the_proxy_will_read_it(tmp_path, case, text, mode, line):
     """What made the proxy exit after the engines loaded (a missing or empty key file, a tenant the
     inventory does not define) fails the check; a file others may read, or a short key, warns."""
-    from fleet import doctor
-    from fleet.inventory import load
-    from hostagent import apikeys
     from fleet_helpers import write_inventory
+
+    from hostagent import apikeys
+
+    from fleet.facts import doctor
+    from fleet.settings.inventory import load
     path = tmp_path / "keys"
     if text is not None:
         path.write_text(text)

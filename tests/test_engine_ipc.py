@@ -11,12 +11,14 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, free_ports, wait_until
-from fleet import inventory, render
-from fleet.doctor import ipc_check
 from fleet_helpers import deployment_id, inv, kill_tagged, tagged_pids
+
 from hostagent import layout
+
+from fleet import render
+from fleet.facts.doctor import ipc_check
+from fleet.settings import inventory
 
 # What a stray setting in env_setup (or the login environment) would say: the script's own value wins.
 ENV_SETUP = "export VLLM_RPC_BASE_PATH=/tmp"

@@ -7,8 +7,9 @@ import textwrap
 
 import pytest
 
-from fleet import inventory, render
+from fleet import render
 from fleet.errors import InventoryError
+from fleet.settings import inventory
 
 pytestmark = pytest.mark.unit
 
@@ -136,9 +137,11 @@ def test_a_deploy_of_both_entries_reloads_their_keepalived_one_at_a_time(tmp_pat
     3. Each recap line says reloaded."""
     import threading
 
-    from fleet import plan, vrrp
-    from fleet.report import Report
     from hostagent.facts import parse
+
+    from fleet.host import vrrp
+    from fleet.plan import steps as plan
+    from fleet.report import Report
     inv = load(tmp_path)
     e1, e2 = inv.host_vars("e1"), inv.host_vars("e2")
     running = parse({"vrrp": {"pid": 5}})

@@ -10,13 +10,12 @@ import sys
 import uuid
 
 import pytest
-
 from conftest import free_port, free_ports, wait_until
 
-from fleet import hostcode
 from hostagent import processes
 from hostagent.processes import RecordError, format_record, parse_record
 
+from fleet.transport import hostcode
 
 # --- records ------------------------------------------------------------------------------------
 

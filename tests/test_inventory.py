@@ -5,12 +5,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
-from fleet import inventory
-from fleet.errors import InventoryError
-
 from conftest import ROOT, free_ports
 from fleet_helpers import inv, tagged_pids
+
+from fleet.errors import InventoryError
+from fleet.settings import inventory
 
 pytestmark = pytest.mark.unit
 
@@ -357,7 +356,7 @@ hosts:
 
 
 def test_an_entry_host_carries_each_backend_with_the_host_that_runs_it(tmp_path):
-    """An entry host's variables carry its proxy's backends with their host and index (fleet.top reads
+    """An entry host's variables carry its proxy's backends with their host and index (fleet.commands.top reads
     them instead of working the fronts out again); a plain host carries none."""
     path = tmp_path / "hosts.yml"
     path.write_text(ENTRY)

@@ -12,11 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
-
-from fleet import inventory, schema, sync
-from fleet.errors import InventoryError
-
 from fleet_helpers import inv
+
+from fleet.errors import InventoryError
+from fleet.host import sync
+from fleet.settings import inventory, schema
 
 
 def fleet_text(hosts: int, clash: bool = False, entry: bool = True) -> str:

@@ -89,5 +89,5 @@ def test_metrics_lines():
 def test_the_keeper_asks_each_smi_what_the_control_node_asks():
     """hostagent/cards.py spells each smi's arguments itself (the host agent cannot import fleet/): the
     two copies stay one (the nvidia CSV's column order above all)."""
-    from fleet import smi
+    from fleet.host import smi
     assert cards.SMI_ARGS == smi.SMI_ARGS

@@ -1,5 +1,5 @@
 """hostagent/layout.py, the one spelling of deploy_dir's paths and of the tag, and how host code is bundled
-(fleet/hostcode.py): each probe runs alone on standard input with the modules it imports in front."""
+(fleet/transport/hostcode.py): each probe runs alone on standard input with the modules it imports in front."""
 from __future__ import annotations
 
 import json
@@ -8,9 +8,10 @@ import sys
 
 import pytest
 
-from fleet import hostcode
-from fleet import inventory as fleet_inventory
 from hostagent import layout
+
+from fleet.settings import inventory as fleet_inventory
+from fleet.transport import hostcode
 
 pytestmark = pytest.mark.unit
 
@@ -61,7 +62,7 @@ def test_each_probe_is_bundled_with_what_it_imports_in_dependency_order():
     assert deploy.index("probes.doctor") > deploy.index("processes") and deploy[-1] == "probes.state", deploy
     assert set(deploy) == set(hostcode.needs("probes.doctor") + hostcode.needs("probes.state")
                               + ["probes.doctor", "probes.state"]), deploy
-    assert hostcode.needs("probes.holders") == ["files", "layout", "processes"]
+    assert hostcode.needs("probes.holders") == ["facts", "files", "layout", "processes"]
     assert hostcode.needs("probes.cpu_mem") == ["layout", "files", "processes"]
     assert hostcode.needs("processes") == ["files", "layout"] and hostcode.needs("lock") == ["layout"]
 
@@ -90,7 +91,7 @@ def test_the_state_probe_runs_alone_on_standard_input(tmp_path, state_spec):
 
 
 def test_the_deploy_probe_runs_alone_on_standard_input_with_the_probes_it_bundles(tmp_path):
-    """deploy's first read (fleet.survey) as the control node sends it: the deploy probe bundled with the
+    """deploy's first read (fleet.facts.survey) as the control node sends it: the deploy probe bundled with the
     doctor and state probes it imports, run from another directory; it answers the preflight script's
     lines, the doctor's facts and the state in one JSON object."""
     d = str(tmp_path / "none")

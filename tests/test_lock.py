@@ -1,5 +1,5 @@
 """One run at a time per deployment: the flock on deploy_dir/run/fleet.lock, held on the host by a process
-that lives as long as the run (hostagent/lock.py), taken through the transport (fleet/runlock.py)."""
+that lives as long as the run (hostagent/lock.py), taken through the transport (fleet/host/runlock.py)."""
 from __future__ import annotations
 
 import os
@@ -11,13 +11,13 @@ import time
 from types import SimpleNamespace
 
 import pytest
-
 from conftest import wait_until
-
-from fleet import runlock
-from fleet.transport import LocalTransport
-from hostagent import lock, processes
 from sshd import keygen, sshd  # noqa: F401  (the module-scoped fixture)
+
+from hostagent import lock, processes
+
+from fleet.host import runlock
+from fleet.transport.connection import LocalTransport
 
 
 class HV:
@@ -98,7 +98,7 @@ def test_wait_takes_the_lock_when_the_holder_ends(hv):
 def test_a_lock_left_by_a_dead_run_is_taken_over(hv, tmp_path):
     """1. a run (another process) takes the lock; 2. it is SIGKILLed: no cleanup of its own runs;
     3. the lock is free at once, and the file's stale holder line is not obeyed."""
-    code = ("import sys, time; sys.path.insert(0, %r); from fleet import runlock; from fleet.transport import "
+    code = ("import sys, time; sys.path.insert(0, %r); from fleet import runlock; from fleet.transport.connection import "
             "LocalTransport\nfrom types import SimpleNamespace\nclass HV: name = 't'\nhv = HV()\n"
             "hv.settings = SimpleNamespace(deploy_dir=%r, connection='local', python=%r, env_setup='')\n"
             "with runlock.held(LocalTransport('t'), hv, 'deploy'):\n    print('held', flush=True)\n"
@@ -127,10 +127,11 @@ def test_over_ssh_the_lock_is_on_the_host_and_a_dropped_connection_frees_it(sshd
     """1. a run over SSH holds the lock (the holder runs on the host, behind the real sshd); 2. a second
     SSH connection is refused, naming it; 3. the first connection drops without a word (as when the
     control node dies): the holder on the host sees its input close and the lock is free."""
-    from fleet import inventory
-    from fleet.facts import prepare
-    from fleet.transport import connect
     from test_ssh import ssh_host, write
+
+    from fleet.facts.state import prepare
+    from fleet.settings import inventory
+    from fleet.transport.connection import connect
 
     path = write(tmp_path, {"s": ssh_host(sshd, tmp_path, "s")})
     hv = inventory.load(path).host_vars("s")

@@ -19,12 +19,12 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-
 from conftest import free_ports, wait_until
-from fleet import display
 from fleet_helpers import deployment_id, inv, kill_tagged, status_json
-from hostagent import __main__ as agent_main
-from hostagent import layout, lora
+
+from hostagent import __main__ as agent_main, layout, lora
+
+from fleet.commands import display
 
 # --- a fake engine: vLLM's runtime LoRA endpoints, in this process ---------------------------------
 

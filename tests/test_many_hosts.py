@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from fleet_helpers import inv, write_inventory
 
-from fleet import cluster, inventory, runner
+from fleet.commands import runner
 from fleet.errors import InventoryError, RemoteError, UnreachableError
 from fleet.report import Report
-
-from fleet_helpers import inv, write_inventory
+from fleet.settings import cluster, inventory
 
 pytestmark = pytest.mark.process
 

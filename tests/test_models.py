@@ -10,12 +10,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from fleet import display, inventory, plan, render
-from fleet.errors import InventoryError
-
 from conftest import PYTHON, ROOT, free_ports, require_tool, wait_until
 from test_render import stop_recorded, write_rendered
+
+from fleet import render
+from fleet.commands import display
+from fleet.errors import InventoryError
+from fleet.plan import steps as plan
+from fleet.settings import inventory
 
 
 def load(text: str, tmp_path: Path) -> inventory.Inventory:

@@ -24,12 +24,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import PYTHON, wait_until
 from fleet_helpers import inv, stop_by_own_scripts, tagged_pids
-from hostagent import layout
 from netns import NetnsFleet, made_by, namespace_pids, netns_fleet  # noqa: F401  (the fixture)
 from proxy_helpers import results_lines
+
+from hostagent import layout
 
 # Namespaces are this machine's network: one fleet at a time (their load tests must not compete for the
 # cores either), on one worker, one test after the other.
@@ -77,7 +77,7 @@ def recap(output: str, host: str) -> dict:
 
 
 def dep_ids(inventory: Path) -> list[str]:
-    from fleet import inventory as inv_mod
+    from fleet.settings import inventory as inv_mod
     loaded = inv_mod.load(inventory)
     return [loaded.host_vars(h).deployment_id for h in loaded.select("all")]
 

@@ -14,9 +14,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from conftest import PYTHON, ROOT, require_tool, wait_until
-
 from fleet_helpers import deployment_id, inv, kill_tagged, status_json, write_inventory
 
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -129,7 +127,7 @@ def test_fractional_sizes_and_times_render_exactly_and_pass_nginx_t(tmp_path):
 
 
 def status_port(inventory) -> int:
-    from fleet import inventory as inv_mod
+    from fleet.settings import inventory as inv_mod
     return inv_mod.load(inventory).host_vars("t").settings.proxy.port
 
 

@@ -10,14 +10,13 @@ import signal
 import stat
 
 import pytest
+from conftest import require_tool, wait_until
+from fleet_helpers import deployment_id, inv, kill_tagged, status_json, write_inventory
 
+from hostagent import apikeys
 from hostagent.facts import parse
 
-from conftest import require_tool, wait_until
-from fleet import inventory
-from fleet_helpers import deployment_id, inv, kill_tagged, status_json, write_inventory
-from hostagent import apikeys
-
+from fleet.settings import inventory
 
 KEY = "sk-Alpha-1"
 ODD_KEY = 'k.e+y$/(x)"\\;{}#z'     # every character nginx's parser or PCRE could read as syntax
@@ -198,7 +197,7 @@ def test_deploy_takes_a_key_file_only_when_the_front_runs_other_keys(tmp_path):
     """What deploy decides from the probe's facts, on either front: 1. no key file set: nothing to take;
     2. the file's digest differs from the running proxy's (or from nginx's map): take it; 3. the same:
     nothing; 4. a file that cannot be used: a failed `api keys` step in one sentence, nothing taken."""
-    from fleet import plan
+    from fleet.plan import steps as plan
     path = write_inventory(tmp_path, instances=1)
     hv = inventory.load(path).host_vars("t")
     found = {"proxy": {"config": {"api_keys_digest": "aaaa"}}, "api_keys": {"digest": "bbbb", "error": None,

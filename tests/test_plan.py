@@ -1,14 +1,17 @@
 """A deploy's plan: from the wanted launches and the state probe's facts, one step per instance with its
-reason, before anything acts (fleet/plan.py)."""
+reason, before anything acts (fleet/plan/steps.py)."""
 from __future__ import annotations
 
 import copy
 
 import pytest
-
-from fleet import inventory, plan, render
 from fleet_helpers import write_inventory
+
 from hostagent.facts import parse
+
+from fleet import render
+from fleet.plan import steps as plan
+from fleet.settings import inventory
 
 pytestmark = pytest.mark.unit
 
@@ -56,7 +59,7 @@ def test_the_files_the_front_and_the_keeper_get_their_steps_and_reasons(tmp_path
     """From the rendered files and the probe's facts: each file kept or put (and why); the proxy kept,
     reloaded (with what the new config changes for it), restarted (new code) or started; the keeper kept,
     restarted when its configuration changed, or started; `--check`'s lines name only what changes."""
-    from fleet import sync
+    from fleet.host import sync
     from fleet.render import RenderedFile
     hv = inventory.load(write_inventory(tmp_path, instances=2)).host_vars("t")
     files = [RenderedFile("conf/proxy.yaml", "new", 0o644), RenderedFile("bin/start_proxy.sh", "same", 0o755),

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import ROOT, free_port, free_ports, http_status, require_tool, wait_until
-from fleet import inventory, render
 from fleet_helpers import inv, load
+
+from fleet import render
+from fleet.settings import inventory
 
 ENTRY = """\
 hosts:

@@ -13,12 +13,14 @@ import urllib.request
 import aiohttp
 import pytest
 import yaml
-
 from conftest import wait_until
-from fleet import inventory, render
+from proxy_helpers import start_proxy, start_sims
+
 from proxy.config import ConfigError, Workers, parse_config
 from proxy.workers import merged_metrics
-from proxy_helpers import start_proxy, start_sims
+
+from fleet import render
+from fleet.settings import inventory
 
 
 def _start(procs, tmp_path, sims, **extra):

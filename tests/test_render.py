@@ -9,14 +9,13 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import PYTHON, ROOT, free_ports, require_tool, wait_until
 
 from hostagent import processes
 from hostagent.processes import parse_record
 
-from fleet import inventory, render
-
-from conftest import PYTHON, ROOT, free_ports, wait_until, require_tool
-
+from fleet import render
+from fleet.settings import inventory
 
 GOLDEN = Path(__file__).parent / "golden" / "k100-01"
 
@@ -296,11 +295,13 @@ def test_a_models_group_path_with_a_tilde_reaches_the_engine_under_the_hosts_hom
 @pytest.mark.unit
 def test_inv_render_writes_what_deploy_puts_on_a_local_host_and_names_an_ssh_hosts_placeholder(tmp_path):
     """render once wrote DEPLOY_DIR=/home/user/... and PYTHON=python3 where deploy put /root/... and the
-    venv's Python: a local host's files are now deploy's own (fleet.facts.prepare, then sync.host_files);
+    venv's Python: a local host's files are now deploy's own (fleet.facts.state.prepare, then sync.host_files);
     an SSH host whose paths use `~` gets a line naming the placeholder."""
-    from fleet import facts, sync
-    from fleet.transport import LocalTransport
     from fleet_helpers import inv, write_inventory
+
+    from fleet.facts import state as facts
+    from fleet.host import sync
+    from fleet.transport.connection import LocalTransport
     inventory_path = write_inventory(tmp_path, instances=2)
     inventory_path.write_text(inventory_path.read_text().replace(f"deploy_dir: {tmp_path / 'deploy'}",
                                                                  "deploy_dir: ~/fleet-t"))

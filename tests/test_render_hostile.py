@@ -1,7 +1,7 @@
 """Inventory values never become code: every string field the schema has, set to hostile values, is
 either refused in one sentence or rendered so that it stays one literal value in every file it lands in.
 
-The fields are found by walking fleet.schema (a new string field is covered without editing this file);
+The fields are found by walking fleet.settings.schema (a new string field is covered without editing this file);
 each payload below is tried in each of them. A value the schema refuses is refused at load with the
 inventory's sentence, one nginx.conf or keepalived.conf cannot hold is refused at render with one; all
 the accepted ones of a payload are then rendered together, for a plain entry host behind a virtual
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import re
 import subprocess
 import types
@@ -23,11 +22,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from fleet import inventory, render, schema
-from fleet.errors import FleetError, InventoryError
-
 from conftest import require_tool
+
+from fleet import render
+from fleet.errors import FleetError, InventoryError
+from fleet.settings import inventory, schema
 
 # env_setup is shell code by design (docs/inventory.md): the one string field not checked here.
 SHELL_BY_DESIGN = {("env_setup",)}

@@ -6,11 +6,11 @@ import os
 from pathlib import Path
 
 import pytest
-
 from conftest import require_tool, wait_until
 
-from fleet import accelerators
 from hostagent.probes import holders as hp
+
+from fleet.settings import accelerators
 
 
 def kfd_node(sysfs: Path, n: int, minor: int, simd: int) -> None:

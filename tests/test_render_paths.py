@@ -5,11 +5,12 @@ from __future__ import annotations
 import re
 
 import pytest
+from conftest import ROOT
 
-from fleet import inventory, render
 from hostagent import layout
 
-from conftest import ROOT
+from fleet import render
+from fleet.settings import inventory
 
 pytestmark = pytest.mark.unit
 

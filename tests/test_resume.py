@@ -7,9 +7,10 @@ import json
 
 import pytest
 
-from fleet.display import request_block
-from fleet.sim import protocol
 from proxy.resume import CHAT, COMPLETIONS, Splice, continuation, counted_options, refusal
+
+from fleet.commands.display import request_block
+from fleet.sim import protocol
 
 pytestmark = pytest.mark.unit
 

@@ -1,5 +1,5 @@
 """What one deploy costs per host, in SSH round trips (a command run or started, a file put or read),
-counted by the transport itself (fleet.transport.Transport.round_trips) against the real sshd.
+counted by the transport itself (fleet.transport.connection.Transport.round_trips) against the real sshd.
 
 A deploy that changes nothing and a deploy that rolls every instance are held to a budget each: the
 roll's grows with its steps (the instances it rolls), never with how long something takes to answer.
@@ -10,13 +10,13 @@ import os
 
 import pytest
 import yaml
-
-from fleet import deploy as fleet_deploy
-from fleet import inventory as inv_mod
-from fleet import transport
 from fleet_helpers import inv, stop_by_own_scripts
 from sshd import keygen, sshd  # noqa: F401  (the module-scoped fixture)
 from test_ssh import ssh_host
+
+from fleet.commands import deploy as fleet_deploy
+from fleet.settings import inventory as inv_mod
+from fleet.transport import connection as transport
 
 pytestmark = [pytest.mark.ssh, pytest.mark.cluster]
 

@@ -1,27 +1,28 @@
 """Only the inference API reaches the engines through the entry port (proxy/routes.py, nginx.conf's
 $fleet_route): the engines' management (runtime adapters, cache resets, sleep, profiling) answers 404 with
 the OpenAI-shaped body at the proxy and in nginx mode, while each instance's own port still serves it;
-`proxy.open_routes` opens more. The list is declared twice (fleet/schema.py, proxy/routes.py), held equal here."""
+`proxy.open_routes` opens more. The list is declared twice (fleet/settings/schema.py, proxy/routes.py), held equal here."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
 
 import pytest
 import yaml
-
 from conftest import require_tool, wait_until
-from fleet import render, schema
-from fleet.errors import InventoryError
 from fleet_helpers import deployment_id, inv, kill_tagged, status_json, write_inventory
-from proxy import routes
-from proxy.app import NOT_SERVED
-from proxy.config import ConfigError, parse_config
 from proxy_helpers import start_proxy, start_sims
 from test_nginx_auth import request
 from test_render import k100
+
+from proxy import routes
+from proxy.app import NOT_SERVED
+from proxy.config import ConfigError, parse_config
+
+from fleet import render
+from fleet.errors import InventoryError
+from fleet.settings import schema
 
 MANAGEMENT = [("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter"), ("POST", "/reset_prefix_cache"),
               ("POST", "/sleep"), ("POST", "/wake_up"), ("POST", "/start_profile"), ("POST", "/stop_profile"),

@@ -1,4 +1,4 @@
-"""The routing keys are declared twice, once per part (fleet/schema.py for the inventory, proxy/routing/
+"""The routing keys are declared twice, once per part (fleet/settings/schema.py for the inventory, proxy/routing/
 for the proxy; the parts never import each other): the two declarations hold the same policy names,
 keys, defaults and bounds, and a value the inventory takes is one the proxy takes."""
 from __future__ import annotations
@@ -8,11 +8,13 @@ import dataclasses
 import pydantic
 import pytest
 import yaml
+from test_render import k100
 
-from fleet import render, schema
 from proxy.config import ConfigError, parse_config
 from proxy.routing import POLICIES, RoutingConfig
-from test_render import k100
+
+from fleet import render
+from fleet.settings import schema
 
 PROXY_FIELDS = {f.name: f for f in dataclasses.fields(RoutingConfig)}
 BOUNDED = [name for name, f in PROXY_FIELDS.items() if "bounds" in f.metadata]

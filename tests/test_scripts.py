@@ -9,14 +9,13 @@ from __future__ import annotations
 import re
 import subprocess
 import textwrap
-from pathlib import Path
 
 import pytest
 import yaml
-
-from fleet import inventory, render
-
 from conftest import ROOT, require_tool
+
+from fleet import render
+from fleet.settings import inventory
 
 # Hosts that reach the branches inventory/hosts.yml and the README do not: the models form on the sim
 # (a group with runtime LoRA, one with nothing: empty GROUP_ENV, GROUP_ARGS and EXTRA_ARGS) and on the CPU

@@ -10,17 +10,18 @@ import signal
 
 import aiohttp
 import pytest
-
 from conftest import ROOT, wait_until
-from fleet import inventory, render
+from engine_shapes import PREFIX_CACHE_COUNTERS, first_chunk_waits_while_queued, prefix_cache_series
+from test_sim import MODEL, PNG_1PX, chat, request, start_sim
+
+from fleet import render
+from fleet.settings import inventory
 from fleet.sim import protocol
 from fleet.sim.cli import parse as parse_cli
 from fleet.sim.config import SimConfig, settle
-from fleet.sim.prefix_cache import BLOCK_SIZE, Prompt, PrefixCache, block_hashes
+from fleet.sim.prefix_cache import BLOCK_SIZE, PrefixCache, Prompt, block_hashes
 from fleet.sim.scheduler import Scheduler
 from fleet.sim.server import Engine, metrics_text
-from engine_shapes import PREFIX_CACHE_COUNTERS, first_chunk_waits_while_queued, prefix_cache_series
-from test_sim import MODEL, PNG_1PX, chat, request, start_sim
 
 
 def toks(n: int, tag: str = "a") -> list[str]:

@@ -8,14 +8,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from conftest import PYTHON, ROOT
 
-from fleet import smi
-from fleet.inventory import HostVars, BUILTIN_DEFAULTS
-from fleet.smi import Card, SmiError
-from fleet.transport import LocalTransport
-
+from fleet.host import smi
+from fleet.host.smi import Card, SmiError
+from fleet.settings.inventory import BUILTIN_DEFAULTS, HostVars
+from fleet.transport.connection import LocalTransport
 
 DATA = Path(__file__).resolve().parent / "data" / "smi"
 N = math.nan

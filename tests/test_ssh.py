@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import PYTHON, free_port, free_ports
 from fleet_helpers import inv, stop_by_own_scripts, tagged_pids
 from sshd import keygen, sshd  # noqa: F401  (the module-scoped fixture)
@@ -53,7 +52,7 @@ def recap(output: str, host: str) -> dict:
 
 
 def dep_id(inventory: Path, host: str) -> str:
-    from fleet import inventory as inv_mod
+    from fleet.settings import inventory as inv_mod
     return inv_mod.load(inventory).host_vars(host).deployment_id
 
 

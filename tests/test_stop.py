@@ -9,16 +9,14 @@ import signal
 import subprocess
 
 import pytest
-
 from conftest import require_tool, wait_until
+from fleet_helpers import deployment_id, inv, kill_tagged, session_members, status_json, tagged_pids, write_inventory
 
-from fleet import inventory as inv_mod
-from fleet import smi
-from fleet.facts import prepare
+from fleet.facts.state import prepare
+from fleet.host import smi
+from fleet.settings import inventory as inv_mod
 from fleet.sim import devices
-from fleet.transport import LocalTransport
-from fleet_helpers import (deployment_id, inv, kill_tagged, session_members, status_json, tagged_pids,
-                           write_inventory)
+from fleet.transport.connection import LocalTransport
 
 pytestmark = pytest.mark.cluster
 
@@ -244,7 +242,7 @@ def test_cpu_accelerator_release_is_no_process_left_read_from_proc(tmp_path):
 
 def test_a_skipped_step_says_why_on_its_own_line():
     """No step is skipped silently: the CLI prints each skipped step with its reason (display.skips)."""
-    from fleet import display
+    from fleet.commands import display
     from fleet.report import Report
     report = Report("h")
     report.add("release", "skipped", "cannot read the cards' memory: no smi found")

@@ -1,6 +1,6 @@
 """Tenants: keys name them, the inventory sets their share and limits, and each pool's queue serves them
 fairly (proxy/admission.py). The Balancer and the fair queue are tested on their own (no I/O: an event
-loop and futures); the settings are declared twice (fleet/schema.py, proxy/admission.py) and held equal."""
+loop and futures); the settings are declared twice (fleet/settings/schema.py, proxy/admission.py) and held equal."""
 from __future__ import annotations
 
 import asyncio
@@ -10,14 +10,16 @@ import itertools
 import pydantic
 import pytest
 import yaml
+from test_render import k100
+from test_routing_contract import schema_bounds
 
-from fleet import render, schema
 from proxy.admission import Bucket, FairQueue, Tenant, TenantConfig, Tenants
 from proxy.balancer import Balancer, TenantFull
 from proxy.config import ConfigError, load_api_keys, parse_config
 from proxy.routing.base import Policy
-from test_render import k100
-from test_routing_contract import schema_bounds
+
+from fleet import render
+from fleet.settings import schema
 
 PROXY_FIELDS = {f.name: f for f in dataclasses.fields(TenantConfig)}
 
@@ -348,8 +350,9 @@ def test_a_reload_keeps_a_tenants_counts_and_drops_a_removed_one():
 def test_nginx_refuses_a_host_with_tenants_saying_what_to_keep():
     """nginx mode has no shared queue to share slots by tenant: swap-to-nginx (and a deploy in nginx mode)
     refuse a host with `proxy.tenants` in one sentence; without tenants nothing changes."""
-    from fleet import plan
     from test_render import k100 as host_vars
+
+    from fleet.plan import steps as plan
     assert plan.nginx_refusal(host_vars([])) is None
     why = plan.nginx_refusal(host_vars(["proxy.tenants.app.weight=3", "proxy.tenants.batch.weight=1"]))
     assert why == ("k100-01: nginx cannot be the front here: it cannot share the slots fairly among the tenants "

@@ -12,13 +12,15 @@ import threading
 import urllib.request
 
 import pytest
+from conftest import PYTHON, ROOT, require_tool, wait_until
+from fleet_helpers import deploy_sim_cluster, deployment_id, inv, inv_env, kill_tagged, load, write_inventory
 from rich.console import Console
 
-from conftest import PYTHON, ROOT, require_tool, wait_until
-from fleet import hostcode, top
-from fleet import inventory as fleet_inventory
-from fleet_helpers import deploy_sim_cluster, deployment_id, inv, inv_env, kill_tagged, load, write_inventory
 from hostagent import exposition, processes
+
+from fleet.commands import top
+from fleet.settings import inventory as fleet_inventory
+from fleet.transport import hostcode
 
 # --- the view on made-up frames -------------------------------------------------------------------------
 

@@ -6,13 +6,16 @@ import re
 import shlex
 
 import pytest
-
 from conftest import PYTHON
-from fleet import inventory, preflight, render, survey
-from fleet.errors import InventoryError, RemoteError
-from fleet.transport import LocalTransport
 from fleet_helpers import write_inventory
 from test_render import k100, rendered
+
+from fleet import render
+from fleet.errors import InventoryError, RemoteError
+from fleet.facts import survey
+from fleet.host import preflight
+from fleet.settings import inventory
+from fleet.transport.connection import LocalTransport
 
 COLLECTOR = "http://collector.example:4318/v1/traces"
 
@@ -81,7 +84,7 @@ def test_preflight_refuses_the_endpoint_without_the_sdk_in_one_sentence():
 
 @pytest.mark.process
 def test_preflight_finds_the_sdk_missing_on_a_real_host(tmp_path):
-    """The check as `deploy --check` runs it (its first read, fleet.survey: the deploy probe after env_setup), on this
+    """The check as `deploy --check` runs it (its first read, fleet.facts.survey: the deploy probe after env_setup), on this
     machine: a Python whose path shadows the `opentelemetry` package with an empty one (as a Python without
     the SDK) is refused; the test venv's own passes."""
     shadow = tmp_path / "shadow" / "opentelemetry"

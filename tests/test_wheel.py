@@ -9,7 +9,6 @@ import sys
 import venv
 
 import pytest
-
 from conftest import ROOT
 
 pytestmark = pytest.mark.process
@@ -53,7 +52,7 @@ def test_the_wheel_installed_elsewhere_renders_k100_as_the_golden_files(tmp_path
         assert rendered == golden.read_text(), f"{rel} differs from tests/golden"
 
     # The code deploy puts on a host comes from the installed packages, not from a checkout.
-    probe = run([str(py), "-c", "import fleet.sync as s, fleet.inventory as i;"
+    probe = run([str(py), "-c", "import fleet.host.sync as s, fleet.settings.inventory as i;"
                  "hv = i.load('inventory/hosts.yml').host_vars('k100-01');"
                  "print('\\n'.join(f.path for f in s.code_files(hv)))"], cwd=work)
     shipped = set(probe.stdout.split())

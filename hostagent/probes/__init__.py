@@ -1,5 +1,5 @@
 """The probes: scripts that read a host's state and print one JSON object, sent on standard input by the
-control node (fleet.hostcode.probe bundles each with the host agent modules it imports), because they run
+control node (fleet.transport.hostcode.probe bundles each with the host agent modules it imports), because they run
 where nothing may be deployed yet. Standard library only, Python 3.6+, no side effects but the ones each
 names.
 

@@ -1,7 +1,7 @@
 """The memory of each `cpu` instance, read from /proc on the host: where there is no smi, this stands in
 for one. Run there as `python3 -c SOURCE SPEC_JSON` (bundled with the host agent modules it imports by
-fleet.hostcode.probe); it prints what `rocm-smi --json` prints (one "card" per instance, MiB), so
-fleet.smi reads it with the same parser and `inv stop` shows the same table.
+fleet.transport.hostcode.probe); it prints what `rocm-smi --json` prints (one "card" per instance, MiB), so
+fleet.host.smi reads it with the same parser and `inv stop` shows the same table.
 
 SPEC: {"deploy_dir": ..., "deployment_id": ..., "instances": N}. An instance's processes are this user's
 processes that carry its FLEET_TAG (start_cluster.sh exports SPT_NOENV=1, so vLLM's renamed EngineCore

@@ -1,8 +1,8 @@
 """What a deploy reads before it acts, in one run on the host: run there after env_setup as
 `python3 - SPEC_JSON` with this file on standard input (bundled with the probes and modules it imports:
-fleet.hostcode.probe), it prints one JSON object, `{"needs": ..., "doctor": ..., "state": ...}`:
+fleet.transport.hostcode.probe), it prints one JSON object, `{"needs": ..., "doctor": ..., "state": ...}`:
 
-- `needs`: the lines the control node's check of what the step needs prints (fleet/preflight.py's shell
+- `needs`: the lines the control node's check of what the step needs prints (fleet/host/preflight.py's shell
   script, run here in env_setup's environment: `missing tool ss`, `missing modules aiohttp`), or null
   when the spec asks for none (a deploy that takes the run lock has its holder check them first);
 - `doctor`: the doctor probe's facts (hostagent/probes/doctor.py), or null when the spec asks for none;

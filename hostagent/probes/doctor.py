@@ -1,7 +1,7 @@
 """What `inv doctor` needs to know, read on the host: run there (after env_setup) as `python3 - SPEC_JSON`
-with this file on standard input (bundled with the host agent modules it imports: fleet.hostcode.probe),
+with this file on standard input (bundled with the host agent modules it imports: fleet.transport.hostcode.probe),
 it prints one JSON object. Standard library only, Python 3.6+, no side effects. The control node turns
-these facts into ok/warn/fail lines (fleet/doctor.py).
+these facts into ok/warn/fail lines (fleet/facts/doctor.py).
 """
 import glob
 import json

@@ -1,10 +1,10 @@
 """Who holds the accelerator's device files, read on the host: run there as `python3 - SPEC_JSON` with this
-file on standard input (bundled with the host agent modules it imports: fleet.hostcode.probe), it prints
-one JSON object. Standard library and `fuser` (psmisc), Python 3.6+.
+file on standard input (bundled with the host agent modules it imports: fleet.transport.hostcode.probe), it prints
+one JSON object, hostagent.facts' `Holders`. Standard library and `fuser` (psmisc), Python 3.7+.
 
 SPEC: {"globs": [...], "render_cards": [card index, ...], "sysfs": "/sys", "dev_dri": "/dev/dri", "spare_tags": ["<exact
 FLEET_TAG>", ...], "kill": false, "grace_s": 10}. render_cards adds the render node of each of those cards
-(DCU, ROCm), found from sysfs rather than assumed to be renderD(128+i). Each holder is classed:
+(DCU, ROCm), found from sysfs rather than assumed to be renderD(128+i). Each holder's kind:
   self        the process running this, one of its ancestors, or in its own session or process group:
               never touched
   other-user  another user's process: never touched, only reported
@@ -20,7 +20,10 @@ import subprocess
 import sys
 import time
 
+from dataclasses import asdict
+
 from hostagent import processes
+from hostagent.facts import Holder, Holders
 
 # PCI vendors of the cards whose render nodes an engine holds: AMD, and Hygon (Chengdu Haiguang) DCU.
 GPU_VENDORS = ("0x1002", "0x1d94")
@@ -80,7 +83,7 @@ def card_render_files(cards, sysfs="/sys", dev_dri="/dev/dri"):
 
 
 def holders(spec, fuser):
-    """pid -> holder record, from `fuser FILE` on each existing device file."""
+    """(the device files found, pid -> Holder), from `fuser FILE` on each existing device file."""
     wanted = [p for g in spec["globs"] for p in glob.glob(g)]
     wanted += card_render_files(spec.get("render_cards") or [], spec.get("sysfs") or "/sys",
                                 spec.get("dev_dri") or "/dev/dri")
@@ -100,22 +103,22 @@ def holders(spec, fuser):
         if p is None:
             continue                      # gone meanwhile
         if guard.spares(p):
-            klass = "self"
+            kind = "self"
         elif p.uid != me:
-            klass = "other-user"
+            kind = "other-user"
         elif p.tag is not None and p.tag in spec.get("spare_tags", []):
-            klass = "spared"
+            kind = "spared"
         else:
-            klass = "yours"
-        out[pid] = {"pid": pid, "user": processes.user_name(p.uid), "uid": p.uid, "tag": p.tag,
-                    "cmdline": p.cmdline[:160], "class": klass, "files": sorted(paths), "start": p.start}
+            kind = "yours"
+        out[pid] = Holder(pid=pid, kind=kind, user=processes.user_name(p.uid), uid=p.uid, tag=p.tag,
+                          cmdline=p.cmdline[:160], files=sorted(paths), start=p.start)
     return files, out
 
 
 def kill(found, grace_s):
     """SIGTERM, wait up to grace_s, SIGKILL what is left, wait up to 5 s; the pids still alive. found:
     the holders to kill; a pid is signalled only while it runs with the start time it was found with."""
-    starts = {h["pid"]: h["start"] for h in found}
+    starts = {h.pid: h.start for h in found}
 
     def same(pid):
         st = processes.read_stat(pid)
@@ -139,17 +142,16 @@ def main():
     fuser = shutil.which("fuser") or next((p for p in ("/usr/sbin/fuser", "/sbin/fuser", "/bin/fuser")
                                            if os.path.exists(p)), None)
     if fuser is None:
-        json.dump({"error": "fuser is not found on the host; install psmisc"}, sys.stdout)
+        json.dump(asdict(Holders(error="fuser is not found on the host; install psmisc")), sys.stdout)
         return
     files, found = holders(spec, fuser)
-    result = {"files": files, "holders": list(found.values()), "killed": [], "survivors": []}
+    result = Holders(files=files, holders=list(found.values()))
     if spec.get("kill"):
-        doomed = [h for h in found.values() if h["class"] == "yours"]
-        targets = [h["pid"] for h in doomed]
+        doomed = result.of_kind("yours")
         left = kill(doomed, float(spec.get("grace_s", 10)))
-        result["killed"] = [p for p in targets if p not in left]
-        result["survivors"] = left
-    json.dump(result, sys.stdout)
+        result.killed = [h.pid for h in doomed if h.pid not in left]
+        result.survivors = left
+    json.dump(asdict(result), sys.stdout)
 
 
 if __name__ == "__main__":

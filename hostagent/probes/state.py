@@ -1,5 +1,5 @@
 """Facts about one deployment, read on the host itself: run there as `python3 - SPEC_JSON` with this
-file on standard input, bundled with the host agent modules it imports (fleet.hostcode.probe), it prints
+file on standard input, bundled with the host agent modules it imports (fleet.transport.hostcode.probe), it prints
 one JSON object.
 Standard library only, Python 3.7+, no side effects but one: an instance seen healthy gets a
 `run/instance_<i>.ready` marker, so a later 503 reads as dead, not as loading. Each instance's `state`
@@ -13,8 +13,18 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from hostagent import apikeys, boothook, facts, layout, lora, vrrp
-from hostagent.observe import (HEALTH_TIMEOUT_S, file_mode, instance_facts, keeper_facts, nginx_facts,
-                               proxy_facts, read_launch, read_mode, sha256, tagged)
+from hostagent.observe import (
+    HEALTH_TIMEOUT_S,
+    file_mode,
+    instance_facts,
+    keeper_facts,
+    nginx_facts,
+    proxy_facts,
+    read_launch,
+    read_mode,
+    sha256,
+    tagged,
+)
 
 
 def _past(d, n):

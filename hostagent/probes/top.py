@@ -1,5 +1,5 @@
 """The live view's sampler (`inv top`), run on the host as `python3 -c SOURCE SPEC_JSON` (bundled with the
-host agent modules it imports, fleet.hostcode): every `interval_s` it prints one JSON line, a frame of
+host agent modules it imports, fleet.transport.hostcode): every `interval_s` it prints one JSON line, a frame of
 what the host is doing now, until `count` frames are out (0: until its output is closed).
 
 A frame holds each instance's state (hostagent.instances.classify, as `inv status` reads it) and the samples
@@ -18,8 +18,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from hostagent import exposition, httpcall, instances, layout
-from hostagent.observe import (HEALTH_TIMEOUT_S, alive, instance_facts, keeper_facts, nginx_facts,
-                               read_mode, read_pidfile)
+from hostagent.observe import (
+    HEALTH_TIMEOUT_S,
+    alive,
+    instance_facts,
+    keeper_facts,
+    nginx_facts,
+    read_mode,
+    read_pidfile,
+)
 
 # The series the view reads; the rest of an engine's /metrics (vLLM's runs to ~100 KiB) stays on the host.
 ENGINE_SERIES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",

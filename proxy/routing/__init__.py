@@ -1,7 +1,7 @@
 """Routing policies: one module per policy behind one interface (base.Policy), and the registry of them.
 
 A new policy is a module with a Policy subclass and one line in POLICIES; its keys, if it has any, are
-fields of base.RoutingConfig (with their bounds; fleet/schema.py's RoutingSettings mirrors them, and
+fields of base.RoutingConfig (with their bounds; fleet/settings/schema.py's RoutingSettings mirrors them, and
 tests/test_routing_contract.py holds the two equal).
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ from typing import Collection, NamedTuple, Protocol, Sequence
 
 
 def _bounded(default, lo, hi):
-    """A routing key's default and the bounds a config value must keep (fleet/schema.py has the same)."""
+    """A routing key's default and the bounds a config value must keep (fleet/settings/schema.py has the same)."""
     return field(default=default, metadata={"bounds": (lo, hi)})
 
 

@@ -102,7 +102,7 @@ EXTRA_ARGS=(--trust-remote-code --limit-mm-per-prompt '{"image": 4}' --dtype bfl
 SERVED_NAME=MiniCPM-V-4_5
 GPU_MEMORY_UTILIZATION=0.9
 
-# Each instance's launch as the inventory wants it, and its digest (fleet/launch.py): copied to the
+# Each instance's launch as the inventory wants it, and its digest (fleet/plan/launches.py): copied to the
 # instance's launch record (beside its pid file) when it starts, with the overrides above that were set,
 # so deploy sees what it runs and rolls a difference.
 LAUNCH_OF=(
