@@ -1,6 +1,7 @@
 """Rendering: host variables -> the files put on a host. A pure function: no I/O but reading templates."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -484,9 +485,9 @@ def proxy_config(hv: HostVars, slots: dict[str, int] | None = None,
         ctx["proxy_slots"] = min(ctx["proxy_slots"], serving.slots(min(slots.values()), headroom))
     ctx["backends"] = list(hv.backends) + [b for b in keep if b not in hv.backends]
     if hv.pools:
-        ctx["pools"] = [dict(pool, slots=min(pool["slots"], serving.slots(slots[pool["name"]], headroom) if pool["name"] in slots else pool["slots"]),
-                             backends=list(pool["backends"]) + [b for b, g in keep.items() if g == pool["name"]])
-                        for pool in hv.pools]
+        ctx["pools"] = [dataclasses.replace(
+            pool, slots=min(pool.slots, serving.slots(slots[pool.name], headroom)) if pool.name in slots else pool.slots,
+            backends=list(pool.backends) + [b for b, g in keep.items() if g == pool.name]) for pool in hv.pools]
     return environment().get_template(FILES[layout.PROXY_CONF][0]).render(ctx)
 
 

@@ -89,6 +89,16 @@ class Keeper:
 
 
 @dataclass
+class KeyFile:
+    """proxy.api_keys_file seen on the host: the digest of its keys (never the keys) or why it cannot be
+    used (one sentence), and the digest of nginx's map of them (run/nginx_keys.conf; None without one)."""
+
+    digest: Optional[str] = None
+    error: Optional[str] = None
+    nginx_digest: Optional[str] = None
+
+
+@dataclass
 class Tagged:
     """A process of this user whose environment carries the deployment's FLEET_TAG."""
 
@@ -122,7 +132,7 @@ class HostFacts:
     lora_adapters: List[Dict[str, Any]] = field(default_factory=list)   # run/lora_adapters.json
     lora_record_error: Optional[str] = None
     mode: Optional[str] = None                  # run/mode: proxy or nginx (None: unset)
-    api_keys: Optional[Dict[str, Any]] = None   # the key file's digests (with proxy.api_keys_file)
+    api_keys: Optional[KeyFile] = None          # the key file's digests (with proxy.api_keys_file)
     vrrp: Optional[Dict[str, Any]] = None       # behind virtual addresses: hostagent.vrrp.state
     boot: Optional[Dict[str, Any]] = None       # asked for: the installed boot hook
     boot_as_wanted: Optional[bool] = None       # asked for by deploy: installing the hook would change nothing
@@ -196,6 +206,7 @@ def parse(data: Dict[str, Any]) -> HostFacts:
     out.keeper = record(Keeper, data.get("keeper") or {})
     out.tagged = [record(Tagged, t) for t in data.get("tagged") or []]
     out.lora_adapters = data.get("lora_adapters") or []
+    out.api_keys = record(KeyFile, data["api_keys"]) if data.get("api_keys") else None
     out.asked_boot = "boot" in data
     return out
 

@@ -113,7 +113,7 @@ def main() -> int:
     from fleet.settings import inventory
     inv_args = ["--inventory", args.inventory] if args.inventory else []
     hv = inventory.load(args.inventory or None).host_vars(args.host)
-    with Load(hv["proxy"]["port"], hv["served_model_name"], args.clients, args.keepalive) as load:
+    with Load(hv.settings.proxy.port, hv.served_model().name, args.clients, args.keepalive) as load:
         time.sleep(args.hold_s)
         t_a = time.monotonic()
         a = inv("swap-to-nginx", "--host", args.host, *inv_args)

@@ -124,7 +124,7 @@ def test_an_entry_gives_each_backend_its_members_max_num_seqs_and_an_entry_first
     inv_ = inventory.load(write(tmp_path, hosts))
     gw = inv_.host_vars("gw")
     from fleet.render import proxy_config
-    assert yaml.safe_load(proxy_config(gw))["slots"] == 3 and gw.served_model()["max_num_seqs"] == 2
+    assert yaml.safe_load(proxy_config(gw))["slots"] == 3 and gw.served_model().max_num_seqs == 2
     assert yaml.safe_load(proxy_config(gw, slots={"any": 1}))["slots"] == 2
     assert [h.name for h in inv_.host_vars("k1").entry_hosts()] == ["gw"] and gw.entry_hosts() == []
     with pytest.raises(InventoryError, match=re.escape("k2 serves sim-model with max_num_seqs 4, another "

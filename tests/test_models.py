@@ -18,6 +18,8 @@ from fleet.commands import display
 from fleet.errors import InventoryError
 from fleet.plan import steps as plan
 from fleet.settings import inventory
+from fleet.settings.cluster import Pool
+from fleet.settings.inventory import ServedModel
 
 
 def load(text: str, tmp_path: Path) -> inventory.Inventory:
@@ -150,12 +152,11 @@ def test_an_entry_host_pools_every_fronted_host_by_model(tmp_path):
         """, tmp_path)
     hv = inv.host_vars("entry")
     assert hv.pools == [
-        {"name": "vision", "aliases": ["v"], "adapters": [], "slots": 4,
-         "backends": ["10.0.0.1:8002", "10.0.0.1:8003", "10.0.0.2:8002"]},
-        {"name": "text", "aliases": [], "adapters": [], "slots": 8, "backends": ["10.0.0.3:8002"]}]
+        Pool("vision", 4, ["10.0.0.1:8002", "10.0.0.1:8003", "10.0.0.2:8002"], aliases=["v"]),
+        Pool("text", 8, ["10.0.0.3:8002"])]
     assert hv.settings.served_model_name == "vision"          # inv chat's default on an entry without a model
-    assert [m["name"] for m in hv.served_models()] == ["vision", "text"]
-    assert hv.served_model("v") == {"name": "v", "instances": 3, "max_num_seqs": 4}
+    assert [m.name for m in hv.served_models()] == ["vision", "text"]
+    assert hv.served_model("v") == ServedModel("v", instances=3, max_num_seqs=4)
     with pytest.raises(InventoryError, match="serves no model 'nope'; it serves vision, text"):
         hv.served_model("nope")
 

@@ -551,23 +551,23 @@ def run(hv: HostVars, scenarios: list[Scenario], levels: list[int], requests: in
     url = entry_url(hv)
     check_entry(hv, url)
     timeout_s = timeout_s or float(hv.settings.proxy.timeout_s)
-    capacity = served["instances"] * served["max_num_seqs"]
-    capacity_text = (f"{served['instances']} instance{'s' if served['instances'] != 1 else ''} x max_num_seqs "
-                     f"{served['max_num_seqs']}")
+    capacity = served.instances * served.max_num_seqs
+    capacity_text = (f"{served.instances} instance{'s' if served.instances != 1 else ''} x max_num_seqs "
+                     f"{served.max_num_seqs}")
     read, reason, close = smi_reader(hv)
     sampler = UtilSampler(read, reason=reason)
     started = time.time()
     try:
         results = asyncio.run(_until_interrupted(hv.name, _sweep(
-            hv, url + "/v1/chat/completions", served["name"], scenarios, levels, requests, image, timeout_s, sampler,
+            hv, url + "/v1/chat/completions", served.name, scenarios, levels, requests, image, timeout_s, sampler,
             progress or Progress(), key)))
     finally:
         close()
     for r in results:
         r["findings"] = analyse(r, capacity, capacity_text)
     return {
-        "host": hv.name, "url": url, "model": served["name"], "started": started,
-        "finished": time.time(), "instances": served["instances"], "max_num_seqs": served["max_num_seqs"],
+        "host": hv.name, "url": url, "model": served.name, "started": started,
+        "finished": time.time(), "instances": served.instances, "max_num_seqs": served.max_num_seqs,
         "capacity": capacity, "concurrency": levels, "requests_per_level": requests or None,
         "image": {k: image[k] for k in ("source", "mime", "bytes")},
         # Why there are no utilisation figures, when there are none.
@@ -756,7 +756,7 @@ def run_host(conn, hv: HostVars, emit: Callable[[str], None], scenarios: list[Sc
     A scenario in which no request succeeded is a failed step; the reports are written all the same.
     """
     report = Report(hv.name)
-    models = [hv.served_model(model)["name"]] if model else [m["name"] for m in hv.served_models()]
+    models = [hv.served_model(model).name] if model else [m.name for m in hv.served_models()]
     out_dir = Path(out_dir or default_out(hv.name))
     check_writable(out_dir)   # before any load is sent: a sweep's results are not to be lost at the end
     hv = prepare(conn, hv)

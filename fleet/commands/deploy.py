@@ -9,7 +9,7 @@ from __future__ import annotations
 import shlex
 
 from hostagent import layout
-from hostagent.facts import HostFacts
+from hostagent.facts import HostFacts, KeyFile
 
 from fleet import render
 from fleet.commands import display, entries, front
@@ -19,6 +19,7 @@ from fleet.facts import state as facts, survey
 from fleet.facts.doctor import entry_port_check, judge as judge_doctor
 from fleet.host import boot, keeper as fleet_keeper, release, runlock, sync, vrrp as fleet_vrrp
 from fleet.plan import drift, steps as plan
+from fleet.plan.launches import InstanceLaunch
 from fleet.report import Emit, Report
 from fleet.settings import serving
 from fleet.settings.cluster import backend_name
@@ -96,10 +97,10 @@ def _running_caps(hv: HostVars, running: dict) -> dict[str, tuple[int, int]]:
         pairs = {hv.settings.served_model_name: (running.get("slots"), hv.proxy_slots)}
     else:
         was = {m["name"]: m for m in running.get("models") or []}
-        if set(was) != {p["name"] for p in hv.pools} or any(
-                sorted(was[p["name"]]["backends"]) != sorted(p["backends"]) for p in hv.pools):
+        if set(was) != {p.name for p in hv.pools} or any(
+                sorted(was[p.name]["backends"]) != sorted(p.backends) for p in hv.pools):
             return {}
-        pairs = {p["name"]: (was[p["name"]]["slots"], p["slots"]) for p in hv.pools}
+        pairs = {p.name: (was[p.name]["slots"], p.slots) for p in hv.pools}
     if not all(isinstance(w, int) for w, _ in pairs.values()) or all(now >= w for w, now in pairs.values()):
         return {}
     return pairs
@@ -131,10 +132,10 @@ def _deploy(conn: Transport, hv: HostVars, emit: Emit, check: bool, diff: bool, 
         for sentence in drift.sentences(hv, found, drift.read_deployed(found)):
             emit(f"WARNING: {sentence}")        # before anything changes; beside the recap too
             report.warn(sentence)
-    keys = found.api_keys or {}
-    if keys.get("error") and found.mode != "nginx" and not found.proxy.alive:
+    keys = found.api_keys or KeyFile()
+    if keys.error and found.mode != "nginx" and not found.proxy.alive:
         # The proxy would exit at start, after the engines loaded (with the doctor on, it said so first).
-        report.add("api keys", "failed", f"{keys['error']} The proxy cannot start with it: nothing was started.")
+        report.add("api keys", "failed", f"{keys.error} The proxy cannot start with it: nothing was started.")
         report.status = facts.status_of(hv, found)
         return report
     # The plan (fleet.plan.steps): each file, instance, retired instance, the front, keepalived, the keeper and the
@@ -259,7 +260,7 @@ def _converge(conn, hv: HostVars, found: HostFacts, the_plan: plan.Plan, report:
     retired = found.retired or []
     before, held, after = _phases([s.launch for s in the_plan.instances if s.action == "roll"])
     if before or held:
-        _roll(conn, hv, found, before + held, report, emit, held={p["index"] for p in held}, slots_first=True)
+        _roll(conn, hv, found, before + held, report, emit, held={p.index for p in held}, slots_first=True)
         found = facts.probe(conn, hv)     # the proxy's reload count, for the next reload
     keep = _kept(hv, retired)
     proxy_up = found.proxy_healthy()
@@ -277,7 +278,7 @@ def _converge(conn, hv: HostVars, found: HostFacts, the_plan: plan.Plan, report:
 
     def enable_held():
         for p in held:
-            agent.steps(conn, hv, f"enable-instance --instance {p['index']}", report, emit)
+            agent.steps(conn, hv, f"enable-instance --instance {p.index}", report, emit)
     if reloaded:
         enable_held()
     for f in retired:
@@ -291,7 +292,7 @@ def _converge(conn, hv: HostVars, found: HostFacts, the_plan: plan.Plan, report:
     if after and not report.failed:
         _roll(conn, hv, found, after, report, emit)
     elif after:
-        report.add("rolling", "failed", f"instance(s) {', '.join(str(p['index']) for p in after)} not "
+        report.add("rolling", "failed", f"instance(s) {', '.join(str(p.index) for p in after)} not "
                    "restarted after the failure above; they still run their previous settings")
     for f in retired:
         stop_processes(conn, hv, ["--instance", str(f.index)], emit)
@@ -305,7 +306,7 @@ def _converge(conn, hv: HostVars, found: HostFacts, the_plan: plan.Plan, report:
 def _kept(hv: HostVars, retired: list[dict]) -> dict[str, str | None]:
     """The retired instances the proxy keeps until they are drained: backend name -> the pool that keeps
     it (the group it ran, when the new config still has that pool; None on a host without pools)."""
-    pools = {p["name"] for p in hv.pools or []}
+    pools = {p.name for p in hv.pools or []}
     keep = {}
     for f in retired:
         group = ((f.launch or {}).get("launch") or {}).get("group")
@@ -314,19 +315,19 @@ def _kept(hv: HostVars, retired: list[dict]) -> dict[str, str | None]:
     return keep
 
 
-def _phases(to_roll: list[dict]) -> tuple[list[dict], list[dict], list[dict]]:
+def _phases(to_roll: list[InstanceLaunch]) -> tuple[list[InstanceLaunch], list[InstanceLaunch], list[InstanceLaunch]]:
     """The stale instances in three lots, by the names their engine serves (before the roll: the names the
     running proxy routes to it): those that keep every name roll before the proxy's reload; those that
     lose one but gain none roll after it (the old names still serve the new config); those that lose one
     and gain one roll before it and stay drained until the reload."""
     before, held, after = [], [], []
     for p in to_roll:
-        old, new = set(p["names"][0]), set(p["names"][1])
+        old, new = set(p.names[0]), set(p.names[1])
         (before if old <= new else after if new <= old else held).append(p)
     return before, held, after
 
 
-def _roll(conn, hv: HostVars, found: HostFacts, to_roll: list[dict], report: Report, emit: Emit,
+def _roll(conn, hv: HostVars, found: HostFacts, to_roll: list[InstanceLaunch], report: Report, emit: Emit,
           held: set[int] = frozenset(), slots_first: bool = False) -> None:
     """Restart each stale instance through the host agent's one restart (drain, stop by identity, wait for
     the card, start, /health, enable), one at a time, under the run lock this deploy holds; stops at the
@@ -345,14 +346,14 @@ def _roll(conn, hv: HostVars, found: HostFacts, to_roll: list[dict], report: Rep
                        "restarted: `inv logs --host " + hv.name + " --proxy` says why")
             return
     for n, p in enumerate(to_roll):
-        i = p["index"]
-        emit(f"instance {i}: rolling ({', '.join(p['changes'])})")
+        i = p.index
+        emit(f"instance {i}: rolling ({', '.join(p.changes)})")
         failed = report.count("failed")
         with entries.drained(hv, [i], report, emit):
             agent.steps(conn, hv, f"restart --instance {i} --locked" + (" --no-enable" if i in held else ""),
                         report, emit)
         if report.count("failed") > failed:
-            left = [q["index"] for q in to_roll[n + 1:]]
+            left = [q.index for q in to_roll[n + 1:]]
             if left:
                 report.add("rolling", "failed", f"stopped after instance {i}; instance(s) "
                            f"{', '.join(map(str, left))} still run their previous settings")
@@ -363,18 +364,18 @@ def _roll(conn, hv: HostVars, found: HostFacts, to_roll: list[dict], report: Rep
             conn.put(layout.path(hv.settings.deploy_dir, layout.PROXY_CONF), final.encode(), 0o644)
 
 
-def _interim_proxy_conf(hv: HostVars, to_roll: list[dict]) -> str | None:
+def _interim_proxy_conf(hv: HostVars, to_roll: list[InstanceLaunch]) -> str | None:
     """conf/proxy.yaml with each rolled group's slots at min(what its instances ran, what it wants), when
     some group's max_num_seqs goes down (None otherwise: the running config already gives every engine at
     most what it has until the front step applies the larger value). Not when names move too: that
     config would route the new names before their engines serve them."""
     caps: dict[str, int] = {}
     down = False
-    if any(set(p["names"][0]) != set(p["names"][1]) for p in to_roll):
+    if any(p.names_move for p in to_roll):
         return None      # names move: the new routing waits for the front step (see _phases)
     for p in to_roll:
-        g = hv.group_of(p["index"])
-        was = p.get("was_seqs")
+        g = hv.group_of(p.index)
+        was = p.was_seqs
         if isinstance(was, int):
             caps[g.name] = min(caps.get(g.name, g.max_num_seqs), was, g.max_num_seqs)
             down = down or was > g.max_num_seqs

@@ -63,16 +63,16 @@ def status_of(hv: HostVars, facts: HostFacts) -> dict:
                   "cards": list(hv.cards[f.index]), "model": hv.group_of(f.index).name,
                   "pid": f.pid, "pgid": f.pgid, "state": f.state, **fleet_keeper.instance_fields(keeper, f.index)}
                  for f in facts.instances]
-    plan = {p["index"]: p for p in launch.plan(hv, facts)}
+    plan = {p.index: p for p in launch.plan(hv, facts)}
     for inst in instances:
         if inst["crashloop"] and inst["state"] in ("dead", "stopped"):
             inst["state"] = "crashloop"
         # The launch it runs against the inventory's: current, stale (stale_settings says how), unrecorded
         # (started by an older version); None when it does not run.
         p = plan[inst["index"]]
-        inst["launch"] = (None if not p["running"] else "unrecorded" if launch.unrecorded(p)
-                          else "stale" if launch.stale(p) else "current")
-        inst["stale_settings"] = p["changes"] if launch.stale(p) else []
+        inst["launch"] = (None if not p.running else "unrecorded" if p.unrecorded
+                          else "stale" if p.stale else "current")
+        inst["stale_settings"] = p.changes if p.stale else []
     p = facts.proxy
     proxy = {"pid": p.pid, "port": p.port, "state": p.state, "backends": p.backends}
     mode = facts.front

@@ -9,6 +9,7 @@ that record back through the state probe and compare it here, so they can never 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 from hostagent.facts import HostFacts
 
@@ -37,9 +38,38 @@ def differences(recorded: dict | None, want: dict) -> list[str] | None:
     return out
 
 
-def plan(hv: HostVars, found: HostFacts) -> list[dict]:
-    """For each instance the probe saw: {"index", "state", "changes"} where changes is differences()'s
-    answer for a running instance (loading or healthy), and None for one that does not run."""
+@dataclass(frozen=True)
+class InstanceLaunch:
+    """One instance's launch as the probe found it against the wanted one."""
+
+    index: int
+    state: str
+    port: int
+    running: bool                   # loading or healthy
+    recorded: bool                  # its launch record was read
+    changes: list[str] | None       # differences() for a running instance; None for one that does not run
+    was_seqs: int | None            # the max_num_seqs it was started with (running only)
+    # (the names its engine serves now, those it will serve): the proxy routes by them
+    names: tuple[list[str], list[str]] = ([], [])
+
+    @property
+    def stale(self) -> bool:
+        """A running instance that runs another launch than the wanted one."""
+        return bool(self.changes)
+
+    @property
+    def unrecorded(self) -> bool:
+        """A running instance with no launch record (started by an older version)."""
+        return self.running and not self.recorded
+
+    @property
+    def names_move(self) -> bool:
+        """Its engine will serve other names than it serves now."""
+        return set(self.names[0]) != set(self.names[1])
+
+
+def plan(hv: HostVars, found: HostFacts) -> list[InstanceLaunch]:
+    """For each instance the probe saw, its launch against the wanted one."""
     want = wanted_launches(hv)
     records = found.launches or []
     out = []
@@ -47,13 +77,12 @@ def plan(hv: HostVars, found: HostFacts) -> list[dict]:
         i = f.index
         running = f.state in ("healthy", "loading")
         rec = records[i] if i < len(records) else None
-        out.append({"index": i, "state": f.state, "port": f.port, "running": running,
-                    "recorded": rec is not None,
-                    "changes": differences(rec, want[i]) if running and i < len(want) else None,
-                    "was_seqs": _seqs(rec) if running else None,
-                    # (the names its engine serves now, those it will serve): the proxy routes by them
-                    "names": (((rec or {}).get("launch") or {}).get("served_names") or [],
-                              want[i]["launch"]["served_names"] if i < len(want) else [])})
+        out.append(InstanceLaunch(
+            i, f.state, f.port, running, recorded=rec is not None,
+            changes=differences(rec, want[i]) if running and i < len(want) else None,
+            was_seqs=_seqs(rec) if running else None,
+            names=(((rec or {}).get("launch") or {}).get("served_names") or [],
+                   want[i]["launch"]["served_names"] if i < len(want) else [])))
     return out
 
 
@@ -66,12 +95,3 @@ def _seqs(record: dict | None) -> int | None:
         return int(by_hand) if str(by_hand).isdigit() else None
     return (record.get("launch") or {}).get("max_num_seqs")
 
-
-def stale(entry: dict) -> bool:
-    """True when a running instance runs another launch than the wanted one."""
-    return bool(entry["changes"])
-
-
-def unrecorded(entry: dict) -> bool:
-    """True when a running instance has no launch record (started by an older version)."""
-    return entry["running"] and not entry["recorded"]

@@ -10,10 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hostagent import layout
-from hostagent.facts import HostFacts
+from hostagent.facts import HostFacts, KeyFile
 
 from fleet.host import boot as fleet_boot, keeper as fleet_keeper, sync, vrrp as fleet_vrrp
 from fleet.plan import launches as launch
+from fleet.plan.launches import InstanceLaunch
 from fleet.render import RenderedFile
 from fleet.settings.inventory import HostVars
 
@@ -71,7 +72,7 @@ class InstanceStep(Step):
 
     index: int = 0
     port: int = 0
-    launch: dict = field(default_factory=dict, compare=False)   # launch.plan's entry (a roll needs it)
+    launch: InstanceLaunch | None = field(default=None, compare=False)   # launch.plan's (a roll needs it)
     kept: str = ""      # what applying it reports when it leaves the instance as it is (keep, later)
 
     def would(self) -> str:
@@ -140,7 +141,7 @@ def instances(hv: HostVars, found: HostFacts, restart: bool = True) -> list[Inst
     """Each instance's step, in instance order. restart: roll a healthy instance whose launch is stale (False:
     keep it, and say so)."""
     leftovers = {t.part for t in found.tagged}     # processes left behind: stopped before the start
-    entries = {p["index"]: p for p in launch.plan(hv, found)}
+    entries = {p.index: p for p in launch.plan(hv, found)}
     out = []
     for f in found.instances:
         p = entries[f.index]
@@ -155,17 +156,17 @@ def instances(hv: HostVars, found: HostFacts, restart: bool = True) -> list[Inst
     return out
 
 
-def _running(hv: HostVars, f, p: dict, restart: bool) -> InstanceStep:
+def _running(hv: HostVars, f, p: InstanceLaunch, restart: bool) -> InstanceStep:
     here = f"already {f.state} on :{f.port}, pid {f.pid}"
-    changes = ", ".join(p["changes"] or [])
-    if launch.stale(p) and f.state == "healthy" and restart:
+    changes = ", ".join(p.changes or [])
+    if p.stale and f.state == "healthy" and restart:
         return _instance(f.index, "roll", changes, f.port, p)
-    if launch.stale(p):
+    if p.stale:
         left = f"{here}; left running stale settings ({changes}): `inv deploy --host {hv.name}` restarts it"
         if f.state == "loading":
             return _instance(f.index, "later", changes, f.port, p, kept=left + " once it is healthy")
         return _instance(f.index, "keep", changes, f.port, p, kept=left)
-    if launch.unrecorded(p):
+    if p.unrecorded:
         return _instance(f.index, "keep", "unrecorded", f.port, p, kept=(
             f"{here}; its launch is not recorded (started by an older version), so deploy cannot tell whether "
             f"it runs the current settings: `inv restart --host {hv.name} --instance {f.index}` restarts it "
@@ -173,7 +174,7 @@ def _running(hv: HostVars, f, p: dict, restart: bool) -> InstanceStep:
     return _instance(f.index, "keep", "current", f.port, p, kept=here)
 
 
-def _instance(index: int, action: str, reason: str, port: int, p: dict, kept: str = "") -> InstanceStep:
+def _instance(index: int, action: str, reason: str, port: int, p: InstanceLaunch, kept: str = "") -> InstanceStep:
     return InstanceStep(f"instance {index}", action, reason, index=index, port=port, launch=p, kept=kept)
 
 
@@ -246,7 +247,7 @@ def nginx_refusal(hv: HostVars) -> str | None:
                 f"{names} nor keep their limits; keep the proxy as the front, or drop `proxy.tenants` to use nginx.")
     if hv.pools is None:
         return None
-    names = ", ".join(p["name"] for p in hv.pools)
+    names = ", ".join(p.name for p in hv.pools)
     return (f"{hv.name}: nginx cannot be the front here: it does not read the request body, so it cannot "
             f"route by `model` to the pools of {names} (aliases and adapters included); keep the proxy "
             "as the front, or serve one model per host to use nginx.")
@@ -258,11 +259,11 @@ def keys_to_take(hv: HostVars, found: HostFacts, against: str) -> tuple[str | No
     map)."""
     if not hv.settings.proxy.api_keys_file:
         return None, None
-    keys = found.api_keys or {}
-    if keys.get("error"):
-        return None, keys["error"]
-    running = found.proxy.said("api_keys_digest") if against == "running" else keys.get(against)
-    return (keys["digest"] if keys.get("digest") and running != keys["digest"] else None), None
+    keys = found.api_keys or KeyFile()
+    if keys.error:
+        return None, keys.error
+    running = found.proxy.said("api_keys_digest") if against == "running" else keys.nginx_digest
+    return (keys.digest if keys.digest and running != keys.digest else None), None
 
 
 def front(hv: HostVars, found: HostFacts, changed: set[str]) -> list[Step]:

@@ -11,6 +11,7 @@ a host's settings (fleet.settings.schema.HostSettings); it never imports fleet.s
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol, TypeVar
 
 from fleet.errors import InventoryError
@@ -99,23 +100,35 @@ def front_backends(where: str, members: list[Member]) -> list[tuple[str, str, in
     return backends
 
 
-def pools(headroom: int, served: list[Served], where: str) -> list[dict] | None:
+@dataclass
+class Pool:
+    """One served model's pool in the proxy (conf/proxy.yaml's `models:`): the name it is served by, the
+    other names that reach it (aliases, LoRA adapters), the slots it gives each backend (its max_num_seqs +
+    the proxy's headroom) and its backends."""
+
+    name: str
+    slots: int
+    backends: list[str] = field(default_factory=list)
+    aliases: list[str] = field(default_factory=list)
+    adapters: list[str] = field(default_factory=list)
+
+
+def pools(headroom: int, served: list[Served], where: str) -> list[Pool] | None:
     """The proxy's pools by model (conf/proxy.yaml's `models:`), one per served name over every backend,
     each backend's slots its own group's max_num_seqs + this proxy's headroom; None when the proxy need
     not route by model (every backend serves one plain group of one name). Either way one model has one
     max_num_seqs on every host that serves it: the proxy gives each backend of it the same slots."""
-    out: dict[str, dict] = {}
+    out: dict[str, Pool] = {}
     route: dict[str, str] = {}
     for backend, host, _, group in served:
-        pool = out.setdefault(group.name, {"name": group.name, "aliases": [], "adapters": [],
-                                           "slots": slots(group.max_num_seqs, headroom), "backends": []})
-        if pool["slots"] != slots(group.max_num_seqs, headroom):
+        pool = out.setdefault(group.name, Pool(group.name, slots(group.max_num_seqs, headroom)))
+        if pool.slots != slots(group.max_num_seqs, headroom):
             raise InventoryError(f"{where}: {host} serves {group.name} with max_num_seqs "
-                                 f"{group.max_num_seqs}, another fronted host with {seqs(pool['slots'], headroom)}; "
+                                 f"{group.max_num_seqs}, another fronted host with {seqs(pool.slots, headroom)}; "
                                  "give the model one max_num_seqs on every host.")
-        pool["backends"].append(backend)
-        for key, names_ in (("aliases", group.aliases), ("adapters", list(group.lora_modules))):
-            pool[key] += [n for n in names_ if n not in pool[key]]
+        pool.backends.append(backend)
+        pool.aliases += [n for n in group.aliases if n not in pool.aliases]
+        pool.adapters += [n for n in group.lora_modules if n not in pool.adapters]
         for n in group.names:
             if route.setdefault(n, group.name) != group.name:
                 raise InventoryError(f"{where}: the name {n!r} reaches both {route[n]} and {group.name} "

@@ -502,6 +502,16 @@ class Fronted(NamedTuple):
 
 
 @dataclass
+class ServedModel:
+    """A model clients can ask for through a host's entry port: the name they send, its instances (on an
+    entry host, across the fronted hosts) and their max_num_seqs."""
+
+    name: str
+    instances: int
+    max_num_seqs: int
+
+
+@dataclass
 class HostVars:
     """One host's resolved variables plus what follows from them (ports, backends, deployment id)."""
 
@@ -517,7 +527,7 @@ class HostVars:
     cards: list[tuple[int, ...]] = field(default_factory=list)  # instance i's cards
     plain: bool = True                         # one group on one card per instance: no model routing
     # The proxy's pools by model, on an entry host across its members (fleet.settings.cluster.pools); None: plain.
-    pools: list[dict] | None = None
+    pools: list[cluster.Pool] | None = None
     # Plain (pools None): the max_num_seqs of what the proxy serves, the slots it gives each backend less its
     # headroom; on an entry host its members' (one value on every member: fleet.settings.cluster.pools), not its own.
     served_max_num_seqs: int = 0
@@ -635,26 +645,25 @@ class HostVars:
         hv.deployment_id = deployment_id(name, v.deploy_dir)
         return hv
 
-    def served_models(self) -> list[dict]:
-        """What clients can ask for through this host's entry port, one entry per model: its name, its
-        instances (on an entry host, across the fronted hosts) and their max_num_seqs."""
+    def served_models(self) -> list[ServedModel]:
+        """What clients can ask for through this host's entry port, one per model."""
         if self.pools is None:
-            return [{"name": self.settings.served_model_name, "instances": len(self.backends),
-                     "max_num_seqs": self.served_max_num_seqs or self.settings.max_num_seqs}]
+            return [ServedModel(self.settings.served_model_name, len(self.backends),
+                                self.served_max_num_seqs or self.settings.max_num_seqs)]
         headroom = self.settings.proxy.queue.headroom
-        return [{"name": p["name"], "instances": len(p["backends"]), "max_num_seqs": serving.seqs(p["slots"], headroom)}
-                for p in self.pools]
+        return [ServedModel(p.name, len(p.backends), serving.seqs(p.slots, headroom)) for p in self.pools]
 
-    def served_model(self, name: str = "") -> dict:
-        """One of served_models() by name (a served name, alias or adapter); the first when name is empty."""
+    def served_model(self, name: str = "") -> ServedModel:
+        """One of served_models() by name (a served name, alias or adapter, which it then carries); the
+        first when name is empty."""
         models = self.served_models()
         if not name:
             return models[0]
-        for m, p in zip(models, self.pools or [{"aliases": [], "adapters": []}]):
-            if name in (m["name"], *p["aliases"], *p["adapters"]):
-                return {**m, "name": name}
+        for m, p in zip(models, self.pools or [cluster.Pool(models[0].name, 0)]):
+            if name in (m.name, *p.aliases, *p.adapters):
+                return dataclasses.replace(m, name=name)
         raise InventoryError(f"{self.name} serves no model {name!r}; it serves "
-                             f"{', '.join(m['name'] for m in models)}.")
+                             f"{', '.join(m.name for m in models)}.")
 
     def group_of(self, index: int) -> serving.Group:
         """The group instance `index` serves."""
@@ -694,7 +703,7 @@ def _check_split(hv: HostVars, where: str) -> None:
     would only wait."""
     total = sum(p.weight for p in hv.vrrp_group)
     least = min(hv.vrrp_group, key=lambda p: p.weight)
-    slots = min([p["slots"] for p in hv.pools or []] or
+    slots = min([p.slots for p in hv.pools or []] or
                 [hv.proxy_slots])
     if slots * least.weight // total < 1:
         raise InventoryError(f"{where}.vrrp.slot_weight: {least.name}'s share of an instance's {slots} slot(s) "

@@ -41,7 +41,7 @@ def chat(hv: HostVars, prompt: str, max_tokens: int = 64, user: str = "fleet-dem
          timeout: float = 120, model: str = "", key: str = "") -> dict:
     """Send one chat completion (to `model`, else the host's first; key: the API key, if any); return
     answer, backend, request id, finish_reason and latency."""
-    body = json.dumps({"model": hv.served_model(model)["name"], "max_tokens": max_tokens, "user": user,
+    body = json.dumps({"model": hv.served_model(model).name, "max_tokens": max_tokens, "user": user,
                        "messages": [{"role": "user", "content": prompt}]}).encode()
     url = entry_url(hv) + "/v1/chat/completions"
     req = urllib.request.Request(url, body, {"Content-Type": "application/json", **auth_headers(key)})
