@@ -7,6 +7,9 @@ roll's grows with its steps (the instances it rolls), never with how long someth
 from __future__ import annotations
 
 import os
+import sys
+from collections import Counter
+from pathlib import Path
 
 import pytest
 import yaml
@@ -32,14 +35,71 @@ PER_ROLLED_INSTANCE = 2
 INSTANCES = int(os.environ.get("FLEET_ROUND_TRIPS_INSTANCES", "2"))
 
 
+FLEET = Path(fleet_deploy.__file__).resolve().parent.parent
+
+
+def _room(filename: str) -> str | None:
+    """A fleet/ file's room (`commands`, `facts`, ..., or the module at fleet/'s top), None outside fleet/
+    and for the sim."""
+    try:
+        parts = Path(filename).resolve().relative_to(FLEET).parts
+    except ValueError:
+        return None
+    room = parts[0].removesuffix(".py")
+    return None if room == "sim" else "render" if room == "templates" else room   # a template's code is render's
+
+
+# fleet/'s rooms from the top layer down (pyproject.toml's rooms contract).
+ROOMS = ["cli", "commands", "facts", "plan", "host", "render", "transport", "settings", "report", "errors"]
+
+
+class Calls:
+    """Calls from one fleet/ file into a function of another (files) and from one room into another
+    (rooms, by `caller -> callee` room; up: into a room above the caller's, a function handed down such as
+    a command's `emit`), counted with sys.setprofile while it is entered."""
+
+    def __init__(self):
+        self.files = self.up = 0
+        self.rooms: Counter[str] = Counter()
+
+    def _profile(self, frame, event, arg):
+        if event != "call" or frame.f_back is None:
+            return
+        callee, caller = frame.f_code.co_filename, frame.f_back.f_code.co_filename
+        if callee == caller:
+            return
+        to, by = _room(callee), _room(caller)
+        if to is None or by is None:
+            return
+        self.files += 1
+        if to != by:
+            self.rooms[f"{by} -> {to}"] += 1
+            if ROOMS.index(to) < ROOMS.index(by):
+                self.up += 1
+
+    def __enter__(self):
+        sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc):
+        sys.setprofile(None)
+
+    def __str__(self):
+        return (f"{self.files} calls across fleet/ files, {sum(self.rooms.values())} across rooms ({self.up} of "
+                "them up, into a function handed down): " + ", ".join(f"{k} {v}" for k, v in self.rooms.most_common()))
+
+
 def _deploy(path, name: str, check: bool = False) -> tuple[int, dict]:
-    """One `inv deploy` (check: `--check`) of host name, in this process: its round trips and its recap counts."""
+    """One `inv deploy` (check: `--check`) of host name, in this process: its round trips and its recap
+    counts; with -s, the calls between fleet/'s files and rooms it made are printed."""
     hv = inv_mod.load(path).host_vars(name)
     conn = transport.connect(hv)
     try:
-        report = fleet_deploy.deploy(conn, hv, check=check)
+        with Calls() as calls:
+            report = fleet_deploy.deploy(conn, hv, check=check)
     finally:
         conn.close()
+    print(f"deploy{' --check' if check else ''}: {calls}")
     counts = {s: report.count(s) for s in ("ok", "changed", "failed")}
     return conn.round_trips, counts
 
