@@ -325,7 +325,7 @@ def status(c, host="", json_=False, set_=None, inventory_="", forks=5):
     reports, code = _run(host, inventory_, set_, action, forks, stream=stream, quiet=json_, readonly=True)
     if json_:
         try:
-            print(json.dumps([r.status for r in reports if r.status is not None], indent=2), flush=True)
+            print(json.dumps([r.status.wire() for r in reports if r.status is not None], indent=2), flush=True)
         except BrokenPipeError:
             runner.output_closed(sys.stdout)
     _finish(code)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 Emit = Callable[[str], None]
 
@@ -27,7 +27,7 @@ class Report:
     host: str
     steps: list[Step] = field(default_factory=list)
     unreachable: str | None = None
-    status: dict | None = None
+    status: Any = None          # fleet.facts.state.Status, the host's `inv status` (this module sits below it)
     data: dict = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)   # said beside the recap; they fail nothing
 

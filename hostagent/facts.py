@@ -1,11 +1,11 @@
-"""The probes' answers as declared records: what hostagent/probes/state.py (and holders.py, who holds the
-device files) read on the host, and what the control plane (fleet/facts/state.py, fleet/host/release.py)
-parses once from the JSON the probe prints. Shared by both sides, like
-hostagent/layout.py: the type says what a fact holds.
+"""The probes' answers as declared records: what hostagent/probes/state.py (holders.py, who holds the
+device files; doctor.py, what `inv doctor` judges) read on the host, and what the control plane
+(fleet/facts/state.py, fleet/host/release.py, fleet/facts/doctor.py) parses once from the JSON the probe
+prints. Shared by both sides, like hostagent/layout.py: the type says what a fact holds.
 
 Standard library only, Python 3.7+ (dataclasses; no `X | None` at runtime): it is bundled into the probe
-and runs with the host's Python. The records stay plain data: `asdict` is the wire form, `parse` its one
-reader. The proxy's admin answers (`config`, `backends`), the keeper's record (`state`) and an instance's
+and runs with the host's Python. The records stay plain data: `asdict` is the wire form, `parse` (and
+`parse_holders`, `parse_doctor`) its one reader. The proxy's admin answers (`config`, `backends`), the keeper's record (`state`) and an instance's
 launch record are the proxy's, the keeper's and start_cluster.sh's own JSON, carried as they are.
 """
 from dataclasses import asdict, dataclass, field, fields
@@ -89,8 +89,8 @@ class Keeper:
 
 
 @dataclass
-class KeyFile:
-    """proxy.api_keys_file seen on the host: the digest of its keys (never the keys) or why it cannot be
+class KeyDigests:
+    """proxy.api_keys_file seen on the host by the state probe: the digest of its keys (never the keys) or why it cannot be
     used (one sentence), and the digest of nginx's map of them (run/nginx_keys.conf; None without one)."""
 
     digest: Optional[str] = None
@@ -132,7 +132,7 @@ class HostFacts:
     lora_adapters: List[Dict[str, Any]] = field(default_factory=list)   # run/lora_adapters.json
     lora_record_error: Optional[str] = None
     mode: Optional[str] = None                  # run/mode: proxy or nginx (None: unset)
-    api_keys: Optional[KeyFile] = None          # the key file's digests (with proxy.api_keys_file)
+    api_keys: Optional[KeyDigests] = None       # the key file's digests (with proxy.api_keys_file)
     vrrp: Optional[Dict[str, Any]] = None       # behind virtual addresses: hostagent.vrrp.state
     boot: Optional[Dict[str, Any]] = None       # asked for: the installed boot hook
     boot_as_wanted: Optional[bool] = None       # asked for by deploy: installing the hook would change nothing
@@ -190,6 +190,136 @@ class Holders:
         return [h for h in self.holders if h.kind in kinds]
 
 
+# --- the doctor's probe (hostagent/probes/doctor.py) --------------------------------------------
+
+@dataclass
+class Engine:
+    """The engine's command as found after env_setup: vLLM's `vllm` (its path, the Python of its #! line,
+    the version of the distribution `vllm` from that Python's package metadata), or the sim's Python."""
+
+    ran: bool = False                # the probe ran the command (the sim; `--deep`; no metadata found)
+    exit: Optional[int] = None       # 0 when found (and it ran well); None: not found; 126, 127: not executable
+    output: str = ""                 # its output's end, or why it failed
+    path: Optional[str] = None
+    python: Optional[str] = None
+    version: Optional[str] = None
+    metadata: Optional[str] = None   # the METADATA (or PKG-INFO) file the version comes from
+
+
+@dataclass
+class Model:
+    """What the model path holds, from the directory's own entries (a single file: its size)."""
+
+    exists: Optional[bool] = None    # None: not checked (engine sim: the model is only a name)
+    bytes: int = 0                   # the weight files' bytes
+    files: int = 0
+    config: bool = False             # config.json or params.json
+    weights: int = 0                 # weight files (.safetensors, .bin, .pt, .pth, .gguf)
+
+
+@dataclass
+class KeyFile:
+    """The API key file as the proxy will read it (hostagent.apikeys.inspect), no key in it."""
+
+    error: Optional[str] = None      # why the proxy could not read it (then nothing else is known)
+    keys: int = 0
+    short: int = 0                   # keys shorter than short_under characters
+    short_under: int = 0
+    undefined: List[str] = field(default_factory=list)   # tenants its lines name that the inventory does not define
+    mode: Optional[int] = None       # the file's permission bits
+
+
+@dataclass
+class PortHolder:
+    """A process listening on a port (hostagent.processes.port_holders); pid None: another user's."""
+
+    pid: Optional[int] = None
+    cmdline: str = ""
+    user: str = ""
+    tag: Optional[str] = None
+
+
+@dataclass
+class Port:
+    """One port the deployment needs: free, ours (a verified pid file's process), or whose."""
+
+    port: int = 0
+    what: str = ""                   # `instance 0`, `proxy`, `proxy admin`, `keeper metrics`
+    listening: bool = False
+    ours: Optional[int] = None       # the deployment's pid listening there
+    holders: List[PortHolder] = field(default_factory=list)
+    stranger: Optional[str] = None   # the sentence for a holder that is not the deployment's
+
+
+@dataclass
+class Smi:
+    """The smi command's run: its exit code (127: none found; None: not run) and output."""
+
+    exit: Optional[int] = None
+    output: str = ""
+
+
+@dataclass
+class Tools:
+    """The host tools the deployment uses, where found (None: missing)."""
+
+    fuser: Optional[str] = None
+    ss: Optional[str] = None
+
+
+@dataclass
+class Disk:
+    """Room for the logs: the nearest existing directory of deploy_dir and its free bytes."""
+
+    dir: str = ""
+    free: int = 0
+    unwritable: Optional[str] = None   # why deploy could not create or write deploy_dir
+
+
+@dataclass
+class Memory:
+    """/proc/meminfo's MemTotal and MemAvailable, in bytes (None: not read)."""
+
+    total: Optional[int] = None
+    available: Optional[int] = None
+
+
+@dataclass
+class BootHookFit:
+    """Which boot hook this host can have (hostagent.boothook.detect): systemd, cron or None, and what
+    keeps it from working ("" when nothing does)."""
+
+    kind: Optional[str] = None
+    user: str = ""
+    missing: str = ""
+
+
+@dataclass
+class KeepalivedFit:
+    """Whether keepalived can run here (an entry behind virtual addresses): what is missing, its binary."""
+
+    missing: Optional[str] = None
+    binary: Optional[str] = None
+
+
+@dataclass
+class DoctorFacts:
+    """The doctor's probe's answer: what `inv doctor` (and deploy's doctor) judges."""
+
+    engine: Engine = field(default_factory=Engine)
+    model: Model = field(default_factory=Model)
+    api_keys: Optional[KeyFile] = None       # None without proxy.api_keys_file
+    ports: List[Port] = field(default_factory=list)
+    smi: Smi = field(default_factory=Smi)
+    tools: Tools = field(default_factory=Tools)
+    disk: Disk = field(default_factory=Disk)
+    memory: Memory = field(default_factory=Memory)
+    cores: int = 0                           # the cores this user's processes may run on
+    sim_devices: bool = False                # deploy_dir/sim-dev exists
+    boot: BootHookFit = field(default_factory=BootHookFit)
+    vrrp: Optional[KeepalivedFit] = None     # None: no virtual addresses
+
+
 def record(cls, data: Dict[str, Any]):
     """A record of cls from its wire form, keys it does not declare left out (an older or newer probe)."""
     names = {f.name for f in fields(cls)}
@@ -206,7 +336,7 @@ def parse(data: Dict[str, Any]) -> HostFacts:
     out.keeper = record(Keeper, data.get("keeper") or {})
     out.tagged = [record(Tagged, t) for t in data.get("tagged") or []]
     out.lora_adapters = data.get("lora_adapters") or []
-    out.api_keys = record(KeyFile, data["api_keys"]) if data.get("api_keys") else None
+    out.api_keys = record(KeyDigests, data["api_keys"]) if data.get("api_keys") else None
     out.asked_boot = "boot" in data
     return out
 
@@ -215,6 +345,20 @@ def parse_holders(data: Dict[str, Any]) -> Holders:
     """The one reader of the holders probe's JSON."""
     out = record(Holders, data)
     out.holders = [record(Holder, h) for h in data.get("holders") or []]
+    return out
+
+
+def parse_doctor(data: Dict[str, Any]) -> DoctorFacts:
+    """The one reader of the doctor's probe's JSON."""
+    out = record(DoctorFacts, data)
+    for name, cls in (("engine", Engine), ("model", Model), ("smi", Smi), ("tools", Tools), ("disk", Disk),
+                      ("memory", Memory), ("boot", BootHookFit)):
+        setattr(out, name, record(cls, data.get(name) or {}))
+    out.api_keys = record(KeyFile, data["api_keys"]) if data.get("api_keys") else None
+    out.vrrp = record(KeepalivedFit, data["vrrp"]) if data.get("vrrp") else None
+    out.ports = [record(Port, p) for p in data.get("ports") or []]
+    for p in out.ports:
+        p.holders = [record(PortHolder, h) for h in p.holders or []]
     return out
 
 

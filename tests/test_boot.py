@@ -35,7 +35,7 @@ from fleet_helpers import (
 from netns import namespace_pids, netns_fleet  # noqa: F401  (the fixture)
 
 from hostagent import boothook, layout, processes
-from hostagent.facts import parse
+from hostagent.facts import BootHookFit, parse
 
 from fleet.commands import remove as fleet_remove
 from fleet.host import boot as fleet_boot
@@ -163,7 +163,7 @@ def test_doctor_names_the_hook_it_will_use_or_what_is_missing_as_a_warning(monke
     a failure (the deployment serves without it: only a reboot would need a person)."""
     monkeypatch.delenv("FLEET_BOOT_HOOK", raising=False)
 
-    got = fleet_boot.doctor_check({"boot": facts}, SimpleNamespace(settings=SimpleNamespace(boot_hook=wanted)))
+    got = fleet_boot.doctor_check(BootHookFit(**facts), SimpleNamespace(settings=SimpleNamespace(boot_hook=wanted)))
     assert got[0] == status and says in got[1], got
 
 

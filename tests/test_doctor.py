@@ -11,6 +11,8 @@ import pytest
 from conftest import PYTHON, free_ports
 from fleet_helpers import inv
 
+from hostagent.facts import DoctorFacts, KeyFile, Model, record
+
 
 @pytest.mark.process
 def test_doctor_names_a_missing_model_path_and_a_taken_port(tmp_path, short_dir):
@@ -86,11 +88,11 @@ def test_cpu_instances_beyond_the_cores_say_so_plainly(tmp_path):
     path = tmp_path / "hosts.yml"
     path.write_text("hosts:\n  c: {engine: vllm, accelerator: cpu, instances: 4, model: /m}\n")
     hv = inventory.load(path).host_vars("c")
-    cores = doctor._cpu_checks(hv, {"cores": 2, "memory": {}})[0]
+    cores = doctor._cpu_checks(hv, DoctorFacts(cores=2))[0]
     assert (cores.status, cores.message, cores.fix) == (
         "fail", "4 instance(s) need a core each at least, and the host has 2", "lower instances to 2 or fewer")
     hv = inventory.load(path).host_vars("c", ["cpus_per_instance=1"])
-    assert doctor._cpu_checks(hv, {"cores": 2, "memory": {}})[0].message == \
+    assert doctor._cpu_checks(hv, DoctorFacts(cores=2))[0].message == \
         "4 instance(s) x 1 core(s) do not fit the 2 core(s) of the host"
 
 
@@ -183,8 +185,8 @@ def test_the_engine_version_comes_from_the_package_metadata_beside_the_scripts_p
         return probe.engine_facts({"kind": "vllm", "cmd": [str(cmd), "--version"], "deep": deep})
     vllm = fake_vllm(tmp_path / "venv")
     f = facts(vllm)
-    assert (f["exit"], f["version"], f["ran"], f["python"]) == (0, "0.9.1", False, str(tmp_path / "venv/bin/python"))
-    assert f["metadata"].endswith("site-packages/vllm-0.9.1.dist-info/METADATA")
+    assert (f.exit, f.version, f.ran, f.python) == (0, "0.9.1", False, str(tmp_path / "venv/bin/python"))
+    assert f.metadata.endswith("site-packages/vllm-0.9.1.dist-info/METADATA")
     assert not (tmp_path / "venv" / "ran").exists()
 
     python = tmp_path / "venv" / "bin" / "python"
@@ -195,9 +197,9 @@ def test_the_engine_version_comes_from_the_package_metadata_beside_the_scripts_p
 
     gone = fake_vllm(tmp_path / "gone", python=str(tmp_path / "no-such-python"))
     f = facts(gone)
-    assert (f["exit"], f["ran"]) == (127, False) and "missing or not executable" in f["output"]
+    assert (f.exit, f.ran) == (127, False) and "missing or not executable" in f.output
     vllm.chmod(0o644)
-    assert facts(vllm)["exit"] == 126 and facts(tmp_path / "nothing")["exit"] is None
+    assert facts(vllm).exit == 126 and facts(tmp_path / "nothing").exit is None
 
 
 @pytest.mark.process
@@ -248,12 +250,12 @@ def test_a_model_directory_is_judged_by_its_own_entries_not_its_tree(tmp_path):
     deep.mkdir(parents=True)
     (deep / "model.safetensors").write_bytes(b"\0" * 10)
     (tmp_path / "notes.txt").write_text("x")
-    assert model_facts(str(tmp_path)) == {"exists": True, "bytes": 0, "files": 2, "config": False, "weights": 0}
+    assert model_facts(str(tmp_path)) == Model(exists=True, bytes=0, files=2, config=False, weights=0)
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"\0" * 100)
     (tmp_path / "model.gguf").write_bytes(b"\0" * 20)
-    assert model_facts(str(tmp_path)) == {"exists": True, "bytes": 120, "files": 5, "config": True, "weights": 2}
-    assert model_facts(str(tmp_path / "model.gguf"))["weights"] == 1
+    assert model_facts(str(tmp_path)) == Model(exists=True, bytes=120, files=5, config=True, weights=2)
+    assert model_facts(str(tmp_path / "model.gguf")).weights == 1
 
 
 KEY_FILE_CASES = [
@@ -288,7 +290,7 @@ def test_the_key_file_is_judged_as_the_proxy_will_read_it(tmp_path, case, text, 
         path.write_text(text)
         path.chmod(mode)
     hv = load(write_inventory(tmp_path, instances=1)).host_vars("t", [f"proxy.api_keys_file={path}"])
-    lines = "\n".join(c.line() for c in doctor.key_file_checks(hv, apikeys.inspect(str(path))))
+    lines = "\n".join(c.line() for c in doctor.key_file_checks(hv, record(KeyFile, apikeys.inspect(str(path)))))
     assert re.search(line.format(path=re.escape(str(path))), lines, re.M), lines
     assert "k" * 16 not in lines and "sk-1" not in lines          # never a key in what it says
 

@@ -58,6 +58,8 @@ def test_each_probe_is_bundled_with_what_it_imports_in_dependency_order():
     assert hostcode.needs("vrrp") == ["layout", "logfiles", "files", "processes", "errors", "config", "parts"]
     assert hostcode.needs("probes.top") == ["exposition", "httpcall", "layout", "files", "processes", "instances",
                                             "proxyadmin", "observe"]
+    assert hostcode.needs("probes.doctor") == ["files", "apikeys", "layout", "boothook", "httpcall", "processes",
+                                               "instances", "logfiles", "errors", "config", "parts", "vrrp", "facts"]
     deploy = hostcode.needs("probes.deploy")         # another probe's modules, then that probe
     assert deploy.index("probes.doctor") > deploy.index("processes") and deploy[-1] == "probes.state", deploy
     assert set(deploy) == set(hostcode.needs("probes.doctor") + hostcode.needs("probes.state")

@@ -25,6 +25,7 @@ from fleet_helpers import deployment_id, inv, kill_tagged, status_json
 from hostagent import __main__ as agent_main, layout, lora
 
 from fleet.commands import display
+from fleet.facts.state import InstanceStatus, ModelStatus, ProxyStatus, RuntimeAdapter, Status
 
 # --- a fake engine: vLLM's runtime LoRA endpoints, in this process ---------------------------------
 
@@ -317,12 +318,12 @@ def test_inv_lora_refuses_a_plain_host_and_an_unknown_action(tmp_path):
 
 @pytest.mark.unit
 def test_status_lists_runtime_adapters_in_the_model_line():
-    st = {"host": "h", "front": "proxy", "deploy_dir": "/d",
-          "proxy": {"port": 8000, "pid": 1, "state": "healthy", "backends": []},
-          "models": [{"name": "a", "aliases": [], "adapters": ["s"], "instances": [0], "runtime_lora": True,
-                      "runtime_adapters": [{"name": "x", "path": "/p"}]}],
-          "instances": [{"index": 0, "port": 8002, "accelerator": 0, "cards": [0], "model": "a", "pid": 10,
-                         "pgid": 10, "state": "healthy"}]}
+    st = Status(host="h", front="proxy", deploy_dir="/d",
+                proxy=ProxyStatus(port=8000, pid=1, state="healthy", backends=[]),
+                models=[ModelStatus("a", adapters=["s"], instances=[0], runtime_lora=True,
+                                    runtime_adapters=[RuntimeAdapter("x", "/p")])],
+                instances=[InstanceStatus(index=0, port=8002, accelerator=0, cards=[0], model="a", pid=10, pgid=10,
+                                          state="healthy")])
     assert "model a: instance(s) 0 (adapter s, runtime adapter x)" in display.status_table(st)
 
 

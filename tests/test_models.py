@@ -13,8 +13,11 @@ import yaml
 from conftest import PYTHON, ROOT, free_ports, require_tool, wait_until
 from test_render import stop_recorded, write_rendered
 
+from hostagent.facts import Tagged
+
 from fleet import render
 from fleet.commands import display
+from fleet.facts.state import InstanceStatus, ModelStatus, ProxyStatus, Status
 from fleet.errors import InventoryError
 from fleet.plan import steps as plan
 from fleet.settings import inventory
@@ -182,15 +185,15 @@ def test_nginx_refuses_a_host_that_routes_by_model():
 
 @pytest.mark.unit
 def test_status_shows_each_instance_model_and_cards():
-    st = {"host": "k100-02", "front": "proxy", "deploy_dir": "/d",
-          "proxy": {"port": 8000, "pid": 1, "state": "healthy", "backends": []},
-          "models": [{"name": "vision", "aliases": ["v"], "adapters": ["ocr"], "instances": [0]},
-                     {"name": "text", "aliases": [], "adapters": [], "instances": [1]}],
-          "instances": [
-              {"index": 0, "port": 8002, "accelerator": 0, "cards": [0], "model": "vision", "pid": 10, "pgid": 10,
-               "state": "healthy"},
-              {"index": 1, "port": 8003, "accelerator": 1, "cards": [1, 2], "model": "text", "pid": 11,
-               "pgid": 11, "state": "healthy"}]}
+    st = Status(host="k100-02", front="proxy", deploy_dir="/d",
+                proxy=ProxyStatus(port=8000, pid=1, state="healthy", backends=[]),
+                models=[ModelStatus("vision", aliases=["v"], adapters=["ocr"], instances=[0]),
+                        ModelStatus("text", instances=[1])],
+                instances=[
+                    InstanceStatus(index=0, port=8002, accelerator=0, cards=[0], model="vision", pid=10, pgid=10,
+                                   state="healthy"),
+                    InstanceStatus(index=1, port=8003, accelerator=1, cards=[1, 2], model="text", pid=11, pgid=11,
+                                   state="healthy")])
     table = display.status_table(st)
     assert "model vision: instance(s) 0 (alias v, adapter ocr)" in table
     assert "  1        8003   text    1,2    11" in table, table
@@ -271,13 +274,12 @@ def test_each_instance_starts_with_its_group_argv_cards_and_environment(tmp_path
 def test_status_counts_running_instances_log_writers_apart_from_strays():
     """Each running instance's log writer (tag <id>/log-<i>, its own session) is expected; a tagged
     process in no running session, and a log writer of a stopped instance, are leftovers."""
-    st = {"host": "h", "front": "proxy", "deploy_dir": "/d",
-          "proxy": {"port": 8000, "pid": 1, "state": "healthy", "backends": []},
-          "instances": [{"index": 0, "port": 8002, "accelerator": 0, "pid": 10, "pgid": 10, "state": "healthy"},
-                        {"index": 1, "port": 8003, "accelerator": 1, "pid": None, "pgid": None,
-                         "state": "stopped"}],
-          "tagged": [{"pid": 12, "tag": "dep/0", "sid": 10}, {"pid": 13, "tag": "dep/log-0", "sid": 13},
-                     {"pid": 14, "tag": "dep/log-1", "sid": 14}, {"pid": 15, "tag": "dep/1", "sid": 15}]}
+    st = Status(host="h", front="proxy", deploy_dir="/d",
+                proxy=ProxyStatus(port=8000, pid=1, state="healthy", backends=[]),
+                instances=[InstanceStatus(index=0, port=8002, accelerator=0, pid=10, pgid=10, state="healthy"),
+                           InstanceStatus(index=1, port=8003, accelerator=1, state="stopped")],
+                tagged=[Tagged(12, "dep/0", sid=10), Tagged(13, "dep/log-0", sid=13),
+                        Tagged(14, "dep/log-1", sid=14), Tagged(15, "dep/1", sid=15)])
     table = display.status_table(st)
     assert "+ 1 engine process(es) in the running instances' sessions" in table
     assert "+ 1 log writer(s) of the running instances" in table
@@ -290,11 +292,10 @@ def test_status_counts_running_instances_log_writers_apart_from_strays():
 def test_status_counts_the_proxys_span_exporter_apart_from_strays():
     """The proxy's span exporter (its child, tag <id>/proxy, in its session) is expected, not an orphan nor
     an engine process; one whose proxy is gone (another parent) is a leftover."""
-    st = {"host": "h", "front": "proxy", "deploy_dir": "/d",
-          "proxy": {"port": 8000, "pid": 5, "state": "healthy", "backends": []},
-          "instances": [{"index": 0, "port": 8002, "accelerator": 0, "pid": 10, "pgid": 10, "state": "healthy"}],
-          "tagged": [{"pid": 6, "tag": "dep/proxy", "sid": 5, "ppid": 5},
-                     {"pid": 7, "tag": "dep/proxy", "sid": 4, "ppid": 1}]}
+    st = Status(host="h", front="proxy", deploy_dir="/d",
+                proxy=ProxyStatus(port=8000, pid=5, state="healthy", backends=[]),
+                instances=[InstanceStatus(index=0, port=8002, accelerator=0, pid=10, pgid=10, state="healthy")],
+                tagged=[Tagged(6, "dep/proxy", sid=5, ppid=5), Tagged(7, "dep/proxy", sid=4, ppid=1)])
     table = display.status_table(st)
     assert "+ 1 span exporter(s) of the proxy (proxy.otlp), pid 6" in table
     assert "engine process" not in table

@@ -9,7 +9,7 @@ from __future__ import annotations
 import shlex
 
 from hostagent import layout
-from hostagent.facts import HostFacts, KeyFile
+from hostagent.facts import HostFacts, KeyDigests
 
 from fleet import render
 from fleet.commands import display, entries, front
@@ -132,7 +132,7 @@ def _deploy(conn: Transport, hv: HostVars, emit: Emit, check: bool, diff: bool, 
         for sentence in drift.sentences(hv, found, drift.read_deployed(found)):
             emit(f"WARNING: {sentence}")        # before anything changes; beside the recap too
             report.warn(sentence)
-    keys = found.api_keys or KeyFile()
+    keys = found.api_keys or KeyDigests()
     if keys.error and found.mode != "nginx" and not found.proxy.alive:
         # The proxy would exit at start, after the engines loaded (with the doctor on, it said so first).
         report.add("api keys", "failed", f"{keys.error} The proxy cannot start with it: nothing was started.")

@@ -3,76 +3,74 @@ from __future__ import annotations
 
 import time
 
+from fleet.facts.state import Status
 from fleet.report import Report, Step
 
 
-def status_table(st: dict) -> str:
+def status_table(st: Status) -> str:
     """The status of one host as a small table."""
-    p = st["proxy"]
-    backends = p.get("backends") or []
-    healthy = sum(1 for b in backends if b.get("healthy"))
-    lines = [f"{st['host']}  front={st['front'] or '-'}  deploy_dir={st['deploy_dir']}",
-             f"  proxy   :{p['port']}  pid {p['pid'] or '-'}  {p['state']}"
+    p = st.proxy
+    backends = p.backends or []
+    healthy = sum(1 for b in backends if b.get("healthy"))      # the proxy's GET /admin/backends, as it answered
+    lines = [f"{st.host}  front={st.front or '-'}  deploy_dir={st.deploy_dir}",
+             f"  proxy   :{p.port}  pid {p.pid or '-'}  {p.state}"
              + (f"  ({healthy}/{len(backends)} backends healthy)" if backends else "")]
-    n = st.get("nginx") or {}
-    if n.get("pid"):
-        lines.append(f"  nginx   :{n['port']}  pid {n['pid']}  {n['state']}  watcher pid {n['watcher_pid'] or '-'}")
-    k = st.get("keeper") or {}
+    n = st.nginx
+    if n.pid:
+        lines.append(f"  nginx   :{n.port}  pid {n.pid}  {n.state}  watcher pid {n.watcher_pid or '-'}")
+    k = st.keeper
     if k:
-        lines.append(f"  keeper  pid {k.get('pid') or '-'}  {k.get('state')}"
-                     + ("  (NOT RUNNING: dead instances are not restarted)" if k.get("state") == "dead" else ""))
-    if "boot" in st:           # read by status, and at the end of deploy and stop
-        b = st["boot"]
+        lines.append(f"  keeper  pid {k.pid or '-'}  {k.state}"
+                     + ("  (NOT RUNNING: dead instances are not restarted)" if k.state == "dead" else ""))
+    if st.boot_read:           # read by status, and at the end of deploy and stop
+        b = st.boot
         lines.append(f"  boot    {b['kind']}: {b['command']}" if b else
                      "  boot    no hook: after a reboot nothing starts the deployment")
-    v = st.get("vrrp")
+    v = st.vrrp
     if v:                      # an entry behind virtual addresses (keepalived): which it holds now
         role = (f"master of {', '.join(v['holds'])}" if v["holds"] else "backup, holds none") + f" on {v['interface']}"
         lines.append(f"  vrrp    {role}  " + (f"keepalived pid {v['keepalived_pid'] or '-'} (supervisor {v['pid']})"
                                                if v["pid"] else "keepalived NOT RUNNING"
                                                + (f": {v['missing']}" if v.get("missing") else "")))
-    groups = st.get("models")
+    groups = st.models
     for g in groups or []:
-        names = ", ".join([f"alias {a}" for a in g["aliases"]] + [f"adapter {a}" for a in g["adapters"]]
-                          + [f"runtime adapter {a['name']}" for a in g.get("runtime_adapters") or []])
-        lines.append(f"  model {g['name']}: instance(s) {', '.join(map(str, g['instances']))}"
+        names = ", ".join([f"alias {a}" for a in g.aliases] + [f"adapter {a}" for a in g.adapters]
+                          + [f"runtime adapter {a.name}" for a in g.runtime_adapters])
+        lines.append(f"  model {g.name}: instance(s) {', '.join(map(str, g.instances))}"
                      + (f" ({names})" if names else ""))
-    model_col = max([len(i["model"]) for i in st["instances"]] + [5]) + 2 if groups else 0
+    model_col = max([len(i.model) for i in st.instances] + [5]) + 2 if groups else 0
     lines.append(f"  {'instance':<9}{'port':<7}" + (f"{'model':<{model_col}}" if groups else "")
                  + f"{'cards' if groups else 'accel':<7}{'pid':<9}{'pgid':<9}{'state':<12}restarts")
-    for i in st["instances"]:
+    for i in st.instances:
         last = ""
-        if i.get("last_restart_reason"):
-            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(i["last_restart_at"]))
-            last = f" (last: {i['last_restart_reason']} at {when}: {i.get('last_restart_result') or '...'})"
-        state = i["state"].upper() if i["state"] == "crashloop" else i["state"]
-        if i.get("launch") == "stale":
-            last += f"  STALE: {', '.join(i['stale_settings'])}"
-        where = f"{i['model']:<{model_col}}{','.join(map(str, i['cards'])):<7}" if groups else f"{i['accelerator']:<7}"
-        lines.append(f"  {i['index']:<9}{i['port']:<7}{where}{i['pid'] or '-':<9}"
-                     f"{i['pgid'] or '-':<9}{state:<12}{i.get('restarts', 0)}{last}")
-    owned = {i["pid"] for i in st["instances"]} | {p["pid"]} | {(st.get("nginx") or {}).get("watcher_pid")} \
-        | {k.get("pid")}
-    others = [t for t in st.get("tagged", []) if t["pid"] not in owned]
+        if i.last_restart_reason:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(i.last_restart_at))
+            last = f" (last: {i.last_restart_reason} at {when}: {i.last_restart_result or '...'})"
+        state = i.state.upper() if i.state == "crashloop" else i.state
+        if i.launch == "stale":
+            last += f"  STALE: {', '.join(i.stale_settings)}"
+        where = f"{i.model:<{model_col}}{','.join(map(str, i.cards)):<7}" if groups else f"{i.accelerator:<7}"
+        lines.append(f"  {i.index:<9}{i.port:<7}{where}{i.pid or '-':<9}"
+                     f"{i.pgid or '-':<9}{state:<12}{i.restarts}{last}")
+    owned = {i.pid for i in st.instances} | {p.pid} | {n.watcher_pid} | {k.pid if k else None}
+    others = [t for t in st.tagged if t.pid not in owned]
     # The proxy's span exporter (proxy.otlp: python -m proxy.otlp_export) is its child, with its tag.
-    exporters = [t for t in others if p["pid"] and t.get("ppid") == p["pid"]
-                 and t["tag"].rpartition("/")[2] == "proxy"]
+    exporters = [t for t in others if p.pid and t.ppid == p.pid and t.part == "proxy"]
     others = [t for t in others if t not in exporters]
     # keepalived and its VRRP child, in the session of their supervisor (vrrp-run, tagged <id>/keepalived).
-    vrrp_pid = (st.get("vrrp") or {}).get("pid")
-    others = [t for t in others if not (vrrp_pid and t.get("sid") == vrrp_pid and t["pid"] != vrrp_pid)
-              and t["pid"] != vrrp_pid]
+    vrrp_pid = (v or {}).get("pid")
+    others = [t for t in others if not (vrrp_pid and t.sid == vrrp_pid and t.pid != vrrp_pid) and t.pid != vrrp_pid]
     # The engine's own children (EngineCore, Worker) live in their instance's session: expected, not news.
     # A tagged process outside every running session is a leftover of a killed process.
     sessions = {pid for pid in owned if pid}
-    children = [t for t in others if t.get("sid") in sessions]
+    children = [t for t in others if t.sid in sessions]
     # Each running instance's log writer (tag <id>/log-<i>, a session of its own) is expected too.
-    running = {f"log-{i['index']}" for i in st["instances"] if i["pid"]}
-    writers = [t for t in others if t.get("sid") not in sessions and t["tag"].rpartition("/")[2] in running]
-    strays = [t for t in others if t.get("sid") not in sessions and t not in writers]
+    running = {f"log-{i.index}" for i in st.instances if i.pid}
+    writers = [t for t in others if t.sid not in sessions and t.part in running]
+    strays = [t for t in others if t.sid not in sessions and t not in writers]
     if exporters:
         lines.append(f"  + {len(exporters)} span exporter(s) of the proxy (proxy.otlp), pid "
-                     + ", ".join(str(t["pid"]) for t in exporters))
+                     + ", ".join(str(t.pid) for t in exporters))
     if children:
         lines.append(f"  + {len(children)} engine process(es) in the running instances' sessions")
     if writers:
@@ -80,7 +78,7 @@ def status_table(st: dict) -> str:
     if strays:
         lines.append(f"  {len(strays)} process(es) carry the deployment's tag outside any running instance "
                      "(orphans of a killed process; `inv stop --instance I` or a deploy stops them): "
-                     + ", ".join(str(t["pid"]) for t in strays[:12]))
+                     + ", ".join(str(t.pid) for t in strays[:12]))
     return "\n".join(lines)
 
 

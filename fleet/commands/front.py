@@ -108,7 +108,7 @@ def _swap_to_proxy(conn: Transport, hv: HostVars, emit: Emit) -> Report:
 
 
 def _confirm(report: Report, want: str) -> None:
-    front = report.status["front"]
+    front = report.status.front
     report.add("confirm", "ok" if front == want else "failed",
                f"the entry port answers from {front}" if front == want else
                f"the entry port answers from {front or 'nothing'}, not {want}; see `inv status`")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hostagent.facts import HostFacts, parse
+from hostagent.facts import DoctorFacts, HostFacts, parse, parse_doctor
 
 from fleet.facts import doctor, state as facts
 from fleet.host import boot, preflight
@@ -22,7 +22,7 @@ from fleet.transport.connection import Transport
 class Survey:
     """The first read's answer: the doctor's facts (None when not asked) and the state."""
 
-    doctor: dict | None
+    doctor: DoctorFacts | None
     found: HostFacts
 
 
@@ -38,7 +38,7 @@ def read(conn: Transport, hv: HostVars, files: list[str] = (), readonly: bool = 
                            timeout=300, env_setup=True)
     if needs:
         preflight.judge(hv, step, out["needs"])
-    return Survey(out["doctor"], parse(out["state"]))
+    return Survey(parse_doctor(out["doctor"]) if out["doctor"] else None, parse(out["state"]))
 
 
 def _boot_wanted(hv: HostVars) -> dict | None:

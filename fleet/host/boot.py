@@ -11,6 +11,8 @@ import json
 import os
 import shlex
 
+from hostagent.facts import BootHookFit
+
 from fleet.errors import RemoteError
 from fleet.report import Emit, Report
 from fleet.settings.inventory import HostVars
@@ -100,20 +102,20 @@ def remove(conn, hv: HostVars, report: Report, check: bool, emit: Emit = lambda 
         emit(f"boot hook: {step.message}")
 
 
-def doctor_check(facts: dict, hv: HostVars) -> tuple[str, str, str]:
-    """The doctor's line about the boot hook: (status, message, fix), a warning at worst: without a hook
-    the deployment serves all the same, only a reboot would need a person, so no deploy is stopped."""
+def doctor_check(b: BootHookFit, hv: HostVars) -> tuple[str, str, str]:
+    """The doctor's line about the boot hook (b: the one this host can have): (status, message, fix), a
+    warning at worst: without a hook the deployment serves all the same, only a reboot would need a person,
+    so no deploy is stopped."""
     kind = wanted(hv)
-    b = facts.get("boot") or {}
     if kind == "off":
         return "ok", "boot_hook is off: nothing brings the deployment back after a reboot", ""
-    if kind == "systemd" and b.get("kind") != "systemd":
+    if kind == "systemd" and b.kind != "systemd":
         return ("warn", "boot_hook is systemd, but this host has no systemd user manager with lingering",
                 "set boot_hook to auto (cron), or ask the admin for `loginctl enable-linger`")
-    if b.get("kind") is None:
-        return "warn", b.get("missing") or "no boot hook can be had here", ""
-    use = "systemd user unit (lingering is on)" if kind != "cron" and b["kind"] == "systemd" else \
+    if b.kind is None:
+        return "warn", b.missing or "no boot hook can be had here", ""
+    use = "systemd user unit (lingering is on)" if kind != "cron" and b.kind == "systemd" else \
         "cron: an @reboot line and a keeper watchdog in the crontab"
-    if b.get("missing") and kind != "systemd" and b["kind"] == "cron":
-        return "warn", f"{use}, but {b['missing']}", ""
-    return "ok", f"{use}, for {b.get('user')}", ""
+    if b.missing and kind != "systemd" and b.kind == "cron":
+        return "warn", f"{use}, but {b.missing}", ""
+    return "ok", f"{use}, for {b.user}", ""

@@ -6,7 +6,9 @@ run/keeper.json into status fields.
 """
 from __future__ import annotations
 
-from hostagent import layout
+from dataclasses import dataclass, field
+from typing import Any
+
 from hostagent.facts import HostFacts
 
 from fleet.errors import FleetError
@@ -17,8 +19,18 @@ from fleet.transport import agent
 KEEPER_FILES = (agent.AGENT_CONFIG, agent.FRONT_CONFIG)
 
 
-def status(hv: HostVars, facts: HostFacts) -> dict:
-    """The `keeper` object of `inv status --json`: pid, state, and per instance what it did."""
+@dataclass
+class KeeperStatus:
+    """The `keeper` object of `inv status --json`."""
+
+    pid: int | None = None
+    state: str = "stopped"          # running, dead (its pid file names no live keeper), stopped, disabled
+    enabled: bool = True            # keeper.enabled
+    instances: dict[str, Any] = field(default_factory=dict)    # run/keeper.json's, as the keeper wrote it
+
+
+def status(hv: HostVars, facts: HostFacts) -> KeeperStatus:
+    """The keeper's part of `inv status`: pid, state, and per instance what it did."""
     k = facts.keeper
     st = k.state if isinstance(k.state, dict) else {}
     enabled = hv.settings.keeper.enabled
@@ -28,12 +40,13 @@ def status(hv: HostVars, facts: HostFacts) -> dict:
         state = "dead"
     else:
         state = "stopped" if enabled else "disabled"
-    return {"pid": k.pid, "state": state, "enabled": enabled, "instances": st.get("instances") or {}}
+    return KeeperStatus(k.pid, state, enabled, st.get("instances") or {})
 
 
-def instance_fields(keeper: dict, index: int) -> dict:
-    """What an instance's status object gains from the keeper: restarts, last reason and when, its view."""
-    w = keeper["instances"].get(str(index)) or {}
+def instance_fields(keeper: KeeperStatus, index: int) -> dict:
+    """What an instance's status object gains from the keeper (fleet.facts.state.InstanceStatus's fields
+    by name): restarts, last reason and when, its view; read from the keeper's own record."""
+    w = keeper.instances.get(str(index)) or {}
     return {"restarts": w.get("restarts", 0), "restarts_by_reason": w.get("by_reason") or {},
             "last_restart_reason": w.get("last_reason"), "last_restart_at": w.get("last_at"),
             "last_restart_result": w.get("last_result"), "keeper_state": w.get("state"),
@@ -65,23 +78,3 @@ def start_again(conn, hv: HostVars, emit) -> None:
         emit(f"keeper: started again, pid {r['pid']}: this stop did not run")
     except FleetError as e:
         emit(f"keeper: could not start it again ({e}); `inv deploy --host {hv.name}` starts it")
-
-
-def report_lines(st: dict) -> list[tuple[str, str, str]]:
-    """(step name, status, message) for `inv status`: a crash-looping instance fails loudly."""
-    out = []
-    for inst in st["instances"]:
-        if inst.get("crashloop"):
-            tail = "\n".join("    " + line for line in inst.get("crashloop_log") or []) or "    (empty)"
-            out.append((f"instance {inst['index']}", "failed",
-                        f"CRASHLOOP: the keeper restarted it {inst['restarts']} time(s) "
-                        f"(last: {inst['last_restart_reason']}) and gave up; fix the cause, then "
-                        f"`inv restart --host {st['host']} --instance {inst['index']}`. Last lines of "
-                        f"{layout.instance_log(inst['index'])}:\n{tail}"))
-    keeper = st.get("keeper") or {}
-    if keeper.get("state") == "dead":
-        watchdog = ("the boot hook's watchdog starts it within a minute (logs/boot.log says so), or "
-                    if st.get("boot") else "")
-        out.append(("keeper", "failed", "the keeper is not running (run/keeper.pid is stale): dead instances "
-                    f"are not restarted; {watchdog}`inv deploy --host {st['host']}` starts it; see logs/keeper.log"))
-    return out

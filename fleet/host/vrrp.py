@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 
 from hostagent import layout
+from hostagent.facts import KeepalivedFit
 
 from fleet.errors import FleetError
 from fleet.report import Emit, Report
@@ -86,9 +87,9 @@ def stop_first(conn, hv: HostVars, report: Report, emit: Emit, check: bool) -> N
         report.add("keepalived", "changed", f"stopped first (supervisor pid {r['pid']}): its addresses moved to a peer")
 
 
-def status_lines(st: dict) -> list[tuple[str, str, str]]:
-    """(step name, status, message) for `inv status`: which addresses this entry holds, or what is wrong."""
-    v = st.get("vrrp")
+def status_lines(host: str, v: dict | None) -> list[tuple[str, str, str]]:
+    """(step name, status, message) for `inv status` of host: which addresses this entry holds, or what is
+    wrong; v: the state probe's `vrrp` (hostagent.vrrp.state), None on a host without virtual addresses."""
     if not v:
         return []
     holds = ", ".join(v["holds"]) or "none"
@@ -100,16 +101,16 @@ def status_lines(st: dict) -> list[tuple[str, str, str]]:
         return [("keepalived", "skipped", f"not running: {v['missing']}")]
     if v["holds"]:
         return [("keepalived", "failed", f"not running, yet {v['interface']} carries {holds}: `inv deploy --host "
-                 f"{st['host']}` starts keepalived, which takes the leftover off first")]
+                 f"{host}` starts keepalived, which takes the leftover off first")]
     return [("keepalived", "failed", f"not running: this entry cannot take {', '.join(v['addresses'])} if its peer "
-             f"fails; `inv deploy --host {st['host']}` starts it (see {layout.KEEPALIVED_LOG})")]
+             f"fails; `inv deploy --host {host}` starts it (see {layout.KEEPALIVED_LOG})")]
 
 
-def doctor_check(hv: HostVars, f: dict) -> tuple[str, str, str] | None:
-    """The doctor's line for keepalived: (status, message, fix); None when the host has no vrrp."""
-    v = f.get("vrrp")
+def doctor_check(hv: HostVars, v: KeepalivedFit | None) -> tuple[str, str, str] | None:
+    """The doctor's line for keepalived (v: whether it can run here): (status, message, fix); None when the
+    host has no vrrp."""
     if not hv.vrrp_group or v is None:
         return None
-    if v["missing"]:
-        return ("fail", v["missing"], "until then the entry serves without a virtual address; docs/entry-ha.md")
-    return ("ok", f"{v['binary']} can hold {', '.join(hv.settings.vrrp.addresses)} on {hv.settings.vrrp.interface}", "")
+    if v.missing:
+        return ("fail", v.missing, "until then the entry serves without a virtual address; docs/entry-ha.md")
+    return ("ok", f"{v.binary} can hold {', '.join(hv.settings.vrrp.addresses)} on {hv.settings.vrrp.interface}", "")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hostagent import layout
-from hostagent.facts import HostFacts, KeyFile
+from hostagent.facts import HostFacts, KeyDigests
 
 from fleet.host import boot as fleet_boot, keeper as fleet_keeper, sync, vrrp as fleet_vrrp
 from fleet.plan import launches as launch
@@ -259,7 +259,7 @@ def keys_to_take(hv: HostVars, found: HostFacts, against: str) -> tuple[str | No
     map)."""
     if not hv.settings.proxy.api_keys_file:
         return None, None
-    keys = found.api_keys or KeyFile()
+    keys = found.api_keys or KeyDigests()
     if keys.error:
         return None, keys.error
     running = found.proxy.said("api_keys_digest") if against == "running" else keys.nginx_digest

@@ -5,7 +5,8 @@ fleet.transport.hostcode.probe), it prints one JSON object, `{"needs": ..., "doc
 - `needs`: the lines the control node's check of what the step needs prints (fleet/host/preflight.py's shell
   script, run here in env_setup's environment: `missing tool ss`, `missing modules aiohttp`), or null
   when the spec asks for none (a deploy that takes the run lock has its holder check them first);
-- `doctor`: the doctor probe's facts (hostagent/probes/doctor.py), or null when the spec asks for none;
+- `doctor`: the doctor probe's facts (hostagent/probes/doctor.py), hostagent.facts' `DoctorFacts` wire
+  form, or null when the spec asks for none;
 - `state`: the state probe's answer (hostagent/probes/state.py), hostagent.facts' wire form.
 
 The three are read at once (threads): one round trip where they were three. Standard library only,
@@ -15,6 +16,7 @@ import json
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 
 from hostagent.probes import doctor, state
 
@@ -35,7 +37,7 @@ def main():
         lines = pool.submit(needs, spec["needs"]) if spec.get("needs") else None
         found = pool.submit(doctor.read, spec["doctor"]) if spec.get("doctor") else None
         st = pool.submit(state.read, spec["state"])
-        out = {"needs": lines.result() if lines else None, "doctor": found.result() if found else None,
+        out = {"needs": lines.result() if lines else None, "doctor": asdict(found.result()) if found else None,
                "state": st.result()}
     json.dump(out, sys.stdout)
 

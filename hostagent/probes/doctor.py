@@ -1,7 +1,7 @@
 """What `inv doctor` needs to know, read on the host: run there (after env_setup) as `python3 - SPEC_JSON`
 with this file on standard input (bundled with the host agent modules it imports: fleet.transport.hostcode.probe),
-it prints one JSON object. Standard library only, Python 3.6+, no side effects. The control node turns
-these facts into ok/warn/fail lines (fleet/facts/doctor.py).
+it prints one JSON object, hostagent.facts' `DoctorFacts`. Standard library only, Python 3.7+, no side
+effects. The control node turns these facts into ok/warn/fail lines (fleet/facts/doctor.py).
 """
 import glob
 import json
@@ -10,8 +10,24 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import asdict
 
 from hostagent import apikeys, boothook, instances, processes, vrrp
+from hostagent.facts import (
+    BootHookFit,
+    Disk,
+    DoctorFacts,
+    Engine,
+    KeepalivedFit,
+    KeyFile,
+    Memory,
+    Model,
+    Port,
+    PortHolder,
+    Smi,
+    Tools,
+    record,
+)
 
 
 def which(name):
@@ -113,27 +129,27 @@ def engine_facts(spec):
     distribution `vllm` read from that Python's package metadata, without importing vLLM (10 s of CPU
     idle, minutes beside busy engines). With `deep`, or when no metadata is found, it runs `vllm
     --version` too. The sim: its Python imports aiohttp."""
-    cmd, out = spec["cmd"], {"ran": False}
+    cmd, out = spec["cmd"], Engine()
     if spec["kind"] == "sim":
-        out["exit"], out["output"] = run(cmd, 180)
-        out["ran"] = True
+        out.exit, out.output = run(cmd, 180)
+        out.ran = True
         return out
     path = shutil.which(os.path.expanduser(cmd[0]))
-    out["path"] = path
+    out.path = path
     if path is None:
         bare = os.path.expanduser(cmd[0])
-        out["exit"], out["output"] = (126, "not executable") if os.path.isfile(bare) else (None, "not found")
+        out.exit, out.output = (126, "not executable") if os.path.isfile(bare) else (None, "not found")
         return out
     python = script_python(path)
-    out["python"] = python
+    out.python = python
     if python and not (os.path.isfile(python) and os.access(python, os.X_OK)):
-        out["exit"], out["output"] = 127, "its Python %s is missing or not executable" % python
+        out.exit, out.output = 127, "its Python %s is missing or not executable" % python
         return out
-    out["version"], out["metadata"] = dist_version(site_dirs(python), "vllm") if python else (None, None)
-    out["exit"], out["output"] = 0, ""
-    if spec["deep"] or not out["version"]:
-        out["exit"], out["output"] = run(cmd, 180)
-        out["ran"] = True
+    out.version, out.metadata = dist_version(site_dirs(python), "vllm") if python else (None, None)
+    out.exit, out.output = 0, ""
+    if spec["deep"] or not out.version:
+        out.exit, out.output = run(cmd, 180)
+        out.ran = True
     return out
 
 
@@ -147,9 +163,9 @@ def model_facts(path):
     """What a model path holds, from the directory's own entries (never its subdirectories): whether it
     exists, the bytes and count of its weight files, whether it has a config (a single file: its size)."""
     path = os.path.expanduser(path)
-    out = {"exists": os.path.exists(path), "bytes": 0, "files": 0, "config": False, "weights": 0}
+    out = Model(exists=os.path.exists(path))
     if os.path.isfile(path):
-        out.update(bytes=os.path.getsize(path), files=1, config=True, weights=1)
+        out.bytes, out.files, out.config, out.weights = os.path.getsize(path), 1, True, 1
     if not os.path.isdir(path):
         return out
     try:
@@ -157,11 +173,11 @@ def model_facts(path):
             for n, entry in enumerate(entries):
                 if n >= MODEL_ENTRIES_READ:
                     break
-                out["config"] = out["config"] or entry.name in MODEL_CONFIGS
+                out.config = out.config or entry.name in MODEL_CONFIGS
                 if entry.name.endswith(WEIGHTS) and entry.is_file():
-                    out["weights"] += 1
-                    out["bytes"] += entry.stat().st_size
-                out["files"] += 1
+                    out.weights += 1
+                    out.bytes += entry.stat().st_size
+                out.files += 1
     except OSError:
         pass
     return out
@@ -172,7 +188,7 @@ def key_file_facts(spec):
     if not spec.get("api_keys_file"):
         return None
     path = os.path.join(os.path.expanduser(spec["deploy_dir"]), os.path.expanduser(spec["api_keys_file"]))
-    return apikeys.inspect(path, spec["tenants"])
+    return record(KeyFile, apikeys.inspect(path, spec["tenants"]))
 
 
 def pidfile_pid(path, tag):
@@ -191,8 +207,8 @@ def port_facts(spec):
         holders = processes.port_holders(port) if busy else []
         tagged = any(processes.ours_by_tag(h, spec["deployment_id"]) for h in holders)
         stranger = processes.stranger(port, holders[0] if holders else {}, item["key"]) if busy else None
-        out.append({"port": port, "what": item["what"], "listening": busy, "ours": ours,
-                    "holders": holders, "stranger": None if tagged else stranger})
+        out.append(Port(port=port, what=item["what"], listening=busy, ours=ours,
+                        holders=[record(PortHolder, h) for h in holders], stranger=None if tagged else stranger))
     return out
 
 
@@ -220,13 +236,15 @@ def unwritable(path):
 
 def memory():
     """MemTotal and MemAvailable in bytes (accelerator cpu: the instances live in RAM)."""
-    out = {}
+    out = Memory()
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 key, _, rest = line.partition(":")
-                if key in ("MemTotal", "MemAvailable"):
-                    out[key] = int(rest.split()[0]) * 1024
+                if key == "MemTotal":
+                    out.total = int(rest.split()[0]) * 1024
+                elif key == "MemAvailable":
+                    out.available = int(rest.split()[0]) * 1024
     except (OSError, ValueError, IndexError):
         pass
     return out
@@ -241,31 +259,31 @@ def cores():
 
 
 def read(spec):
-    """What the doctor judges, for the deployment spec names (a JSON-ready dict)."""
+    """What the doctor judges, for the deployment spec names (asdict is its wire form)."""
     engine = engine_facts(spec["engine"])
-    model = model_facts(spec["model"]) if spec["check_model"] else {"exists": None, "bytes": 0, "files": 0}
+    engine.output = engine.output[-300:]
     smi_code, smi_out = run(spec["smi_cmd"], 60, shell=True) if spec["smi_cmd"] else (None, "")
     where, free = disk(spec["deploy_dir"])
-    return {
-        "engine": dict(engine, output=engine["output"][-300:]),
-        "model": model,
-        "api_keys": key_file_facts(spec),
-        "ports": port_facts(spec),
-        "smi": {"exit": smi_code, "output": smi_out},
-        "tools": {name: which(name) for name in ("fuser", "ss")},
-        "disk": {"dir": where, "free": free, "unwritable": unwritable(spec["deploy_dir"])},
-        "memory": memory(),
-        "cores": cores(),
-        "sim_devices": os.path.isdir(os.path.join(spec["deploy_dir"], "sim-dev")),
-        "boot": boothook.detect(),
+    return DoctorFacts(
+        engine=engine,
+        model=model_facts(spec["model"]) if spec["check_model"] else Model(),
+        api_keys=key_file_facts(spec),
+        ports=port_facts(spec),
+        smi=Smi(exit=smi_code, output=smi_out),
+        tools=Tools(fuser=which("fuser"), ss=which("ss")),
+        disk=Disk(dir=where, free=free, unwritable=unwritable(spec["deploy_dir"])),
+        memory=memory(),
+        cores=cores(),
+        sim_devices=os.path.isdir(os.path.join(spec["deploy_dir"], "sim-dev")),
+        boot=record(BootHookFit, boothook.detect()),
         # an entry behind virtual addresses: keepalived's binary, capabilities and interface
-        "vrrp": {"missing": vrrp.cannot_run(spec["vrrp"]), "binary": vrrp.binary(spec["vrrp"])}
+        vrrp=KeepalivedFit(missing=vrrp.cannot_run(spec["vrrp"]), binary=vrrp.binary(spec["vrrp"]))
         if spec.get("vrrp") else None,
-    }
+    )
 
 
 def main():
-    json.dump(read(json.loads(sys.argv[1])), sys.stdout)
+    json.dump(asdict(read(json.loads(sys.argv[1]))), sys.stdout)
 
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ def read(spec):
     if spec.get("api_keys_file"):
         # The key file's keys by their digest (never the keys), and the digest of nginx's map of them: a
         # deploy compares them with what the running front took. A relative path is the proxy's: deploy_dir.
-        out.api_keys = facts.KeyFile(**apikeys.file_digest(os.path.join(d, os.path.expanduser(spec["api_keys_file"]))),
+        out.api_keys = facts.KeyDigests(**apikeys.file_digest(os.path.join(d, os.path.expanduser(spec["api_keys_file"]))),
                                nginx_digest=apikeys.conf_digest(layout.path(d, layout.NGINX_KEYS)))
     if spec.get("vrrp"):          # an entry behind virtual addresses: who holds them, keepalived's state
         out.vrrp = vrrp.state({"deploy_dir": d, "deployment_id": spec["deployment_id"], "vrrp": spec["vrrp"]})
