@@ -118,7 +118,7 @@ def main() -> None:
             good.write_text(inventory_text(n, closed_port=port))
             bad.write_text(inventory_text(n, clash=True, closed_port=port))
             cases = {
-                "validate all": ([PYTHON, "-c", f"from fleet import inventory; inventory.load({str(good)!r})"], 0),
+                "validate all": ([PYTHON, "-c", f"from fleet.settings import inventory; inventory.load({str(good)!r})"], 0),
                 "render one": ([inv_bin, "render", "--host", "h0", "--out", str(Path(tmp, f"out-{n}")),
                                 "-i", str(good)], 0),
                 "deploy --check one": ([inv_bin, "deploy", "--check", "--host", "h0", "-i", str(good)], 4),

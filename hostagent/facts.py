@@ -89,6 +89,29 @@ class Keeper:
 
 
 @dataclass
+class BootHook:
+    """The deployment's installed boot hook (hostagent.boothook.show): `cron` or `systemd`, and what it runs."""
+
+    kind: str
+    command: Optional[str] = None
+
+
+@dataclass
+class VrrpState:
+    """An entry behind virtual addresses (hostagent.vrrp.state): keepalived's supervisor and keepalived
+    (their pids, None when not running), the interface and addresses, those this entry holds now, why
+    keepalived cannot run here (None when it can), and its binary."""
+
+    pid: Optional[int] = None
+    keepalived_pid: Optional[int] = None
+    interface: str = ""
+    addresses: List[str] = field(default_factory=list)
+    holds: List[str] = field(default_factory=list)
+    missing: Optional[str] = None
+    binary: Optional[str] = None
+
+
+@dataclass
 class KeyDigests:
     """proxy.api_keys_file seen on the host by the state probe: the digest of its keys (never the keys) or why it cannot be
     used (one sentence), and the digest of nginx's map of them (run/nginx_keys.conf; None without one)."""
@@ -133,8 +156,8 @@ class HostFacts:
     lora_record_error: Optional[str] = None
     mode: Optional[str] = None                  # run/mode: proxy or nginx (None: unset)
     api_keys: Optional[KeyDigests] = None       # the key file's digests (with proxy.api_keys_file)
-    vrrp: Optional[Dict[str, Any]] = None       # behind virtual addresses: hostagent.vrrp.state
-    boot: Optional[Dict[str, Any]] = None       # asked for: the installed boot hook
+    vrrp: Optional[VrrpState] = None            # behind virtual addresses
+    boot: Optional[BootHook] = None             # asked for: the installed boot hook (None: none)
     boot_as_wanted: Optional[bool] = None       # asked for by deploy: installing the hook would change nothing
     proxy_conf_head: str = ""                   # conf/proxy.yaml's first line: the inventory it was rendered from
     keepalived_recorded: bool = False           # run/keepalived.pid is not empty (an earlier deploy's keepalived)
@@ -337,6 +360,8 @@ def parse(data: Dict[str, Any]) -> HostFacts:
     out.tagged = [record(Tagged, t) for t in data.get("tagged") or []]
     out.lora_adapters = data.get("lora_adapters") or []
     out.api_keys = record(KeyDigests, data["api_keys"]) if data.get("api_keys") else None
+    out.vrrp = record(VrrpState, data["vrrp"]) if data.get("vrrp") else None
+    out.boot = record(BootHook, data["boot"]) if data.get("boot") else None
     out.asked_boot = "boot" in data
     return out
 

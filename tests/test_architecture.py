@@ -65,7 +65,7 @@ def test_a_circle_put_back_for_type_hints_alone_breaks_the_layers(tmp_path):
 def test_the_control_plane_imported_on_a_host_breaks_the_independence(tmp_path):
     root = copy_of_the_parts(tmp_path)
     keeper = root / "hostagent" / "keeper.py"
-    keeper.write_text(keeper.read_text() + "\nfrom fleet import inventory  # noqa: E402\n")
+    keeper.write_text(keeper.read_text() + "\nfrom fleet.settings import inventory  # noqa: E402\n")
     r = lint_imports(root)
     assert r.returncode == 1 and "hostagent is not allowed to import fleet" in r.stdout, r.stdout
 

@@ -98,7 +98,7 @@ def test_wait_takes_the_lock_when_the_holder_ends(hv):
 def test_a_lock_left_by_a_dead_run_is_taken_over(hv, tmp_path):
     """1. a run (another process) takes the lock; 2. it is SIGKILLed: no cleanup of its own runs;
     3. the lock is free at once, and the file's stale holder line is not obeyed."""
-    code = ("import sys, time; sys.path.insert(0, %r); from fleet import runlock; from fleet.transport.connection import "
+    code = ("import sys, time; sys.path.insert(0, %r); from fleet.host import runlock; from fleet.transport.connection import "
             "LocalTransport\nfrom types import SimpleNamespace\nclass HV: name = 't'\nhv = HV()\n"
             "hv.settings = SimpleNamespace(deploy_dir=%r, connection='local', python=%r, env_setup='')\n"
             "with runlock.held(LocalTransport('t'), hv, 'deploy'):\n    print('held', flush=True)\n"

@@ -89,4 +89,4 @@ def test_the_holder_of_card_1s_render_node_is_found_from_sysfs(tmp_path, procs):
     found = wait_until(lambda: hp.holders(spec, fuser)[1] or None, what="fuser to see the holder")
     files, _ = hp.holders(spec, fuser)
     assert files == [str(dri / "renderD130")]
-    assert set(found) == {holders[130].pid} and found[holders[130].pid]["class"] == "yours"
+    assert set(found) == {holders[130].pid} and found[holders[130].pid].kind == "yours"

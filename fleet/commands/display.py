@@ -24,14 +24,14 @@ def status_table(st: Status) -> str:
                      + ("  (NOT RUNNING: dead instances are not restarted)" if k.state == "dead" else ""))
     if st.boot_read:           # read by status, and at the end of deploy and stop
         b = st.boot
-        lines.append(f"  boot    {b['kind']}: {b['command']}" if b else
+        lines.append(f"  boot    {b.kind}: {b.command}" if b else
                      "  boot    no hook: after a reboot nothing starts the deployment")
     v = st.vrrp
     if v:                      # an entry behind virtual addresses (keepalived): which it holds now
-        role = (f"master of {', '.join(v['holds'])}" if v["holds"] else "backup, holds none") + f" on {v['interface']}"
-        lines.append(f"  vrrp    {role}  " + (f"keepalived pid {v['keepalived_pid'] or '-'} (supervisor {v['pid']})"
-                                               if v["pid"] else "keepalived NOT RUNNING"
-                                               + (f": {v['missing']}" if v.get("missing") else "")))
+        role = (f"master of {', '.join(v.holds)}" if v.holds else "backup, holds none") + f" on {v.interface}"
+        lines.append(f"  vrrp    {role}  " + (f"keepalived pid {v.keepalived_pid or '-'} (supervisor {v.pid})"
+                                               if v.pid else "keepalived NOT RUNNING"
+                                               + (f": {v.missing}" if v.missing else "")))
     groups = st.models
     for g in groups or []:
         names = ", ".join([f"alias {a}" for a in g.aliases] + [f"adapter {a}" for a in g.adapters]
@@ -58,7 +58,7 @@ def status_table(st: Status) -> str:
     exporters = [t for t in others if p.pid and t.ppid == p.pid and t.part == "proxy"]
     others = [t for t in others if t not in exporters]
     # keepalived and its VRRP child, in the session of their supervisor (vrrp-run, tagged <id>/keepalived).
-    vrrp_pid = (v or {}).get("pid")
+    vrrp_pid = v.pid if v else None
     others = [t for t in others if not (vrrp_pid and t.sid == vrrp_pid and t.pid != vrrp_pid) and t.pid != vrrp_pid]
     # The engine's own children (EngineCore, Worker) live in their instance's session: expected, not news.
     # A tagged process outside every running session is a leftover of a killed process.

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hostagent import facts as found, layout
-from hostagent.facts import HostFacts, Tagged, parse
+from hostagent.facts import BootHook, HostFacts, Tagged, VrrpState, parse
 
 from fleet.host import keeper as fleet_keeper, vrrp as fleet_vrrp
 from fleet.host.keeper import KeeperStatus
@@ -135,8 +135,8 @@ class Status:
     keeper: KeeperStatus | None = None
     instances: list[InstanceStatus] = field(default_factory=list)
     tagged: list[Tagged] = field(default_factory=list)
-    boot: dict[str, Any] | None = None          # the installed boot hook ({kind, command}; None: none)
-    vrrp: dict[str, Any] | None = None          # behind virtual addresses: hostagent.vrrp.state
+    boot: BootHook | None = None                # the installed boot hook (None: none)
+    vrrp: VrrpState | None = None               # behind virtual addresses
     boot_read: bool = False                     # the probe was asked for the boot hook
 
     def wire(self) -> dict[str, Any]:
@@ -210,7 +210,7 @@ def status(conn: Transport, hv: HostVars, emit: Emit = lambda line: None) -> Rep
     for name, (status, message) in loud.items():
         report.add(name, status, message)
     b = st.boot
-    report.add("boot hook", "ok", f"{b['kind']}: {b['command']}" if b else
+    report.add("boot hook", "ok", f"{b.kind}: {b.command}" if b else
                "none: after a reboot nothing starts the deployment (`inv deploy` installs the hook, `inv stop` "
                "removes it)")
     for name, status, message in fleet_vrrp.status_lines(st.host, st.vrrp):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 
 from hostagent import layout
-from hostagent.facts import KeepalivedFit
+from hostagent.facts import KeepalivedFit, VrrpState
 
 from fleet.errors import FleetError
 from fleet.report import Emit, Report
@@ -87,22 +87,22 @@ def stop_first(conn, hv: HostVars, report: Report, emit: Emit, check: bool) -> N
         report.add("keepalived", "changed", f"stopped first (supervisor pid {r['pid']}): its addresses moved to a peer")
 
 
-def status_lines(host: str, v: dict | None) -> list[tuple[str, str, str]]:
+def status_lines(host: str, v: VrrpState | None) -> list[tuple[str, str, str]]:
     """(step name, status, message) for `inv status` of host: which addresses this entry holds, or what is
     wrong; v: the state probe's `vrrp` (hostagent.vrrp.state), None on a host without virtual addresses."""
     if not v:
         return []
-    holds = ", ".join(v["holds"]) or "none"
-    if v["pid"]:
-        role = "master of " + holds if v["holds"] else "backup (holds none of " + ", ".join(v["addresses"]) + ")"
-        return [("keepalived", "ok", f"{role} on {v['interface']}; supervisor pid {v['pid']}, keepalived pid "
-                 f"{v['keepalived_pid']}")]
-    if v["missing"]:
-        return [("keepalived", "skipped", f"not running: {v['missing']}")]
-    if v["holds"]:
-        return [("keepalived", "failed", f"not running, yet {v['interface']} carries {holds}: `inv deploy --host "
+    holds = ", ".join(v.holds) or "none"
+    if v.pid:
+        role = "master of " + holds if v.holds else "backup (holds none of " + ", ".join(v.addresses) + ")"
+        return [("keepalived", "ok", f"{role} on {v.interface}; supervisor pid {v.pid}, keepalived pid "
+                 f"{v.keepalived_pid}")]
+    if v.missing:
+        return [("keepalived", "skipped", f"not running: {v.missing}")]
+    if v.holds:
+        return [("keepalived", "failed", f"not running, yet {v.interface} carries {holds}: `inv deploy --host "
                  f"{host}` starts keepalived, which takes the leftover off first")]
-    return [("keepalived", "failed", f"not running: this entry cannot take {', '.join(v['addresses'])} if its peer "
+    return [("keepalived", "failed", f"not running: this entry cannot take {', '.join(v.addresses)} if its peer "
              f"fails; `inv deploy --host {host}` starts it (see {layout.KEEPALIVED_LOG})")]
 
 

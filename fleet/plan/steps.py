@@ -208,7 +208,7 @@ def keepalived(hv: HostVars, found: HostFacts, changed: set[str]) -> Step | None
     if not hv.vrrp_group:
         return None
     addresses = ", ".join(hv.settings.vrrp.addresses)
-    pid = (found.vrrp or {}).get("pid")
+    pid = found.vrrp.pid if found.vrrp else None
     if any(f in fleet_vrrp.FILES for f in changed):
         why = "its config changed"
         return Step("keepalived", "reload" if pid else "start", why,
@@ -225,11 +225,11 @@ def boot_hook(hv: HostVars, found: HostFacts) -> Step:
     if kind == "off":
         if installed:
             return Step("boot hook", "remove", "boot_hook is off",
-                        f"would remove the {installed['kind']} hook (boot_hook is off)")
+                        f"would remove the {installed.kind} hook (boot_hook is off)")
         return Step("boot hook", "keep", "boot_hook is off",
                     "boot_hook is off: nothing brings the deployment back after a reboot")
     if installed and found.boot_as_wanted:
-        return Step("boot hook", "keep", "installed", f"{installed['kind']}: {installed['command']}")
+        return Step("boot hook", "keep", "installed", f"{installed.kind}: {installed.command}")
     why = "not installed" if not installed else "it differs from the one deploy installs"
     return Step("boot hook", "install", why, f"would install the boot hook ({kind}; {why})")
 

@@ -82,9 +82,11 @@ def read(spec):
         out.api_keys = facts.KeyDigests(**apikeys.file_digest(os.path.join(d, os.path.expanduser(spec["api_keys_file"]))),
                                nginx_digest=apikeys.conf_digest(layout.path(d, layout.NGINX_KEYS)))
     if spec.get("vrrp"):          # an entry behind virtual addresses: who holds them, keepalived's state
-        out.vrrp = vrrp.state({"deploy_dir": d, "deployment_id": spec["deployment_id"], "vrrp": spec["vrrp"]})
+        out.vrrp = facts.record(facts.VrrpState, vrrp.state({"deploy_dir": d, "deployment_id": spec["deployment_id"],
+                                                             "vrrp": spec["vrrp"]}))
     if spec.get("boot"):          # inv status: the installed boot hook (reads the crontab)
-        out.boot, out.asked_boot = boothook.show(dep), True
+        hook = boothook.show(dep)
+        out.boot, out.asked_boot = facts.record(facts.BootHook, hook) if hook else None, True
     wanted = spec.get("boot_wanted")
     if wanted:                    # deploy: would installing the hook change anything
         out.boot_as_wanted = boothook.as_wanted(d, dep, wanted["kind"], wanted["watchdog"])
