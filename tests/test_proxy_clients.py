@@ -239,10 +239,12 @@ def test_nginx_mode_renders_the_same_deadlines_and_bound(tmp_path):
 
 @pytest.mark.process
 def test_at_the_bound_with_none_idle_a_new_connection_gets_503(procs, tmp_path):
-    """1. client.max_connections 4; one slot, and the sim takes 5 s before its first token. 2. Four
-    connections each send a whole request (one runs, three queue): none is idle. 3. A fifth connection is
-    answered 503 (`overloaded`, Retry-After) and closed, and counted `refused`; none of the four was shed."""
-    ports = start_sims(procs, tmp_path, 1, seqs=1, extra=("--sim-prefill-ms", "5000"))
+    """1. client.max_connections 4; one slot, and the sim takes a minute before its first token (the running
+    request must not end, leaving its connection idle, before the fifth comes, however slow the machine).
+    2. Four connections each send a whole request (one runs, three queue): none is idle. 3. A fifth
+    connection is answered 503 (`overloaded`, Retry-After) and closed, and counted `refused`; none of the
+    four was shed."""
+    ports = start_sims(procs, tmp_path, 1, seqs=1, extra=("--sim-prefill-ms", "60000"))
     port, admin = start_proxy(procs, tmp_path, ports, slots=1, client={"max_connections": 4})
     busy = []
     for _ in range(4):
@@ -250,7 +252,7 @@ def test_at_the_bound_with_none_idle_a_new_connection_gets_503(procs, tmp_path):
         s.sendall(request_bytes(chat()))
         busy.append(s)
     wait_until(lambda: json.loads(get(f"http://127.0.0.1:{admin}/admin/config")[1])["queued"] == 3,
-               timeout=5, what="one request running, three queued")
+               timeout=30, what="one request running, three queued")
     late = socket.create_connection(("127.0.0.1", port))
     late.settimeout(5)
     answer = b""
