@@ -17,8 +17,9 @@ Fresh sims per front (8 x 8 slots, 640,000 tokens of KV each, prefill 60 ms per 
 engines' hit rate (their prefix-cache counters), the oracle's (the same ids through one LRU cache the size
 of the whole fleet's KV: what an ideal router could find), TTFT p50/p90/p99, inter-token latency p99,
 goodput (answers a second whose TTFT was within --ttft-slo, and their share), failures; for the proxy, its
-routing decisions and its prediction (match_tokens against the engines' cached_tokens, from its results
-log). Every process it starts is stopped by pid.
+routing decisions, its prediction (match_tokens against the engines' cached_tokens, from its results
+log) and where the oracle's hits went (per route, and `sent from its holder`: a request sent away from the
+backend whose cache held more of it). Every process it starts is stopped by pid.
 
 --lockstep: the routing-truth check's workload (tests/test_proxy_prefix.py): 2 sims of 4 slots whose KV
 caches (400 blocks) are too small for 12 conversations of 4 rounds sent in lockstep; prints the share of
@@ -116,42 +117,77 @@ def oracle(reqs: list[Request], capacity_tokens: int) -> float:
     return sum(hits) / total if total else float("nan")
 
 
+def leading_run(r: Request, cache) -> int:
+    """The prompt tokens of r's leading ids that cache holds (its leading run of ids, at most the prompt)."""
+    run = 0
+    for i in r.ids:
+        if i not in cache:
+            break
+        run += 1
+    return min(run * ID_TOKENS, r.input_length)
+
+
+def _use(lru: OrderedDict[int, None], r: Request, cap: int) -> None:
+    """r's ids become lru's most recent; the least recent beyond cap ids leave."""
+    for i in r.ids:
+        lru[i] = None
+        lru.move_to_end(i)
+    while len(lru) > cap:
+        lru.popitem(last=False)
+
+
 def oracle_hits(reqs: list[Request], capacity_tokens: int) -> list[int]:
     """Per request, the prompt tokens the oracle's one LRU cache (capacity_tokens) holds when it comes."""
     lru: OrderedDict[int, None] = OrderedDict()
     cap = max(1, capacity_tokens // ID_TOKENS)
     hits = []
     for r in reqs:
-        run = 0
-        for i in r.ids:
-            if i not in lru:
-                break
-            run += 1
-        hits.append(min(run * ID_TOKENS, r.input_length))
-        for i in r.ids:
-            lru[i] = None
-            lru.move_to_end(i)
-        while len(lru) > cap:
-            lru.popitem(last=False)
+        hits.append(leading_run(r, lru))
+        _use(lru, r, cap)
     return hits
 
 
 def losses(reqs: list[Request], recs: list[dict], log: list[dict], capacity_tokens: int) -> dict:
     """Where the oracle's hits went, for a proxy front: per route decision, the prompt tokens the oracle
-    found cached that the engine did not (each request's shortfall, none below 0), and of the `prefix`
-    ones, the part the proxy predicted and the engine had evicted (eviction the index did not see); as
-    shares of all prompt tokens."""
+    found cached that the engine did not (each request's shortfall, none below 0); of the `prefix` ones,
+    the part the proxy predicted and the engine had evicted (eviction the index did not see); and of all,
+    the part another backend held (`sent from its holder`) and the part no backend held any more, only the
+    oracle's one pooled cache (`in no engine`), by held(); as shares of all prompt tokens."""
     by_id = {e.get("request_id"): e for e in log}
     total = sum(r.input_length for r in reqs) or 1
     out: dict[str, float] = {}
-    for r, rec, o in zip(reqs, recs, oracle_hits(reqs, capacity_tokens)):
+
+    def add(key: str, tokens: int) -> None:
+        out[key] = out.get(key, 0) + tokens / total
+    for r, rec, o, (best, mine) in zip(reqs, recs, oracle_hits(reqs, capacity_tokens),
+                                       held(reqs, recs, capacity_tokens // BACKENDS)):
         e = by_id.get(rec.get("id"))
         if e is None or not isinstance(e.get("cached_tokens"), int):
             continue
-        route = e.get("route", "?")
-        out[route] = out.get(route, 0) + max(0, o - e["cached_tokens"]) / total
-        if route == "prefix":
-            out["unseen eviction"] = out.get("unseen eviction", 0) + max(0, e["match_tokens"] - e["cached_tokens"]) / total
+        missed = max(0, o - e["cached_tokens"])
+        add(e.get("route", "?"), missed)
+        if e.get("route") == "prefix":
+            add("unseen eviction", max(0, e["match_tokens"] - e["cached_tokens"]))
+        add("sent from its holder", min(missed, best - mine))
+        add("in no engine", min(missed, max(0, o - best)))
+    return out
+
+
+def held(reqs: list[Request], recs: list[dict], kv_tokens: int) -> list[tuple[int, int]]:
+    """Per request, the prompt tokens held by the backend that held the most of it and by the one it went
+    to (X-Backend): each backend's ids through an LRU of kv_tokens, in the order the requests were sent
+    (the engines' caches, as far as ids tell). The difference is what routing gave away by sending it from
+    the holder of its longest prefix."""
+    cap = max(1, kv_tokens // ID_TOKENS)
+    lrus: dict[str, OrderedDict[int, None]] = {}
+    out = [(0, 0)] * len(reqs)
+    for i in sorted(range(len(reqs)), key=lambda i: recs[i].get("sent", float("inf"))):
+        r, name = reqs[i], recs[i].get("backend")
+        if name is None:
+            continue
+        mine = lrus.setdefault(name, OrderedDict())
+        out[i] = (max(leading_run(r, lru) for lru in lrus.values()), leading_run(r, mine))
+        _use(mine, r, cap)
     return out
 
 

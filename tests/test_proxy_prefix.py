@@ -639,6 +639,55 @@ def test_the_prediction_keeps_a_conversation_home_where_the_balance_rule_would_m
 
 
 @pytest.mark.unit
+def test_a_next_round_that_branches_off_its_last_stays_with_its_holder_while_predicted_sooner_there():
+    """Mooncake's shape: a conversation's next round repeats its history but not its last prompt's
+    tail (the trace names the last, partial block anew), so its match on its holder ends where the last
+    prompt went on: a branch (route `shared`), and no other backend holds more than the system prompt.
+    Two backends with bounded slots, the holder running three requests, the other none:
+    1. their prefills done, the holder is predicted sooner (a short new part against the whole history
+       elsewhere): the next round stays, though the balance rule would pass the holder over;
+    2. with a long prefill queued on the holder (the prediction's backlog), the other is sooner: it leaves;
+    3. a prefix two backends hold alike (a system prompt that spread) still spreads by the balance rule."""
+    history = "The long story of a conversation, told at length. " * 120     # about 1,500 tokens
+    for backlog, stays in ((300, True), (60_000, False)):
+        b = pool(n=2, slots=8)
+        now = [0.0]
+        b.policy.clock = lambda: now[0]
+        home = b.acquire(route=PrefixRoute(prompt_blocks(chat(SYSTEM, history + "What happened first? " * 8))))
+        for c in "xy":
+            b.acquire(route=PrefixRoute(prompt_blocks(chat(c * backlog))), only=home.name)
+        now[0] = 0.5           # short prefills are done by now, a long one is not
+        nxt = PrefixRoute(prompt_blocks(chat(SYSTEM, history + "And what came of it, in the end, for them all? " * 8)))
+        assert b.policy.index.branches(nxt.blocks, b.policy._match(nxt)[home.name])
+        assert (b.acquire(route=nxt) is home) is stays and nxt.decision == "shared"
+    b = pool(n=2, slots=8)
+    for name in ("b0:1", "b1:1"):
+        b.acquire(route=PrefixRoute(prompt_blocks(chat(SYSTEM, f"Question on {name}?" * 8))), only=name)
+    for c in "xy":
+        b.acquire(route=PrefixRoute(prompt_blocks(chat(c * 300))), only="b0:1")
+    spread = PrefixRoute(prompt_blocks(chat(SYSTEM, "A new conversation's own question." * 8)))
+    assert b.acquire(route=spread).name == "b1:1" and spread.decision == "shared"
+
+
+@pytest.mark.unit
+def test_a_new_conversation_is_not_put_behind_a_long_prefill_for_being_less_loaded():
+    """Both backends hold the shared system prompt; b0 runs one request whose long prompt is still being
+    prefilled (a second of it left), b1 two whose prefills are done. A new conversation branching off the
+    system prompt is predicted to start a second later on b0 than on b1, past the tie (TIE_S): it goes to
+    b1, though b0 runs fewer. Without bounded slots load alone decides (b0)."""
+    for slots, where in ((8, "b1:1"), (0, "b0:1")):
+        b = pool(n=2, slots=slots)
+        now = [0.0]
+        b.policy.clock = lambda: now[0]
+        b.acquire(route=PrefixRoute(prompt_blocks(chat(SYSTEM, "x" * 80_000))), only="b0:1")
+        for q in "12":
+            b.acquire(route=PrefixRoute(prompt_blocks(chat(SYSTEM, f"Question {q}? " * 8))), only="b1:1")
+        now[0] = 0.5
+        new = PrefixRoute(prompt_blocks(chat(SYSTEM, "A new conversation's own question. " * 8)))
+        assert b.acquire(route=new).name == where and new.decision == "shared"
+
+
+@pytest.mark.unit
 def test_the_prediction_measures_each_backends_prefill_and_occupancy():
     """ttft.Predictor: streamed answers' first-token times fit the backend's seconds a prefill token and
     per running request (the prior, prefill_ms 100 per 1,000 tokens, until answers say otherwise); the

@@ -44,6 +44,11 @@ SPREAD_TOKENS = 1000
 # this share of its own prefill late, so that the requests arriving with it that still find their blocks
 # there start first (an LRU cache served in the order its conversations last came keeps none of them).
 COLD_DEFER = 0.3
+# Predicted times to first token this close to the soonest's (seconds, or a share of it) tie, and load
+# decides among them: the prediction's error on a trace replay was about 0.15 s (its median), and equal
+# engines' fitted rates differ by noise (a backend fitted faster must not draw every request).
+TIE_S = 0.25
+TIE_SHARE = 0.2
 # The weight of a new answer's length in the moving average of answers' tokens (Prefix.learned).
 ANSWER_AVERAGE = 0.1
 
@@ -532,7 +537,9 @@ class Prefix(Policy):
         list, a group's context): no conversation's home. A backend holding it takes the request while
         fewer than routing.spread_after prompts per SPREAD_TOKENS of the shared part (at least
         spread_after) branched off it there and it is not too loaded (the
-        balance rule against the least loaded); past that, any backend, holder or not; of either, the one
+        balance rule against the least loaded, unless it holds more of the prompt than any other backend
+        and the prediction keeps it there: _beyond, _elsewhere); past that, any backend, holder or not;
+        of either, only the backends predicted to start it soonest (_soonest), and of those the one
         _quickest picks (then the one where the fewest branched off, then round robin). New
         conversations spread even one at a time, each backend pays the shared part a few times at most,
         and their own later rounds go home."""
@@ -540,13 +547,40 @@ class Prefix(Policy):
         r = self.config
         after = r.spread_after * max(1.0, run * BLOCK_TOKENS / SPREAD_TOKENS)
         least = min(candidates, key=lambda b: b.in_flight)
-        roomy = [b for b in candidates if matched.get(b.name, 0) >= run and fan.get(b.name, 0) < after]
+        soon = self._soonest(route, candidates)
+        roomy = [b for b in candidates if matched.get(b.name, 0) >= run and fan.get(b.name, 0) < after
+                 and (b in soon or self._beyond(matched, b, run))]
         best = self._quickest(route, roomy, fan) if roomy else None
-        if best is None or self._too_loaded(best, least):
-            best = self._quickest(route, candidates, fan)
+        if best is not None and self._too_loaded(best, least) and (
+                not self._beyond(matched, best, run)
+                or self._elsewhere(route, matched, best, least, candidates) is not None):
+            best = None     # the balance rule passes the holder over, and no prediction keeps it there
+        if best is None:
+            best = self._quickest(route, soon, fan)
         route.matched_tokens = matched.get(best.name, 0) * BLOCK_TOKENS
         route.decision = "shared"
         return best
+
+    def _soonest(self, route: PrefixRoute, candidates: Sequence[Backend]) -> list[Backend]:
+        """The candidates where the request would wait least before its own prefill: its predicted time
+        to first token there (ttft_s) as if none of its prompt were cached anywhere, within TIE_S, or
+        TIE_SHARE of the soonest's, of the soonest's. The others have a long prefill queued ahead (vLLM
+        prefills in the order requests started) or more running. A shared prefix's holders are not
+        preferred for holding it (that would pin a hot system prompt to one backend); a conversation's
+        holder is (_beyond). Where some backend's slots are unbounded, all of them."""
+        if not all(getattr(b, "slots", 0) for b in candidates):
+            return list(candidates)
+        t = [self.ttft_s(route, b, None) for b in candidates]
+        first = min(t)
+        late = first + max(TIE_S, TIE_SHARE * first)
+        return [b for b, s in zip(candidates, t) if s <= late]
+
+    def _beyond(self, matched: dict[str, int], holder: Backend, run: int) -> bool:
+        """Whether holder holds run blocks of the prompt and every other backend less: the prompt goes on
+        past where the others branched off (a conversation's next round whose history lives there), so
+        the prediction, not the balance rule alone, decides whether it leaves (_elsewhere)."""
+        return matched.get(holder.name, 0) >= run and all(
+            n < run for name, n in matched.items() if name != holder.name)
 
     def _quickest(self, route: PrefixRoute, pool: Sequence[Backend], fan: dict[str, int]) -> Backend:
         """Of pool, the least loaded; of equally loaded ones, one not _busy (a backend busy with a long
