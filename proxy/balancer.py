@@ -284,11 +284,11 @@ class Balancer:
         timer = loop.call_later(timeout_s, self._expire, waiter)
         unhold = defer = None
         if hold is not None:
-            waiter.home = hold[0].name
-            unhold = loop.call_later(hold[1], self._unhold, waiter)
-            if len(hold) > 2 and hold[2] > 0:
-                waiter.not_before = time.monotonic() + hold[2]
-                defer = loop.call_later(hold[2], self.dispatch)
+            waiter.home = hold.backend.name
+            unhold = loop.call_later(hold.seconds, self._unhold, waiter)
+            if hold.defer_s > 0:
+                waiter.not_before = time.monotonic() + hold.defer_s
+                defer = loop.call_later(hold.defer_s, self.dispatch)
         try:
             return await waiter.future
         except asyncio.CancelledError:
