@@ -13,7 +13,8 @@ to that sim's pace and the proxy looked closer to it than it is). Each front is 
 the order turned each round) so a noisy machine hurts all alike; the median round of each is reported with
 the ratios. `direct` is wrk against the sims themselves, the connections split evenly over them (one wrk
 each; its p99 is the worst of theirs). Then SSE: 1,000-chunk streams, direct, the proxy and those of proxy-base, proxy-w2,
-nginx, vllm-router and smg started, interleaved, as ratios to the proxy. Then the
+nginx, vllm-router and smg started, interleaved, as ratios of the proxy's (and proxy-w2's) chunks/s to each, median
+of the rounds' ratios, with the CPU per chunk relayed of the proxies (proxy-w2's workers included). Then the
 latency the proxy adds at a fixed rate below capacity (open loop), which is what a client feels on a
 cluster that is not overloaded. Needs wrk (Debian package `wrk`); nginx is optional (`nginx` package).
 Every process it starts is stopped by pid at the end.
@@ -213,7 +214,12 @@ def main(argv=None) -> int:
                 streamed = ["direct", *(n for n in SSE_FRONTS if n in fronts)]
                 for r in range(args.rounds):
                     for name in streamed[r % len(streamed):] + streamed[:r % len(streamed)]:
-                        sse.setdefault(name, []).append(drive(wrk_bin, stack, name, SSE, 16, args.seconds, Path(tmp)))
+                        cpu = stack.cpu_s(name) + stack.children_cpu_s(name) if name in stack.pids else None
+                        run = drive(wrk_bin, stack, name, SSE, 16, args.seconds, Path(tmp))
+                        if cpu is not None and run.get("requests"):   # the front's CPU (its workers' too) per chunk
+                            run["cpu_us_per_chunk"] = (stack.cpu_s(name) + stack.children_cpu_s(name) - cpu) \
+                                / (run["requests"] * SSE["max_tokens"]) * 1e6
+                        sse.setdefault(name, []).append(run)
                 figures["sse"] = sse
                 lat = {}
                 for name in ("direct", "proxy", "nginx", "proxy-otel", "proxy-otel-down", "proxy-base"):
@@ -246,14 +252,18 @@ def report(f: dict) -> None:
     for name, r in runs.items():
         print(f"  {name:<14}{r['rps']:>9.0f}{r['p50_ms']:>9.1f}{r['p99_ms']:>9.1f}  {r['non_2xx'] + r['socket_errors']}")
     f["ratios"] = {}
-    for other in ("nginx", "vllm-router", "smg", "proxy-asyncio", "direct"):
-        if other not in runs or "proxy" not in runs:
+    pairs = [("proxy", o) for o in ("nginx", "vllm-router", "smg", "proxy-asyncio", "direct", "proxy-base")]
+    pairs += [("proxy-w2", o) for o in ("proxy", "nginx", "vllm-router", "smg")]
+    for mine, other in pairs:
+        if other not in runs or mine not in runs:
             continue
-        per_round = [p["rps"] / o["rps"] for p, o in zip(f["runs"]["proxy"], f["runs"][other])]
-        p99 = [p["p99_ms"] / o["p99_ms"] for p, o in zip(f["runs"]["proxy"], f["runs"][other])]
-        f["ratios"][other] = {"rps_by_round": per_round, "rps_median": statistics.median(per_round),
-                              "p99_by_round": p99, "p99_median": statistics.median(p99)}
-        print(f"  proxy / {other}: requests/s {statistics.median(per_round):.2f}x (rounds "
+        per_round = [p["rps"] / o["rps"] for p, o in zip(f["runs"][mine], f["runs"][other])]
+        p99 = [p["p99_ms"] / o["p99_ms"] for p, o in zip(f["runs"][mine], f["runs"][other])]
+        # keyed by the other front (proxy's), or "mine/other"
+        key = other if mine == "proxy" and other != "proxy-base" else f"{mine}/{other}"
+        f["ratios"][key] = {"rps_by_round": per_round, "rps_median": statistics.median(per_round),
+                            "p99_by_round": p99, "p99_median": statistics.median(p99)}
+        print(f"  {mine} / {other}: requests/s {statistics.median(per_round):.2f}x (rounds "
               f"{', '.join(f'{r:.2f}' for r in per_round)}), p99 {statistics.median(p99):.2f}x")
     for other in (*MODELS_FRONTS, "proxy-prefix", "proxy-tenants", "proxy-otel", "proxy-otel-down", "proxy-base"):
         if other not in runs or "proxy" not in runs:
@@ -282,7 +292,8 @@ def report(f: dict) -> None:
     if "proxy-otel" in runs:
         print("  target: exporting spans costs at most 10% (proxy-otel's requests/s at least 0.90x proxy's)")
     if "proxy-base" in runs:
-        print("  target: tracing off costs at most 3% over the baseline (proxy-base's requests/s at most 1.03x proxy's)")
+        print("  targets: tracing off costs at most 3% over the baseline (proxy-base's requests/s at most 1.03x "
+              "proxy's); a cheaper request, one worker at least 1.25x the baseline's requests/s (proxy / proxy-base)")
     if any(o in runs for o in MODELS_FRONTS):
         cpu = {n: statistics.median(r["cpu_us_per_request"] for r in f["runs"][n]) for n in ("proxy", *MODELS_FRONTS)
                if n in runs}
@@ -296,9 +307,25 @@ def report(f: dict) -> None:
     print(f"SSE, 1,000-chunk streams, 16 connections: direct {sse['direct']['rps'] * 1000:.0f} chunks/s" + "".join(
         f", {n} {sse[n]['rps'] * 1000:.0f} chunks/s: {sse[n]['rps'] / sse['direct']['rps']:.0%} of direct"
         for n in SSE_FRONTS if n in sse))
-    for name in SSE_FRONTS[1:]:
-        if name in sse and "proxy" in sse:
-            print(f"  proxy / {name}: chunks/s {sse['proxy']['rps'] / sse[name]['rps']:.2f}x")
+    cpu = {n: statistics.median(r["cpu_us_per_chunk"] for r in f["sse"][n]) for n in SSE_FRONTS
+           if n in sse and all("cpu_us_per_chunk" in r for r in f["sse"][n])}
+    if cpu:
+        print("  CPU per chunk relayed, median: " + ", ".join(f"{n} {v:.2f} us" for n, v in cpu.items()))
+    f["sse_ratios"] = {}
+    for mine in ("proxy", "proxy-w2"):
+        for name in SSE_FRONTS:
+            if name == mine or mine not in sse or name not in sse or (mine == "proxy-w2" and name == "proxy-base"):
+                continue
+            per_round = [m["rps"] / o["rps"] for m, o in zip(f["sse"][mine], f["sse"][name])]
+            f["sse_ratios"][f"{mine}/{name}"] = {"by_round": per_round, "median": statistics.median(per_round)}
+            cpu = [m["cpu_us_per_chunk"] / o["cpu_us_per_chunk"] for m, o in zip(f["sse"][mine], f["sse"][name])
+                   if "cpu_us_per_chunk" in m and "cpu_us_per_chunk" in o]
+            if cpu:
+                f["sse_ratios"][f"{mine}/{name}"].update(cpu_by_round=cpu, cpu_median=statistics.median(cpu))
+            print(f"  {mine} / {name}: chunks/s {statistics.median(per_round):.2f}x (median of the rounds' ratios: "
+                  f"{', '.join(f'{r:.2f}' for r in per_round)})" + (
+                      f"; CPU per chunk {statistics.median(cpu):.3f}x (rounds {', '.join(f'{r:.3f}' for r in cpu)})"
+                      if cpu else ""))
     ol = f["open_loop"]
     for name in ("proxy", "nginx", "proxy-otel", "proxy-otel-down", "proxy-base"):
         if name in ol and "direct" in ol:

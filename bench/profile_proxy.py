@@ -1,13 +1,19 @@
 """Where the proxy's time goes under load: py-spy samples of the proxy while wrk drives it, by module.
 
     .venv/bin/python bench/profile_proxy.py [--seconds 10] [--connections 64] [--backends 4] [--loop auto|asyncio]
+                                            [--policy least_conn|prefix] [--stream] [--baseline DIR]
 
-Starts the sims (instant mode) and the proxy as bench_proxy.py does, runs wrk against the proxy and
-py-spy (from bench/.venv-routers, made by bench/setup_routers.sh) on the proxy's pid at the same time,
-then prints the share of busy samples (the results-log thread's waits left out) per group of frames (the
-innermost frame that is the proxy's own code, aiohttp's server or client, the event loop, prometheus_client,
-the results log...), per feature of the proxy (FEATURES: the innermost frame of its own code names it; times
-the CPU per request bench_proxy.py measures, what the feature costs a request) and the top leaf functions.
+Starts the sims (instant mode) and the proxy as bench_proxy.py does (the rendered config, results log on,
+least_conn unless --policy says otherwise), runs wrk against the proxy and py-spy (from
+bench/.venv-routers, made by bench/setup_routers.sh) on the proxy's pid at the same time, then prints the
+share of busy samples (the results-log thread's waits left out) per group of frames (the innermost frame
+that is the proxy's own code, aiohttp's server or client, the event loop, prometheus_client, the results
+log...), per feature of the proxy (FEATURES: the innermost frame of its own code names it) and the top leaf
+functions; each share also as microseconds of the proxy's CPU per request (the CPU it used while wrk ran,
+Linux /proc, over the requests wrk had answered). --stream: bench_proxy.py's streamed requests
+(1,000-chunk SSE answers, 16 connections) instead of short chat completions. --baseline DIR: the proxy of
+another checkout (the code before a change) is the one profiled, on the same config (bench_proxy.py's
+`proxy-base`).
 The raw samples stay in --out (a py-spy "raw" file, one stack a line, for flame graphs); --read FILE reads
 such a file again without running anything (a profile of an earlier commit, by today's features).
 """
@@ -24,8 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_proxy import CHAT, wrk  # noqa: E402
-from stack import Stack, find_program  # noqa: E402
+from bench_proxy import CHAT, SSE, wrk  # noqa: E402
+from stack import Stack, cpu_s, find_program  # noqa: E402
 
 GROUPS = (  # first match on a frame's "(file:line)", innermost frame first; py-spy shows the proxy's by basename
     ("results log", "(results_log.py:"), ("prometheus_client", "prometheus_client/"),
@@ -67,6 +73,8 @@ FEATURES = {
     "server.py": "request path (forward.py, app.py)",
 }
 HTTP = ("aiohttp/", "yarl/", "multidict/", "uvloop")
+# Helpers several features call (a JSON text parsed): their time is their caller's feature.
+SHARED = {("body.py", "loads")}
 
 
 def _frame(frame: str) -> tuple[str, str]:
@@ -79,7 +87,7 @@ def feature_of(stack: list[str]) -> str:
     """The feature a sample's time goes to (FEATURES), "HTTP in and out (aiohttp, the loop)" for the rest."""
     for depth in range(len(stack) - 1, -1, -1):
         path, function = _frame(stack[depth])
-        if path not in OWN or path == "__main__.py":
+        if path not in OWN or path == "__main__.py" or (path, function) in SHARED:
             continue
         if any(h in f for f in stack[depth + 1:] for h in HTTP):
             break
@@ -108,35 +116,48 @@ def main(argv=None) -> int:
     ap.add_argument("--connections", type=int, default=64)
     ap.add_argument("--backends", type=int, default=4)
     ap.add_argument("--loop", choices=("auto", "asyncio"), default="auto")
+    ap.add_argument("--policy", choices=("least_conn", "prefix"), default="least_conn",
+                    help="proxy.routing.policy (bench_proxy.py's `proxy` is least_conn)")
+    ap.add_argument("--stream", action="store_true", help="streamed answers (1,000 chunks, 16 connections)")
+    ap.add_argument("--baseline", help="another checkout whose proxy is profiled instead (proxy-base)")
     ap.add_argument("--out", default="proxy-profile.txt", help="py-spy's raw samples")
     ap.add_argument("--read", help="a raw file of an earlier run: report it, run nothing")
     args = ap.parse_args(argv)
     if args.read:
-        return report(Path(args.read), args.loop)
+        return report(Path(args.read), args.loop, None)
     pyspy, wrk_bin = find_program("py-spy"), shutil.which("wrk")
     if not pyspy or not wrk_bin:
         print("profile_proxy: needs py-spy (bench/setup_routers.sh) and wrk (Debian package wrk).", file=sys.stderr)
         return 2
-    front = "proxy" if args.loop == "auto" else "proxy-asyncio"
+    front = "proxy-base" if args.baseline else "proxy" if args.loop == "auto" else "proxy-asyncio"
+    body, connections = (SSE, 16) if args.stream else (CHAT, args.connections)
     with tempfile.TemporaryDirectory(prefix="profile-proxy-") as tmp:
-        stack = Stack(Path(tmp), args.backends, 256, ["--sim-instant"])
+        stack = Stack(Path(tmp), args.backends, 256, ["--sim-instant"],
+                      proxy_set=(f"proxy.routing.policy={args.policy}",),
+                      baseline=Path(args.baseline).resolve() if args.baseline else None)
         try:
             stack.start([front])
             pid = stack.procs[-1].pid
             url = stack.url(front) + "/v1/chat/completions"
-            load = threading.Thread(target=lambda: print("wrk:", wrk(wrk_bin, url, CHAT, args.connections,
-                                                                      args.seconds + 2, Path(tmp))))
+            ran: dict = {}
+            load = threading.Thread(target=lambda: ran.update(wrk(wrk_bin, url, body, connections,
+                                                                   args.seconds + 2, Path(tmp))))
+            cpu = cpu_s(pid)
             load.start()
             subprocess.run([pyspy, "record", "-p", str(pid), "-d", str(int(args.seconds)), "-r", "200",
                             "-f", "raw", "-o", args.out, "--nonblocking"], check=True, capture_output=True)
             load.join()
+            us = (cpu_s(pid) - cpu) / ran["requests"] * 1e6 if ran.get("requests") else None
+            print("wrk:", ran)
         finally:
             stack.stop()
-    return report(Path(args.out), args.loop)
+    if us is not None:
+        print(f"the proxy's CPU per request: {us:.0f} us ({'streamed, 1,000 chunks' if args.stream else 'chat'})")
+    return report(Path(args.out), args.loop, us)
 
 
-def report(raw: Path, loop: str) -> int:
-    """Print the groups, features and leaves of a py-spy raw file."""
+def report(raw: Path, loop: str, us: float | None) -> int:
+    """Print the groups, features and leaves of a py-spy raw file (us: the CPU per request, to scale them)."""
     groups: collections.Counter = collections.Counter()
     leaves: collections.Counter = collections.Counter()
     features: collections.Counter = collections.Counter()
@@ -151,15 +172,17 @@ def report(raw: Path, loop: str) -> int:
         groups[group_of(stack_frames)] += n
         features[feature_of(stack_frames)] += n
         leaves[stack_frames[-1]] += n
+    def line(name: str, n: int) -> str:
+        return f"  {n / total:6.1%}" + (f" {n / total * us:6.1f} us" if us else "") + f"  {name}"
     print(f"{total} samples of the proxy ({loop} loop), by group:")
     for name, n in groups.most_common():
-        print(f"  {n / total:6.1%}  {name}")
-    print("by feature (the innermost frame of the proxy's own code; times the bench's CPU per request: its cost):")
+        print(line(name, n))
+    print("by feature (the innermost frame of the proxy's own code; times the CPU per request: its cost):")
     for name, n in features.most_common():
-        print(f"  {n / total:6.1%}  {name}")
+        print(line(name, n))
     print("top leaf functions:")
     for name, n in leaves.most_common(15):
-        print(f"  {n / total:6.1%}  {name}")
+        print(line(name, n))
     return 0
 
 

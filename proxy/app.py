@@ -18,6 +18,7 @@ from .config import ProxyConfig, keys_digest
 from .forward import TRACE_ID, json_error, target, list_models, new_request_id, proxy_handler
 from . import loop_lag, share
 from .models import entries_of
+from .routes import INFERENCE_ROUTES
 from .state import PROXY, Proxy
 
 log = logging.getLogger("proxy")
@@ -223,6 +224,10 @@ def make_app(config: ProxyConfig, config_path: str | None = None) -> web.Applica
     app.router.add_get("/metrics", metrics)
     app.router.add_get(share.FEED_PATH, peer_prefixes)
     app.router.add_get("/v1/models", list_models)   # the models form answers it; the plain form forwards it
+    # The inference routes by their paths too: aiohttp finds a plain path by one lookup, where the catch-all
+    # takes a lookup per segment and its pattern. The same handler either way, any method (it checks it).
+    for path in dict.fromkeys(path for _, path in INFERENCE_ROUTES if path != "/v1/models"):
+        app.router.add_route("*", path, engine_route)
     app.router.add_route("*", "/{tail:.*}", engine_route)    # the allow-list: proxy/routes.py
     return app
 

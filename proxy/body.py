@@ -126,6 +126,15 @@ class Parsed:
         return out
 
 
+def loads(text: bytes):
+    """json.loads(text): of a text that opens an object (a body, an SSE event's data) decoded as UTF-8 at
+    once, as json.loads finds it must be after working out the encoding (a UTF-16 or UTF-32 text begins
+    with a BOM or a zero byte); ValueError as json.loads."""
+    if text[:1] == b"{" and text[1:2] != b"\x00":
+        return json.loads(text.decode("utf-8", "surrogatepass"))
+    return json.loads(text)
+
+
 def parse(body: bytes, limits: Limits = Limits()) -> Parsed:
     """body read as the proxy reads it; Refused when its shape is past limits (the parse never starts)."""
     parsed = Parsed(body, limits)
@@ -135,7 +144,7 @@ def parse(body: bytes, limits: Limits = Limits()) -> Parsed:
     if skeleton is None:
         return parsed          # an unterminated string: not JSON
     try:
-        request = json.loads(skeleton)
+        request = loads(skeleton)
     except (ValueError, RecursionError):
         return parsed
     parsed.request = request if isinstance(request, dict) else None

@@ -10,7 +10,6 @@ import math
 import secrets
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 
 import aiohttp
 from aiohttp import web
@@ -22,7 +21,7 @@ from .balancer import Backend, Balancer, QueueFull, QueueTimeout, TenantFull
 from .body import Parsed, Refused, parse
 from .fixups import numeric_user
 from .models import NO_MODEL
-from .results_log import LOGGED_PATHS, ResponseObserver, trace_id_of, user_value
+from .results_log import LOGGED_PATHS, ResponseObserver, trace_id_of, user_value, utc_now_ms
 from .resume import Splice, continuation, counted_options, refusal, usage_asked
 from .routing import Route
 from .state import PROXY
@@ -58,25 +57,27 @@ def new_request_id() -> str:
     return f"{_ID_PREFIX}{next(_ID_COUNTER):016x}"
 
 
-class _Passes(dict):
-    """Whether a header name crosses the proxy, by its name as sent: the lowercasing and the set lookup
-    done once per spelling, not per header of every request (a client sends a handful of spellings)."""
+class _Kept(dict):
+    """of(key) for each key, worked out once and kept: what a request would otherwise work out again from
+    the same few texts (a header name's spelling, a backend's address and a target). Past most keys (a
+    client making them up), a new one's answer is worked out and not kept."""
 
-    MAX_NAMES = 1024   # past this many spellings (a client making them up), the answer is not kept
-
-    def __init__(self, dropped: frozenset):
+    def __init__(self, of, most: int):
         super().__init__()
-        self.dropped = dropped
+        self.of, self.most = of, most
 
-    def __missing__(self, name: str) -> bool:
-        passes = name.lower() not in self.dropped
-        if len(self) < self.MAX_NAMES:
-            self[name] = passes
-        return passes
+    def __missing__(self, key):
+        value = self.of(key)
+        if len(self) < self.most:
+            self[key] = value
+        return value
 
 
-_UPSTREAM = _Passes(NOT_FORWARDED)
-_DOWNSTREAM = _Passes(HOP_BY_HOP | {"content-length"})
+# Whether a header crosses the proxy, by its name as sent (the lowercasing and the set lookup once per spelling).
+_UPSTREAM = _Kept(lambda name: name.lower() not in NOT_FORWARDED, 1024)
+_DOWNSTREAM = _Kept(lambda name, dropped=HOP_BY_HOP | {"content-length"}: name.lower() not in dropped, 1024)
+# The upstream URL of a backend's address and a client's target, parsed once.
+_URLS = _Kept(lambda text: URL(text, encoded=True), 4096)
 
 
 def upstream_headers(headers) -> dict:
@@ -256,8 +257,10 @@ def _settle(ex: Exchange, proxy) -> None:
 def _cut_by_deadline(ex: Exchange, out: Outcome) -> None:
     """A request whose connection the proxy cut past a deadline (proxy/clients.py: a stalled body, a
     stream the client took nothing of) ends with that deadline's status and error, not as a client gone."""
+    if out.status != CLIENT_CLOSED:
+        return      # first: a key the request lacks costs aiohttp's mapping a KeyError
     cut = ex.request.get(CUT)
-    if cut is None or out.status != CLIENT_CLOSED:
+    if cut is None:
         return
     for o in {id(out): out, id(ex.attempt): ex.attempt}.values():
         if o is not None and o.status == CLIENT_CLOSED:
@@ -669,32 +672,36 @@ async def _read_body(ex: Exchange, proxy, backend: Backend | None) -> web.Respon
     """Read the body and read inside it once (digest: in a worker thread past proxy.limits.inline_kb);
     a response when the request ends here (413, or a 400 past proxy.limits). backend: the one picked
     (None: the models form, or a policy that reads the body, reads it before the pick)."""
-    request, config = ex.request, proxy.config
-    ids = {"X-Request-Id": ex.request_id, **({"X-Backend": backend.name} if backend else {})}
-
-    def too_large() -> web.Response:
-        return json_error(413, f"request body over {config.max_body_mb:g} MiB", "too_large", ids)
+    request, config, router = ex.request, proxy.config, proxy.router
     if (request.content_length or 0) > config.max_body_bytes:
-        return too_large()
+        return _too_large(ex, config, backend)
     try:
         ex.body = await request.read()
     except web.HTTPRequestEntityTooLarge:
-        return too_large()
+        return _too_large(ex, config, backend)
     ex.read = True
-    if not ex.logged and not proxy.router.by_model:
+    if not ex.logged and not router.by_model:
         return None      # nothing reads inside it: it goes to the engine as it came
-    router = proxy.router
     pool = next(iter(router.pools.values())) if router.needs_body and ex.logged else None
     fix = ex.logged and config.fix_numeric_user
     counted = request.path if ex.logged and config.resume.enabled else None
     try:
         digested = await _digested(proxy, ex.body, pool, fix, counted)
     except Refused as refused:
-        return json_error(400, f"{refused}.", "BadRequestError", ids)
+        return json_error(400, f"{refused}.", "BadRequestError", _body_ids(ex, backend))
     ex.parsed, ex.route, ex.trace_id, fixed, fixups = digested
     if fixed is not None:
         ex.body, ex.fixups = fixed, fixups
     return None
+
+
+def _body_ids(ex: Exchange, backend: Backend | None) -> dict:
+    """The headers of an answer that ends a request at its body: its id, and the backend picked if any."""
+    return {"X-Request-Id": ex.request_id, **({"X-Backend": backend.name} if backend else {})}
+
+
+def _too_large(ex: Exchange, config, backend: Backend | None) -> web.Response:
+    return json_error(413, f"request body over {config.max_body_mb:g} MiB", "too_large", _body_ids(ex, backend))
 
 
 async def _digested(proxy, body: bytes, pool: Balancer | None, fix: bool, counted: str | None = None) -> tuple:
@@ -737,7 +744,7 @@ async def _attempt(ex: Exchange, proxy, backend: Backend, rest: bytes | None = N
         ex.tried.append(out)
     out.t_start = time.monotonic()
     try:
-        async with proxy.session.request(request.method, URL(backend.url + target(request), encoded=True),
+        async with proxy.session.request(request.method, _URLS[backend.url + target(request)],
                                          headers=_headers_for(ex, proxy, out), data=rest or ex.body or None,
                                          allow_redirects=False, timeout=proxy.upstream_timeout) as up:
             await (_take if rest is None else _take_rest)(ex, proxy, backend, out, up)
@@ -1014,7 +1021,7 @@ def _log_attempt(ex: Exchange, proxy, backend: str | None, out: Outcome, final: 
     """One results-log line per attempt at a chat/completions request (backend None: it got none)."""
     if not ex.logged:
         return
-    entry = {"ts": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+    entry = {"ts": utc_now_ms(),
              "trace_id": ex.trace_id, "otel_trace_id": ex.otel_trace, "request_id": ex.request_id,
              "backend": backend,
              "path": ex.request.path, "status": out.status,

@@ -38,18 +38,11 @@ class Router:
         self.peer_feeds: dict[str, tuple[str, int]] = {}   # peer entry -> its feed's id and last seq read
         self.peer_mismatch: set[str] = set()                # peers whose block hashes differ (logged once)
         self.peer_warned: set[tuple[str, str]] = set()     # (peer, kind) of trouble logged once (proxy/share.py)
+        # Whether requests are routed by their body's `model` (the config has `models`); whether a request's
+        # body is read before the pick: for its `model`, or for the routing policy (every pool has the
+        # same). Both follow from the config: update() sets them, every request reads them.
+        self.by_model = self.needs_body = False
         self.update(config)
-
-    @property
-    def by_model(self) -> bool:
-        """Whether requests are routed by their body's `model` (the config has `models`)."""
-        return NO_MODEL not in self.pools
-
-    @property
-    def needs_body(self) -> bool:
-        """Whether a request's body is read before the pick: for its `model` (the models form), or for
-        the routing policy (every pool has the same)."""
-        return self.by_model or next(iter(self.pools.values())).needs_body
 
     def update(self, config: ProxyConfig) -> tuple[list[str], list[str]]:
         """Make the pools those of config, keeping the state of backends that stay in their pool;
@@ -70,6 +63,8 @@ class Router:
         self.backends = {b.name: b for pool in self.pools.values() for b in pool.backends.values()}
         self._names = {n: p.name for p in config.models for n in p.names}
         self._learned = None
+        self.by_model = NO_MODEL not in self.pools
+        self.needs_body = self.by_model or next(iter(self.pools.values())).needs_body
         removed = sorted(set(before) - set(self.backends))
         for name in removed:
             self._leaving[name] = before[name]

@@ -9,8 +9,10 @@ import queue
 import re
 import threading
 import time
+from datetime import datetime, timezone
 
 from . import logfile
+from .body import loads
 from .config import ResultsLogConfig
 
 log = logging.getLogger("proxy")
@@ -45,6 +47,21 @@ def user_value(body: bytes) -> bytes | None:
             return m.group(1)
         at = body.find(_USER_KEY, at + len(_USER_KEY))
     return None
+
+
+# One JSON line: compact, UTF-8 as it is (json.dumps with these arguments makes an encoder per call).
+_LINE = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+_SECOND = [None, ""]   # the last whole second a line was stamped in, and its text
+
+
+def utc_now_ms() -> str:
+    """Now, as datetime.now(timezone.utc).isoformat(timespec="milliseconds") writes it (a line's `ts`),
+    the date and time of day worked out once a second."""
+    ns = time.time_ns()
+    second, rest = divmod(ns, 1_000_000_000)
+    if second != _SECOND[0]:
+        _SECOND[:] = second, datetime.fromtimestamp(second, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")
+    return f"{_SECOND[1]}.{rest // 1_000_000:03d}+00:00"
 
 
 def trace_id_of(raw: bytes | None) -> str | None:
@@ -130,7 +147,7 @@ class ResponseObserver:
             if not payload:
                 continue
             try:
-                event = json.loads(payload)
+                event = loads(payload)
             except ValueError:
                 continue
             if isinstance(event, dict):
@@ -151,7 +168,7 @@ class ResponseObserver:
             self.error = body.decode("utf-8", "replace")
             return
         try:
-            event = json.loads(body)
+            event = loads(body)
         except ValueError:
             return
         if isinstance(event, dict):
@@ -231,7 +248,7 @@ class ResultsLog:
 
     def write(self, entry: dict) -> None:
         """Queue one entry as a JSON line."""
-        self._queue.put(json.dumps(entry, ensure_ascii=False, separators=(",", ":")) + "\n")
+        self._queue.put(_LINE.encode(entry) + "\n")
 
     def stop(self) -> None:
         """Write what is queued, then close the file."""

@@ -16,6 +16,8 @@ import json
 import time
 from dataclasses import dataclass, field
 
+from .body import loads
+
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 # Requests whose output a continuation cannot reproduce honestly, by key: what the partial text cannot
@@ -23,6 +25,9 @@ COMPLETIONS = "/v1/completions"
 GUIDED = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
           "structured_outputs", "guided_decoding_backend")
 DONE = b"data: [DONE]\n\n"
+_EVENT = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))   # an event written anew: compact, UTF-8
+_USAGE = b'"usage"'
+_VALUE = json.JSONDecoder()
 
 
 @dataclass(frozen=True)
@@ -64,10 +69,30 @@ def refusal(path: str, request: dict | None) -> str | None:
 def _json_object(payload: bytes) -> dict | None:
     """An SSE event's data as a JSON object, None when it is not one."""
     try:
-        event = json.loads(payload)
+        event = loads(payload)
     except ValueError:
         return None
     return event if isinstance(event, dict) else None
+
+
+def without_usage(raw: bytes) -> bytes | None:
+    """An SSE event (`data: {...}`) as sent, less its top-level `usage` member, when that is its last
+    member, written `,"usage":` (as vLLM writes its events: compact), and the only `"usage"` text in it;
+    None otherwise (the caller writes the event anew). What the client parses is the same object either way;
+    the bytes stay the engine's, and a usage on every event costs no second encoding of every event."""
+    payload = raw.strip()[5:].strip()
+    at = payload.find(_USAGE)
+    if at < 1 or payload[at - 1] != 0x2C or payload[-1:] != b"}" or payload.find(_USAGE, at + 1) != -1:
+        return None
+    value = payload[at + len(_USAGE):-1].lstrip()
+    if value[:1] != b":":
+        return None
+    text = value[1:].decode("utf-8", "surrogatepass").strip()
+    try:   # one JSON value up to the event's closing brace: the member is the top-level object's
+        end = _VALUE.raw_decode(text)[1]
+    except ValueError:
+        return None
+    return b"data: " + payload[:at - 1] + b"}\n\n" if end == len(text) else None
 
 
 def _text_prompt(prompt) -> bool:
@@ -251,7 +276,7 @@ class Splice:
             return raw + b"\n\n"
         changed = self.strip and "usage" in event and not (self.include_usage and not event.get("choices"))
         if not self.resumable:      # no longer read for a continuation: only the usage the client did not ask for goes
-            return None if self._unasked(event) is None else self._out(raw, event, changed)
+            return None if self._unasked(event) is None else self._out(raw, event, changed, changed)
         if "error" in event or event.get("object") == "error":
             err = event.get("error", event)
             self.error = err.get("message", json.dumps(err)) if isinstance(err, dict) else str(err)
@@ -264,14 +289,20 @@ class Splice:
         if self.strip and self._unasked(event) is None:
             return None
         self.usage_out = self.usage_out or (isinstance(event.get("usage"), dict) and not event.get("choices"))
-        return self._out(raw, event, changed or bool(self.hops))
+        return self._out(raw, event, changed or bool(self.hops), changed and not self.hops)
 
     @staticmethod
-    def _out(raw: bytes, event: dict, changed: bool) -> bytes:
-        """The event's bytes: as the engine sent them when nothing in it changed."""
+    def _out(raw: bytes, event: dict, changed: bool, unasked: bool = False) -> bytes:
+        """The event's bytes: as the engine sent them when nothing in it changed; unasked: only its usage
+        was taken out (the client did not ask for it), which is cut from the bytes as sent when it can be
+        (without_usage), not written anew."""
         if not changed:
             return raw + b"\n\n"
-        return b"data: " + json.dumps(event, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+        if unasked:
+            cut = without_usage(raw)
+            if cut is not None:
+                return cut
+        return b"data: " + _EVENT.encode(event).encode() + b"\n\n"
 
     def _unasked(self, event: dict) -> dict | None:
         """event without the usage the client did not ask for (counted_options asked it of the engine): the

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from proxy.body import SCAN_CHUNK, Limits, Refused, parse
+from proxy.body import SCAN_CHUNK, Limits, Refused, loads, parse
 from proxy.routing.prefix import BLOCK_BYTES, PrefixIndex, prompt_blocks
 from proxy.share import _within
 
@@ -58,6 +58,24 @@ def test_what_is_not_a_json_object_is_left_to_the_engine(body):
     parsed = parse(body)
     assert parsed.request is None or isinstance(parsed.request, dict)
     assert prompt_blocks(parsed) == [] and parsed.model in (None, "")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("text", [
+    b'{"model": "m", "user": "\xc3\xa9t\xc3\xa9"}', '{"a": "\u00e9"}'.encode("utf-16"), '{"a": 1}'.encode("utf-16-le"),
+    '{"a": 1}'.encode("utf-32"), b"\xef\xbb\xbf{}", b'{"a": "\xed\xb0\x80"}', b"{", b"{\xff}", b" {}", b"[1]", b"",
+])
+def test_a_json_text_reads_as_json_loads_reads_it(text):
+    """loads decodes a text opening with `{` as UTF-8 at once: what it reads, and what it refuses (ValueError),
+    is json.loads's, whatever the text's encoding (UTF-16 and UTF-32, a BOM, a lone surrogate, not UTF-8)."""
+    try:
+        expected = json.loads(text)
+    except ValueError as e:
+        with pytest.raises(ValueError):
+            loads(text)
+        assert isinstance(e, ValueError)
+    else:
+        assert loads(text) == expected
 
 
 @pytest.mark.unit

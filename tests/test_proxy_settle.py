@@ -213,3 +213,20 @@ def test_every_upstream_failure_kind_is_one_made_at_start():
     reasons = {line.split('reason="')[1].split('"')[0] for line in text.splitlines()
                if line.startswith("proxy_ejections_total{")}
     assert kinds == set(UPSTREAM_ERROR_KINDS) and reasons == set(EJECTION_REASONS), (kinds, reasons)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("ns", [0, 1_764_000_000_000_000_000, 1_764_000_000_999_999_999, 1_764_000_001_000_999_000,
+                                1_764_000_059_123_456_789, 1_798_761_599_999_000_000])
+def test_a_lines_timestamp_is_the_one_datetime_writes(monkeypatch, ns):
+    """The results log's `ts` (the time of day formatted once a second, the milliseconds added) reads as
+    datetime.now(timezone.utc).isoformat(timespec="milliseconds") read at the same instant: the milliseconds
+    cut, not rounded, across a second's and a year's end, and a second formatted before is not reused."""
+    from datetime import datetime, timezone
+
+    from proxy import results_log
+    monkeypatch.setattr(results_log, "_SECOND", [None, ""])
+    for at in (ns - 1_000_000_000, ns):      # the second before first: its text must not stay
+        monkeypatch.setattr(results_log.time, "time_ns", lambda: at)
+        expected = datetime.fromtimestamp(at // 10**9, timezone.utc).replace(microsecond=at % 10**9 // 1000)
+        assert results_log.utc_now_ms() == expected.isoformat(timespec="milliseconds")

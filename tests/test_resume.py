@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from proxy.resume import CHAT, COMPLETIONS, Splice, continuation, counted_options, refusal
+from proxy.resume import CHAT, COMPLETIONS, Splice, continuation, counted_options, refusal, without_usage
 
 from fleet.commands.display import request_block
 from fleet.sim import protocol
@@ -247,6 +247,39 @@ def test_the_proxy_asks_the_engine_to_count_and_the_client_sees_only_what_it_ask
         closing = [json.loads(e) for e in rest[:-1] if not json.loads(e)["choices"]]
         assert [c["usage"] for c in closing] == ([usage(10)] if include else [])
         assert all(json.loads(e).get("usage") is None for e in rest[:-1] if json.loads(e)["choices"])
+
+
+def compact(obj) -> bytes:
+    """An event as vLLM writes it (pydantic's JSON: compact, UTF-8 as it is)."""
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def test_the_usage_the_client_did_not_ask_for_is_cut_from_the_events_as_sent():
+    """The proxy asks for usage on every event; a client that did not ask gets the events without it. 1. An
+    event written as vLLM writes it loses its usage member and nothing else: its bytes are the engine's
+    (a text with escapes, a number as written), and what the client parses is the event less its usage.
+    2. When the member cannot be cut with certainty (not last, nested, spaced, the text `"usage"` elsewhere),
+    the event is written anew, the same object as before."""
+    usage = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8, "prompt_tokens_details": {"cached_tokens": 0}}
+    first = {**event("a", "l\u00e9 \"quoted\" \\ {braces} [x]"), "usage": usage}
+    raw = compact(first)
+    s = Splice(CHAT, None)
+    got = s.feed(compact(event("a", role=True)) + raw)
+    sent = events_of(got)[1]
+    assert sent == raw[len(b"data: "):raw.index(b',"usage":')] + b"}"
+    assert json.loads(sent) == {k: v for k, v in first.items() if k != "usage"}
+    assert b'1.50e2' in events_of(Splice(CHAT, None).feed(b'data: {"id":"a","x":1.50e2,"choices":[{"index":0,'
+                                                           b'"delta":{"content":"y"}}],"usage":{"p":1}}\n\n'))[0]
+    for odd in ({"usage": usage, **event("a", "u")},                        # not the last member
+                {**event("a", "usage"), "usage": usage},                    # the text "usage" before it
+                {**event("a", "u"), "x": {"usage": 1}, "usage": usage}):    # a nested "usage" too
+        out = events_of(Splice(CHAT, None).feed(compact(odd)))
+        assert json.loads(out[0]) == {k: v for k, v in odd.items() if k != "usage"}
+    for raw_event in (b'data: {"a":1, "usage":{"p":1}}', b'data: {"a":{"x":1,"usage":{"p":1}}}',
+                      b'data: {"a":1,"usage":{"p":1},"b":2}', b'data: {"usage":{"p":1}}',
+                      b'data: {"us\\u0061ge":1,"x":{"a":1,"usage":5}}'):
+        assert without_usage(raw_event) is None
+    assert without_usage(b'data: {"a":1,"usage":null}') == b'data: {"a":1}\n\n'
 
 
 def test_the_continuation_is_built_from_the_one_parse(monkeypatch):
