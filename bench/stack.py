@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 from hostagent import nginx_front, processes, upstream  # noqa: E402
 
 from fleet import render  # noqa: E402
-from fleet.settings import inventory
+from fleet.settings import inventory  # noqa: E402
 
 # An OTLP/HTTP sink: takes every export and discards it (the empty body is an empty ExportTraceServiceResponse).
 SINK = """import sys

@@ -59,25 +59,27 @@ def new_request_id() -> str:
 
 class _Kept(dict):
     """of(key) for each key, worked out once and kept: what a request would otherwise work out again from
-    the same few texts (a header name's spelling, a backend's address and a target). Past most keys (a
-    client making them up), a new one's answer is worked out and not kept."""
+    the same few texts (a header name's spelling, a backend's address and a target). Past most keys, or
+    for a key longer than longest (a client making them up), a new one's answer is worked out and not kept:
+    what a client sends can fill it with most keys of longest characters at most."""
 
-    def __init__(self, of, most: int):
+    def __init__(self, of, most: int, longest: int):
         super().__init__()
-        self.of, self.most = of, most
+        self.of, self.most, self.longest = of, most, longest
 
     def __missing__(self, key):
         value = self.of(key)
-        if len(self) < self.most:
+        if len(self) < self.most and len(key) <= self.longest:
             self[key] = value
         return value
 
 
 # Whether a header crosses the proxy, by its name as sent (the lowercasing and the set lookup once per spelling).
-_UPSTREAM = _Kept(lambda name: name.lower() not in NOT_FORWARDED, 1024)
-_DOWNSTREAM = _Kept(lambda name, dropped=HOP_BY_HOP | {"content-length"}: name.lower() not in dropped, 1024)
-# The upstream URL of a backend's address and a client's target, parsed once.
-_URLS = _Kept(lambda text: URL(text, encoded=True), 4096)
+_UPSTREAM = _Kept(lambda name: name.lower() not in NOT_FORWARDED, 1024, 64)
+_DOWNSTREAM = _Kept(lambda name, dropped=HOP_BY_HOP | {"content-length"}: name.lower() not in dropped, 1024, 64)
+# The upstream URL of a backend's address and a client's target, parsed once: the inference API's paths
+# (a target with a query is parsed each time: a client must not fill the cache with made-up ones).
+_URLS = _Kept(lambda text: URL(text, encoded=True), 1024, 256)
 
 
 def upstream_headers(headers) -> dict:
@@ -744,7 +746,7 @@ async def _attempt(ex: Exchange, proxy, backend: Backend, rest: bytes | None = N
         ex.tried.append(out)
     out.t_start = time.monotonic()
     try:
-        async with proxy.session.request(request.method, _URLS[backend.url + target(request)],
+        async with proxy.session.request(request.method, _upstream_url(backend.url, target(request)),
                                          headers=_headers_for(ex, proxy, out), data=rest or ex.body or None,
                                          allow_redirects=False, timeout=proxy.upstream_timeout) as up:
             await (_take if rest is None else _take_rest)(ex, proxy, backend, out, up)
@@ -755,6 +757,13 @@ async def _attempt(ex: Exchange, proxy, backend: Backend, rest: bytes | None = N
     if out.sent:
         out.retryable = False   # never retry once a byte went to the client
     return out
+
+
+def _upstream_url(base: str, path: str) -> URL:
+    """The upstream URL of a backend's address and a client's target: parsed once for a plain path."""
+    if "?" in path:
+        return URL(base + path, encoded=True)
+    return _URLS[base + path]
 
 
 def target(request: web.Request) -> str:

@@ -276,7 +276,10 @@ class Splice:
             return raw + b"\n\n"
         changed = self.strip and "usage" in event and not (self.include_usage and not event.get("choices"))
         if not self.resumable:      # no longer read for a continuation: only the usage the client did not ask for goes
-            return None if self._unasked(event) is None else self._out(raw, event, changed, changed)
+            if self._unasked(event) is None:
+                return None
+            changed = changed and "usage" not in event      # taken out (a closing chunk's null usage stays)
+            return self._out(raw, event, changed, changed)
         if "error" in event or event.get("object") == "error":
             err = event.get("error", event)
             self.error = err.get("message", json.dumps(err)) if isinstance(err, dict) else str(err)
@@ -288,6 +291,7 @@ class Splice:
         self._absorb(event)
         if self.strip and self._unasked(event) is None:
             return None
+        changed = changed and "usage" not in event          # taken out (a closing chunk's null usage stays)
         self.usage_out = self.usage_out or (isinstance(event.get("usage"), dict) and not event.get("choices"))
         return self._out(raw, event, changed or bool(self.hops), changed and not self.hops)
 

@@ -280,6 +280,12 @@ def test_the_usage_the_client_did_not_ask_for_is_cut_from_the_events_as_sent():
                       b'data: {"us\\u0061ge":1,"x":{"a":1,"usage":5}}'):
         assert without_usage(raw_event) is None
     assert without_usage(b'data: {"a":1,"usage":null}') == b'data: {"a":1}\n\n'
+    # 3. A closing chunk whose usage is null is no usage the proxy asked for: it goes on as the engine sent it.
+    for resumable in (True, False):
+        s = Splice(CHAT, None if resumable else "n > 1")
+        s.strip = True
+        null = b'data: {"id":"a","choices":[],"usage":null}\n\n'
+        assert s.feed(null) == null
 
 
 def test_the_continuation_is_built_from_the_one_parse(monkeypatch):

@@ -1,6 +1,6 @@
 """The probes: scripts that read a host's state and print one JSON object, sent on standard input by the
 control node (fleet.transport.hostcode.probe bundles each with the host agent modules it imports), because they run
-where nothing may be deployed yet. Standard library only, Python 3.6+, no side effects but the ones each
+where nothing may be deployed yet. Standard library only, Python 3.7+, no side effects but the ones each
 names.
 
 - `state`: the deployment's processes, ports, /health and each instance's state (instances.classify),

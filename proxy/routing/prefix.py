@@ -555,7 +555,7 @@ class Prefix(Policy):
                 not self._beyond(matched, best, run)
                 or self._elsewhere(route, matched, best, least, candidates) is not None):
             best = None     # the balance rule passes the holder over, and no prediction keeps it there
-        if best is None:
+        if best is None:     # the least loaded of those predicted to start it soonest (the holder may be one)
             best = self._quickest(route, soon, fan)
         route.matched_tokens = matched.get(best.name, 0) * BLOCK_TOKENS
         route.decision = "shared"
