@@ -274,11 +274,11 @@ class Splice:
             return DONE
         if event is None:
             return raw + b"\n\n"
-        changed = self.strip and "usage" in event and not (self.include_usage and not event.get("choices"))
+        had_usage = "usage" in event      # then changed: _unasked took it out
         if not self.resumable:      # no longer read for a continuation: only the usage the client did not ask for goes
             if self._unasked(event) is None:
                 return None
-            changed = changed and "usage" not in event      # taken out (a closing chunk's null usage stays)
+            changed = had_usage and "usage" not in event
             return self._out(raw, event, changed, changed)
         if "error" in event or event.get("object") == "error":
             err = event.get("error", event)
@@ -291,7 +291,7 @@ class Splice:
         self._absorb(event)
         if self.strip and self._unasked(event) is None:
             return None
-        changed = changed and "usage" not in event          # taken out (a closing chunk's null usage stays)
+        changed = had_usage and "usage" not in event
         self.usage_out = self.usage_out or (isinstance(event.get("usage"), dict) and not event.get("choices"))
         return self._out(raw, event, changed or bool(self.hops), changed and not self.hops)
 

@@ -39,13 +39,19 @@ def copy_of_the_parts(tmp_path: Path) -> Path:
     return tmp_path
 
 
+def lint_with(tmp_path: Path, module: str, added: str) -> subprocess.CompletedProcess:
+    """import-linter on a copy of the three parts whose file module (a path under the copy) ends with
+    the lines added."""
+    root = copy_of_the_parts(tmp_path)
+    path = root / module
+    path.write_text(path.read_text() + added)
+    return lint_imports(root)
+
+
 def test_a_circle_put_back_breaks_the_layers(tmp_path):
     """1. Copy the three parts; 2. make the facts import deploy, which reads them (a circle);
     3. the layers contract is broken and names the import."""
-    root = copy_of_the_parts(tmp_path)
-    facts = root / "fleet" / "facts" / "state.py"
-    facts.write_text(facts.read_text() + "\nfrom fleet.commands import deploy  # noqa: E402\n")
-    r = lint_imports(root)
+    r = lint_with(tmp_path, "fleet/facts/state.py", "\nfrom fleet.commands import deploy  # noqa: E402\n")
     assert r.returncode == 1, r.stdout + r.stderr
     assert "The control plane's layers" in r.stdout and "fleet.facts.state -> fleet.commands.deploy" in r.stdout, r.stdout
 
@@ -53,20 +59,14 @@ def test_a_circle_put_back_breaks_the_layers(tmp_path):
 def test_a_circle_put_back_for_type_hints_alone_breaks_the_layers(tmp_path):
     """1. Copy the three parts; 2. make fleet.settings.cluster import fleet.settings.inventory (which calls it) under
     TYPE_CHECKING only, for a type hint; 3. the layers contract still sees the circle and names it."""
-    root = copy_of_the_parts(tmp_path)
-    cluster = root / "fleet" / "settings" / "cluster.py"
-    cluster.write_text(cluster.read_text() + "\nfrom typing import TYPE_CHECKING  # noqa: E402\n"
-                       "if TYPE_CHECKING:\n    from fleet.settings.inventory import HostVars  # noqa: F401\n")
-    r = lint_imports(root)
+    r = lint_with(tmp_path, "fleet/settings/cluster.py", "\nfrom typing import TYPE_CHECKING  # noqa: E402\n"
+                  "if TYPE_CHECKING:\n    from fleet.settings.inventory import HostVars  # noqa: F401\n")
     assert r.returncode == 1, r.stdout + r.stderr
     assert "The control plane's layers" in r.stdout and "fleet.settings.cluster -> fleet.settings.inventory" in r.stdout, r.stdout
 
 
 def test_the_control_plane_imported_on_a_host_breaks_the_independence(tmp_path):
-    root = copy_of_the_parts(tmp_path)
-    keeper = root / "hostagent" / "keeper.py"
-    keeper.write_text(keeper.read_text() + "\nfrom fleet.settings import inventory  # noqa: E402\n")
-    r = lint_imports(root)
+    r = lint_with(tmp_path, "hostagent/keeper.py", "\nfrom fleet.settings import inventory  # noqa: E402\n")
     assert r.returncode == 1 and "hostagent is not allowed to import fleet" in r.stdout, r.stdout
 
 
@@ -138,10 +138,7 @@ def test_the_layers_name_every_module_of_the_control_plane():
 def test_a_command_imported_by_the_library_breaks_the_rooms(tmp_path):
     """1. Copy the three parts; 2. make the plan import a command (fleet.commands.display); 3. the rooms'
     contract is broken: nothing below the commands imports one."""
-    root = copy_of_the_parts(tmp_path)
-    steps = root / "fleet" / "plan" / "steps.py"
-    steps.write_text(steps.read_text() + "\nfrom fleet.commands import display  # noqa: E402\n")
-    r = lint_imports(root)
+    r = lint_with(tmp_path, "fleet/plan/steps.py", "\nfrom fleet.commands import display  # noqa: E402\n")
     assert r.returncode == 1, r.stdout + r.stderr
     assert "The control plane's rooms" in r.stdout and "fleet.plan.steps -> fleet.commands.display" in r.stdout, r.stdout
 

@@ -31,7 +31,7 @@ NO_BODY_ROUTING = ("nginx has no body-aware routing: proxy.routing.policy {polic
                    "instance that holds its prefix; swap back with `inv swap-to-proxy`.")
 
 
-def _prepare(conn: Transport, hv: HostVars, report: Report, emit: Emit) -> tuple[HostVars, dict]:
+def _prepare(conn: Transport, hv: HostVars, report: Report, emit: Emit) -> tuple[HostVars, HostFacts]:
     """Put the changed files (the nginx config included) and read the host's state."""
     hv = facts.prepare(conn, hv)
     files = sync.host_files(hv)
