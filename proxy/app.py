@@ -7,7 +7,6 @@ import inspect
 import logging
 import os
 import re
-import socket
 
 import aiohttp
 from aiohttp import web
@@ -20,18 +19,10 @@ from . import loop_lag, share
 from .models import entries_of
 from .routes import INFERENCE_ROUTES
 from .state import PROXY, Proxy
+from .upstream import KEEPALIVE_S, Upstream, upstream_socket
 
 log = logging.getLogger("proxy")
 
-# vLLM's API server (uvicorn) closes idle kept-alive connections after 5 s; reusing one it is about
-# to close fails the request, so the proxy lets its own idle connections go a little earlier.
-UPSTREAM_KEEPALIVE_S = 4.0
-# A backend whose host lost its link sends no RST and no FIN: its packets vanish, and a request in flight
-# to it would wait for proxy.timeout_s (300 s). TCP keepalive on every upstream connection finds such a
-# peer within this many seconds of its last packet (a live host's kernel answers the probes however busy
-# its engine is), and TCP_USER_TIMEOUT bounds data left unacknowledged as long: the request then fails as
-# a connection error, and is retried on another backend when no byte has reached the client yet.
-UPSTREAM_DEAD_PEER_S = 10
 # In /health and /admin/config: during a zero-gap restart two proxies share the port, and the host
 # agent tells the new one from the old by this.
 PID = os.getpid()
@@ -125,32 +116,14 @@ async def health_loop(proxy: Proxy) -> None:
             pass
 
 
-def upstream_socket(addr_info) -> socket.socket:
-    """A socket for an upstream connection (aiohttp's socket_factory): TCP keepalive that gives a silent
-    peer up after UPSTREAM_DEAD_PEER_S, where the platform has the options."""
-    family, type_, proto = addr_info[:3]
-    sock = socket.socket(family, type_, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    idle, count = 4, 3
-    interval = (UPSTREAM_DEAD_PEER_S - idle) // count
-    for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", count),
-                        ("TCP_USER_TIMEOUT", UPSTREAM_DEAD_PEER_S * 1000)):
-        option = getattr(socket, name, None)
-        if option is not None:
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, option, value)
-            except OSError:
-                pass
-    return sock
-
-
 def upstream_connector() -> aiohttp.TCPConnector:
-    """The connector of the upstream session (no limits; the balancer's slots are the limit)."""
+    """The connector of the health checks' session (the requests go by proxy/upstream.py): no limits, the
+    upstream sockets' keepalive."""
     # socket_factory came with aiohttp 3.12; an older one (the host's vLLM environment) keeps the kernel's
     # keepalive defaults, and a request in flight to a host whose link went down waits for proxy.timeout_s.
     extra = ({"socket_factory": upstream_socket}
              if "socket_factory" in inspect.signature(aiohttp.TCPConnector).parameters else {})
-    return aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S, **extra)
+    return aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=KEEPALIVE_S, **extra)
 
 
 async def _context(app: web.Application):
@@ -158,6 +131,7 @@ async def _context(app: web.Application):
     proxy.session = aiohttp.ClientSession(
         auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),  # a proxy keeps no cookies
         connector=upstream_connector())
+    proxy.upstream = Upstream()
     proxy.results.start()
     if proxy.spans is not None:
         proxy.spans.start()
@@ -172,6 +146,7 @@ async def _context(app: web.Application):
         except asyncio.CancelledError:
             pass
     await proxy.session.close()
+    await proxy.upstream.close()
     proxy.results.stop()
     if proxy.spans is not None:
         proxy.spans.stop()   # at most SpanExport.STOP_S

@@ -11,9 +11,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-import aiohttp
 from aiohttp import web
-from yarl import URL  # aiohttp's own URL type; encoded=True passes the client's path through as sent
 
 from .admission import DEFAULT, Account, Tenant
 from .clients import CUT
@@ -26,6 +24,7 @@ from .resume import Splice, continuation, counted_options, refusal, usage_asked
 from .routing import Route
 from .state import PROXY
 from .tracing import NOT_SAMPLED, SAMPLED, chance, new_span_id, new_trace_id, parse_traceparent, sampled
+from .upstream import Answer, Broken, BrokenBody, ConnectTimeout, Disconnected, Unreachable, UpstreamError
 
 # Hop-by-hop headers (RFC 9110 7.6.1) never cross the proxy; length and encoding are the proxy's own.
 HOP_BY_HOP = frozenset(h.lower() for h in (
@@ -77,9 +76,6 @@ class _Kept(dict):
 # Whether a header crosses the proxy, by its name as sent (the lowercasing and the set lookup once per spelling).
 _UPSTREAM = _Kept(lambda name: name.lower() not in NOT_FORWARDED, 1024, 64)
 _DOWNSTREAM = _Kept(lambda name, dropped=HOP_BY_HOP | {"content-length"}: name.lower() not in dropped, 1024, 64)
-# The upstream URL of a backend's address and a client's target, parsed once: the inference API's paths
-# (a target with a query is parsed each time: a client must not fill the cache with made-up ones).
-_URLS = _Kept(lambda text: URL(text, encoded=True), 1024, 256)
 
 
 def upstream_headers(headers) -> dict:
@@ -746,24 +742,17 @@ async def _attempt(ex: Exchange, proxy, backend: Backend, rest: bytes | None = N
         ex.tried.append(out)
     out.t_start = time.monotonic()
     try:
-        async with proxy.session.request(request.method, _upstream_url(backend.url, target(request)),
-                                         headers=_headers_for(ex, proxy, out), data=rest or ex.body or None,
-                                         allow_redirects=False, timeout=proxy.upstream_timeout) as up:
+        config = proxy.config
+        async with proxy.upstream.request(request.method, backend.url, target(request), _headers_for(ex, proxy, out),
+                                          rest or ex.body or None, config.timeout_s, config.connect_timeout_s) as up:
             await (_take if rest is None else _take_rest)(ex, proxy, backend, out, up)
-    except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionResetError, Interrupted) as e:
+    except (UpstreamError, asyncio.TimeoutError, ConnectionResetError, Interrupted) as e:
         _failed(proxy, backend, out, e)
     finally:
         out.attempt_ms = round((time.monotonic() - out.t_start) * 1000, 1)
     if out.sent:
         out.retryable = False   # never retry once a byte went to the client
     return out
-
-
-def _upstream_url(base: str, path: str) -> URL:
-    """The upstream URL of a backend's address and a client's target: parsed once for a plain path."""
-    if "?" in path:
-        return URL(base + path, encoded=True)
-    return _URLS[base + path]
 
 
 def target(request: web.Request) -> str:
@@ -783,7 +772,7 @@ def _headers_for(ex: Exchange, proxy, out: Outcome) -> dict:
     return headers
 
 
-async def _take(ex: Exchange, proxy, backend: Backend, out: Outcome, up: aiohttp.ClientResponse) -> None:
+async def _take(ex: Exchange, proxy, backend: Backend, out: Outcome, up: Answer) -> None:
     """Take the backend's answer: hold a 502/503 back, read a small whole answer, stream the rest."""
     out.status = up.status
     _answered(proxy, backend, up.status)
@@ -822,7 +811,7 @@ async def _take(ex: Exchange, proxy, backend: Backend, out: Outcome, up: aiohttp
     await _relay(ex, proxy, backend, out, up, resp)
 
 
-async def _take_rest(ex: Exchange, proxy, backend: Backend, out: Outcome, up: aiohttp.ClientResponse) -> None:
+async def _take_rest(ex: Exchange, proxy, backend: Backend, out: Outcome, up: Answer) -> None:
     """Take a continuation's answer: a stream, relayed into the client's (any other answer is its failure)."""
     out.status = 200                 # what the client has, whatever this backend answers
     _answered(proxy, backend, up.status)
@@ -834,7 +823,7 @@ async def _take_rest(ex: Exchange, proxy, backend: Backend, out: Outcome, up: ai
     await _relay(ex, proxy, backend, out, up, ex.request["response"])
 
 
-async def _relay(ex: Exchange, proxy, backend: Backend, out: Outcome, up: aiohttp.ClientResponse,
+async def _relay(ex: Exchange, proxy, backend: Backend, out: Outcome, up: Answer,
                  resp: web.StreamResponse) -> None:
     """Write the backend's answer to the client chunk by chunk, as it comes; a resumable stream through
     its splice (proxy/resume.py), watched for a stall and for its backend's ejection, and left open when
@@ -857,7 +846,7 @@ async def _relay(ex: Exchange, proxy, backend: Backend, out: Outcome, up: aiohtt
     await _eof(resp)
 
 
-async def _chunks(ex: Exchange, out: Outcome, up: aiohttp.ClientResponse, resp: web.StreamResponse,
+async def _chunks(ex: Exchange, out: Outcome, up: Answer, resp: web.StreamResponse,
                   splice: Splice | None, watch: _Watch | None) -> None:
     """The upstream's chunks to the client as they come (a resumable stream's through its splice), until
     its end or its engine's error event."""
@@ -904,7 +893,7 @@ class _Watch:
     any request's), while no write to the client is under way, and until `data: [DONE]` went out. A
     chunk costs it one clock read."""
 
-    def __init__(self, up: aiohttp.ClientResponse, backend: Backend, stall_s: float, splice: Splice):
+    def __init__(self, up: Answer, backend: Backend, stall_s: float, splice: Splice):
         self.up, self.backend, self.stall_s, self.splice = up, backend, stall_s, splice
         self.last = time.monotonic()
         self.started = False     # a chunk came from this upstream
@@ -938,13 +927,13 @@ def _failed(proxy, backend: Backend, out: Outcome, e: Exception) -> None:
     config, name = proxy.config, backend.name
     if isinstance(e, Interrupted):
         _upstream_error(proxy, backend, out, e.kind, str(e))
-    elif isinstance(e, aiohttp.ConnectionTimeoutError):
+    elif isinstance(e, ConnectTimeout):
         _upstream_error(proxy, backend, out, "connect_timeout",
                         f"no connection to {name} within {config.connect_timeout_s:g}s", eject=True)
         out.status = 504
-    elif isinstance(e, aiohttp.ClientConnectorError):
+    elif isinstance(e, Unreachable):
         _upstream_error(proxy, backend, out, "connect", f"cannot connect to {name}: {e.os_error}", eject=True)
-    elif isinstance(e, aiohttp.ServerDisconnectedError):
+    elif isinstance(e, Disconnected):
         # Before any byte: the engine died or closed a kept-alive connection; another backend may take it.
         _upstream_error(proxy, backend, out, "disconnected", f"{name} closed the connection")
         if not out.sent:
@@ -954,11 +943,11 @@ def _failed(proxy, backend: Backend, out: Outcome, e: Exception) -> None:
         out.error = f"{name} did not answer within {config.timeout_s:g}s"
         proxy.metrics.upstream_errors.labels(name, "timeout").inc()
         _answered(proxy, backend, 504)
-    elif isinstance(e, aiohttp.ClientPayloadError):
+    elif isinstance(e, BrokenBody):
         _upstream_error(proxy, backend, out, "payload", f"{name} broke off its answer: {e}")
-    elif isinstance(e, (aiohttp.ClientOSError, ConnectionResetError)):
+    elif isinstance(e, (Broken, ConnectionResetError)):
         _upstream_error(proxy, backend, out, "connection", f"connection to {name} failed: {e}")
-    else:   # anything else aiohttp can raise: still one clear answer
+    else:   # anything else: still one clear answer
         _upstream_error(proxy, backend, out, "other", f"{name}: {type(e).__name__}: {e}")
 
 
@@ -969,7 +958,7 @@ def _ends_stream(chunk: bytes, observer: ResponseObserver | None) -> bool:
     return chunk.rstrip().endswith(b"data: [DONE]")
 
 
-async def _read_up_to(up: aiohttp.ClientResponse, limit: int) -> bytes:
+async def _read_up_to(up: Answer, limit: int) -> bytes:
     """The upstream body, whole up to limit bytes (content.read(n) returns only what has arrived)."""
     chunks, size = [], 0
     async for chunk in up.content.iter_any():

@@ -1,4 +1,4 @@
-"""What a running proxy holds: its config, backends, metrics, results log and client session; and reload."""
+"""What a running proxy holds: its config, backends, metrics, results log and clients; and reload."""
 from __future__ import annotations
 
 import asyncio
@@ -18,6 +18,7 @@ from .models import Router
 from .otlp import SpanExport
 from .results_log import ResultsLog
 from .share import my_slots
+from .upstream import Upstream
 
 log = logging.getLogger("proxy")
 # How often a thread running Python hands the GIL to another (5 ms by default): a worker thread digesting a
@@ -40,7 +41,8 @@ class Proxy:
         self.metrics.cover_tenants(self.tenants.names())
         self.results = ResultsLog(config.results_log, self.metrics.results_dropped.inc)
         self.spans = self._span_export(config)   # None: no export (otlp.endpoint unset)
-        self.session: aiohttp.ClientSession | None = None
+        self.session: aiohttp.ClientSession | None = None   # the health checks', the peers' and the scrapes'
+        self.upstream: Upstream | None = None                # the requests' (proxy/upstream.py)
         # Where bodies over proxy.limits.inline_kb are parsed and hashed (forward._read_body): off the event
         # loop; two threads, as the GIL lets little more run at once, and a burst of large bodies queues here.
         self.parser = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="proxy-body")
@@ -125,10 +127,8 @@ class Proxy:
         return SpanExport(config.otlp, self.metrics.spans_dropped.inc)
 
     def _use(self, config: ProxyConfig) -> None:
-        """Make config the running one, with what follows from it (built once, not per request)."""
+        """Make config the running one."""
         self.config = config
-        self.upstream_timeout = aiohttp.ClientTimeout(total=config.timeout_s,
-                                                      sock_connect=config.connect_timeout_s)
 
     def _keep_restart_only(self, new: ProxyConfig) -> tuple[ProxyConfig, tuple[str, ...]]:
         """new, with the settings a running proxy cannot change put back to the running ones (logged),

@@ -467,16 +467,12 @@ def test_body_bytes_that_arrive_as_aiohttp_takes_their_request_do_not_start_a_he
 
 @pytest.mark.unit
 def test_what_a_client_makes_up_does_not_fill_the_proxys_caches():
-    """The upstream URLs and header spellings the proxy works out once are kept only for keys a client
-    cannot multiply: 2,000 targets with made-up queries, 2,000 long paths and 2,000 long header names keep
-    nothing; the inference API's path is kept, and every URL is still the right one."""
+    """The header spellings the proxy works out once are kept only for keys a client cannot multiply:
+    2,000 long header names keep nothing, and each still gets its right answer; a short one is kept.
+    (The upstream client keeps what it parsed of the backends' addresses alone: the config's.)"""
     from proxy import forward
-    base = "http://127.0.0.1:8002"
-    urls, up = len(forward._URLS), len(forward._UPSTREAM)
+    up = len(forward._UPSTREAM)
     for i in range(2000):
-        assert str(forward._upstream_url(base, f"/v1/chat/completions?x={i}")).endswith(f"?x={i}")
-        forward._upstream_url(base, "/v1/" + "a" * 300 + str(i))
         assert forward._UPSTREAM["x-" + "h" * 80 + str(i)] is True
-    assert len(forward._URLS) == urls and len(forward._UPSTREAM) == up
-    assert str(forward._upstream_url(base, "/v1/chat/completions")) == base + "/v1/chat/completions"
-    assert base + "/v1/chat/completions" in forward._URLS
+    assert len(forward._UPSTREAM) == up
+    assert forward._UPSTREAM["Connection"] is False and "Connection" in forward._UPSTREAM

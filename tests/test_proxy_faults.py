@@ -651,16 +651,41 @@ def test_what_must_not_break_the_proxy(procs, tmp_path, fakes):
 @pytest.mark.unit
 def test_upstream_sockets_give_a_silent_peer_up():
     """A backend whose host lost its link answers nothing, not even a RST: every upstream socket has TCP
-    keepalive and a user timeout, so a request in flight to it ends within UPSTREAM_DEAD_PEER_S (the link
-    cut under load in tests/test_netns_fleet.py), not at proxy.timeout_s."""
-    from proxy.app import UPSTREAM_DEAD_PEER_S, upstream_connector, upstream_socket
-    with upstream_socket((socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", 9))) as sock:
+    keepalive and a user timeout, so a request in flight to it ends within DEAD_PEER_S (the link
+    cut under load in tests/test_netns_fleet.py), not at proxy.timeout_s: the requests' connections
+    (proxy/upstream.py) and the health checks' (aiohttp's connector) alike."""
+    from proxy.app import upstream_connector
+    from proxy.upstream import DEAD_PEER_S, Upstream, upstream_socket
+
+    def check(sock):
         assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
         idle = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE)
         interval = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL)
         count = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT)
-        assert idle + interval * count <= UPSTREAM_DEAD_PEER_S <= 10
-        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == UPSTREAM_DEAD_PEER_S * 1000
+        assert idle + interval * count <= DEAD_PEER_S <= 10
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == DEAD_PEER_S * 1000
+
+    with upstream_socket((socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", 9))) as sock:
+        check(sock)
+
+    async def requests_socket():
+        async def answer(reader, writer):
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+            writer.close()
+        server = await asyncio.start_server(answer, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        upstream = Upstream()
+        try:
+            async with upstream.request("GET", f"http://127.0.0.1:{port}", "/", {}, None, 5, 5) as up:
+                check(up.conn.transport.get_extra_info("socket"))
+                assert await up.read() == b"ok"
+        finally:
+            await upstream.close()
+            server.close()
+            await server.wait_closed()
+    asyncio.run(requests_socket())
 
     async def factory():
         connector = upstream_connector()

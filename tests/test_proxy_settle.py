@@ -15,7 +15,7 @@ from prometheus_client import generate_latest
 
 from conftest import http_status, wait_until
 from otlp_helpers import Servers
-from proxy import forward
+from proxy import forward, upstream
 from proxy.forward import Outcome
 from proxy.metrics import EJECTION_REASONS, UPSTREAM_ERROR_KINDS, Metrics
 from proxy_helpers import start_proxy, start_sims
@@ -199,10 +199,9 @@ def test_every_upstream_failure_kind_is_one_made_at_start():
     proxy = SimpleNamespace(metrics=Metrics(lambda: router), router=router, log=SimpleNamespace(warning=print),
                             config=SimpleNamespace(connect_timeout_s=1, timeout_s=1, max_fails=1))
     backend = SimpleNamespace(name="b", last_error="")
-    key = SimpleNamespace(host="b", port=1, ssl=None)
-    for error in (aiohttp.ConnectionTimeoutError(), aiohttp.ClientConnectorError(key, OSError(111, "refused")),
-                  aiohttp.ServerDisconnectedError(), asyncio.TimeoutError(), aiohttp.ClientPayloadError(),
-                  aiohttp.ClientOSError(), ConnectionResetError(), aiohttp.InvalidURL("b:x"),
+    for error in (upstream.ConnectTimeout("slow"), upstream.Unreachable("refused", OSError(111, "refused")),
+                  upstream.Disconnected("closed"), asyncio.TimeoutError(), upstream.BrokenBody("cut"),
+                  upstream.Broken("reset"), ConnectionResetError(), upstream.UpstreamError("other"),
                   forward.Interrupted("stalled", "quiet"), forward.Interrupted("taken_out", "ejected")):
         forward._failed(proxy, backend, Outcome(), error)
     # A dead engine's 500 is an answer, not an exception: _take ejects for it (tests/test_proxy.py drives it).
