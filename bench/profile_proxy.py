@@ -35,6 +35,7 @@ from stack import Stack, cpu_s, find_program  # noqa: E402
 
 GROUPS = (  # first match on a frame's "(file:line)", innermost frame first; py-spy shows the proxy's by basename
     ("results log", "(results_log.py:"), ("prometheus_client", "prometheus_client/"),
+    ("the upstream client (proxy/upstream.py)", "(upstream.py:"),
     *(("proxy (own code)", f"({m}.py:") for m in ("forward", "balancer", "app", "state", "metrics", "fixups")),
     ("aiohttp server", "aiohttp/web"), ("aiohttp http parser/writer", "aiohttp/http"),
     ("aiohttp client", "aiohttp/client"), ("aiohttp connector", "aiohttp/connector"),
@@ -71,6 +72,7 @@ FEATURES = {
     "balancer.py": "slots and queue (balancer, admission order)", "state.py": "slots and queue (balancer, admission order)",
     "forward.py": "request path (forward.py, app.py)", "app.py": "request path (forward.py, app.py)",
     "server.py": "request path (forward.py, app.py)",
+    "upstream.py": "HTTP in and out (aiohttp, the upstream client, the loop)",
 }
 HTTP = ("aiohttp/", "yarl/", "multidict/", "uvloop")
 # Helpers several features call (a JSON text parsed): their time is their caller's feature.
@@ -84,7 +86,7 @@ def _frame(frame: str) -> tuple[str, str]:
 
 
 def feature_of(stack: list[str]) -> str:
-    """The feature a sample's time goes to (FEATURES), "HTTP in and out (aiohttp, the loop)" for the rest."""
+    """The feature a sample's time goes to (FEATURES), "HTTP in and out (aiohttp, the upstream client, the loop)" for the rest."""
     for depth in range(len(stack) - 1, -1, -1):
         path, function = _frame(stack[depth])
         if path not in OWN or path == "__main__.py" or (path, function) in SHARED:
@@ -98,7 +100,7 @@ def feature_of(stack: list[str]) -> str:
             if isinstance(key, str) and path.startswith(key):
                 return name
         return "request path (forward.py, app.py)"
-    return "HTTP in and out (aiohttp, the loop)"
+    return "HTTP in and out (aiohttp, the upstream client, the loop)"
 
 
 def group_of(stack: list[str]) -> str:
