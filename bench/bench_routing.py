@@ -61,10 +61,11 @@ from stack import ROOT, Stack  # noqa: E402
 
 BACKENDS, MAX_NUM_SEQS = 8, 4
 FRONT_NAMES = {"proxy": "proxy least_conn", "proxy-prefix": "proxy prefix", "proxy-prefix-base": "proxy prefix, baseline",
+               "proxy-prefix-w2": "proxy prefix, 2 workers",
                "nginx": "nginx least_conn",
                "vllm-router-cache": "vllm-router cache_aware", "vllm-router-p2": "vllm-router power_of_two",
                "smg-cache": "smg cache_aware"}
-DEFAULT_FRONTS = ",".join(f for f in FRONT_NAMES if f != "proxy-prefix-base")
+DEFAULT_FRONTS = ",".join(f for f in FRONT_NAMES if f not in ("proxy-prefix-base", "proxy-prefix-w2"))
 # The engine model (sim flags). prefill_ms is per 1,000 uncached prompt tokens: 2,000 tokens a second, a
 # slow engine, so that prefill is a good share of a request's time as on a long multimodal prompt;
 # kv_blocks: 2,048 blocks of 16 tokens (32k tokens) per engine, so a working set spread over every engine

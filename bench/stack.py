@@ -11,6 +11,7 @@ polled the other; `url("proxy-pair-b")` is the second's), `proxy-otel` (the `pro
 `proxy-otel-down` (the same, its collector a loopback port nothing listens on, the export's timeout 300 s:
 a collector that is down),
 `proxy-w2` (the `proxy` config with `workers: 2`: a supervisor and two worker processes sharing the slots),
+`proxy-prefix-w2` (the `proxy-prefix` config with `workers: 2`: the workers teach each other their routing),
 `proxy-base` (the `proxy` config served by the proxy of another checkout, `baseline`: the code before a
 change, in the same run), `proxy-prefix-base` (the `proxy-prefix` config served by that checkout), `nginx` (conf/nginx.conf as rendered),
 `proxy-tenants` (keys naming tenants, `proxy.tenants` set, the inventory's `proxy.queue.tenant_reserve`),
@@ -180,11 +181,11 @@ class Stack:
 
     FRONTS = ("direct", "proxy", "proxy-tenants", "proxy-tenants-0", "proxy-tenants-2", "proxy-lc", "proxy-prefix",
               "proxy-prefix-b", "proxy-prefix-base", "proxy-pair", "proxy-pair-b", "proxy-asyncio", "proxy-models",
-              "proxy-models-1", "proxy-otel", "proxy-otel-down", "proxy-base", "proxy-w2", "nginx", "vllm-router",
+              "proxy-models-1", "proxy-otel", "proxy-otel-down", "proxy-base", "proxy-w2", "proxy-prefix-w2", "nginx", "vllm-router",
               "vllm-router-cache", "vllm-router-p2", "vllm-router-random", "smg", "smg-cache")
     PROXIES = ("proxy", "proxy-tenants", "proxy-tenants-0", "proxy-tenants-2", "proxy-lc", "proxy-prefix",
                "proxy-prefix-b", "proxy-prefix-base", "proxy-pair", "proxy-pair-b", "proxy-asyncio", "proxy-models",
-               "proxy-models-1", "proxy-otel", "proxy-otel-down", "proxy-base", "proxy-w2")
+               "proxy-models-1", "proxy-otel", "proxy-otel-down", "proxy-base", "proxy-w2", "proxy-prefix-w2")
     ROUTERS = {"vllm-router": None, "vllm-router-cache": "cache_aware", "vllm-router-p2": "power_of_two",
                "vllm-router-random": "random", "smg": None, "smg-cache": "cache_aware"}   # front -> its --policy (None: the default)
 
@@ -249,13 +250,13 @@ class Stack:
                                     "path": str(self.deploy / "logs" / f"req_results_{front}.log")}}
             if front == "proxy-lc":
                 conf["slots"] = 0
-            if front in ("proxy-prefix", "proxy-prefix-b", "proxy-prefix-base"):
+            if front in ("proxy-prefix", "proxy-prefix-b", "proxy-prefix-base", "proxy-prefix-w2"):
                 conf["routing"] = self.routing
             if front in ("proxy-pair", "proxy-pair-b"):
                 pair = ["proxy-pair", "proxy-pair-b"]
                 conf["share"] = {"me": pair.index(front), "entries": [
                     {"name": f, "weight": 1, "health": None if f == front else f"{self.url(f)}/health"} for f in pair]}
-            if front == "proxy-w2":
+            if front in ("proxy-w2", "proxy-prefix-w2"):
                 conf["workers"] = 2
             if front == "proxy-otel":
                 conf["otlp"] = {"endpoint": f"http://127.0.0.1:{self.sink_port}/v1/traces"}
@@ -407,6 +408,9 @@ class Stack:
 
     def _start_proxy_w2(self):
         self._proxy("proxy-w2")
+
+    def _start_proxy_prefix_w2(self):
+        self._proxy("proxy-prefix-w2")
 
     def _start_proxy_asyncio(self):
         self._proxy("proxy-asyncio", "--loop", "asyncio")

@@ -12,7 +12,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from .balancer import Backend
+from .balancer import Backend, Balancer
 from .config import ProxyConfig, keys_digest
 from .forward import TRACE_ID, json_error, target, list_models, new_request_id, proxy_handler
 from . import loop_lag, share
@@ -243,6 +243,8 @@ def make_admin_app(proxy: Proxy) -> web.Application:
                                   "queue": {"max": c.queue.max, "timeout_s": c.queue.timeout_s,
                                             "tenant_reserve": c.queue.tenant_reserve},
                                   "queued": proxy.router.queued,
+                                  # with proxy.workers > 1: the other workers' prefix decisions adopted here
+                                  "learned_from_workers": 0 if Balancer.lending is None else Balancer.lending.learned,
                                   "tenants": [{"name": t.name, "weight": t.weight, "in_flight": t.in_flight,
                                                "queued": t.queued, "admits_per_minute": t.admits_per_minute(),
                                                **{k: v for k, v in

@@ -220,6 +220,8 @@ class Balancer:
             return None
         best = self.policy.pick(route, least, candidates)
         self.policy.sent(route, best)
+        if self.lending is not None and self.shares_routing:
+            self.lending.decided()      # the other workers learn where it went (proxy/workers.py)
         self._cursor = self._at[best.name] + 1  # the next tie goes to the backend after this one
         best.in_flight += 1
         if best.in_flight > best.peak_in_flight:

@@ -7,6 +7,12 @@ from the same queue, whoever is free first. The port's reuseport group holds one
 one process, so a zero-gap restart steers connections exactly as it does for one (proxy/listener.py). It passes SIGHUP, SIGTERM and SIGINT to every worker, and when one exits
 on its own it stops the others and exits with its status (the host agent restarts the proxy).
 
+Prefix routing is shared: at the event loop's turn after a decision each worker sends the others its new
+routing decisions (LEARN: a prompt's block hashes and the backend it went to, proxy/share.py's feed between
+processes, adopted and not passed on), so each worker's index knows where every worker sent a prompt and a conversation's next
+round finds its home whichever worker accepts it; the supervisor gives the workers one PYTHONHASHSEED so
+their block hashes agree.
+
 Slots are owned, never shared. Worker w owns a part of every backend's slots (proxy/share.py's split,
 equal weights; with entries behind virtual addresses, a part of this entry's share): it counts and queues
 only its own requests against that part, on its own event loop, with no lock. A worker whose request must
@@ -44,7 +50,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
-from .share import split
+from .share import FEED_LIMIT, split
 
 log = logging.getLogger("proxy")
 
@@ -53,6 +59,8 @@ WANT_FOR_S = 0.05      # a WANT not renewed in this long is forgotten (its worke
 SINCE_SENT = 32        # a WANT tells when its pool's first this many waiters began waiting
 RENEW_S = 0.02         # while a pool has waiters, its WANT goes out again this often (its queue's length now)
 ASK_TIMEOUT_S = 5.0    # one worker's admin answer to worker 0's fan-out
+TEACH_S = 0.5          # and at least this often (a policy made anew by a reload starts its feed)
+TEACH_BLOCKS = 1500    # block hashes in one message (~20 bytes each in JSON: well within one datagram read)
 STATE_GAUGES = frozenset({"proxy_backend_healthy", "proxy_backend_drained", "proxy_backend_slots",
                           "proxy_backend_model", "proxy_tenant_weight", "proxy_event_loop_lag_worst_seconds"})
 
@@ -84,11 +92,17 @@ def supervise(config, argv: list[str], count: int, bind) -> int:
 
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(s, pass_on)
+    # One string hash for all the workers: their prefix block hashes must agree for one to learn where
+    # another sent a prompt (the rendered start script sets the deployment's; a manual start gets one here).
+    env = dict(os.environ)
+    if env.get("PYTHONHASHSEED", "random") == "random":
+        env["PYTHONHASHSEED"] = str(int.from_bytes(os.urandom(4), "big") % 4294967295 + 1)
     try:
         for w in range(count):
             workers.append(subprocess.Popen(
                 [sys.executable, "-m", "proxy", *argv, "--worker", f"{w}/{count}", "--run-dir", run_dir,
-                 "--listen-fd", str(sock.fileno()), "--supervisor", str(os.getpid())], pass_fds=(sock.fileno(),)))
+                 "--listen-fd", str(sock.fileno()), "--supervisor", str(os.getpid())], pass_fds=(sock.fileno(),),
+                env=env))
         sock.close()      # the workers hold it now: it closes when the last of them leaves the port
         log.info("%d workers (pids %s) on port %d", count, ", ".join(str(p.pid) for p in workers),
                  config.listen.port)
@@ -149,13 +163,55 @@ class Lending:
         self._soon: dict[int, asyncio.TimerHandle] = {}   # id(pool) -> its next WANT, a new waiter's
         self._renew: dict[int, asyncio.TimerHandle] = {}  # id(pool) -> its WANT again, while it has waiters
         self.router = None                        # the worker's proxy.models.Router, once it is made
+        self.taught: dict[str, tuple[object, int]] = {}   # pool -> (its policy, the last decision sent)
+        self.learned = 0                          # the other workers' prefix decisions adopted here
+        self._teaching: asyncio.TimerHandle | None = None   # the next _teach by the clock
+        self._teach_soon = False                  # a _teach is due at the loop's next turn
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.bind(lend_path(run_dir, me))
         self.sock.setblocking(False)
 
     def start(self, router) -> None:
         self.router = router
-        asyncio.get_running_loop().add_reader(self.sock.fileno(), self._read)
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self.sock.fileno(), self._read)
+        self._teach()       # the pools keep their feeds from the first request on
+
+    def decided(self) -> None:
+        """A pool that shares its routing sent a request: teach the others at the loop's next turn (the
+        decisions of one turn in one message), not at the next TEACH_S, so that a prompt of the same
+        conversation or group that another worker routes a moment later finds it."""
+        if not self._teach_soon:
+            self._teach_soon = True
+            asyncio.get_running_loop().call_soon(self._teach)
+
+    def _teach(self) -> None:
+        """Send the other workers this worker's prefix routing decisions since the last time (LEARN: the
+        prompt's block hashes and the backend), at the loop's turn after a decision and every TEACH_S: each
+        worker's index then knows where every worker sent a prompt, so a conversation's next round finds its
+        home whichever worker accepts it. A worker adopts what it learns and does not pass it on
+        (proxy/share.py's feed, between processes)."""
+        if self._teaching is not None:
+            self._teaching.cancel()
+        self._teach_soon = False
+        try:
+            for name, pool in self.router.pools.items():
+                if not pool.shares_routing:
+                    continue
+                pool.keep_feed()      # a policy made anew by a reload starts its feed here
+                policy, seq = self.taught.get(name, (None, 0))
+                if policy is not pool.policy:
+                    seq = 0
+                got = pool.decisions_since(seq, FEED_LIMIT)
+                if not got:
+                    continue
+                self.taught[name] = (pool.policy, got[-1][0])
+                for message in lessons(name, [(backend, blocks) for _, backend, blocks in got]):
+                    for w in range(self.count):
+                        if w != self.me:
+                            self._send(w, message)
+        finally:
+            self._teaching = asyncio.get_running_loop().call_later(TEACH_S, self._teach)
 
     # the balancer's calls (proxy/balancer.py)
 
@@ -226,6 +282,12 @@ class Lending:
                 continue
             if m.get("t") == "give":
                 self._got(m["b"], int(m["k"]))
+            elif m.get("t") == "learn":
+                pool = self.router.pools.get(m.get("pool")) if self.router is not None else None
+                if pool is not None and pool.shares_routing:
+                    for backend, blocks in m.get("d", ()):
+                        pool.adopt(backend, blocks)
+                        self.learned += 1
             elif m.get("t") == "want":
                 self.wants[int(m["from"])] = [int(m["n"]), set(m["b"]), time.monotonic(),
                                               collections.deque(m.get("since", ()))]
@@ -276,6 +338,22 @@ class Lending:
             return True
         except OSError:      # not up yet, gone, or its buffer full
             return False
+
+
+def lessons(pool: str, decisions: list[tuple[str, list[int]]]) -> list[str]:
+    """LEARN messages of a pool's decisions ([backend, blocks]), at most TEACH_BLOCKS block hashes each (a
+    longer prompt's first TEACH_BLOCKS: its prefix, what a next round would match)."""
+    out, batch, size = [], [], 0
+    for backend, blocks in decisions:
+        blocks = blocks[:TEACH_BLOCKS]
+        if batch and size + len(blocks) > TEACH_BLOCKS:
+            out.append(json.dumps({"t": "learn", "pool": pool, "d": batch}))
+            batch, size = [], 0
+        batch.append([backend, blocks])
+        size += len(blocks)
+    if batch:
+        out.append(json.dumps({"t": "learn", "pool": pool, "d": batch}))
+    return out
 
 
 # --- one proxy to the operator ---------------------------------------------------------------------------
@@ -378,6 +456,7 @@ def front_admin(peers: Peers, supervisor_pid: int) -> web.Application:
             config = json.loads(first[1])
             every = [json.loads(a[1]) for a in answers if a[0] == 200]
             config["queued"] = sum(c.get("queued", 0) for c in every)
+            config["learned_from_workers"] = sum(c.get("learned_from_workers", 0) for c in every)
             for i, pool in enumerate(config.get("models") or ()):
                 pool["queued"] = sum(c["models"][i]["queued"] for c in every if len(c.get("models") or ()) > i)
             config["workers"] = peers.count

@@ -14,10 +14,10 @@ import aiohttp
 import pytest
 import yaml
 from conftest import wait_until
-from proxy_helpers import start_proxy, start_sims
+from proxy_helpers import results_lines, start_proxy, start_sims
 
 from proxy.config import ConfigError, Workers, parse_config
-from proxy.workers import merged_metrics
+from proxy.workers import admin_path, lessons, merged_metrics
 
 from fleet import render
 from fleet.settings import inventory
@@ -314,3 +314,71 @@ def test_a_zero_gap_restart_of_two_workers_refuses_no_connection(procs, tmp_path
     assert errors == [], errors[:5]
     assert _get(f"http://127.0.0.1:{port}/health")["pid"] == new.pid
     wait_until(lambda: _get(f"http://127.0.0.1:{admin}/admin/config")["pid"] == new.pid, what="the new proxy's admin")
+
+
+@pytest.mark.process
+def test_a_conversation_keeps_its_home_whichever_worker_takes_its_next_round(procs, tmp_path):
+    """1. Four sims, 2 workers, the prefix policy. 2. Worker 1 stopped: three conversations' first rounds
+    go through worker 0, each to some sim. 3. Worker 1 runs again and adopts worker 0's decisions (its own
+    admin answer counts them); worker 0 stopped. 4. Each conversation's second round, through worker 1, goes
+    to its first round's sim by its prefix (the results log's `route`), not by load."""
+    sims = start_sims(procs, tmp_path, 4, seqs=4, token_ms=5)
+    port, admin = _start(procs, tmp_path, sims, routing={"policy": "prefix"})
+    supervisor = _get(f"http://127.0.0.1:{port}/health")["pid"]
+    w0, w1 = _workers_of(supervisor)
+    with open(f"/proc/{w1}/cmdline", "rb") as f:
+        argv = f.read().decode().split("\0")
+    run_dir = argv[argv.index("--run-dir") + 1]
+
+    def chat(c, rounds):
+        messages = [{"role": "system", "content": f"conversation {c}: " + "a long shared history " * 60}]
+        for r in range(rounds):
+            messages += [{"role": "user", "content": f"question {r} of conversation {c}"}]
+            if r < rounds - 1:
+                messages += [{"role": "assistant", "content": f"answer {r} of conversation {c}"}]
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps(
+            {"model": "m", "messages": messages, "max_tokens": 4}).encode(),
+            {"Content-Type": "application/json", "X-Request-Id": f"c{c}-r{rounds}"})
+        with urllib.request.urlopen(req, timeout=30) as r:   # a new connection each: whoever accepts it
+            r.read()
+            return r.headers["X-Backend"]
+
+    async def learned_by_worker_1():
+        async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=admin_path(run_dir, 1))) as s:
+            async with s.get("http://worker/admin/config") as r:
+                return (await r.json())["learned_from_workers"]
+
+    os.kill(w1, signal.SIGSTOP)
+    try:
+        first = [chat(c, 1) for c in range(3)]
+    finally:
+        os.kill(w1, signal.SIGCONT)
+    wait_until(lambda: asyncio.run(learned_by_worker_1()) >= 3, what="worker 1 adopting worker 0's decisions")
+    os.kill(w0, signal.SIGSTOP)
+    try:
+        second = [chat(c, 2) for c in range(3)]
+    finally:
+        os.kill(w0, signal.SIGCONT)
+    assert second == first
+
+    def logged():
+        return {line["request_id"]: line for line in results_lines(tmp_path / "req_results.log")}
+    wait_until(lambda: all(f"c{c}-r2" in logged() for c in range(3)), what="the second rounds' lines")
+    lines = logged()
+    assert [lines[f"c{c}-r2"]["route"] for c in range(3)] == ["prefix"] * 3, lines
+
+
+@pytest.mark.unit
+def test_lessons_fit_a_datagram_read_and_keep_a_long_prompts_prefix():
+    """LEARN messages hold at most TEACH_BLOCKS block hashes (within the 64 KiB a worker reads at once, at 20
+    characters a hash); a prompt longer than that is taught by its first blocks, what a next round matches."""
+    from proxy.workers import TEACH_BLOCKS
+    big = -(2 ** 63) + 1
+    decisions = [("127.0.0.1:1", [big] * 1000), ("127.0.0.1:2", [big] * 1000), ("127.0.0.1:3", list(range(5000)))]
+    messages = lessons("m", decisions)
+    taught = [json.loads(m) for m in messages]
+    assert all(len(m.encode()) < 65536 for m in messages)
+    assert all(sum(len(b) for _, b in t["d"]) <= TEACH_BLOCKS for t in taught)
+    flat = [d for t in taught for d in t["d"]]
+    assert [d[0] for d in flat] == ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]
+    assert flat[2][1] == list(range(TEACH_BLOCKS)) and all(t["pool"] == "m" for t in taught)

@@ -498,7 +498,8 @@ class ProxySettings(Section):
         "Processes serving the entry port (proxy mode). Above 1, the proxy is a supervisor and that many "
         "workers accepting on the port, each owning a part of every engine's slots and lending idle ones to "
         "a worker whose requests wait (docs/proxy.md, \"Several workers\"): never more requests on an engine "
-        "than its slots. `auto`: the host's cores less those its engines need (2 an instance; on a CPU host "
+        "than its slots; with prefix routing each tells the others where it sent each prompt, so a "
+        "conversation finds its home whichever worker takes it. `auto`: the host's cores less those its engines need (2 an instance; on a CPU host "
         "`cpus_per_instance` each, all of them when it is 0), at least 1. Changed by a restart, not a reload. "
         "Not yet with `proxy.tenants` (refused: the workers do not split a tenant's limits).")
     fix_numeric_user: Flag = doc(True,
