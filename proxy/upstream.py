@@ -142,30 +142,33 @@ class Upstream:
             idle.remove(conn)
 
     async def _connect(self, base: str, origin: _Origin, connect_s: float) -> _Connection:
-        loop = asyncio.get_running_loop()
         try:
-            async with asyncio.timeout(connect_s):
-                infos = await loop.getaddrinfo(origin.host, origin.port, type=socket.SOCK_STREAM)
-                error: OSError | None = None
-                for info in infos:
-                    sock = upstream_socket(info)
-                    try:
-                        sock.setblocking(False)
-                        await loop.sock_connect(sock, info[4])
-                    except OSError as e:
-                        sock.close()
-                        error = e
-                        continue
-                    except BaseException:
-                        sock.close()
-                        raise
-                    _, conn = await loop.create_connection(lambda: _Connection(self, base), sock=sock)
-                    return conn
-                raise error or OSError(f"no address for {origin.host}")
-        except TimeoutError:
+            return await asyncio.wait_for(self._open(base, origin), connect_s)
+        except asyncio.TimeoutError:      # (Python 3.10's is not the builtin TimeoutError)
             raise ConnectTimeout(f"no connection to {base} within {connect_s:g}s") from None
         except OSError as e:
             raise Unreachable(f"cannot connect to {base}: {e}", e) from e
+
+    async def _open(self, base: str, origin: _Origin) -> _Connection:
+        """A new connection to origin: each of its addresses in turn, the first that connects."""
+        loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo(origin.host, origin.port, type=socket.SOCK_STREAM)
+        error: OSError | None = None
+        for info in infos:
+            sock = upstream_socket(info)
+            try:
+                sock.setblocking(False)
+                await loop.sock_connect(sock, info[4])
+            except OSError as e:
+                sock.close()
+                error = e
+                continue
+            except BaseException:
+                sock.close()
+                raise
+            _, conn = await loop.create_connection(lambda: _Connection(self, base), sock=sock)
+            return conn
+        raise error or OSError(f"no address for {origin.host}")
 
     async def close(self) -> None:
         """Close the idle connections; a connection in use closes when its call ends."""
