@@ -857,7 +857,7 @@ async def _chunks(ex: Exchange, out: Outcome, up: Answer, resp: web.StreamRespon
                 observer.feed(chunk)
             data = chunk if splice is None else splice.feed(chunk)
         else:
-            data = splice.feed(chunk, observer)    # each event parsed once, for the splice and the log
+            data = splice.feed(chunk, observer)    # each read taken once, for the splice and the log
         if ex.ttfb is None:
             ex.ttfb = time.monotonic() - ex.t0
         if watch is not None:

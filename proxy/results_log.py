@@ -13,6 +13,7 @@ from datetime import datetime, timezone
 
 from . import logfile
 from .body import loads
+from .resume import json_string
 from .config import ResultsLogConfig
 
 log = logging.getLogger("proxy")
@@ -158,6 +159,22 @@ class ResponseObserver:
         _feed_sse takes it, without a second parse."""
         self._absorb(event, "delta")
 
+    def take_run(self, contents: list[bytes], usage, said: int) -> None:
+        """A run of SSE events the stream's splice read at once (resume.Splice._run: one choice each, its
+        content, no finish_reason, no error): their contents as the bodies of the engine's JSON strings,
+        said of them not empty, usage the last event's (None: none). Taken as _absorb takes them one by one:
+        the usage the last one's, the contents counted, decoded only while the snippet's prefix needs them."""
+        if isinstance(usage, dict):
+            self._usage(usage)
+        self._content_chunks += said
+        for body in contents:
+            if self._prefix_len >= PREFIX_CHARS:
+                break
+            if body:
+                content = json_string(body)
+                self._prefix.append(content)
+                self._prefix_len += len(content)
+
     def _parse_body(self) -> None:
         """Parse the kept body once: a completion when 200, else the backend's error text."""
         if self._parsed:
@@ -180,15 +197,7 @@ class ResponseObserver:
             self.error = json.dumps(event["error"], ensure_ascii=False)  # vLLM's mid-stream error
         usage = event.get("usage")
         if isinstance(usage, dict):
-            self.completion_tokens = usage.get("completion_tokens", self.completion_tokens)
-            tokens = usage.get("completion_tokens")
-            if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0:
-                self.reported_tokens = tokens
-            self.prompt_tokens = usage.get("prompt_tokens", self.prompt_tokens)
-            details = usage.get("prompt_tokens_details")
-            cached = details.get("cached_tokens") if isinstance(details, dict) else None
-            if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0:
-                self.cached_tokens = cached
+            self._usage(usage)
         choices = event.get("choices")
         if not isinstance(choices, list):
             return
@@ -208,6 +217,18 @@ class ResponseObserver:
             if content and self._prefix_len < PREFIX_CHARS:
                 self._prefix.append(content)
                 self._prefix_len += len(content)
+
+    def _usage(self, usage: dict) -> None:
+        """Take an answer's usage: its tokens (the engine's count), its prompt's, its cache hit."""
+        self.completion_tokens = usage.get("completion_tokens", self.completion_tokens)
+        tokens = usage.get("completion_tokens")
+        if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0:
+            self.reported_tokens = tokens
+        self.prompt_tokens = usage.get("prompt_tokens", self.prompt_tokens)
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0:
+            self.cached_tokens = cached
 
 
 class ResultsLog:

@@ -4,15 +4,16 @@ instance, in the same client stream (issue 38; NVIDIA Dynamo calls it request mi
 Three pure pieces, no I/O (proxy/forward.py does the sending): why a request cannot be continued
 honestly (`refusal`); the continuation request (`continuation`: vLLM's own `continue_final_message` for
 chat, the prompt plus the text so far for completions, the token budget reduced by what was sent); and
-the splicer (`Splice`), which reads the stream event by event as it passes, withholds an engine's error
-event, and makes the continuation's events look like the rest of the first answer: the first answer's
-`id`, `created` and `model` on every chunk, no second role chunk, one `[DONE]`, a usage chunk counting
-the whole answer.
+the splicer (`Splice`), which reads the stream as it passes (a read of the common shape at once, any other
+event by event), withholds an engine's error event, and makes the continuation's events look like the
+rest of the first answer: the first answer's `id`, `created` and `model` on every chunk, no second role
+chunk, one `[DONE]`, a usage chunk counting the whole answer.
 """
 from __future__ import annotations
 
 import copy
 import json
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -28,6 +29,22 @@ DONE = b"data: [DONE]\n\n"
 _EVENT = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))   # an event written anew: compact, UTF-8
 _USAGE = b'"usage"'
 _VALUE = json.JSONDecoder()
+
+# The common shape of a stream's events, read a whole read at a time (Splice._run) instead of event by event:
+# `data: {...}` on one line each, the first choice index 0 with its content as the engine's JSON string (its
+# body: one pattern per character, the alternatives disjoint, so a failed match costs one pass), usage
+# (when there) the event's last member, an object of counts. A raw `"` is never inside a JSON string (it is
+# escaped there), so a pattern that holds one matches the event's own keys, never its text.
+_STRING = rb'((?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*)'
+_CONTENT = {True: re.compile(rb'"choices":\[\{"index":0,"delta":\{"content":"' + _STRING + rb'"\}'),
+            False: re.compile(rb'"choices":\[\{"index":0,"text":"' + _STRING + rb'"')}
+_COUNT = rb'(?:-?(?:0|[1-9][0-9]*)|null)'
+_COUNTS = rb'\{(?:"[a-z_]+":' + _COUNT + rb'(?:,"[a-z_]+":' + _COUNT + rb')*)?\}'
+_USAGE_VALUE = rb'(?:"[a-z_]+":(?:' + _COUNT + rb'|' + _COUNTS + rb'))'
+# `,"usage":` and its value, when it is the event's last member: what without_usage cuts, found in one pass.
+_USAGE_MEMBER = re.compile(rb',"usage":(null|\{(?:' + _USAGE_VALUE + rb'(?:,' + _USAGE_VALUE + rb')*)?\})(?=\}\n\n)')
+_RUN_START = b"data: {"
+_NEXT_EVENT = b"\n\ndata: {"
 
 
 @dataclass(frozen=True)
@@ -93,6 +110,16 @@ def without_usage(raw: bytes) -> bytes | None:
     except ValueError:
         return None
     return b"data: " + payload[:at - 1] + b"}\n\n" if end == len(text) else None
+
+
+def json_string(body: bytes) -> str:
+    """The text of a JSON string whose body (between its quotes) is body, as the engine sent it."""
+    if b"\\" not in body:
+        return body.decode("utf-8", "replace")
+    try:
+        return json.loads(b'"' + body + b'"')
+    except ValueError:
+        return json.loads((b'"' + body + b'"').decode("utf-8", "replace"))
 
 
 def _text_prompt(prompt) -> bool:
@@ -182,7 +209,7 @@ class Splice:
         # client did not ask for, whether or not the stream stays resumable.
         self.strip = refused is None and not (include_usage and continuous)
         self.ids: dict | None = None      # id, created, model of the first answer's first event
-        self.text: list[str] = []
+        self._text: list[str | bytes] = []    # the text sent: str, or a read's JSON string bodies (Splice._run)
         self.tokens = 0                   # content events sent (one token each, as vLLM streams by default)
         self.reported: int | None = None  # completion_tokens of the last usage that went out (the engine's count)
         self.usage_out = False            # the closing usage chunk (no choices) went out
@@ -208,16 +235,50 @@ class Splice:
         event carries several tokens (vLLM's --stream-interval, speculative decoding)."""
         return self.tokens if self.reported is None else max(self.reported, self.tokens)
 
+    @property
+    def text(self) -> list[str]:
+        """The answer's text that reached the client, in pieces (what a continuation carries on from)."""
+        return [p if isinstance(p, str) else json_string(p) for p in self._text]
+
     def feed(self, chunk: bytes, observer=None) -> bytes:
         """The bytes of chunk to write to the client now: complete events only (the rest waits for the
         next chunk), a continuation's rewritten, an error event withheld (and what follows it). observer:
         the results log's (proxy.results_log.ResponseObserver), given every byte of chunk, each event
-        parsed once for both (the caller feeds it itself when this is not resumable)."""
+        parsed once for both (the caller feeds it itself when this is not resumable). The events of the
+        common shape are read a whole read at a time (_run); the rest one by one."""
         if not self.resumable and not self.strip:
             return self._passed(chunk)
         self.fed = True
-        events = (self._pending + chunk).split(b"\n\n")
-        self._pending = events.pop()
+        data = self._pending + chunk
+        end = data.rfind(b"\n\n") + 2
+        if end == 1:
+            self._pending = data
+            return b""
+        block, self._pending = data[:end], data[end:]
+        if self.ids is None and self.resumable and not self.hops:   # the first event: the ids, a role chunk
+            first, _, block = block.partition(b"\n\n")
+            out = self._events(first + b"\n\n", observer)
+        else:
+            out = []
+        if block:
+            out += self._read(block, observer)
+        if not self.resumable and not self.strip:    # it stopped being resumable (a tool call began): bytes pass as they come
+            if observer is not None:
+                observer.feed(self._pending)
+            out.append(self._pending)
+            self._pending = b""
+            self._passed(b"".join(out))
+        if out:
+            self.last_write = time.monotonic()
+            hop = self.hops[-1] if self.hops else None
+            if hop is not None and hop.gap_s is None:
+                hop.gap_s = self.last_write - hop.t_before
+        return b"".join(out)
+
+    def _events(self, block: bytes, observer=None) -> list[bytes]:
+        """The bytes for the client of block's events (each ends with a blank line), read one by one."""
+        events = block.split(b"\n\n")
+        events.pop()
         out = []
         for i, raw in enumerate(events):
             if self.error is not None or self.done:
@@ -232,18 +293,64 @@ class Splice:
                     observer.feed(passed)
             if passed is not None:
                 out.append(passed)
-        if not self.resumable and not self.strip:    # it stopped being resumable (a tool call began): bytes pass as they come
-            if observer is not None:
-                observer.feed(self._pending)
-            out.append(self._pending)
-            self._pending = b""
-            self._passed(b"".join(out))
-        if out:
-            self.last_write = time.monotonic()
-            hop = self.hops[-1] if self.hops else None
-            if hop is not None and hop.gap_s is None:
-                hop.gap_s = self.last_write - hop.t_before
-        return b"".join(out)
+        return out
+
+    def _read(self, block: bytes, observer=None) -> list[bytes]:
+        """The bytes for the client of block's events: read at once (_run) when they can be; else the
+        events before the first with a finish_reason at once and the rest (the answer's end: the finish,
+        the usage chunk, [DONE], often in one read with many before them) one by one; else one by one."""
+        run = self._run(block, observer)
+        if run is not None:
+            return [run]
+        finish = block.find(b'"finish_reason":"')
+        end = block.rfind(b"\n\n", 0, finish) + 2 if finish != -1 else 0
+        run = self._run(block[:end], observer) if end > 2 else None
+        if run is not None:
+            return [run, *self._events(block[end:], observer)]
+        return self._events(block, observer)
+
+    def _run(self, block: bytes, observer=None) -> bytes | None:
+        """block's events for the client, read at once, when every one is of the common shape (a first
+        answer's content events: one choice, index 0, a content and no finish_reason, no error, each on one
+        `data: ` line, usage its last member if any), as a C pass or two each (counts, two patterns) instead
+        of a parse and Python work per event: the unasked usage cut from the bytes (as without_usage cuts
+        it), the contents counted and kept as sent (decoded when a continuation or the results log needs
+        them), the last usage parsed. None: not that shape (block then goes event by event)."""
+        if self.hops or self.error is not None or self.done or self.ids is None or not self.resumable:
+            return None
+        n = block.count(_NEXT_EVENT) + 1
+        if not block.startswith(_RUN_START) or block.count(b"\n") != 2 * n or b'"error"' in block:
+            return None
+        if block.count(b'"index"') != n or block.count(b'"finish_reason":null') != n:
+            return None     # a second choice, a finish
+        if not self.chat and (b'"tool_calls"' in block or b'"reasoning' in block):
+            return None     # (a chat's delta of the shape holds its content alone)
+        contents = _CONTENT[self.chat].findall(block)
+        if len(contents) != n:
+            return None
+        usage = None
+        usages = block.count(_USAGE)
+        if usages:
+            last = _USAGE_MEMBER.match(block, block.rfind(b',"usage":'))
+            if last is None:
+                return None
+            if self.strip:
+                block, cut = _USAGE_MEMBER.subn(b"", block)
+                if cut != usages:
+                    return None
+            usage = _VALUE.scan_once(last.group(1).decode(), 0)[0]   # ASCII by its pattern: one C call
+            if isinstance(usage, dict):
+                if isinstance(usage.get("completion_tokens"), int):
+                    self.reported = usage["completion_tokens"]
+                if isinstance(usage.get("prompt_tokens"), int):
+                    self.prompt_tokens = usage["prompt_tokens"]
+        said = n - contents.count(b"")
+        self.tokens += said
+        if said:
+            self._text.append(b"".join(contents))
+        if observer is not None:
+            observer.take_run(contents, usage, said)
+        return block
 
     def _passed(self, data: bytes) -> bytes:
         """data, passed untouched (the stream is no longer read event by event), its end still noticed:
@@ -366,7 +473,7 @@ class Splice:
                 self.refused = "reasoning streamed apart (a reasoning parser): the raw text to continue is unknown"
             content = delta.get("content") if self.chat else delta.get("text")
             if isinstance(content, str) and content:
-                self.text.append(content)
+                self._text.append(content)
                 self.tokens += 1
             if choice.get("finish_reason"):
                 self.finished = True

@@ -314,3 +314,66 @@ def test_the_continuation_is_built_from_the_one_parse(monkeypatch):
     body = asyncio.run(forward._continuation_body(ex, proxy))
     assert image.encode() in body
     assert loads(body) == expected
+
+
+def test_the_events_of_a_read_read_at_once_are_what_they_are_one_by_one(monkeypatch):
+    """The common shape of a stream (a first answer's content events, usage on each) is read a whole read
+    at a time (Splice._run); anything else event by event. 1. Streams of every kind the proxy relays (chat
+    and completions; usage the proxy asked for, the client asked for, or none; written as the sim and as
+    vLLM write them; texts with escapes, non-ASCII, the text `"usage"` or `data: {`; an error event, a
+    second choice, a comment, a usage not last), cut into reads at random places: the bytes for the client,
+    the text and tokens a continuation starts from, the usage counted and the results log's summary are
+    those of the events read one by one. 2. The reads of the common shape were read at once."""
+    import random
+
+    from proxy.results_log import ResponseObserver
+
+    words = [" a", " b\\c", ' "q"', " \u00e9", " \u65e5\u672c", "\n", " usage", ' "usage"', " \U0001f600", " data: {",
+             "\t", ' "error"', "x" * 300]
+    odd = [b'data: {"error":{"message":"boom","code":500}}\n\n', b": ping\n\n",
+           b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"e"},"finish_reason":null}],"error":"x"}\n\n',
+           b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"y"},"finish_reason":null},'
+           b'{"index":1,"delta":{"content":"z"},"finish_reason":null}]}\n\n',
+           b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"z"},"finish_reason":null}],'
+           b'"usage":{"prompt_tokens":1},"x":1}\n\n']
+    rng = random.Random(7)
+
+    def stream(kind: str, include: bool, continuous: bool) -> bytes:
+        job = protocol.Job(kind=kind, model="m", prompt_tokens=9, images=0, max_tokens=40, stream=True,
+                           include_usage=include, thinking=False, seed=1, continuous_usage=continuous,
+                           details=True, cached_tokens=3)
+        n = rng.randint(1, 40)
+        events = [protocol.chunk(job, "c", 1, None, role=True)] if kind == "chat" else []
+        events += [protocol.chunk(job, "c", 1, rng.choice(words), "length" if i == n - 1 else None, tokens=i + 1)
+                   for i in range(n)]
+        events += [protocol.usage_chunk(job, "c", 1, n)] if include else []
+        if rng.random() < 0.5:
+            events = [compact(json.loads(e[len(b"data: "):])) for e in events]
+        if rng.random() < 0.2:
+            events.insert(rng.randrange(len(events)), rng.choice(odd))
+        return b"".join(events) + protocol.DONE
+
+    def relayed(reads, path, include, continuous) -> tuple:
+        s, seen = Splice(path, None, include, continuous), ResponseObserver(200, True)
+        return [(s.feed(r, seen), "".join(s.text), s.tokens, s.reported, s.prompt_tokens, s.refused, s.done,
+                 s.finished, s.usage_out, seen.reported_tokens, seen.cached_tokens, seen.summary()) for r in reads]
+
+    at_once = 0
+    run = Splice._run
+    for _ in range(200):
+        kind = rng.choice(["chat", "completion"])
+        include, continuous = rng.choice([(False, False), (True, False), (True, True)])
+        asked = rng.random() < 0.7      # by the proxy (counted_options): usage on every event
+        data = stream(kind, include or asked, continuous or asked)
+        cuts = sorted(rng.sample(range(1, len(data)), min(len(data) - 1, rng.randint(0, 25))))
+        reads = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)])]
+        path = CHAT if kind == "chat" else COMPLETIONS
+        monkeypatch.setattr(Splice, "_run", lambda self, block, observer=None: None)
+        one_by_one = relayed(reads, path, include, continuous)
+        monkeypatch.setattr(Splice, "_run", run)
+        counted = []
+        monkeypatch.setattr(Splice, "_run", lambda self, block, observer=None: counted.append(
+            run(self, block, observer)) or counted[-1])
+        assert relayed(reads, path, include, continuous) == one_by_one
+        at_once += sum(r is not None for r in counted)
+    assert at_once > 500
