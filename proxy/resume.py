@@ -35,7 +35,7 @@ _VALUE = json.JSONDecoder()
 # body: one pattern per character, the alternatives disjoint, so a failed match costs one pass), usage
 # (when there) the event's last member, an object of counts. A raw `"` is never inside a JSON string (it is
 # escaped there), so a pattern that holds one matches the event's own keys, never its text.
-_STRING = rb'((?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*)'
+_STRING = rb'([^"\\\x00-\x1f]*(?:\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4})[^"\\\x00-\x1f]*)*)'
 _CONTENT = {True: re.compile(rb'"choices":\[\{"index":0,"delta":\{"content":"' + _STRING + rb'"\}'),
             False: re.compile(rb'"choices":\[\{"index":0,"text":"' + _STRING + rb'"')}
 _COUNT = rb'(?:-?(?:0|[1-9][0-9]*)|null)'
