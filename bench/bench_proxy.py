@@ -182,7 +182,9 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-proxy-") as tmp:
         # max_num_seqs 256 (vLLM's default): slots enough that the proxy's queue never holds a request here.
         # `proxy` is least_conn, `proxy-prefix` the prefix policy (the default), to compare the two
-        stack = Stack(Path(tmp), args.backends, 256, ["--sim-instant"], served=("m", "m2") if mix else ("m",),
+        # The sims answer 1,000 tokens (their own length is 200): a stream is the 1,000 chunks it is counted as.
+        stack = Stack(Path(tmp), args.backends, 256, ["--sim-instant", "--sim-output-tokens", "1000"],
+                      served=("m", "m2") if mix else ("m",),
                       proxy_set=("proxy.routing.policy=least_conn",),
                       baseline=Path(args.baseline).resolve() if args.baseline else None)
         try:

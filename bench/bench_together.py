@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     body, connections = (SSE, 16) if args.stream else (CHAT, args.connections)
     what = "stream" if args.stream else "request"
     with tempfile.TemporaryDirectory(prefix="bench-together-") as tmp:
-        stack = Stack(Path(tmp), 4, 256, ["--sim-instant"], proxy_set=("proxy.routing.policy=least_conn",),
+        stack = Stack(Path(tmp), 4, 256, ["--sim-instant", "--sim-output-tokens", "1000"], proxy_set=("proxy.routing.policy=least_conn",),
                       baseline=Path(args.baseline).resolve())
         try:
             stack.start(list(FRONTS))

@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     roots = [("proxy", ROOT)] + ([("proxy-base", Path(args.baseline).resolve())] if args.baseline else [])
     body = SSE if args.stream else CHAT
     with tempfile.TemporaryDirectory(prefix="instructions-proxy-") as tmp:
-        stack = Stack(Path(tmp), 4, 256, ["--sim-instant"], proxy_set=("proxy.routing.policy=least_conn",))
+        stack = Stack(Path(tmp), 4, 256, ["--sim-instant", "--sim-output-tokens", "1000"], proxy_set=("proxy.routing.policy=least_conn",))
         procs: dict[str, subprocess.Popen] = {}
         try:
             stack.start(["direct"])

@@ -134,7 +134,7 @@ def main(argv=None) -> int:
     front = "proxy-base" if args.baseline else "proxy" if args.loop == "auto" else "proxy-asyncio"
     body, connections = (SSE, 16) if args.stream else (CHAT, args.connections)
     with tempfile.TemporaryDirectory(prefix="profile-proxy-") as tmp:
-        stack = Stack(Path(tmp), args.backends, 256, ["--sim-instant"],
+        stack = Stack(Path(tmp), args.backends, 256, ["--sim-instant", "--sim-output-tokens", "1000"],
                       proxy_set=(f"proxy.routing.policy={args.policy}",),
                       baseline=Path(args.baseline).resolve() if args.baseline else None)
         try:
