@@ -627,9 +627,9 @@ def test_the_prediction_keeps_a_conversation_home_where_the_balance_rule_would_m
     b.acquire(route=PrefixRoute(prompt_blocks(chat("y " * 300))), only=home.name)
     now[0] = 1.0                       # their prefills are done: the three decode there
     nxt = PrefixRoute(prompt_blocks(chat(SYSTEM, "The long story of a conversation. " * 30, "An answer of some length. " * 8, "More?")))
-    assert b.acquire(route=nxt) is home and nxt.decision == "prefix"
+    assert b.acquire(route=nxt) is home and nxt.decision == "prefix" and nxt.overruled == "balance"
     again = PrefixRoute(prompt_blocks(conv))
-    assert b.acquire(route=again) is not home and again.decision == "override"
+    assert b.acquire(route=again) is not home and again.decision == "override" and again.overruled is None
     unbounded = pool(n=2, slots=0)
     home = unbounded.acquire(route=PrefixRoute(prompt_blocks(conv)))
     for _ in range(2):
@@ -697,6 +697,7 @@ async def test_a_next_round_waits_for_its_full_holder_while_predicted_sooner_the
             assert not waiting.done() and b.queued == 1
             b.release(home)
             assert await asyncio.wait_for(waiting, 1) is home and nxt.decision == "shared"
+            assert nxt.overruled == "slot"        # the results log's word: it waited for its full holder
         b.policy.sent(PrefixRoute(prompt_blocks(chat(SYSTEM, "Another conversation. " * 8))), home)
         new = PrefixRoute(prompt_blocks(chat(SYSTEM, "A new conversation's own question. " * 8)))
         assert not home.free and b.hold(new) is None

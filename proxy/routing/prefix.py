@@ -153,6 +153,10 @@ class PrefixRoute:
     home_seen: bool = False
     sent: Sent | None = None                         # what the prediction knew when it was sent (ttft.Sent)
     placing: str | None = None                       # the backend a new conversation is held for (_hold_room)
+    overruled: str | None = None     # what the prediction overruled to keep it on its holder (the results
+                                     # log's `overruled`): "balance" (the balance rule passed it over:
+                                     # _elsewhere), "slot" (it waited for the full holder: _hold_holder;
+                                     # "slot expired": then its hold was up and it went elsewhere)
 
     @property
     def prompt_tokens(self) -> int:
@@ -423,6 +427,8 @@ class Prefix(Policy):
         token disagrees (_elsewhere)."""
         if route is None or not route.blocks:
             return least
+        if route.overruled == "balance":
+            route.overruled = None       # a retry's pick decides afresh
         matched = self._match(route)
         top: Backend | None = None
         top_run = 0
@@ -469,6 +475,14 @@ class Prefix(Policy):
         return self.predict.ttft_s(b.name, max(1, uncached), b.in_flight, b.free if free is None else free,
                                    self.clock())
 
+    def cost_s(self, route: PrefixRoute, b: Backend, matched: dict[str, int], free: bool | None = None) -> float:
+        """What sending the request to b costs in time: its predicted time to first token there (ttft_s)
+        and the prefill it adds there before whatever is sent next (vLLM prefills in the order requests
+        started: the requests after it wait behind its uncached part). A history prefilled cold on
+        another backend delays what comes after it there, besides itself."""
+        uncached = route.prompt_tokens - matched.get(b.name, 0) * BLOCK_TOKENS
+        return self.ttft_s(route, b, matched, free) + max(1, uncached) * self.predict.rates(b.name)[0]
+
     def _elsewhere(self, route: PrefixRoute, matched: dict[str, int], keep: Backend, least: Backend,
                    candidates: Sequence[Backend]) -> Backend | None:
         """Where a request goes instead of keep (its match's holder, or its home) when the balance rule
@@ -480,10 +494,11 @@ class Prefix(Policy):
         if not self._too_loaded(keep, least):
             return None
         others = [b for b in candidates if b is not keep and (b is least or not self._too_loaded(b, least))]
-        fast = min(others, key=lambda b: (self.ttft_s(route, b, matched), b.in_flight))
+        fast = min(others, key=lambda b: (self.cost_s(route, b, matched), b.in_flight))
         if (getattr(keep, "slots", 0) and all(getattr(b, "slots", 0) for b in candidates)
                 and matched.get(keep.name, 0) < len(route.blocks)
-                and self.ttft_s(route, keep, matched) <= self.ttft_s(route, fast, matched)):
+                and self.cost_s(route, keep, matched) <= self.cost_s(route, fast, matched)):
+            route.overruled = "balance"
             return None
         return fast
 
@@ -607,6 +622,10 @@ class Prefix(Policy):
         """Remember the prompt's blocks on backend, within what its engine keeps (its KV cache's size in
         tokens, when it publishes it: vllm:cache_config_info)."""
         if route is not None and route.blocks:
+            if route.overruled == "slot":
+                matched = self._match(route)
+                if matched.get(backend.name, 0) < max(matched.values(), default=0):
+                    route.overruled = "slot expired"     # it waited for its holder, then took another's slot
             cap = getattr(backend, "kv_tokens", None)
             cap = cap and max(1, cap // BLOCK_TOKENS)
             if cap != self.index.capacity(backend.name):
@@ -700,10 +719,11 @@ class Prefix(Policy):
                 or self.index.fan(route.blocks[run - 1]).get(holder.name, 0) > 1
                 or not all(getattr(b, "slots", 0) for b in backends if b.available)):
             return None
-        elsewhere = min(self.ttft_s(route, b, matched) for b in candidates)
-        if self.ttft_s(route, holder, matched) >= elsewhere:
+        elsewhere = min(self.cost_s(route, b, matched) for b in candidates)
+        if self.cost_s(route, holder, matched) >= elsewhere:
             return None
-        return Hold(holder, min(r.home_wait_s, elsewhere - self.ttft_s(route, holder, matched, free=True)))
+        route.overruled = "slot"
+        return Hold(holder, min(r.home_wait_s, elsewhere - self.cost_s(route, holder, matched, free=True)))
 
     def _overflow(self, route: PrefixRoute, home: Backend, backends: Sequence[Backend]) -> bool:
         """Whether every backend but home would hold more conversations than its cache with this one."""
