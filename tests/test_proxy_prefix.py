@@ -16,6 +16,7 @@ from proxy.balancer import Balancer
 from proxy.config import ConfigError, parse_config
 from proxy.routing import RoutingConfig
 from proxy.routing.prefix import BLOCK_BYTES, PrefixIndex, PrefixRoute, prompt_blocks
+from proxy.routing.ttft import Sent
 from proxy_helpers import start_proxy, start_sims
 
 SYSTEM = "You are a careful assistant. " * 40          # about 1,100 bytes: 17 blocks, about 280 tokens
@@ -672,7 +673,8 @@ def test_a_next_round_that_branches_off_its_last_stays_with_its_holder_while_pre
 @pytest.mark.unit
 async def test_a_next_round_waits_for_its_full_holder_while_predicted_sooner_there():
     """Mooncake's shape (its next round branches off its last prompt's tail, as above), the holder of its
-    history full (2 slots taken), the other backend free:
+    history full (2 slots taken), the other backend free. Before any answer measured the holder's decode
+    no slot's wait is predicted there: no hold. Then:
     1. the holder is predicted sooner (its new part against the whole history cold elsewhere): the round
        is held for it, at most home_wait_s; when a slot frees there it takes it (route `shared`);
     2. with a long prefill queued on the holder, the free backend is sooner: no hold;
@@ -686,7 +688,8 @@ async def test_a_next_round_waits_for_its_full_holder_while_predicted_sooner_the
         home = b.acquire(route=PrefixRoute(prompt_blocks(chat(SYSTEM, history + "What happened first? " * 8))))
         b.acquire(route=PrefixRoute(prompt_blocks(chat("x" * backlog))), only=home.name)
         now[0] = 0.5
-        assert not home.free
+        assert not home.free and b.hold(PrefixRoute(prompt_blocks(chat(SYSTEM, history + "And then, what did they do next? " * 8)))) is None
+        b.policy.predict.answered(home.name, Sent(1, 0), -1, 1.0, 51)   # its answers: 20 ms a token, 51 tokens
         nxt = PrefixRoute(prompt_blocks(chat(SYSTEM, history + "And what came of it, in the end, for them all? " * 8)))
         assert b.policy.index.branches(nxt.blocks, b.policy._match(nxt)[home.name])
         hold = b.hold(nxt)

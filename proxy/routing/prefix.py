@@ -53,6 +53,10 @@ COLD_DEFER = 0.3
 # request; an absolute 0.1 s piled 4 times as many hot-spot requests on one backend as on another).
 TIE_TOKENS = 2048
 TIE_SHARE = 0.1
+# A request waits for its full holder at most this many times the predicted wait for a slot there: a slot
+# that takes longer than predicted says the prediction was wrong, and a hold that runs out costs its wait
+# and the cold prefill elsewhere both (with 2, bench_routing's groups lost 0.15 s of TTFT p99 to it).
+SLOT_WAITS = 1
 # The weight of a new answer's length in the moving average of answers' tokens (Prefix.learned).
 ANSWER_AVERAGE = 0.1
 
@@ -707,9 +711,11 @@ class Prefix(Policy):
         pick's _spread), on a holder that holds more of it than every other backend (_beyond) and has no
         slot free while others have: it waits for the holder when its predicted time to first token
         there, a slot's wait and the cached prefix counted, is sooner than on every free backend, where
-        it would prefill its history again. At most home_wait_s and at most the prediction's margin: the
-        free backends' soonest time less the holder's without the slot's wait (waiting longer than that
-        costs more than going cold). Every backend's slots bounded (as _elsewhere), at least
+        it would prefill its history again (cost_s: its time to first token and the prefill it adds). At
+        most home_wait_s, at most the prediction's margin (the free backends' least cost less the
+        holder's without the slot's wait: waiting longer costs more than going cold), and at most
+        SLOT_WAITS times the predicted wait for the slot (none predicted, before any answer measured the
+        holder's decode: no hold). Every backend's slots bounded (as _elsewhere), at least
         min_match_tokens and min_match_ratio of the prompt held, and one prompt at most gone on from
         where the match ends (its own last round: a system prompt several conversations opened with is
         no history, and spreads)."""
@@ -720,10 +726,11 @@ class Prefix(Policy):
                 or not all(getattr(b, "slots", 0) for b in backends if b.available)):
             return None
         elsewhere = min(self.cost_s(route, b, matched) for b in candidates)
-        if self.cost_s(route, holder, matched) >= elsewhere:
+        there, at_once = self.cost_s(route, holder, matched), self.cost_s(route, holder, matched, free=True)
+        if there >= elsewhere or there <= at_once:
             return None
         route.overruled = "slot"
-        return Hold(holder, min(r.home_wait_s, elsewhere - self.cost_s(route, holder, matched, free=True)))
+        return Hold(holder, min(r.home_wait_s, elsewhere - at_once, SLOT_WAITS * (there - at_once)))
 
     def _overflow(self, route: PrefixRoute, home: Backend, backends: Sequence[Backend]) -> bool:
         """Whether every backend but home would hold more conversations than its cache with this one."""
