@@ -471,7 +471,8 @@ def test_the_routers_prediction_agrees_with_what_the_engines_had_cached(procs, t
     2. 12 conversations of 4 rounds in lockstep (every conversation's round n before any round n+1), each
        opening with its own ~1,200-token document: the engines evict, so much of what the router sent
        is gone by the next round.
-    3. Every results-log line carries the engine's cached_tokens beside the router's match_tokens, and
+    3. Every results-log line carries the engine's cached_tokens beside the router's match_tokens (and
+       what the prediction overruled, if anything), and
        the sum of |match_tokens - cached_tokens| is within 5% of the prompt tokens.
     4. The engines found at least a quarter of the prompt tokens cached (each conversation kept home,
        the hits of a round served first).
@@ -498,6 +499,7 @@ def test_the_routers_prediction_agrees_with_what_the_engines_had_cached(procs, t
         return len(lines) >= 48 and lines
     lines = wait_until(logged, what="48 results-log lines")
     assert all(isinstance(e["cached_tokens"], int) for e in lines), lines
+    assert all(e["overruled"] in (None, "balance", "slot", "slot expired") for e in lines)   # the field is there
     error = sum(abs(e["match_tokens"] - e["cached_tokens"]) for e in lines)
     prompt = sum(e["prompt_tokens"] for e in lines)
     cached = sum(e["cached_tokens"] for e in lines)
