@@ -149,7 +149,8 @@ def oracle_hits(reqs: list[Request], capacity_tokens: int) -> list[int]:
 
 def losses(reqs: list[Request], recs: list[dict], log: list[dict], capacity_tokens: int) -> dict:
     """Where the oracle's hits went, for a proxy front: per route decision, the prompt tokens the oracle
-    found cached that the engine did not (each request's shortfall, none below 0); of the `prefix` ones,
+    found cached that the engine did not (each request's shortfall, none below 0), and per `overruled`
+    (what the prediction overruled to keep it on its holder: it missed all the same); of the `prefix` ones,
     the part the proxy predicted and the engine had evicted (eviction the index did not see); and of all,
     the part another backend held (`sent from its holder`) and the part no backend held any more, only the
     oracle's one pooled cache (`in no engine`), by held(); as shares of all prompt tokens."""
@@ -166,6 +167,8 @@ def losses(reqs: list[Request], recs: list[dict], log: list[dict], capacity_toke
             continue
         missed = max(0, o - e["cached_tokens"])
         add(e.get("route", "?"), missed)
+        if e.get("overruled"):
+            add(f"overruled {e['overruled']}", missed)
         if e.get("route") == "prefix":
             add("unseen eviction", max(0, e["match_tokens"] - e["cached_tokens"]))
         add("sent from its holder", min(missed, best - mine))

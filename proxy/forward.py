@@ -1034,6 +1034,7 @@ def _log_attempt(ex: Exchange, proxy, backend: str | None, out: Outcome, final: 
     if ex.route is not None:
         entry["route"] = ex.route.decision
         entry["match_tokens"] = ex.route.matched_tokens
+        entry["overruled"] = ex.route.overruled
         entry["cached_tokens"] = out.observer.engine_cache()[0] if out.observer else None
     if ex.tenant is not None:
         entry["tenant"] = ex.tenant.name

@@ -16,6 +16,7 @@ from proxy.balancer import Balancer
 from proxy.config import ConfigError, parse_config
 from proxy.routing import RoutingConfig
 from proxy.routing.prefix import BLOCK_BYTES, PrefixIndex, PrefixRoute, prompt_blocks
+from proxy.routing.ttft import Sent
 from proxy_helpers import start_proxy, start_sims
 
 SYSTEM = "You are a careful assistant. " * 40          # about 1,100 bytes: 17 blocks, about 280 tokens
@@ -470,7 +471,8 @@ def test_the_routers_prediction_agrees_with_what_the_engines_had_cached(procs, t
     2. 12 conversations of 4 rounds in lockstep (every conversation's round n before any round n+1), each
        opening with its own ~1,200-token document: the engines evict, so much of what the router sent
        is gone by the next round.
-    3. Every results-log line carries the engine's cached_tokens beside the router's match_tokens, and
+    3. Every results-log line carries the engine's cached_tokens beside the router's match_tokens (and
+       what the prediction overruled, if anything), and
        the sum of |match_tokens - cached_tokens| is within 5% of the prompt tokens.
     4. The engines found at least a quarter of the prompt tokens cached (each conversation kept home,
        the hits of a round served first).
@@ -497,6 +499,7 @@ def test_the_routers_prediction_agrees_with_what_the_engines_had_cached(procs, t
         return len(lines) >= 48 and lines
     lines = wait_until(logged, what="48 results-log lines")
     assert all(isinstance(e["cached_tokens"], int) for e in lines), lines
+    assert all(e["overruled"] in (None, "balance", "slot", "slot expired") for e in lines)   # the field is there
     error = sum(abs(e["match_tokens"] - e["cached_tokens"]) for e in lines)
     prompt = sum(e["prompt_tokens"] for e in lines)
     cached = sum(e["cached_tokens"] for e in lines)
@@ -627,9 +630,9 @@ def test_the_prediction_keeps_a_conversation_home_where_the_balance_rule_would_m
     b.acquire(route=PrefixRoute(prompt_blocks(chat("y " * 300))), only=home.name)
     now[0] = 1.0                       # their prefills are done: the three decode there
     nxt = PrefixRoute(prompt_blocks(chat(SYSTEM, "The long story of a conversation. " * 30, "An answer of some length. " * 8, "More?")))
-    assert b.acquire(route=nxt) is home and nxt.decision == "prefix"
+    assert b.acquire(route=nxt) is home and nxt.decision == "prefix" and nxt.overruled == "balance"
     again = PrefixRoute(prompt_blocks(conv))
-    assert b.acquire(route=again) is not home and again.decision == "override"
+    assert b.acquire(route=again) is not home and again.decision == "override" and again.overruled is None
     unbounded = pool(n=2, slots=0)
     home = unbounded.acquire(route=PrefixRoute(prompt_blocks(conv)))
     for _ in range(2):
@@ -670,10 +673,66 @@ def test_a_next_round_that_branches_off_its_last_stays_with_its_holder_while_pre
 
 
 @pytest.mark.unit
+async def test_a_next_round_waits_for_its_full_holder_while_predicted_sooner_there():
+    """Mooncake's shape (its next round branches off its last prompt's tail, as above), the holder of its
+    history full (2 slots taken), the other backend free. Before any answer measured the holder's decode
+    no slot's wait is predicted there: no hold. Then:
+    1. the holder is predicted sooner (its new part against the whole history cold elsewhere): the round
+       is held for it, at most home_wait_s; when a slot frees there it takes it (route `shared`);
+    2. with a long prefill queued on the holder, the free backend is sooner: no hold;
+    3. a new conversation that shares only the system prompt with two others there is no history: no
+       hold (the prompt it branches off went on twice there)."""
+    history = "The long story of a conversation, told at length. " * 120     # about 1,500 tokens
+    for backlog, held in ((300, True), (60_000, False)):
+        b = pool(n=2, slots=2, home_wait_s=5)
+        now = [0.0]
+        b.policy.clock = lambda: now[0]
+        home = b.acquire(route=PrefixRoute(prompt_blocks(chat(SYSTEM, history + "What happened first? " * 8))))
+        b.acquire(route=PrefixRoute(prompt_blocks(chat("x" * backlog))), only=home.name)
+        now[0] = 0.5
+        assert not home.free and b.hold(PrefixRoute(prompt_blocks(chat(SYSTEM, history + "And then, what did they do next? " * 8)))) is None
+        b.policy.predict.answered(home.name, Sent(1, 0), -1, 1.0, 51)   # its answers: 20 ms a token, 51 tokens
+        nxt = PrefixRoute(prompt_blocks(chat(SYSTEM, history + "And what came of it, in the end, for them all? " * 8)))
+        assert b.policy.index.branches(nxt.blocks, b.policy._match(nxt)[home.name])
+        hold = b.hold(nxt)
+        assert (hold is not None and hold.backend is home and 0 < hold.seconds <= 5) is held
+        if held:
+            waiting = asyncio.ensure_future(b.wait_for_slot(10, nxt, hold=hold))
+            await asyncio.sleep(0)
+            assert not waiting.done() and b.queued == 1
+            b.release(home)
+            assert await asyncio.wait_for(waiting, 1) is home and nxt.decision == "shared"
+            assert nxt.overruled == "slot"        # the results log's word: it waited for its full holder
+        b.policy.sent(PrefixRoute(prompt_blocks(chat(SYSTEM, "Another conversation. " * 8))), home)
+        new = PrefixRoute(prompt_blocks(chat(SYSTEM, "A new conversation's own question. " * 8)))
+        assert not home.free and b.hold(new) is None
+
+
+@pytest.mark.unit
+def test_a_backlog_ties_by_its_tokens_whatever_the_engines_speed():
+    """The spread's tie is a token budget (TIE_TOKENS, about one engine step's), not seconds: a backend
+    with 1,000 tokens of prefill queued ties with an idle one (load decides: it runs fewer), one with
+    6,000 queued is passed over for the idle one, on slow engines (500 ms per 1,000 tokens: 0.5 s of
+    backlog ties) and on fast ones (60 ms: 0.36 s is passed over) alike."""
+    for prefill_ms in (500, 60):
+        for queued, where in ((1_000, "b0:1"), (6_000, "b1:1")):
+            b = pool(n=2, slots=8, prefill_ms=prefill_ms)
+            now = [-100.0]
+            b.policy.clock = lambda: now[0]
+            b.acquire(route=PrefixRoute(prompt_blocks(chat(SYSTEM, "Question 0? " * 8))), only="b0:1")
+            for q in "123":
+                b.acquire(route=PrefixRoute(prompt_blocks(chat(SYSTEM, f"Question {q}? " * 8))), only="b1:1")
+            now[0] = 0.0       # their prefills are done; b0 gets a prompt of `queued` tokens now
+            b.acquire(route=PrefixRoute(prompt_blocks(chat("x" * (4 * queued)))), only="b0:1")
+            new = PrefixRoute(prompt_blocks(chat(SYSTEM, "A new conversation's own question. " * 8)))
+            assert b.acquire(route=new).name == where and new.decision == "shared", (prefill_ms, queued)
+
+
+@pytest.mark.unit
 def test_a_new_conversation_is_not_put_behind_a_long_prefill_for_being_less_loaded():
     """Both backends hold the shared system prompt; b0 runs one request whose long prompt is still being
     prefilled (a second of it left), b1 two whose prefills are done. A new conversation branching off the
-    system prompt is predicted to start a second later on b0 than on b1, past the tie (TIE_S): it goes to
+    system prompt is predicted to start a second later on b0 than on b1, past the tie (TIE_TOKENS): it goes to
     b1, though b0 runs fewer. Without bounded slots load alone decides (b0)."""
     for slots, where in ((8, "b1:1"), (0, "b0:1")):
         b = pool(n=2, slots=slots)

@@ -49,6 +49,7 @@ class Route(Protocol):
     decision: str          # the results log's `route`, the metrics' decision label
     matched_tokens: int    # prompt tokens the chosen backend likely holds already
     prompt_tokens: int     # the prompt's tokens, as the policy reckons them
+    overruled: str | None  # what a prediction overruled to decide it (the results log's `overruled`), or None
 
 
 class Backend(Protocol):

@@ -44,11 +44,19 @@ SPREAD_TOKENS = 1000
 # this share of its own prefill late, so that the requests arriving with it that still find their blocks
 # there start first (an LRU cache served in the order its conversations last came keeps none of them).
 COLD_DEFER = 0.3
-# Predicted times to first token this close to the soonest's (seconds, or a share of it) tie, and load
-# decides among them: the prediction's error on a trace replay was about 0.15 s (its median), and equal
-# engines' fitted rates differ by noise (a backend fitted faster must not draw every request).
-TIE_S = 0.25
-TIE_SHARE = 0.2
+# Predicted times to first token this close to the soonest's tie, and load decides among them: within the
+# prefill of TIE_TOKENS at the backends' measured rate (about one engine step's token budget, vLLM's
+# max_num_batched_tokens default: a wait shorter than a step is noise) or TIE_SHARE of the soonest's time.
+# Counted in tokens, not seconds, the tie scales with the engines' speed: tight where prefill is fast (0.12 s
+# on the trace replay's sims), loose where one queued prompt is half a second of wait (bench_routing's), so
+# equal engines are not told apart by the noise of their fits (a backend fitted faster must not draw every
+# request; an absolute 0.1 s piled 4 times as many hot-spot requests on one backend as on another).
+TIE_TOKENS = 2048
+TIE_SHARE = 0.1
+# A request waits for its full holder at most this many times the predicted wait for a slot there: a slot
+# that takes longer than predicted says the prediction was wrong, and a hold that runs out costs its wait
+# and the cold prefill elsewhere both (with 2, bench_routing's groups lost 0.15 s of TTFT p99 to it).
+SLOT_WAITS = 1
 # The weight of a new answer's length in the moving average of answers' tokens (Prefix.learned).
 ANSWER_AVERAGE = 0.1
 
@@ -149,6 +157,10 @@ class PrefixRoute:
     home_seen: bool = False
     sent: Sent | None = None                         # what the prediction knew when it was sent (ttft.Sent)
     placing: str | None = None                       # the backend a new conversation is held for (_hold_room)
+    overruled: str | None = None     # what the prediction overruled to keep it on its holder (the results
+                                     # log's `overruled`): "balance" (the balance rule passed it over:
+                                     # _elsewhere), "slot" (it waited for the full holder: _hold_holder;
+                                     # "slot expired": then its hold was up and it went elsewhere)
 
     @property
     def prompt_tokens(self) -> int:
@@ -419,6 +431,8 @@ class Prefix(Policy):
         token disagrees (_elsewhere)."""
         if route is None or not route.blocks:
             return least
+        if route.overruled == "balance":
+            route.overruled = None       # a retry's pick decides afresh
         matched = self._match(route)
         top: Backend | None = None
         top_run = 0
@@ -456,11 +470,22 @@ class Prefix(Policy):
         r = self.config
         return b.in_flight - least.in_flight > r.balance_abs and b.in_flight > r.balance_rel * least.in_flight
 
-    def ttft_s(self, route: PrefixRoute, b: Backend, matched: dict[str, int] | None) -> float:
+    def ttft_s(self, route: PrefixRoute, b: Backend, matched: dict[str, int] | None,
+               free: bool | None = None) -> float:
         """The request's predicted time to first token on b (proxy/routing/ttft.py has the formula): the
-        prompt less what b holds of it (matched None: all of it), behind b's backlog and what runs there."""
+        prompt less what b holds of it (matched None: all of it), behind b's backlog and what runs there
+        (free: whether it starts at once, without a slot's wait; None: as b is now)."""
         uncached = route.prompt_tokens - (matched.get(b.name, 0) * BLOCK_TOKENS if matched else 0)
-        return self.predict.ttft_s(b.name, max(1, uncached), b.in_flight, b.free, self.clock())
+        return self.predict.ttft_s(b.name, max(1, uncached), b.in_flight, b.free if free is None else free,
+                                   self.clock())
+
+    def cost_s(self, route: PrefixRoute, b: Backend, matched: dict[str, int], free: bool | None = None) -> float:
+        """What sending the request to b costs in time: its predicted time to first token there (ttft_s)
+        and the prefill it adds there before whatever is sent next (vLLM prefills in the order requests
+        started: the requests after it wait behind its uncached part). A history prefilled cold on
+        another backend delays what comes after it there, besides itself."""
+        uncached = route.prompt_tokens - matched.get(b.name, 0) * BLOCK_TOKENS
+        return self.ttft_s(route, b, matched, free) + max(1, uncached) * self.predict.rates(b.name)[0]
 
     def _elsewhere(self, route: PrefixRoute, matched: dict[str, int], keep: Backend, least: Backend,
                    candidates: Sequence[Backend]) -> Backend | None:
@@ -473,10 +498,11 @@ class Prefix(Policy):
         if not self._too_loaded(keep, least):
             return None
         others = [b for b in candidates if b is not keep and (b is least or not self._too_loaded(b, least))]
-        fast = min(others, key=lambda b: (self.ttft_s(route, b, matched), b.in_flight))
+        fast = min(others, key=lambda b: (self.cost_s(route, b, matched), b.in_flight))
         if (getattr(keep, "slots", 0) and all(getattr(b, "slots", 0) for b in candidates)
                 and matched.get(keep.name, 0) < len(route.blocks)
-                and self.ttft_s(route, keep, matched) <= self.ttft_s(route, fast, matched)):
+                and self.cost_s(route, keep, matched) <= self.cost_s(route, fast, matched)):
+            route.overruled = "balance"
             return None
         return fast
 
@@ -563,8 +589,8 @@ class Prefix(Policy):
 
     def _soonest(self, route: PrefixRoute, candidates: Sequence[Backend]) -> list[Backend]:
         """The candidates where the request would wait least before its own prefill: its predicted time
-        to first token there (ttft_s) as if none of its prompt were cached anywhere, within TIE_S, or
-        TIE_SHARE of the soonest's, of the soonest's. The others have a long prefill queued ahead (vLLM
+        to first token there (ttft_s) as if none of its prompt were cached anywhere, within the prefill
+        of TIE_TOKENS at their mean measured rate, or TIE_SHARE of the soonest's, of the soonest's. The others have a long prefill queued ahead (vLLM
         prefills in the order requests started) or more running. A shared prefix's holders are not
         preferred for holding it (that would pin a hot system prompt to one backend); a conversation's
         holder is (_beyond). Where some backend's slots are unbounded, all of them."""
@@ -572,7 +598,8 @@ class Prefix(Policy):
             return list(candidates)
         t = [self.ttft_s(route, b, None) for b in candidates]
         first = min(t)
-        late = first + max(TIE_S, TIE_SHARE * first)
+        prefill_s = sum(self.predict.rates(b.name)[0] for b in candidates) / len(candidates)
+        late = first + max(TIE_TOKENS * prefill_s, TIE_SHARE * first)
         return [b for b, s in zip(candidates, t) if s <= late]
 
     def _beyond(self, matched: dict[str, int], holder: Backend, run: int) -> bool:
@@ -599,6 +626,10 @@ class Prefix(Policy):
         """Remember the prompt's blocks on backend, within what its engine keeps (its KV cache's size in
         tokens, when it publishes it: vllm:cache_config_info)."""
         if route is not None and route.blocks:
+            if route.overruled == "slot":
+                matched = self._match(route)
+                if matched.get(backend.name, 0) < max(matched.values(), default=0):
+                    route.overruled = "slot expired"     # it waited for its holder, then took another's slot
             cap = getattr(backend, "kv_tokens", None)
             cap = cap and max(1, cap // BLOCK_TOKENS)
             if cap != self.index.capacity(backend.name):
@@ -651,7 +682,8 @@ class Prefix(Policy):
         home, a match that would win a pick) has no free slot, while another has, the request waits for
         a slot there at most routing.home_wait_s, and at most the prefill the match saves over the best
         free backend's at the measured rate (ttft.py): waiting longer than going cold would cost is
-        never worth it. A conversation the index forgot waits for its home (_hold_home). A request that
+        never worth it. A next round whose match ends at a branch waits for its holder while predicted
+        sooner there (_hold_holder); one the index forgot waits for its home (_hold_home). A request that
         queues anyway (no slot free: candidates empty) waits for home only where the caches overflow
         (_overflow): otherwise the first slot freed anywhere is its. Home with a slot free: _defer."""
         r = self.config
@@ -664,13 +696,41 @@ class Prefix(Policy):
             if n > run and b.available:
                 home, run = b, n
         if home is None or run < r.min_match_ratio * len(route.blocks) or self.index.branches(route.blocks, run):
-            return self._hold_home(route, matched, candidates, backends) or self._hold_room(route, candidates, backends)
+            return (self._hold_holder(route, matched, home, run, candidates, backends)
+                    or self._hold_home(route, matched, candidates, backends) or self._hold_room(route, candidates, backends))
         if home.free:
             return self._defer(route, home, run)
         saved = (run - max((matched.get(b.name, 0) for b in candidates), default=0)) * BLOCK_TOKENS
         if saved < max(r.min_match_tokens, 1) or (not candidates and not self._overflow(route, home, backends)):
             return None
         return Hold(home, min(r.home_wait_s, saved * self.predict.rates(home.name)[0]))
+
+    def _hold_holder(self, route: PrefixRoute, matched: dict[str, int], holder: Backend | None, run: int,
+                     candidates: Sequence[Backend], backends: Sequence[Backend]) -> Hold | None:
+        """A conversation's next round whose match ends where its own last prompt went on (a branch: the
+        pick's _spread), on a holder that holds more of it than every other backend (_beyond) and has no
+        slot free while others have: it waits for the holder when its predicted time to first token
+        there, a slot's wait and the cached prefix counted, is sooner than on every free backend, where
+        it would prefill its history again (cost_s: its time to first token and the prefill it adds). At
+        most home_wait_s, at most the prediction's margin (the free backends' least cost less the
+        holder's without the slot's wait: waiting longer costs more than going cold), and at most
+        SLOT_WAITS times the predicted wait for the slot (none predicted, before any answer measured the
+        holder's decode: no hold). Every backend's slots bounded (as _elsewhere), at least
+        min_match_tokens and min_match_ratio of the prompt held, and one prompt at most gone on from
+        where the match ends (its own last round: a system prompt several conversations opened with is
+        no history, and spreads)."""
+        r = self.config
+        if (holder is None or holder.free or not candidates or not self._beyond(matched, holder, run)
+                or run * BLOCK_TOKENS < max(r.min_match_tokens, 1) or run < r.min_match_ratio * len(route.blocks)
+                or self.index.fan(route.blocks[run - 1]).get(holder.name, 0) > 1
+                or not all(getattr(b, "slots", 0) for b in backends if b.available)):
+            return None
+        elsewhere = min(self.cost_s(route, b, matched) for b in candidates)
+        there, at_once = self.cost_s(route, holder, matched), self.cost_s(route, holder, matched, free=True)
+        if there >= elsewhere or there <= at_once:
+            return None
+        route.overruled = "slot"
+        return Hold(holder, min(r.home_wait_s, elsewhere - at_once, SLOT_WAITS * (there - at_once)))
 
     def _overflow(self, route: PrefixRoute, home: Backend, backends: Sequence[Backend]) -> bool:
         """Whether every backend but home would hold more conversations than its cache with this one."""
