@@ -163,7 +163,7 @@ class Lending:
         self._soon: dict[int, asyncio.TimerHandle] = {}   # id(pool) -> its next WANT, a new waiter's
         self._renew: dict[int, asyncio.TimerHandle] = {}  # id(pool) -> its WANT again, while it has waiters
         self.router = None                        # the worker's proxy.models.Router, once it is made
-        self.taught: dict[str, tuple[object, int]] = {}   # pool -> (its policy, the last decision sent)
+        self.taught: dict[str, int] = {}          # pool -> the last of its decisions sent (their numbers only grow)
         self.learned = 0                          # the other workers' prefix decisions adopted here
         self._teaching: asyncio.TimerHandle | None = None   # the next _teach by the clock
         self._teach_soon = False                  # a _teach is due at the loop's next turn
@@ -199,13 +199,10 @@ class Lending:
                 if not pool.shares_routing:
                     continue
                 pool.keep_feed()      # a policy made anew by a reload starts its feed here
-                policy, seq = self.taught.get(name, (None, 0))
-                if policy is not pool.policy:
-                    seq = 0
-                got = pool.decisions_since(seq, FEED_LIMIT)
+                got = pool.decisions_since(self.taught.get(name, 0), FEED_LIMIT)
                 if not got:
                     continue
-                self.taught[name] = (pool.policy, got[-1][0])
+                self.taught[name] = got[-1][0]
                 for message in lessons(name, [(backend, blocks) for _, backend, blocks in got]):
                     for w in range(self.count):
                         if w != self.me:
