@@ -40,8 +40,9 @@ CLIENT_CLOSED = 499              # nginx's status for "the client went away firs
 RETRY_AFTER_FULL_S = 1           # a full queue empties by a slot at a time: come back soon
 RETRY_AFTER_TIMEOUT_S = 5        # a request waited its whole queue.timeout_s: the fleet is overloaded
 NO_BACKEND = "none"              # the metrics label of answers no backend saw (401, 413, 503)
-# The client's own is replaced by the attempt's (tracestate passes through); host and length are the proxy's.
-NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", "traceparent"}
+# The client's own are replaced by the attempt's (tracestate passes through; the request id is the client's
+# when it sent one, whatever its spelling); host and length are the proxy's.
+NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", "traceparent", "x-request-id"}
 TRACE_ID = "otel_trace_id"      # the request's key of its W3C trace id (the X-Trace-Id header, app.py)
 TOKEN_BYTES = 4                  # a prompt not yet read is reckoned at its body's length over this
 WATCH_S = 1.0                    # a resumable stream's quiet upstream is looked at this often (stall, taken out)
@@ -767,8 +768,9 @@ def _headers_for(ex: Exchange, proxy, out: Outcome) -> dict:
     headers = upstream_headers(ex.request.headers)
     headers["X-Request-Id"] = ex.request_id
     headers["traceparent"] = f"00-{ex.otel_trace}-{out.span_id}-{ex.flags}"
-    if proxy.api_keys is not None:
-        headers.pop("Authorization", None)
+    if proxy.api_keys is not None:    # the client's key stays with the proxy, however it spelled the header
+        for name in [n for n in headers if n.lower() == "authorization"]:
+            del headers[name]
     return headers
 
 

@@ -223,6 +223,8 @@ class Call:
             return
         conn.answer = None
         if answer is not None and answer.reusable and exc_info[0] is None and not conn.lost:
+            if answer._paused:      # read whole but left unread: the next answer must be read
+                conn.transport.resume_reading()
             self.upstream._keep(self.base, conn, asyncio.get_running_loop().time())
         else:
             conn.close()
@@ -262,6 +264,8 @@ class _Connection(asyncio.Protocol):
     def eof_received(self) -> bool:
         if self.answer is not None:
             self.answer.feed_eof()
+        else:
+            self.lost = True        # an idle connection the backend closed: not to be taken
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -292,7 +296,7 @@ class Answer:
     """A backend's answer: status, headers, content_length, and its body as it comes (`content.iter_any()`,
     `read()`); `content.set_exception` ends a read under way with that exception (the stall watch)."""
 
-    __slots__ = ("conn", "status", "reason", "headers", "content_length", "content", "_keep",
+    __slots__ = ("conn", "status", "reason", "headers", "content_length", "_keep",
                  "_head_only", "_loop", "_head", "_headed", "_mode", "_left", "_chunk", "_raw",
                  "_chunks", "_size", "_eof", "_exc", "_waiter", "_paused")
 
@@ -302,7 +306,6 @@ class Answer:
         self.reason = ""
         self.headers: CIMultiDictProxy | None = None
         self.content_length: int | None = None
-        self.content = self
         self._keep = False            # the backend keeps the connection open after this answer
         self._head = b""
         self._headed: asyncio.Future | None = None
@@ -316,6 +319,11 @@ class Answer:
         self._exc: BaseException | None = None
         self._waiter: asyncio.Future | None = None
         self._paused = False
+
+    @property
+    def content(self) -> Answer:
+        """The body's reader (aiohttp's `response.content`): the answer itself, without a reference to itself."""
+        return self
 
     @property
     def reusable(self) -> bool:
@@ -336,7 +344,8 @@ class Answer:
             raise self._exc
 
     def _fail_head(self, exc: BaseException) -> None:
-        self._exc = exc
+        if self._exc is None:
+            self._exc = exc
         if self._headed is not None and not self._headed.done():
             self._headed.set_result(None)
         self.conn.close()
@@ -559,7 +568,8 @@ class Answer:
         if self.headers is None:
             self._fail_head(exc)
             return
-        self._exc = exc
+        if self._exc is None:     # the first says why (the stall watch's, not the close that followed it)
+            self._exc = exc
         self._wake()
 
     def _wake(self) -> None:

@@ -60,7 +60,8 @@ SINCE_SENT = 32        # a WANT tells when its pool's first this many waiters be
 RENEW_S = 0.02         # while a pool has waiters, its WANT goes out again this often (its queue's length now)
 ASK_TIMEOUT_S = 5.0    # one worker's admin answer to worker 0's fan-out
 TEACH_S = 0.5          # and at least this often (a policy made anew by a reload starts its feed)
-TEACH_BLOCKS = 1500    # block hashes in one message (~20 bytes each in JSON: well within one datagram read)
+TEACH_BLOCKS = 1500    # block hashes of one prompt in a message (~20 bytes each in JSON)
+TEACH_BYTES = 60000    # a message's length at most: a worker reads 65,536 bytes of a datagram
 STATE_GAUGES = frozenset({"proxy_backend_healthy", "proxy_backend_drained", "proxy_backend_slots",
                           "proxy_backend_model", "proxy_tenant_weight", "proxy_event_loop_lag_worst_seconds"})
 
@@ -338,18 +339,20 @@ class Lending:
 
 
 def lessons(pool: str, decisions: list[tuple[str, list[int]]]) -> list[str]:
-    """LEARN messages of a pool's decisions ([backend, blocks]), at most TEACH_BLOCKS block hashes each (a
-    longer prompt's first TEACH_BLOCKS: its prefix, what a next round would match)."""
-    out, batch, size = [], [], 0
+    """LEARN messages of a pool's decisions ([backend, blocks]), each at most TEACH_BYTES long (what a worker
+    reads of a datagram at once) and TEACH_BLOCKS block hashes (a longer prompt's first ones: its prefix,
+    what a next round would match)."""
+    head = '{"t":"learn","pool":%s,"d":[' % json.dumps(pool)
+    out, batch, size = [], [], len(head) + 2
     for backend, blocks in decisions:
-        blocks = blocks[:TEACH_BLOCKS]
-        if batch and size + len(blocks) > TEACH_BLOCKS:
-            out.append(json.dumps({"t": "learn", "pool": pool, "d": batch}))
-            batch, size = [], 0
-        batch.append([backend, blocks])
-        size += len(blocks)
+        part = json.dumps([backend, blocks[:TEACH_BLOCKS]], separators=(",", ":"))
+        if batch and size + len(part) + 1 > TEACH_BYTES:
+            out.append(head + ",".join(batch) + "]}")
+            batch, size = [], len(head) + 2
+        batch.append(part)
+        size += len(part) + 1
     if batch:
-        out.append(json.dumps({"t": "learn", "pool": pool, "d": batch}))
+        out.append(head + ",".join(batch) + "]}")
     return out
 
 

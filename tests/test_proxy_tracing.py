@@ -45,6 +45,7 @@ class FakeEngines:
 
     def __init__(self, servers: Servers, n: int, fail_first: bool = False):
         self.seen: list[tuple[int, dict]] = []    # (port, headers) per /v1 request
+        self.raw: list[tuple[tuple[bytes, bytes], ...]] = []   # each /v1 request's header lines as sent
         self.fail_first = fail_first
         self.attempts: dict[str, int] = {}       # trace id -> attempts seen
         self.ports = [servers.serve(self._app(i)) for i in range(n)]
@@ -59,6 +60,7 @@ class FakeEngines:
             await request.read()
             port = request.transport.get_extra_info("sockname")[1]
             self.seen.append((port, dict(request.headers)))
+            self.raw.append(request.raw_headers)
             trace = request.headers.get("traceparent", "").split("-")[1:2]
             n = self.attempts[trace[0] if trace else ""] = self.attempts.get(trace[0] if trace else "", 0) + 1
             if self.fail_first and n == 1:
@@ -240,6 +242,34 @@ def test_trace_across_a_retry_reaches_the_collector(procs, tmp_path, servers):
     lines = wait_until(lambda: len(results(path)) >= 2 and results(path), what="two results-log lines")
     assert [(x["status"], x["otel_trace_id"], x["trace_id"]) for x in lines] == [
         (503, CLIENT_TRACE, "u-1"), (200, CLIENT_TRACE, "u-1")]
+
+
+@pytest.mark.process
+def test_the_clients_key_and_ids_reach_the_engine_once_however_spelled(procs, tmp_path, servers):
+    """With API keys, the client's key stays with the proxy whatever the header's spelling
+    (`authorization`), and the engine gets one X-Request-Id (the client's) and one traceparent (the
+    attempt's), not the client's lowercase copies beside the proxy's."""
+    import http.client
+    engines = FakeEngines(servers, 1)
+    (tmp_path / "keys").write_text("sk-spelled\n")
+    port, _ = start_proxy(procs, tmp_path, engines.ports, api_keys_file=str(tmp_path / "keys"))
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    body = json.dumps(CHAT).encode()
+    conn.putrequest("POST", "/v1/chat/completions")
+    for name, value in (("content-type", "application/json"), ("authorization", "Bearer sk-spelled"),
+                        ("x-request-id", "rid-spelled"), ("traceparent", f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"),
+                        ("content-length", str(len(body)))):
+        conn.putheader(name, value)
+    conn.endheaders(body)
+    answer = conn.getresponse()
+    assert answer.status == 200, answer.read()
+    answer.read()
+    conn.close()
+    [lines] = engines.raw
+    names = [n.decode().lower() for n, _ in lines]
+    assert "authorization" not in names, lines
+    assert names.count("x-request-id") == 1 and names.count("traceparent") == 1, lines
+    assert dict((n.decode().lower(), v.decode()) for n, v in lines)["x-request-id"] == "rid-spelled"
 
 
 @pytest.mark.process

@@ -369,16 +369,19 @@ def test_a_conversation_keeps_its_home_whichever_worker_takes_its_next_round(pro
 
 
 @pytest.mark.unit
-def test_lessons_fit_a_datagram_read_and_keep_a_long_prompts_prefix():
-    """LEARN messages hold at most TEACH_BLOCKS block hashes (within the 64 KiB a worker reads at once, at 20
-    characters a hash); a prompt longer than that is taught by its first blocks, what a next round matches."""
-    from proxy.workers import TEACH_BLOCKS
-    big = -(2 ** 63) + 1
-    decisions = [("127.0.0.1:1", [big] * 1000), ("127.0.0.1:2", [big] * 1000), ("127.0.0.1:3", list(range(5000)))]
+@pytest.mark.parametrize("decisions", [
+    [("127.0.0.1:1", [-(2 ** 63) + 1] * 1000), ("127.0.0.1:2", [-(2 ** 63) + 1] * 1000),
+     ("127.0.0.1:3", list(range(5000)))],                                   # a few long prompts
+    [(f"backend-with-a-long-name-{i:04}.example:8002", [-(2 ** 63) + 1]) for i in range(1024)],   # many short
+])
+def test_lessons_fit_a_datagram_read_and_keep_a_long_prompts_prefix(decisions):
+    """LEARN messages are at most TEACH_BYTES (a worker reads 64 KiB of a datagram) whatever the decisions'
+    count, names and lengths, every decision in its order; a prompt longer than TEACH_BLOCKS is taught by its
+    first blocks, what a next round matches."""
+    from proxy.workers import TEACH_BLOCKS, TEACH_BYTES
     messages = lessons("m", decisions)
     taught = [json.loads(m) for m in messages]
-    assert all(len(m.encode()) < 65536 for m in messages)
-    assert all(sum(len(b) for _, b in t["d"]) <= TEACH_BLOCKS for t in taught)
+    assert all(len(m.encode()) <= TEACH_BYTES for m in messages)
     flat = [d for t in taught for d in t["d"]]
-    assert [d[0] for d in flat] == ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]
-    assert flat[2][1] == list(range(TEACH_BLOCKS)) and all(t["pool"] == "m" for t in taught)
+    assert [d[0] for d in flat] == [b for b, _ in decisions] and all(t["pool"] == "m" for t in taught)
+    assert [d[1] for d in flat] == [blocks[:TEACH_BLOCKS] for _, blocks in decisions]
