@@ -274,12 +274,6 @@ class _Connection(asyncio.Protocol):
             self.answer.lost(exc)
         self.upstream._lost(self)
 
-    def pause_writing(self) -> None:      # a large body: the transport buffers it (it is in memory already)
-        pass
-
-    def resume_writing(self) -> None:
-        pass
-
     def close(self) -> None:
         self.lost = True
         if self.transport is not None:
@@ -296,14 +290,13 @@ class Answer:
     """A backend's answer: status, headers, content_length, and its body as it comes (`content.iter_any()`,
     `read()`); `content.set_exception` ends a read under way with that exception (the stall watch)."""
 
-    __slots__ = ("conn", "status", "reason", "headers", "content_length", "_keep",
+    __slots__ = ("conn", "status", "headers", "content_length", "_keep",
                  "_head_only", "_loop", "_head", "_headed", "_mode", "_left", "_chunk", "_raw",
                  "_chunks", "_size", "_eof", "_exc", "_waiter", "_paused")
 
     def __init__(self, conn: _Connection, head_only: bool, loop: asyncio.AbstractEventLoop):
         self.conn, self._head_only, self._loop = conn, head_only, loop
         self.status = 0
-        self.reason = ""
         self.headers: CIMultiDictProxy | None = None
         self.content_length: int | None = None
         self._keep = False            # the backend keeps the connection open after this answer
@@ -378,7 +371,6 @@ class Answer:
                 return None
             headers.add(name.decode("latin-1"), value.strip().decode("utf-8", "surrogateescape"))
         self.status = status
-        self.reason = status_line[13:].decode("latin-1")
         self.headers = CIMultiDictProxy(headers)
         keep = status_line.startswith(b"HTTP/1.1") and "close" not in headers.get("Connection", "").lower()
         coding = headers.get("Transfer-Encoding")
