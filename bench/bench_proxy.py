@@ -1,7 +1,7 @@
 """What the aiohttp proxy costs next to nginx, the Rust routers and no front at all, measured side by side.
 
     .venv/bin/python bench/bench_proxy.py [--seconds 5] [--rounds 5] [--connections 64] [--backends 4]
-                                          [--fronts direct,proxy,...] [--chat-only] [--prompt-chars N]
+                                          [--fronts direct,proxy,...] [--chat-only | --sse-only] [--prompt-chars N]
                                           [--out FILE.json]
 
 Starts --backends sim engines in instant mode (no model time: every cost measured is the front's) and,
@@ -14,7 +14,9 @@ the order turned each round) so a noisy machine hurts all alike; the median roun
 the ratios. `direct` is wrk against the sims themselves, the connections split evenly over them (one wrk
 each; its p99 is the worst of theirs). Then SSE: 1,000-chunk streams, direct, the proxy and those of proxy-base, proxy-w2,
 nginx, vllm-router and smg started, interleaved, as ratios of the proxy's (and proxy-w2's) chunks/s to each, median
-of the rounds' ratios, with the CPU per chunk relayed of the proxies (proxy-w2's workers included). Then the
+of the rounds' ratios, with the CPU per chunk relayed of every front (all its processes: proxy-w2's workers,
+nginx's) and of the sims behind it: where they share the cores, a front's chunks/s is what its CPU per chunk
+leaves the sims (--sse-only: these rounds alone). Then the
 latency the proxy adds at a fixed rate below capacity (open loop), which is what a client feels on a
 cluster that is not overloaded. Needs wrk (Debian package `wrk`); nginx is optional (`nginx` package).
 Every process it starts is stopped by pid at the end.
@@ -80,7 +82,7 @@ function request()
 end
 """
 SSE = {"model": "m", "max_tokens": 1000, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
-SSE_FRONTS = ("proxy", "proxy-base", "proxy-w2", "nginx", "vllm-router", "smg")   # the streamed rounds' fronts, when started
+SSE_FRONTS = ("proxy", "proxy-base", "proxy-w2", "proxy-w2-plain", "nginx", "vllm-router", "smg")   # the streamed rounds' fronts, when started
 DEFAULT_FRONTS = "direct,proxy,proxy-asyncio,nginx,vllm-router,smg"
 
 
@@ -162,6 +164,7 @@ def main(argv=None) -> int:
     ap.add_argument("--fronts", default=DEFAULT_FRONTS, help=f"comma separated (default {DEFAULT_FRONTS})")
     ap.add_argument("--rate", type=float, default=300.0, help="requests/s of the open-loop latency run")
     ap.add_argument("--chat-only", action="store_true", help="the chat rounds alone: no SSE, no open loop")
+    ap.add_argument("--sse-only", action="store_true", help="the streamed rounds alone: no chat rounds, no open loop")
     ap.add_argument("--prompt-chars", type=int, default=0, help="a message of N characters instead of 'hi'")
     ap.add_argument("--out", help="also write every figure to this JSON file")
     ap.add_argument("--baseline", help="another checkout (the main branch) whose proxy runs as front proxy-base")
@@ -193,7 +196,7 @@ def main(argv=None) -> int:
             print(f"chat completions, max_tokens 16, {args.connections} connections, {args.seconds:g}s x "
                   f"{args.rounds} interleaved rounds; {args.backends} sim engines in instant mode; "
                   f"{os.cpu_count()} CPUs" + ("; every front: model m and m2 in turn" if mix else ""), flush=True)
-            for r in range(args.rounds):
+            for r in range(0 if args.sse_only else args.rounds):
                 for name in fronts[r % len(fronts):] + fronts[:r % len(fronts)]:
                     cpu = stack.cpu_s(name) if name in stack.pids else None
                     kids = stack.children_cpu_s(name) if name in stack.pids else None
@@ -216,16 +219,20 @@ def main(argv=None) -> int:
                 streamed = ["direct", *(n for n in SSE_FRONTS if n in fronts)]
                 for r in range(args.rounds):
                     for name in streamed[r % len(streamed):] + streamed[:r % len(streamed)]:
-                        cpu = stack.cpu_s(name) + stack.children_cpu_s(name) if name in stack.pids else None
+                        # The CPU per chunk of the front's processes (a proxy's workers, nginx's, a router's)
+                        # and of the sims: on a machine whose cores they share, the two add up to the run.
+                        cpu = {who: stack.tree_cpu_s(who) for who in (name, "sims") if who != "direct"}
                         run = drive(wrk_bin, stack, name, SSE, 16, args.seconds, Path(tmp))
-                        if cpu is not None and run.get("requests"):   # the front's CPU (its workers' too) per chunk
-                            run["cpu_us_per_chunk"] = (stack.cpu_s(name) + stack.children_cpu_s(name) - cpu) \
-                                / (run["requests"] * SSE["max_tokens"]) * 1e6
+                        if run.get("requests"):
+                            chunks = run["requests"] * SSE["max_tokens"]
+                            for who, before in cpu.items():
+                                key = "sims_cpu_us_per_chunk" if who == "sims" else "cpu_us_per_chunk"
+                                run[key] = (stack.tree_cpu_s(who) - before) / chunks * 1e6
                         sse.setdefault(name, []).append(run)
                 figures["sse"] = sse
                 lat = {}
                 for name in ("direct", "proxy", "nginx", "proxy-otel", "proxy-otel-down", "proxy-base"):
-                    if name not in fronts:
+                    if name not in fronts or args.sse_only:
                         continue
                     url = (f"http://127.0.0.1:{stack.backend_ports[0]}" if name == "direct" else stack.url(name))
                     values = asyncio.run(open_loop(url + "/v1/chat/completions", args.rate, args.seconds))
@@ -312,11 +319,18 @@ def report(f: dict) -> None:
     cpu = {n: statistics.median(r["cpu_us_per_chunk"] for r in f["sse"][n]) for n in SSE_FRONTS
            if n in sse and all("cpu_us_per_chunk" in r for r in f["sse"][n])}
     if cpu:
-        print("  CPU per chunk relayed, median: " + ", ".join(f"{n} {v:.2f} us" for n, v in cpu.items()))
+        print("  CPU per chunk relayed (every process of the front), median: "
+              + ", ".join(f"{n} {v:.2f} us" for n, v in cpu.items()))
+    sims = {n: statistics.median(r["sims_cpu_us_per_chunk"] for r in f["sse"][n]) for n in ("direct", *SSE_FRONTS)
+            if n in sse and all("sims_cpu_us_per_chunk" in r for r in f["sse"][n])}
+    if sims:
+        print("  the sims' CPU per chunk they answered behind each, median: "
+              + ", ".join(f"{n} {v:.2f} us" for n, v in sims.items()))
     f["sse_ratios"] = {}
-    for mine in ("proxy", "proxy-w2"):
+    for mine in ("proxy", "proxy-w2", "proxy-w2-plain"):
         for name in SSE_FRONTS:
-            if name == mine or mine not in sse or name not in sse or (mine == "proxy-w2" and name == "proxy-base"):
+            if name == mine or mine not in sse or name not in sse or (mine != "proxy" and name == "proxy-base") \
+                    or (mine == "proxy-w2-plain" and name not in ("proxy-w2", "nginx")):
                 continue
             per_round = [m["rps"] / o["rps"] for m, o in zip(f["sse"][mine], f["sse"][name])]
             f["sse_ratios"][f"{mine}/{name}"] = {"by_round": per_round, "median": statistics.median(per_round)}

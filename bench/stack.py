@@ -181,11 +181,11 @@ class Stack:
 
     FRONTS = ("direct", "proxy", "proxy-tenants", "proxy-tenants-0", "proxy-tenants-2", "proxy-lc", "proxy-prefix",
               "proxy-prefix-b", "proxy-prefix-base", "proxy-pair", "proxy-pair-b", "proxy-asyncio", "proxy-models",
-              "proxy-models-1", "proxy-otel", "proxy-otel-down", "proxy-base", "proxy-w2", "proxy-prefix-w2", "nginx", "vllm-router",
+              "proxy-models-1", "proxy-otel", "proxy-otel-down", "proxy-base", "proxy-w2", "proxy-prefix-w2", "proxy-w2-plain", "nginx", "vllm-router",
               "vllm-router-cache", "vllm-router-p2", "vllm-router-random", "smg", "smg-cache")
     PROXIES = ("proxy", "proxy-tenants", "proxy-tenants-0", "proxy-tenants-2", "proxy-lc", "proxy-prefix",
                "proxy-prefix-b", "proxy-prefix-base", "proxy-pair", "proxy-pair-b", "proxy-asyncio", "proxy-models",
-               "proxy-models-1", "proxy-otel", "proxy-otel-down", "proxy-base", "proxy-w2", "proxy-prefix-w2")
+               "proxy-models-1", "proxy-otel", "proxy-otel-down", "proxy-base", "proxy-w2", "proxy-prefix-w2", "proxy-w2-plain")
     ROUTERS = {"vllm-router": None, "vllm-router-cache": "cache_aware", "vllm-router-p2": "power_of_two",
                "vllm-router-random": "random", "smg": None, "smg-cache": "cache_aware"}   # front -> its --policy (None: the default)
 
@@ -208,6 +208,8 @@ class Stack:
         self.down_port = next(spare)   # proxy-otel-down's collector: nothing listens there
         self.procs: list[subprocess.Popen] = []
         self.pids: dict[str, int] = {}
+        self.router_pids: dict[str, int] = {}   # vllm-router's and smg's
+        self.sim_pids: list[int] = []
         self.nginx_pid_file: Path | None = None
         self.skipped: dict[str, str] = {}
         inv_path = work / "hosts.yml"
@@ -256,8 +258,10 @@ class Stack:
                 pair = ["proxy-pair", "proxy-pair-b"]
                 conf["share"] = {"me": pair.index(front), "entries": [
                     {"name": f, "weight": 1, "health": None if f == front else f"{self.url(f)}/health"} for f in pair]}
-            if front in ("proxy-w2", "proxy-prefix-w2"):
+            if front in ("proxy-w2", "proxy-prefix-w2", "proxy-w2-plain"):
                 conf["workers"] = 2
+            if front == "proxy-w2-plain":   # streams passed as they come: not resumable, so no usage asked per event
+                conf["resume"] = {**conf["resume"], "enabled": False}
             if front == "proxy-otel":
                 conf["otlp"] = {"endpoint": f"http://127.0.0.1:{self.sink_port}/v1/traces"}
             if front == "proxy-otel-down":
@@ -298,10 +302,10 @@ class Stack:
         env = {**os.environ, "FLEET_SIM_DEV_DIR": str(self.deploy / "sim-dev")}
         env.pop("FLEET_TAG", None)
         for i, port in enumerate(self.backend_ports):
-            self._start([sys.executable, "-m", "fleet.sim", "serve", "m", "--host", "127.0.0.1", "--port", str(port),
+            self.sim_pids.append(self._start([sys.executable, "-m", "fleet.sim", "serve", "m", "--host", "127.0.0.1", "--port", str(port),
                          "--max-num-seqs", str(self.max_num_seqs), "--sim-load-s", "0",
                          "--served-model-name", *self.served, *self.sim_args],
-                        f"sim_{i}.log", cwd=ROOT, env={**env, "SIM_VISIBLE_DEVICES": str(i)})
+                        f"sim_{i}.log", cwd=ROOT, env={**env, "SIM_VISIBLE_DEVICES": str(i)}).pid)
         for port in self.backend_ports:
             wait_http(f"http://127.0.0.1:{port}/health")
         running = []
@@ -332,6 +336,32 @@ class Stack:
                     total += cpu_s(p.pid)
                 except (OSError, IndexError):   # it ended meanwhile
                     pass
+        return total
+
+    def tree_cpu_s(self, front: str) -> float:
+        """CPU seconds a front's processes have used so far, every one of them: a proxy's and its children's
+        (its workers, its span exporter), nginx's master's and workers', a router's; the sims' for `sims`,
+        0 for `direct`. Processes that ended meanwhile take their time with them."""
+        if front == "sims":
+            roots = self.sim_pids
+        elif front == "nginx":
+            roots = [self.nginx_pid()] if self.nginx_pid_file else []
+        else:
+            roots = [pid for pid in (self.pids.get(front), self.router_pids.get(front)) if pid]
+        snap = processes.snapshot()
+        pids, grew = set(roots), True
+        while grew:
+            grew = False
+            for p in snap.values():
+                if p.ppid in pids and p.pid not in pids:
+                    pids.add(p.pid)
+                    grew = True
+        total = 0.0
+        for pid in pids:
+            try:
+                total += cpu_s(pid)
+            except (OSError, IndexError):   # it ended meanwhile
+                pass
         return total
 
     def _proxy(self, front: str, *extra: str, root: Path = ROOT):
@@ -412,6 +442,9 @@ class Stack:
     def _start_proxy_prefix_w2(self):
         self._proxy("proxy-prefix-w2")
 
+    def _start_proxy_w2_plain(self):
+        self._proxy("proxy-w2-plain")
+
     def _start_proxy_asyncio(self):
         self._proxy("proxy-asyncio", "--loop", "asyncio")
 
@@ -447,12 +480,12 @@ class Stack:
         if not prog:
             return "not installed; run bench/setup_routers.sh"
         policy = self.ROUTERS[front]
-        self._start([prog, *argv, "--host", "127.0.0.1", "--port", str(self.ports[front]),
+        self.router_pids[front] = self._start([prog, *argv, "--host", "127.0.0.1", "--port", str(self.ports[front]),
                      "--worker-urls", *self._workers(), "--prometheus-host", "127.0.0.1",
                      "--prometheus-port", str(self.metrics_ports[front]),
                      *(["--policy", policy] if policy else []),
                      "--log-level", "warning" if program == "vllm-router" else "warn"],
-                    f"{front}.log")
+                    f"{front}.log").pid
         wait_http(self.url(front) + "/v1/models", timeout=60)
 
     def _start_vllm_router(self):
