@@ -122,7 +122,8 @@ def drive(wrk_bin: str, stack: Stack, front: str, body: dict, connections: int, 
         runs = list(pool.map(lambda u: wrk(wrk_bin, u, body, each, seconds, work, threads=1, body2=body2), urls))
     return {"rps": sum(r["rps"] for r in runs), "p50_ms": statistics.median(r["p50_ms"] for r in runs),
             "p99_ms": max(r["p99_ms"] for r in runs), "non_2xx": sum(r["non_2xx"] for r in runs),
-            "socket_errors": sum(r["socket_errors"] for r in runs)}
+            "socket_errors": sum(r["socket_errors"] for r in runs),
+            **({"requests": sum(r["requests"] for r in runs)} if all("requests" in r for r in runs) else {})}
 
 
 def _ms(value: str, unit: str) -> float:
