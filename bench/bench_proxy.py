@@ -13,7 +13,7 @@ to that sim's pace and the proxy looked closer to it than it is). Each front is 
 the order turned each round) so a noisy machine hurts all alike; the median round of each is reported with
 the ratios. `direct` is wrk against the sims themselves, the connections split evenly over them (one wrk
 each; its p99 is the worst of theirs). Then SSE: 1,000-chunk streams, direct, the proxy and those of proxy-base, proxy-w2,
-nginx, vllm-router and smg started, interleaved, as ratios of the proxy's (and proxy-w2's) chunks/s to each, median
+proxy-w2-plain, nginx, vllm-router and smg started, interleaved, as ratios of the proxy's (and proxy-w2's) chunks/s to each, median
 of the rounds' ratios, with the CPU per chunk relayed of every front (all its processes: proxy-w2's workers,
 nginx's) and of the sims behind it: where they share the cores, a front's chunks/s is what its CPU per chunk
 leaves the sims (--sse-only: these rounds alone). Then the

@@ -12,6 +12,7 @@ polled the other; `url("proxy-pair-b")` is the second's), `proxy-otel` (the `pro
 a collector that is down),
 `proxy-w2` (the `proxy` config with `workers: 2`: a supervisor and two worker processes sharing the slots),
 `proxy-prefix-w2` (the `proxy-prefix` config with `workers: 2`: the workers teach each other their routing),
+`proxy-w2-plain` (`proxy-w2` with `resume.enabled: false`: streams pass as they come, no usage asked per event),
 `proxy-base` (the `proxy` config served by the proxy of another checkout, `baseline`: the code before a
 change, in the same run), `proxy-prefix-base` (the `proxy-prefix` config served by that checkout), `nginx` (conf/nginx.conf as rendered),
 `proxy-tenants` (keys naming tenants, `proxy.tenants` set, the inventory's `proxy.queue.tenant_reserve`),
