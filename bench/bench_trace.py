@@ -445,7 +445,8 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline", help="another checkout (the code before a change) whose proxy runs the prefix config "
                                        "as front proxy-prefix-base, in the same run")
     ap.add_argument("--lockstep", action="store_true", help="the lockstep overflow case instead of a trace")
-    ap.add_argument("--out", help="also write every figure to this JSON file")
+    ap.add_argument("--out", help="also write every figure to this JSON file (a proxy front's per_request: each "
+                                  "request's figures, holder and routing decision, for finding where hits went)")
     args = ap.parse_args(argv)
     started = time.monotonic()
     fronts = (args.fronts or ("proxy-prefix,proxy" if args.lockstep else DEFAULT_FRONTS)).split(",")
