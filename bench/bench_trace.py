@@ -147,24 +147,32 @@ def oracle_hits(reqs: list[Request], capacity_tokens: int) -> list[int]:
     return hits
 
 
-def losses(reqs: list[Request], recs: list[dict], log: list[dict], capacity_tokens: int) -> dict:
+def losses(reqs: list[Request], recs: list[dict], log: list[dict], capacity_tokens: int,
+           per_request: list[dict] | None = None) -> dict:
     """Where the oracle's hits went, for a proxy front: per route decision, the prompt tokens the oracle
     found cached that the engine did not (each request's shortfall, none below 0), and per `overruled`
     (what the prediction overruled to keep it on its holder: it missed all the same); of the `prefix` ones,
     the part the proxy predicted and the engine had evicted (eviction the index did not see); and of all,
     the part another backend held (`sent from its holder`) and the part no backend held any more, only the
-    oracle's one pooled cache (`in no engine`), by held(); as shares of all prompt tokens."""
+    oracle's one pooled cache (`in no engine`), by held(); as shares of all prompt tokens. per_request:
+    a list that gets each judged request's figures and decision (--out's `per_request`)."""
     by_id = {e.get("request_id"): e for e in log}
     total = sum(r.input_length for r in reqs) or 1
     out: dict[str, float] = {}
 
     def add(key: str, tokens: int) -> None:
         out[key] = out.get(key, 0) + tokens / total
-    for r, rec, o, (best, mine) in zip(reqs, recs, oracle_hits(reqs, capacity_tokens),
-                                       held(reqs, recs, capacity_tokens // BACKENDS)):
+    for r, rec, o, (best, mine, holder) in zip(reqs, recs, oracle_hits(reqs, capacity_tokens),
+                                               held(reqs, recs, capacity_tokens // BACKENDS)):
         e = by_id.get(rec.get("id"))
         if e is None or not isinstance(e.get("cached_tokens"), int):
             continue
+        if per_request is not None:
+            per_request.append({"id": rec.get("id"), "sent": rec.get("sent"), "done": rec.get("done"), "ttft": rec.get("first", 0) - rec["sent"]
+                                if "first" in rec else None, "prompt": r.input_length, "backend": rec.get("backend"),
+                                "holder": holder, "best": best, "mine": mine, "oracle": o,
+                                **{k: e.get(k) for k in ("route", "overruled", "match_tokens", "cached_tokens",
+                                                         "queued_ms")}})
         missed = max(0, o - e["cached_tokens"])
         add(e.get("route", "?"), missed)
         if e.get("overruled"):
@@ -176,20 +184,21 @@ def losses(reqs: list[Request], recs: list[dict], log: list[dict], capacity_toke
     return out
 
 
-def held(reqs: list[Request], recs: list[dict], kv_tokens: int) -> list[tuple[int, int]]:
+def held(reqs: list[Request], recs: list[dict], kv_tokens: int) -> list[tuple[int, int, str | None]]:
     """Per request, the prompt tokens held by the backend that held the most of it and by the one it went
-    to (X-Backend): each backend's ids through an LRU of kv_tokens, in the order the requests were sent
-    (the engines' caches, as far as ids tell). The difference is what routing gave away by sending it from
-    the holder of its longest prefix."""
+    to (X-Backend), and the first's name: each backend's ids through an LRU of kv_tokens, in the order the
+    requests were sent (the engines' caches, as far as ids tell). The difference is what routing gave away
+    by sending it from the holder of its longest prefix."""
     cap = max(1, kv_tokens // ID_TOKENS)
     lrus: dict[str, OrderedDict[int, None]] = {}
-    out = [(0, 0)] * len(reqs)
+    out: list[tuple[int, int, str | None]] = [(0, 0, None)] * len(reqs)
     for i in sorted(range(len(reqs)), key=lambda i: recs[i].get("sent", float("inf"))):
         r, name = reqs[i], recs[i].get("backend")
         if name is None:
             continue
         mine = lrus.setdefault(name, OrderedDict())
-        out[i] = (max(leading_run(r, lru) for lru in lrus.values()), leading_run(r, mine))
+        holder = max(lrus, key=lambda n: (leading_run(r, lrus[n]), n == name))
+        out[i] = (leading_run(r, lrus[holder]), leading_run(r, mine), holder)
         _use(mine, r, cap)
     return out
 
@@ -323,8 +332,10 @@ def run_front(front: str, reqs: list[Request], args, work: Path) -> dict | None:
         stats = stack.sim_stats()
         routed = {k: d1[k] - d0.get(k, 0) for k in d1}
         log = results_log(stack, front)
+        per_request: list[dict] = []
         return {**figures(recs, stats, log, routed, args.ttft_slo),
-                "losses": losses(reqs, recs, log, BACKENDS * KV_TOKENS) if log else {}}
+                "losses": losses(reqs, recs, log, BACKENDS * KV_TOKENS, per_request) if log else {},
+                "per_request": per_request}
     finally:
         stack.stop()
 
@@ -434,7 +445,8 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline", help="another checkout (the code before a change) whose proxy runs the prefix config "
                                        "as front proxy-prefix-base, in the same run")
     ap.add_argument("--lockstep", action="store_true", help="the lockstep overflow case instead of a trace")
-    ap.add_argument("--out", help="also write every figure to this JSON file")
+    ap.add_argument("--out", help="also write every figure to this JSON file (a proxy front's per_request: each "
+                                  "request's figures, holder and routing decision, for finding where hits went)")
     args = ap.parse_args(argv)
     started = time.monotonic()
     fronts = (args.fronts or ("proxy-prefix,proxy" if args.lockstep else DEFAULT_FRONTS)).split(",")

@@ -23,10 +23,14 @@ def test_a_hit_missed_is_told_apart_sent_from_its_holder_or_held_by_no_engine():
     log = [{"request_id": f"r{i}", "route": "shared", "match_tokens": 0, "cached_tokens": 0} for i in range(5)]
     log[1]["overruled"] = "slot expired"       # it waited for its holder, then went elsewhere
     kv = 3 * bt.ID_TOKENS
-    assert bt.held(reqs, recs, kv) == [(0, 0), (1024, 0), (0, 0), (0, 0), (0, 0)]
+    assert bt.held(reqs, recs, kv) == [(0, 0, "b0"), (1024, 0, "b0"), (0, 0, "b0"), (0, 0, "b1"), (0, 0, "b0")]
     assert bt.oracle_hits(reqs, bt.BACKENDS * kv) == [0, 1024, 0, 0, 1024]
     total = sum(r.input_length for r in reqs)
-    got = bt.losses(reqs, recs, log, bt.BACKENDS * kv)
+    per_request: list[dict] = []
+    got = bt.losses(reqs, recs, log, bt.BACKENDS * kv, per_request)
+    assert [(x["backend"], x["holder"], x["best"], x["mine"], x["oracle"]) for x in per_request][:2] == [
+        ("b0", "b0", 0, 0, 0), ("b1", "b0", 1024, 0, 1024)]
+    assert per_request[1]["overruled"] == "slot expired" and len(per_request) == 5
     assert got["sent from its holder"] == pytest.approx(1024 / total)
     assert got["in no engine"] == pytest.approx(1024 / total)
     assert got["shared"] == pytest.approx(2048 / total)

@@ -91,6 +91,23 @@ def test_the_index_is_bounded_and_evicts_a_prompts_tail_before_its_head():
 
 
 @pytest.mark.unit
+def test_the_index_keeps_what_the_engines_keep_though_that_is_more_than_max_blocks():
+    """max_blocks 6, two backends whose engines keep 4 blocks each (8 in all): 1. each backend's prompt of
+    4 blocks stays whole (a bound of 6 would have forgotten the first's tail though its engine holds it);
+    2. a third prompt on a trims a's own oldest, as its engine's LRU does; 3. b taken out: its capacity
+    goes too, and the bound is max_blocks again."""
+    idx = PrefixIndex(max_blocks=6)
+    idx.set_capacity("a", 4), idx.set_capacity("b", 4)
+    idx.insert([1, 2, 3, 4], "a")
+    idx.insert([10, 11, 12, 13], "b")
+    assert len(idx) == 8 and idx.bound() == 8
+    assert idx.match([1, 2, 3, 4]) == {"a": 4} and idx.match([10, 11, 12, 13]) == {"b": 4}
+    idx.insert([20, 21], "a")
+    assert idx.match([1, 2, 3, 4]) == {"a": 2} and idx.match([20, 21]) == {"a": 2}
+    assert idx.drop("b") == 4 and idx.bound() == 6
+
+
+@pytest.mark.unit
 def test_the_index_knows_where_prompts_that_share_a_prefix_branch_off_it():
     """1. Two conversations share blocks 1, 2 and branch (3 on a, 7 on b). 2. A third that shares 1, 2
     branches there; the first's own next round, which goes on past 3, does not. 3. Forgetting block 3 on a
@@ -672,6 +689,17 @@ def test_a_next_round_that_branches_off_its_last_stays_with_its_holder_while_pre
     assert b.acquire(route=spread).name == "b1:1" and spread.decision == "shared"
 
 
+def full_holder(history: str, backlog: int):
+    """Two backends of 2 slots and a clock; a conversation's first prompt on the holder, beside a prompt of
+    `backlog` bytes there (the holder full); at 0 s. Returns the balancer, the clock and the holder."""
+    b = pool(n=2, slots=2, home_wait_s=5)
+    now = [0.0]
+    b.policy.clock = lambda: now[0]
+    home = b.acquire(route=PrefixRoute(prompt_blocks(chat(SYSTEM, history + "What happened first? " * 8))))
+    b.acquire(route=PrefixRoute(prompt_blocks(chat("x" * backlog))), only=home.name)
+    return b, now, home
+
+
 @pytest.mark.unit
 async def test_a_next_round_waits_for_its_full_holder_while_predicted_sooner_there():
     """Mooncake's shape (its next round branches off its last prompt's tail, as above), the holder of its
@@ -684,11 +712,7 @@ async def test_a_next_round_waits_for_its_full_holder_while_predicted_sooner_the
        hold (the prompt it branches off went on twice there)."""
     history = "The long story of a conversation, told at length. " * 120     # about 1,500 tokens
     for backlog, held in ((300, True), (60_000, False)):
-        b = pool(n=2, slots=2, home_wait_s=5)
-        now = [0.0]
-        b.policy.clock = lambda: now[0]
-        home = b.acquire(route=PrefixRoute(prompt_blocks(chat(SYSTEM, history + "What happened first? " * 8))))
-        b.acquire(route=PrefixRoute(prompt_blocks(chat("x" * backlog))), only=home.name)
+        b, now, home = full_holder(history, backlog)
         now[0] = 0.5
         assert not home.free and b.hold(PrefixRoute(prompt_blocks(chat(SYSTEM, history + "And then, what did they do next? " * 8)))) is None
         b.policy.predict.answered(home.name, Sent(1, 0), -1, 1.0, 51)   # its answers: 20 ms a token, 51 tokens
@@ -706,6 +730,38 @@ async def test_a_next_round_waits_for_its_full_holder_while_predicted_sooner_the
         b.policy.sent(PrefixRoute(prompt_blocks(chat(SYSTEM, "Another conversation. " * 8))), home)
         new = PrefixRoute(prompt_blocks(chat(SYSTEM, "A new conversation's own question. " * 8)))
         assert not home.free and b.hold(new) is None
+
+
+@pytest.mark.unit
+async def test_a_next_round_that_queues_anyway_waits_for_its_holder_while_predicted_sooner_there():
+    """Mooncake's shape, every slot taken (2 backends of 2 slots): the request queues whatever it does.
+    1. its holder is predicted sooner (a slot's wait there, its new part; elsewhere a slot's wait and its
+       whole history cold): it is held for the holder, and a slot freed on the other backend first does
+       not take it; the holder's slot does (overruled `slot`). Without the hold the first slot freed
+       anywhere took it and its history went cold there;
+    2. with a long prefill queued on the holder, the other backend is sooner: no hold, any slot."""
+    history = "The long story of a conversation, told at length. " * 120     # about 1,500 tokens
+    for backlog, held in ((300, True), (60_000, False)):
+        b, now, home = full_holder(history, backlog)
+        other = next(x for x in b.backends.values() if x is not home)
+        for c in "yz":
+            b.acquire(route=PrefixRoute(prompt_blocks(chat(c * 300))), only=other.name)
+        now[0] = 0.5
+        for x in (home, other):
+            b.policy.predict.answered(x.name, Sent(1, 0), -1, 1.0, 51)   # answers of 20 ms a token, 51 tokens
+        nxt = PrefixRoute(prompt_blocks(chat(SYSTEM, history + "And what came of it, in the end, for them all? " * 8)))
+        assert not home.free and not other.free and b.ahead() is False
+        waiting = asyncio.ensure_future(b.wait_for_slot(10, nxt))
+        await asyncio.sleep(0)
+        assert not waiting.done() and b.queued == 1
+        b.release(other)                    # the other backend frees a slot first
+        await asyncio.sleep(0)
+        if held:
+            assert not waiting.done() and other.free and nxt.overruled == "slot"
+            b.release(home)
+            assert await asyncio.wait_for(waiting, 1) is home and nxt.decision == "shared"
+        else:
+            assert await asyncio.wait_for(waiting, 1) is other and nxt.overruled is None
 
 
 @pytest.mark.unit

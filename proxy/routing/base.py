@@ -25,7 +25,8 @@ class RoutingConfig:
     # least loaded one and more than balance_rel times as many
     balance_abs: int = _bounded(1, 0, 65536)
     balance_rel: float = _bounded(1.5, 1, 1000)
-    # prefix: prompt blocks remembered (64 bytes each), least recently used dropped first
+    # prefix: prompt blocks remembered (64 bytes each), least recently used dropped first; more where the
+    # engines publish KV caches that hold more in all (PrefixIndex.bound)
     max_blocks: int = _bounded(262144, 1, 100_000_000)
     # prefix: queued requests a freed slot may look past for one whose prefix is there
     lookahead: int = _bounded(16, 0, 1024)

@@ -7,7 +7,8 @@ BLOCK_BYTES (about 16 tokens at 4 bytes a token), chains their hashes the same w
 backend it sent each block to. A later prompt's longest run of known blocks on a backend is what that
 backend most likely still holds.
 
-Bounded: at most max_blocks block hashes, the least recently used dropped first; a backend's blocks are
+Bounded: at most max_blocks block hashes, or as many as the backends' engines publish they keep in all
+(their KV caches) where that is more, the least recently used dropped first; a backend's blocks are
 dropped when the proxy takes it out (ejected, unhealthy, drained for a restart) or a reload removes it.
 """
 from __future__ import annotations
@@ -169,7 +170,7 @@ class PrefixRoute:
 
 
 class PrefixIndex:
-    """Block hash -> the backends it was sent to, least recently used first, at most max_blocks; and for
+    """Block hash -> the backends it was sent to, least recently used first, at most bound(); and for
     each block, how many distinct blocks followed it on each backend (its fan-out: where prompts that
     share everything up to it went their own ways)."""
 
@@ -227,6 +228,14 @@ class PrefixIndex:
         ours = self._lru.get(blocks[run], ())
         return any(n > (name in ours) for name, n in after.items())
 
+    def bound(self) -> int:
+        """The most block hashes kept: max_blocks, or the blocks the backends' engines keep in all (their
+        published capacities) where that is more. Each backend's own blocks are trimmed to its capacity, so
+        the index then holds no more than the engines do; a bound below theirs would forget the oldest
+        blocks an engine still holds (8 engines of 640,000 tokens keep 320,000 blocks: a replayed trace's
+        later rounds found their history's holder forgotten and went cold elsewhere)."""
+        return max(self.max_blocks, sum(self._cap.values()))
+
     def capacity(self, backend: str) -> int | None:
         """The most blocks kept for backend (None: only max_blocks bounds it)."""
         return self._cap.get(backend)
@@ -254,7 +263,7 @@ class PrefixIndex:
         if mine is None:
             mine = self._of[backend] = OrderedDict()
         before = [0] * known
-        tick = self._tick
+        tick, bound = self._tick, self.bound()
         for _ in range(unnamed):
             tick += 1
             mine[next(self._unnamed)] = tick     # never a block's hash: matches nothing, only takes room
@@ -262,8 +271,8 @@ class PrefixIndex:
             h = blocks[i]
             holders = lru.get(h)
             if holders is None:
-                if len(lru) >= self.max_blocks:
-                    self._evict_oldest()     # room first: the index never holds more than max_blocks
+                if len(lru) >= bound:
+                    self._evict_oldest()     # room first: the index never holds more than its bound
                 lru[h] = holders = set()
                 if i:
                     parent[h] = blocks[i - 1]
@@ -350,6 +359,7 @@ class PrefixIndex:
     def drop(self, backend: str) -> int:
         """Forget everything sent to backend (it is cold now); returns how many blocks it held."""
         self.changes += 1
+        self._cap.pop(backend, None)      # published again with its next request (Prefix.sent)
         hashes = self._of.pop(backend, {})
         for h in hashes:
             holders = self._lru.get(h)
@@ -683,9 +693,10 @@ class Prefix(Policy):
         a slot there at most routing.home_wait_s, and at most the prefill the match saves over the best
         free backend's at the measured rate (ttft.py): waiting longer than going cold would cost is
         never worth it. A next round whose match ends at a branch waits for its holder while predicted
-        sooner there (_hold_holder); one the index forgot waits for its home (_hold_home). A request that
-        queues anyway (no slot free: candidates empty) waits for home only where the caches overflow
-        (_overflow): otherwise the first slot freed anywhere is its. Home with a slot free: _defer."""
+        sooner there (_hold_holder, also when it queues anyway); one the index forgot waits for its home
+        (_hold_home). Any other request that queues anyway (no slot free: candidates empty) waits for
+        home only where the caches overflow (_overflow): otherwise the first slot freed anywhere is its.
+        Home with a slot free: _defer."""
         r = self.config
         if not r.home_wait_s or route is None or not route.blocks:
             return None
@@ -709,9 +720,11 @@ class Prefix(Policy):
                      candidates: Sequence[Backend], backends: Sequence[Backend]) -> Hold | None:
         """A conversation's next round whose match ends where its own last prompt went on (a branch: the
         pick's _spread), on a holder that holds more of it than every other backend (_beyond) and has no
-        slot free while others have: it waits for the holder when its predicted time to first token
-        there, a slot's wait and the cached prefix counted, is sooner than on every free backend, where
-        it would prefill its history again (cost_s: its time to first token and the prefill it adds). At
+        slot free: it waits for the holder when its predicted time to first token there, a slot's wait
+        and the cached prefix counted, is sooner than on every free backend, where it would prefill its
+        history again (cost_s: its time to first token and the prefill it adds); where no backend has a
+        slot free (it queues anyway), sooner than on every other backend, a slot's wait counted there too
+        (else the first slot freed anywhere took it, and its history went cold to a backend no sooner). At
         most home_wait_s, at most the prediction's margin (the free backends' least cost less the
         holder's without the slot's wait: waiting longer costs more than going cold), and at most
         SLOT_WAITS times the predicted wait for the slot (none predicted, before any answer measured the
@@ -720,12 +733,15 @@ class Prefix(Policy):
         where the match ends (its own last round: a system prompt several conversations opened with is
         no history, and spreads)."""
         r = self.config
-        if (holder is None or holder.free or not candidates or not self._beyond(matched, holder, run)
+        if (holder is None or holder.free or not self._beyond(matched, holder, run)
                 or run * BLOCK_TOKENS < max(r.min_match_tokens, 1) or run < r.min_match_ratio * len(route.blocks)
                 or self.index.fan(route.blocks[run - 1]).get(holder.name, 0) > 1
                 or not all(getattr(b, "slots", 0) for b in backends if b.available)):
             return None
-        elsewhere = min(self.cost_s(route, b, matched) for b in candidates)
+        others = candidates or [b for b in backends if b is not holder and b.available]
+        if not others:
+            return None
+        elsewhere = min(self.cost_s(route, b, matched) for b in others)
         there, at_once = self.cost_s(route, holder, matched), self.cost_s(route, holder, matched, free=True)
         if there >= elsewhere or there <= at_once:
             return None
