@@ -15,7 +15,7 @@ from conftest import wait_until
 from proxy.balancer import Balancer
 from proxy.config import ConfigError, parse_config
 from proxy.routing import RoutingConfig
-from proxy.routing.prefix import BLOCK_BYTES, PrefixIndex, PrefixRoute, prompt_blocks
+from proxy.routing.prefix import BLOCK_BYTES, GROWTH, PrefixIndex, PrefixRoute, prompt_blocks
 from proxy.routing.ttft import Sent
 from proxy_helpers import start_proxy, start_sims
 
@@ -95,7 +95,8 @@ def test_the_index_keeps_what_the_engines_keep_though_that_is_more_than_max_bloc
     """max_blocks 6, two backends whose engines keep 4 blocks each (8 in all): 1. each backend's prompt of
     4 blocks stays whole (a bound of 6 would have forgotten the first's tail though its engine holds it);
     2. a third prompt on a trims a's own oldest, as its engine's LRU does; 3. b taken out: its capacity
-    goes too, and the bound is max_blocks again."""
+    goes too, and the bound is max_blocks again. 4. Engines that publish more than GROWTH times max_blocks
+    in all: the bound stops there (the index's memory stays the operator's to bound)."""
     idx = PrefixIndex(max_blocks=6)
     idx.set_capacity("a", 4), idx.set_capacity("b", 4)
     idx.insert([1, 2, 3, 4], "a")
@@ -105,6 +106,8 @@ def test_the_index_keeps_what_the_engines_keep_though_that_is_more_than_max_bloc
     idx.insert([20, 21], "a")
     assert idx.match([1, 2, 3, 4]) == {"a": 2} and idx.match([20, 21]) == {"a": 2}
     assert idx.drop("b") == 4 and idx.bound() == 6
+    idx.set_capacity("b", 1000)
+    assert idx.bound() == GROWTH * 6
 
 
 @pytest.mark.unit

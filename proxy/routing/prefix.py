@@ -8,7 +8,7 @@ backend it sent each block to. A later prompt's longest run of known blocks on a
 backend most likely still holds.
 
 Bounded: at most max_blocks block hashes, or as many as the backends' engines publish they keep in all
-(their KV caches) where that is more, the least recently used dropped first; a backend's blocks are
+(their KV caches) where that is more, up to GROWTH times max_blocks, the least recently used dropped first; a backend's blocks are
 dropped when the proxy takes it out (ejected, unhealthy, drained for a restart) or a reload removes it.
 """
 from __future__ import annotations
@@ -169,6 +169,9 @@ class PrefixRoute:
         return len(self.blocks) * BLOCK_TOKENS
 
 
+GROWTH = 4   # the index grows to what the engines publish they hold, up to this many times max_blocks
+
+
 class PrefixIndex:
     """Block hash -> the backends it was sent to, least recently used first, at most bound(); and for
     each block, how many distinct blocks followed it on each backend (its fan-out: where prompts that
@@ -230,11 +233,12 @@ class PrefixIndex:
 
     def bound(self) -> int:
         """The most block hashes kept: max_blocks, or the blocks the backends' engines keep in all (their
-        published capacities) where that is more. Each backend's own blocks are trimmed to its capacity, so
-        the index then holds no more than the engines do; a bound below theirs would forget the oldest
-        blocks an engine still holds (8 engines of 640,000 tokens keep 320,000 blocks: a replayed trace's
-        later rounds found their history's holder forgotten and went cold elsewhere)."""
-        return max(self.max_blocks, sum(self._cap.values()))
+        published capacities) where that is more, up to GROWTH times max_blocks (the index's memory stays
+        the operator's to bound: some 780 bytes a block). Each backend's own blocks are trimmed to its
+        capacity, so the index then holds no more than the engines do; a bound below theirs would forget
+        the oldest blocks an engine still holds (8 engines of 640,000 tokens keep 320,000 blocks: a
+        replayed trace's later rounds found their history's holder forgotten and went cold elsewhere)."""
+        return max(self.max_blocks, min(sum(self._cap.values()), GROWTH * self.max_blocks))
 
     def capacity(self, backend: str) -> int | None:
         """The most blocks kept for backend (None: only max_blocks bounds it)."""
