@@ -164,8 +164,9 @@ def main(argv=None) -> int:
     ap.add_argument("--backends", type=int, default=4, help="sims behind every front")
     ap.add_argument("--fronts", default=DEFAULT_FRONTS, help=f"comma separated (default {DEFAULT_FRONTS})")
     ap.add_argument("--rate", type=float, default=300.0, help="requests/s of the open-loop latency run")
-    ap.add_argument("--chat-only", action="store_true", help="the chat rounds alone: no SSE, no open loop")
-    ap.add_argument("--sse-only", action="store_true", help="the streamed rounds alone: no chat rounds, no open loop")
+    only = ap.add_mutually_exclusive_group()
+    only.add_argument("--chat-only", action="store_true", help="the chat rounds alone: no SSE, no open loop")
+    only.add_argument("--sse-only", action="store_true", help="the streamed rounds alone: no chat rounds, no open loop")
     ap.add_argument("--prompt-chars", type=int, default=0, help="a message of N characters instead of 'hi'")
     ap.add_argument("--out", help="also write every figure to this JSON file")
     ap.add_argument("--baseline", help="another checkout (the main branch) whose proxy runs as front proxy-base")
@@ -255,7 +256,8 @@ def median_run(runs: list[dict]) -> dict:
     return sorted(runs, key=lambda r: r["rps"])[len(runs) // 2]
 
 
-def report(f: dict) -> None:
+def report_chat(f: dict) -> None:
+    """The chat rounds' table and ratios (f["ratios"])."""
     runs = {name: median_run(r) for name, r in f["runs"].items()}
     print(f"\nmedian of {f['rounds']} rounds, {f['connections']} connections, {f['backends']} backends:")
     print(f"  {'front':<14}{'r/s':>9}{'p50 ms':>9}{'p99 ms':>9}  errors")
@@ -311,6 +313,12 @@ def report(f: dict) -> None:
         print("  target: routing by model costs at most 5% (requests/s at least 0.95x proxy's)")
     elif not any(o in runs for o in ("proxy-prefix", "proxy-otel", "proxy-otel-down", "proxy-base")):
         print("  targets: requests/s at least vllm-router's (1.00x), p99 at most 1.5x nginx's")
+
+
+def report(f: dict) -> None:
+    if f["runs"]:
+        report_chat(f)
+    f.setdefault("ratios", {})
     if "sse" not in f:
         return
     sse = {name: median_run(r) for name, r in f["sse"].items()}

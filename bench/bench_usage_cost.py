@@ -1,6 +1,6 @@
 """What a usage object on every streamed event costs the real engine's API server (vLLM's CPU build).
 
-    .venv/bin/python bench/bench_usage_cost.py [--rounds 5] [--streams 8] [--tokens 400]
+    .venv/bin/python bench/bench_usage_cost.py [--rounds 7] [--streams 8] [--tokens 1000]
 
 A resumable stream is sent upstream with `stream_options.continuous_usage_stats` (proxy/resume.py,
 `counted_options`: the exact count of the tokens sent before a cut). This measures what that asks of
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import signal
 import statistics
@@ -50,8 +51,8 @@ async def _stream(session: aiohttp.ClientSession, url: str, tokens: int, usage: 
     return events
 
 
-async def _measure(pid: int, port: int, args) -> dict[bool, list[float]]:
-    url = f"http://127.0.0.1:{port}"
+async def _measure(server: subprocess.Popen, port: int, args) -> dict[bool, list[float]]:
+    url, pid = f"http://127.0.0.1:{port}", server.pid
     # A connection a stream each: uvicorn closes one idle for 5 s, and a round's early streams idle that long.
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
         deadline = time.monotonic() + 600
@@ -62,6 +63,9 @@ async def _measure(pid: int, port: int, args) -> dict[bool, list[float]]:
                         break
             except aiohttp.ClientError:
                 pass
+            if server.poll() is not None:
+                raise SystemExit(f"bench_usage_cost: vLLM ended (status {server.returncode}) before it answered "
+                                 "/health; its log was in the temporary directory, run it again to see it")
             if time.monotonic() > deadline:
                 raise SystemExit("bench_usage_cost: vLLM did not answer /health within 600 s")
             await asyncio.sleep(1)
@@ -87,11 +91,32 @@ async def _measure(pid: int, port: int, args) -> dict[bool, list[float]]:
         return per_event
 
 
+def _end_group(server: subprocess.Popen) -> None:
+    """End the server's own process group (it and the engine core it spawned: a session of its own, made
+    by this script), SIGTERM then, after 60 s, SIGKILL, and wait until no member is left."""
+    pgid = server.pid
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + 60
+    while True:
+        server.poll()
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        if time.monotonic() > deadline:
+            os.killpg(pgid, signal.SIGKILL)
+            deadline = math.inf
+        time.sleep(0.2)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--streams", type=int, default=8, help="concurrent streams a round (max_num_seqs 8)")
-    ap.add_argument("--tokens", type=int, default=400, help="tokens of each stream")
+    ap.add_argument("--tokens", type=int, default=1000, help="tokens of each stream")
     args = ap.parse_args(argv)
     vllm = VENV / "bin" / "vllm"
     if not vllm.exists():
@@ -114,14 +139,9 @@ def main(argv=None) -> int:
         try:
             print(f"vLLM (CPU build) on the tiny model, {args.streams} streams of {args.tokens} tokens a round, "
                   f"{os.cpu_count()} CPUs", flush=True)
-            per_event = asyncio.run(_measure(server.pid, port, args))
+            per_event = asyncio.run(_measure(server, port, args))
         finally:
-            os.killpg(server.pid, signal.SIGTERM)    # its own group: it and the engine core it spawned
-            try:
-                server.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
-                server.wait()
+            _end_group(server)
     plain, usage = statistics.median(per_event[False]), statistics.median(per_event[True])
     print(f"the API server's CPU per event, median of {args.rounds} rounds: plain {plain:.1f} us, with "
           f"continuous_usage_stats {usage:.1f} us ({usage / plain:.3f}x)")

@@ -96,7 +96,9 @@ def test_the_index_keeps_what_the_engines_keep_though_that_is_more_than_max_bloc
     4 blocks stays whole (a bound of 6 would have forgotten the first's tail though its engine holds it);
     2. a third prompt on a trims a's own oldest, as its engine's LRU does; 3. b taken out: its capacity
     goes too, and the bound is max_blocks again. 4. Engines that publish more than GROWTH times max_blocks
-    in all: the bound stops there (the index's memory stays the operator's to bound)."""
+    in all: the bound stops there (the index's memory stays the operator's to bound). 5. The same as 1.
+    and 2. with b's prompt sent first: a full a makes room from its own oldest blocks, not from b's (the
+    index's oldest, which b's engine still holds)."""
     idx = PrefixIndex(max_blocks=6)
     idx.set_capacity("a", 4), idx.set_capacity("b", 4)
     idx.insert([1, 2, 3, 4], "a")
@@ -108,6 +110,29 @@ def test_the_index_keeps_what_the_engines_keep_though_that_is_more_than_max_bloc
     assert idx.drop("b") == 4 and idx.bound() == 6
     idx.set_capacity("b", 1000)
     assert idx.bound() == GROWTH * 6
+    idx = PrefixIndex(max_blocks=6)
+    idx.set_capacity("a", 4), idx.set_capacity("b", 4)
+    idx.insert([10, 11, 12, 13], "b")
+    idx.insert([1, 2, 3, 4], "a")
+    idx.insert([20, 21], "a")
+    assert idx.match([10, 11, 12, 13]) == {"b": 4} and idx.match([1, 2, 3, 4]) == {"a": 2}
+    assert idx.match([20, 21]) == {"a": 2} and len(idx) == 8
+
+
+@pytest.mark.unit
+def test_an_answers_unnamed_blocks_take_room_only_where_a_capacity_trims_them():
+    """An answer's blocks, which the index cannot name, count against a backend's published capacity
+    (its engine caches them too); on a backend that published none nothing would ever trim them, so they
+    are not kept: a thousand answers leave its share at the prompts' blocks."""
+    idx = PrefixIndex(max_blocks=100)
+    for i in range(1000):
+        idx.insert([i % 50], "a", unnamed=5)
+    assert len(idx._of["a"]) == 50
+    idx.set_capacity("b", 8)
+    idx.insert([1000, 1001], "b", unnamed=5)
+    idx.insert([1002, 1003], "b", unnamed=5)
+    # 8 kept of b: the second prompt, its answer's 5, and the first prompt's head (its tail and answer went)
+    assert len(idx._of["b"]) == 8 and idx.match([1002, 1003]) == {"b": 2} and idx.match([1000, 1001]) == {"b": 1}
 
 
 @pytest.mark.unit

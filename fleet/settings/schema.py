@@ -313,7 +313,8 @@ class RoutingSettings(Section):
         "prefix: the prompt blocks (64 bytes each) the proxy remembers per model, least recently used "
         "dropped first; about 780 bytes of memory each. Where the backends' engines publish their KV "
         "caches' sizes and those hold more blocks in all, as many as they hold, up to 4 times this "
-        "(each backend's share trimmed to its cache).")
+        "(each backend's share trimmed to its cache): at the default, up to some 800 MB per model and "
+        "per worker process.")
     lookahead: _int(0, 1024) = doc(16,
         "prefix: how many queued requests a freed slot may look past for one whose prefix is on that "
         "backend; no request is passed over more than this many times. 0: strict FIFO.")

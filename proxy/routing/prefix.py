@@ -267,16 +267,21 @@ class PrefixIndex:
         if mine is None:
             mine = self._of[backend] = OrderedDict()
         before = [0] * known
-        tick, bound = self._tick, self.bound()
-        for _ in range(unnamed):
+        tick, bound, cap = self._tick, self.bound(), self._cap.get(backend)
+        for _ in range(unnamed if cap else 0):     # (without a capacity nothing would trim them)
             tick += 1
             mine[next(self._unnamed)] = tick     # never a block's hash: matches nothing, only takes room
         for i in range(len(blocks) - 1, -1, -1):
             h = blocks[i]
             holders = lru.get(h)
             if holders is None:
+                # Room first (the index never holds more than its bound): from backend's own oldest while
+                # it is full (its trim would take them anyway: its engine evicts those), else the index's
+                # oldest, which may be another backend's that its engine still holds.
+                while len(lru) >= bound and cap and len(mine) >= cap:
+                    self._leave(mine.popitem(last=False)[0], backend)
                 if len(lru) >= bound:
-                    self._evict_oldest()     # room first: the index never holds more than its bound
+                    self._evict_oldest()
                 lru[h] = holders = set()
                 if i:
                     parent[h] = blocks[i - 1]
