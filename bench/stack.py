@@ -328,16 +328,9 @@ class Stack:
         return cpu_s(self.pids[front])
 
     def children_cpu_s(self, front: str) -> float:
-        """CPU seconds the live children of a proxy front have used so far: its span exporter
-        (proxy.otlp_export), 0 when it has none. A child that died meanwhile takes its time with it."""
-        total = 0.0
-        for p in processes.snapshot().values():
-            if p.ppid == self.pids[front]:
-                try:
-                    total += cpu_s(p.pid)
-                except (OSError, IndexError):   # it ended meanwhile
-                    pass
-        return total
+        """CPU seconds the live descendants of a proxy front have used so far: its workers, its span
+        exporter (proxy.otlp_export), 0 when it has none. One that ended meanwhile takes its time with it."""
+        return max(0.0, self.tree_cpu_s(front) - self.cpu_s(front))
 
     def tree_cpu_s(self, front: str) -> float:
         """CPU seconds a front's processes have used so far, every one of them: a proxy's and its children's
