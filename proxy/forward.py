@@ -16,11 +16,11 @@ from aiohttp import web
 from .admission import DEFAULT, Account, Tenant
 from .clients import CUT
 from .balancer import Backend, Balancer, QueueFull, QueueTimeout, TenantFull
-from .body import Parsed, Refused, parse
+from .body import Parsed, Refused, loads, parse
 from .fixups import numeric_user
 from .models import NO_MODEL
 from .results_log import LOGGED_PATHS, ResponseObserver, trace_id_of, user_value, utc_now_ms
-from .resume import Splice, continuation, counted_options, refusal, usage_asked
+from .resume import Splice, budget_left, continuation, counted_options, refusal, tokenize_request, usage_asked
 from .routing import Route
 from .state import PROXY
 from .tracing import NOT_SAMPLED, SAMPLED, chance, new_span_id, new_trace_id, parse_traceparent, sampled
@@ -46,6 +46,8 @@ NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", "traceparent", "x-reques
 TRACE_ID = "otel_trace_id"      # the request's key of its W3C trace id (the X-Trace-Id header, app.py)
 TOKEN_BYTES = 4                  # a prompt not yet read is reckoned at its body's length over this
 WATCH_S = 1.0                    # a resumable stream's quiet upstream is looked at this often (stall, taken out)
+TOKENIZE_S = 10.0                # the bound of a cut's count of what was sent (the next engine's /tokenize)
+TOKENIZE_BYTES = 16 * 1024 * 1024   # of its answer, read (the text's token ids: some 8 bytes each)
 
 
 _ID_PREFIX = secrets.token_hex(8)   # this process's own: ids stay unique across restarts and workers
@@ -452,7 +454,7 @@ def _splice_for(ex: Exchange, proxy) -> Splice | None:
     if not ex.logged or not isinstance(request, dict) or not request.get("stream"):
         return None
     why = refusal(ex.request.path, request) if proxy.config.resume.enabled else "off (proxy.resume.enabled false)"
-    return Splice(ex.request.path, why, *usage_asked(request))
+    return Splice(ex.request.path, why, usage_asked(request)[0])
 
 
 async def _resume(ex: Exchange, proxy, pool: Balancer, out: Outcome, tried: list) -> Outcome:
@@ -468,15 +470,22 @@ async def _resume(ex: Exchange, proxy, pool: Balancer, out: Outcome, tried: list
     for _ in range(config.max_attempts):
         if not splice.resumable:
             return _not_resumed(ex, proxy, out, "refused" if config.enabled else "off", splice.refused)
-        rest = None if splice.finished else await _continuation_body(ex, proxy)
-        if rest is None:      # the answer was whole (its budget spent, or its finish_reason out): close it
-            proxy.metrics.resumes.labels("closed").inc()
-            return await _closed(ex, out)
+        if splice.finished or not budget_left(ex.parsed.request, splice.sent):
+            return await _closed(ex, proxy, out)    # the answer was whole (its finish_reason out, its budget spent)
         other = pool.acquire(exclude=tried, over=True, route=ex.route)
         if other is None:
             return _not_resumed(ex, proxy, out, "no_backend", "no other healthy instance in its pool")
+        try:        # other's slot is this request's only once held (_hold): until then, given back here
+            counted = splice.recount(await _tokenized(ex, proxy, other) if splice.reported is None else None)
+            rest = await _continuation_body(ex, proxy)
+        except BaseException:
+            pool.release(other)
+            raise
+        if rest is None:      # the budget spent, as the engine's tokenizer counts what was sent
+            pool.release(other)
+            return await _closed(ex, proxy, out)
         failed = ex.slot
-        splice.cut(failed.name, out.error)
+        splice.cut(failed.name, out.error, counted)
         splice.moved(other.name)
         _hold(ex, other)       # first: ex.slot is what _forward releases
         pool.release(failed)
@@ -497,9 +506,10 @@ def _not_resumed(ex: Exchange, proxy, out: Outcome, outcome: str, why: str) -> O
     return out
 
 
-async def _closed(ex: Exchange, out: Outcome) -> Outcome:
+async def _closed(ex: Exchange, proxy, out: Outcome) -> Outcome:
     """A stream cut when every token of its answer was out already: the proxy ends it (its usage chunk
     when asked for, the prompt reckoned as admission did when no event told it; [DONE])."""
+    proxy.metrics.resumes.labels("closed").inc()
     try:
         await ex.request["response"].write(ex.splice.closing(_prompt_tokens(ex)))
     except ConnectionResetError as e:
@@ -521,6 +531,24 @@ async def _continuation_body(ex: Exchange, proxy) -> bytes | None:
     if len(ex.body) <= proxy.config.limits.inline_kb * 1024:
         return build()
     return await asyncio.get_running_loop().run_in_executor(proxy.parser, build)
+
+
+async def _tokenized(ex: Exchange, proxy, backend: Backend) -> int | None:
+    """The tokens of the text a cut stream sent, as backend's engine counts them (its /tokenize; proxy/
+    resume.py tokenize_request); None when it cannot say (an engine without the endpoint, an error, past
+    TOKENIZE_S). Costs the cut one small request, where usage on every event (continuous_usage_stats)
+    cost the engine's API server 15% more CPU an event on every stream."""
+    body = json.dumps(tokenize_request(ex.parsed.request, "".join(ex.splice.text))).encode()
+    headers = {"Content-Type": "application/json", "X-Request-Id": ex.request_id}
+    try:
+        async with proxy.upstream.request("POST", backend.url, "/tokenize", headers, body, TOKENIZE_S,
+                                          min(proxy.config.connect_timeout_s, TOKENIZE_S)) as up:
+            answer = await _read_up_to(up, TOKENIZE_BYTES)
+            status = up.status
+        count = loads(answer).get("count") if status == 200 else None
+    except (UpstreamError, asyncio.TimeoutError, ConnectionResetError, ValueError, AttributeError):
+        return None
+    return count if isinstance(count, int) and not isinstance(count, bool) and count >= 0 else None
 
 
 def _retried(ex: Exchange, proxy, failed: Backend, out: Outcome) -> None:
@@ -714,9 +742,9 @@ async def _digested(proxy, body: bytes, pool: Balancer | None, fix: bool, counte
 def digest(body: bytes, limits, pool: Balancer | None, fix: bool, counted: str | None = None) -> tuple:
     """(the body's parse, its route by pool's policy (None: no policy reads it), the trace id from its `user`,
     the body to send when it changed (else None), the results log's names of the changes); Refused past
-    limits. Changes: a numeric `user` made a string (fix), and a resumable stream's usage asked on every
-    event (counted: the request's path; proxy/resume.py counted_options). Runs in a worker thread for a
-    large body: it touches nothing shared."""
+    limits. Changes: a numeric `user` made a string (fix), and a resumable stream's closing usage asked
+    (counted: the request's path; proxy/resume.py counted_options). Runs in a worker thread for a large
+    body: it touches nothing shared."""
     parsed = parse(body, limits)
     route = pool.route_of(parsed) if pool is not None else None
     user = parsed.user if parsed.request is not None else None

@@ -1,8 +1,9 @@
 """A stream that survives its instance: an answer cut after its first chunk is finished on another
 instance, in the same client stream (issue 38; NVIDIA Dynamo calls it request migration).
 
-Three pure pieces, no I/O (proxy/forward.py does the sending): why a request cannot be continued
-honestly (`refusal`); the continuation request (`continuation`: vLLM's own `continue_final_message` for
+Pure pieces, no I/O (proxy/forward.py does the sending): why a request cannot be continued honestly
+(`refusal`); what counts the tokens sent at a cut (the text so far, by the next
+engine's own tokenizer, `tokenize_request`); the continuation request (`continuation`: vLLM's own `continue_final_message` for
 chat, the prompt plus the text so far for completions, the token budget reduced by what was sent); and
 the splicer (`Splice`), which reads the stream as it passes (a read of the common shape at once, any other
 event by event), withholds an engine's error event, and makes the continuation's events look like the
@@ -41,7 +42,7 @@ _CONTENT = {True: re.compile(rb'"choices":\[\{"index":0,"delta":\{"content":"' +
 _COUNT = rb'(?:-?(?:0|[1-9][0-9]*)|null)'
 _COUNTS = rb'\{(?:"[a-z_]+":' + _COUNT + rb'(?:,"[a-z_]+":' + _COUNT + rb')*)?\}'
 _USAGE_VALUE = rb'(?:"[a-z_]+":(?:' + _COUNT + rb'|' + _COUNTS + rb'))'
-# `,"usage":` and its value, when it is the event's last member: what without_usage cuts, found in one pass.
+# `,"usage":` and its value, when it is the event's last member (as vLLM writes it), found in one pass.
 _USAGE_MEMBER = re.compile(rb',"usage":(null|\{(?:' + _USAGE_VALUE + rb'(?:,' + _USAGE_VALUE + rb')*)?\})(?=\}\n\n)')
 _RUN_START = b"data: {"
 _NEXT_EVENT = b"\n\ndata: {"
@@ -92,26 +93,6 @@ def _json_object(payload: bytes) -> dict | None:
     return event if isinstance(event, dict) else None
 
 
-def without_usage(raw: bytes) -> bytes | None:
-    """An SSE event (`data: {...}`) as sent, less its top-level `usage` member, when that is its last
-    member, written `,"usage":` (as vLLM writes its events: compact), and the only `"usage"` text in it;
-    None otherwise (the caller writes the event anew). What the client parses is the same object either way;
-    the bytes stay the engine's, and a usage on every event costs no second encoding of every event."""
-    payload = raw.strip()[5:].strip()
-    at = payload.find(_USAGE)
-    if at < 1 or payload[at - 1] != 0x2C or payload[-1:] != b"}" or payload.find(_USAGE, at + 1) != -1:
-        return None
-    value = payload[at + len(_USAGE):-1].lstrip()
-    if value[:1] != b":":
-        return None
-    text = value[1:].decode("utf-8", "surrogatepass").strip()
-    try:   # one JSON value up to the event's closing brace: the member is the top-level object's
-        end = _VALUE.raw_decode(text)[1]
-    except ValueError:
-        return None
-    return b"data: " + payload[:at - 1] + b"}\n\n" if end == len(text) else None
-
-
 def json_string(body: bytes) -> str:
     """The text of a JSON string whose body (between its quotes) is body, as the engine sent it."""
     if b"\\" not in body:
@@ -127,18 +108,15 @@ def _text_prompt(prompt) -> bool:
 
 
 def counted_options(path: str, request: dict | None) -> dict | None:
-    """The stream_options a resumable stream is sent upstream with, when the client's lack them: usage on
-    every event (vLLM's continuous_usage_stats), so the tokens sent before a cut are the engine's count. One
-    content event is one token only while the engine keeps up: a busy vLLM merges the deltas its API server
-    has not taken yet into one event, and a budget reckoned per event ran past the client's max_tokens.
-    None: not resumable, or asked for already. The splice takes out what the client did not ask for."""
-    if refusal(path, request) is not None:
-        return None
-    asked = usage_asked(request)
-    if asked == (True, True):
+    """The stream_options a resumable stream is sent upstream with when the client's lack the closing usage
+    chunk: that chunk (include_usage), so the whole answer's tokens are the engine's count (the results
+    log's, a tenant's charge, a continuation's); not usage on every event (continuous_usage_stats), which
+    costs the engine's API server some 15% more CPU an event. The splice drops the chunk the client did
+    not ask for. None: not resumable, or asked for already."""
+    if refusal(path, request) is not None or usage_asked(request)[0]:
         return None
     options = request.get("stream_options")
-    return {**(options if isinstance(options, dict) else {}), "include_usage": True, "continuous_usage_stats": True}
+    return {**(options if isinstance(options, dict) else {}), "include_usage": True, "continuous_usage_stats": False}
 
 
 def usage_asked(request: dict) -> tuple[bool, bool]:
@@ -183,6 +161,22 @@ def continuation(path: str, request: dict, text: str, tokens: int) -> dict | Non
     return body
 
 
+def budget_left(request: dict, tokens: int) -> bool:
+    """Whether a token budget (max_tokens, max_completion_tokens) leaves room after tokens were sent."""
+    return all(not isinstance(request.get(key), int) or isinstance(request.get(key), bool)
+               or request[key] - tokens > 0 for key in ("max_tokens", "max_completion_tokens"))
+
+
+def tokenize_request(request: dict, text: str) -> dict:
+    """The /tokenize request that counts text, an answer cut after it, as the engine's tokenizer reads it:
+    the text alone, no special tokens (vLLM's TokenizeCompletionRequest). A model's own text reads back
+    as the tokens it generated but where a sampled token split a word otherwise than the tokenizer would;
+    alone, it is counted without the chat template (whose generation prompt may hold more than the
+    assistant's header: a reasoning model's empty think block) and without the prompt's images."""
+    model = request.get("model")
+    return {**({"model": model} if isinstance(model, str) else {}), "prompt": text, "add_special_tokens": False}
+
+
 @dataclass
 class Hop:
     """One move of the stream to another instance."""
@@ -192,6 +186,7 @@ class Hop:
     tokens_before: int   # tokens the client had when it broke off
     why: str             # how it broke off
     t_cut: float         # when the proxy saw it (time.monotonic())
+    counted: str = "events"  # what counted tokens_before (Splice.recount): usage, tokenize, events
     t_before: float = 0.0  # when the last event before the cut went out
     gap_s: float | None = None   # from the last event before the cut to the first after it (the client's gap)
 
@@ -201,16 +196,16 @@ class Splice:
     continuation made to look like the rest of it. refused: why it cannot be continued (None: it can);
     events then pass as bytes untouched."""
 
-    def __init__(self, path: str, refused: str | None, include_usage: bool = False, continuous: bool = False):
+    def __init__(self, path: str, refused: str | None, include_usage: bool = False):
         self.chat = path == CHAT
         self.refused = refused
         self.include_usage = include_usage    # the client asked for the closing usage chunk
-        # The proxy asked the engine for usage on every event (counted_options) and takes out what the
-        # client did not ask for, whether or not the stream stays resumable.
-        self.strip = refused is None and not (include_usage and continuous)
+        # The proxy asked for the closing usage chunk (counted_options): it does not reach the client.
+        self.strip = refused is None and not include_usage
         self.ids: dict | None = None      # id, created, model of the first answer's first event
         self._text: list[str | bytes] = []    # the text sent: str, or a read's JSON string bodies (Splice._run)
         self.tokens = 0                   # content events sent (one token each, as vLLM streams by default)
+        self.uncounted = 0                # tokens more than the events, counted at a cut (recount)
         self.reported: int | None = None  # completion_tokens of the last usage that went out (the engine's count)
         self.usage_out = False            # the closing usage chunk (no choices) went out
         self.finished = False             # a finish_reason went out: the answer is whole but for [DONE]
@@ -230,10 +225,23 @@ class Splice:
 
     @property
     def sent(self) -> int:
-        """Tokens of the answer the client has: the engine's own count when its events carried usage
-        (vLLM's stream_options.continuous_usage_stats), else one per content event, which is short when an
-        event carries several tokens (vLLM's --stream-interval, speculative decoding)."""
-        return self.tokens if self.reported is None else max(self.reported, self.tokens)
+        """Tokens of the answer the client has: the engine's own count when its events carried usage (the
+        client asked vLLM's stream_options.continuous_usage_stats), else one per content event and what a
+        cut's count found more (recount): one per event alone is short when an event carries several
+        tokens (a busy API server merges the deltas it has not taken yet; --stream-interval)."""
+        counted = self.tokens + self.uncounted
+        return counted if self.reported is None else max(self.reported, counted)
+
+    def recount(self, tokens: int | None) -> str:
+        """At a cut: the text sent as the next engine's tokenizer counts it (tokens; None: it could not
+        say). What counted the tokens sent: usage (the engine's, every event carried it), tokenize, or
+        events (one a content event: short when one carries several)."""
+        if self.reported is not None:
+            return "usage"
+        if tokens is None:
+            return "events"
+        self.uncounted = max(self.uncounted, tokens - self.tokens)
+        return "tokenize"
 
     @property
     def text(self) -> list[str]:
@@ -313,9 +321,9 @@ class Splice:
         """block's events for the client, read at once, when every one is of the common shape (a first
         answer's content events: one choice, index 0, a content and no finish_reason, no error, each on one
         `data: ` line, usage its last member if any), as a C pass or two each (counts, two patterns) instead
-        of a parse and Python work per event: the unasked usage cut from the bytes (as without_usage cuts
-        it), the contents counted and kept as sent (decoded when a continuation or the results log needs
-        them), the last usage parsed. None: not that shape (block then goes event by event)."""
+        of a parse and Python work per event: the contents counted and kept as sent (decoded when a
+        continuation or the results log needs them), the last usage parsed. None: not that shape (block
+        then goes event by event)."""
         if self.hops or self.error is not None or self.done or self.ids is None or not self.resumable:
             return None
         n = block.count(_NEXT_EVENT) + 1
@@ -329,15 +337,10 @@ class Splice:
         if len(contents) != n:
             return None
         usage = None
-        usages = block.count(_USAGE)
-        if usages:
+        if _USAGE in block:
             last = _USAGE_MEMBER.match(block, block.rfind(b',"usage":'))
             if last is None:
                 return None
-            if self.strip:
-                block, cut = _USAGE_MEMBER.subn(b"", block)
-                if cut != usages:
-                    return None
             usage = _VALUE.scan_once(last.group(1).decode(), 0)[0]   # ASCII by its pattern: one C call
             if isinstance(usage, dict):
                 if isinstance(usage.get("completion_tokens"), int):
@@ -381,12 +384,8 @@ class Splice:
             return DONE
         if event is None:
             return raw + b"\n\n"
-        had_usage = "usage" in event      # then changed: _unasked took it out
-        if not self.resumable:      # no longer read for a continuation: only the usage the client did not ask for goes
-            if self._unasked(event) is None:
-                return None
-            changed = had_usage and "usage" not in event
-            return self._out(raw, event, changed, changed)
+        if not self.resumable:      # no longer read for a continuation (a tool call began): passed as sent
+            return None if self._unasked(event) else raw + b"\n\n"
         if "error" in event or event.get("object") == "error":
             err = event.get("error", event)
             self.error = err.get("message", json.dumps(err)) if isinstance(err, dict) else str(err)
@@ -396,37 +395,17 @@ class Splice:
         if self.hops and not self._rewrite(event):
             return None
         self._absorb(event)
-        if self.strip and self._unasked(event) is None:
+        if self._unasked(event):
             return None
-        changed = had_usage and "usage" not in event
         self.usage_out = self.usage_out or (isinstance(event.get("usage"), dict) and not event.get("choices"))
-        return self._out(raw, event, changed or bool(self.hops), changed and not self.hops)
-
-    @staticmethod
-    def _out(raw: bytes, event: dict, changed: bool, unasked: bool = False) -> bytes:
-        """The event's bytes: as the engine sent them when nothing in it changed; unasked: only its usage
-        was taken out (the client did not ask for it), which is cut from the bytes as sent when it can be
-        (without_usage), not written anew."""
-        if not changed:
+        if not self.hops:       # the engine's bytes as sent: nothing in the event changed
             return raw + b"\n\n"
-        if unasked:
-            cut = without_usage(raw)
-            if cut is not None:
-                return cut
         return b"data: " + _EVENT.encode(event).encode() + b"\n\n"
 
-    def _unasked(self, event: dict) -> dict | None:
-        """event without the usage the client did not ask for (counted_options asked it of the engine): the
-        closing usage chunk dropped (None) unless stream_options.include_usage, the usage of every other
-        event taken out (vLLM 0.32 sends none there with include_usage alone: exclude_unset)."""
-        if not self.strip or "usage" not in event:
-            return event
-        if not event.get("choices"):
-            if self.include_usage:
-                return event
-            return None if isinstance(event.get("usage"), dict) else event
-        del event["usage"]
-        return event
+    def _unasked(self, event: dict) -> bool:
+        """Whether event is the closing usage chunk (no choices) the proxy asked for and the client did not
+        (counted_options): it goes no further than the proxy."""
+        return self.strip and not event.get("choices") and isinstance(event.get("usage"), dict)
 
     def _rewrite(self, event: dict) -> bool:
         """Make a continuation's event the first answer's: its ids, no second role, the whole usage; False:
@@ -478,12 +457,13 @@ class Splice:
             if choice.get("finish_reason"):
                 self.finished = True
 
-    def cut(self, failed: str, why: str) -> None:
-        """The stream broke off at failed: a hop begins (its backend named by `moved`)."""
+    def cut(self, failed: str, why: str, counted: str = "events") -> None:
+        """The stream broke off at failed: a hop begins (its backend named by `moved`); counted: what
+        counted the tokens sent (recount)."""
         self._pending = b""     # a half event of the instance that died is never completed
         self.error = None
         now = time.monotonic()
-        self.hops.append(Hop(failed, "", self.sent, why, now, self.last_write or now))
+        self.hops.append(Hop(failed, "", self.sent, why, now, counted=counted, t_before=self.last_write or now))
 
     def moved(self, backend: str) -> None:
         """The hop's continuation goes to backend."""
@@ -513,6 +493,6 @@ class Splice:
         gaps = [h.gap_s for h in self.hops if h.gap_s is not None]
         return {"resumed": True, "backends": [first.failed, *(h.backend for h in self.hops)],
                 "tokens_before": first.tokens_before, "tokens_after": self.sent - first.tokens_before,
-                "completion_tokens": self.sent, "resume_cause": first.why,
+                "completion_tokens": self.sent, "tokens_counted_by": first.counted, "resume_cause": first.why,
                 **({} if self.declined is None else {"resume": self.declined}),
                 "resume_gap_ms": round(max(gaps) * 1000, 1) if gaps else None}

@@ -695,6 +695,8 @@ def test_streams_survive_the_engine_core_kill_and_greedy_answers_run_on(cluster)
         lines = [e for e in finals if e.get("resumed")]
         resumed = {int(e["trace_id"].split("-")[1]) for e in lines}     # the streams' `user`: resume-K
         assert all(e["backends"][0] == f"127.0.0.1:{c.ports[victim]}" for e in lines) and resumed
+        # The tokens before the cut counted by the next engine's /tokenize (vLLM's own tokenizer)
+        assert all(e["tokens_counted_by"] == "tokenize" for e in lines), lines
         same = sum(got[k][0] == reference[k] for k in resumed)
         c.figures["resume_streams_on_killed"] = on_victim
         c.figures["resume_resumed"] = len(resumed)

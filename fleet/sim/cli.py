@@ -43,6 +43,8 @@ def parser() -> argparse.ArgumentParser:
                             "flag; FLEET_SIM_MAX_NUM_BATCHED_TOKENS; default 0: each request's prefill paid on "
                             "its own, the sim's older model)")
     serve.add_argument("--enforce-eager", action="store_true", help="accepted; no effect")
+    serve.add_argument("--stream-interval", type=int, default=1,
+                       help="tokens a streamed event carries, as vLLM's flag (the last event may carry fewer)")
     serve.add_argument("--enable-prompt-tokens-details", action="store_true",
                        help="usage carries prompt_tokens_details.cached_tokens, as vLLM's flag does")
     serve.add_argument("--sim-load-s", dest="load_s", type=float,

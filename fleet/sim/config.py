@@ -71,6 +71,7 @@ class SimConfig:
     max_lora_rank: int = 16     # vLLM's default (vllm/config/lora.py)
     runtime_lora: bool = False  # VLLM_ALLOW_RUNTIME_LORA_UPDATING: the load/unload routes exist
     prompt_tokens_details: bool = False   # --enable-prompt-tokens-details: usage carries cached_tokens
+    stream_interval: int = 1    # --stream-interval: the tokens a streamed event carries
 
     @property
     def served_name(self) -> str:
@@ -158,6 +159,7 @@ def settle(flags: dict, environ=None) -> SimConfig:
         block_size=flags.get("block_size") or BLOCK_SIZE,
         runtime_lora=runtime_lora_allowed(env),
         prompt_tokens_details=bool(flags.get("enable_prompt_tokens_details")),
+        stream_interval=max(1, flags.get("stream_interval") or 1),
         after_engine_death=after,
         **timing,
     )

@@ -113,6 +113,26 @@ def _text_tokens(text: str) -> list[str]:
     return [text[i:i + CHARS_PER_TOKEN] for i in range(0, len(text), CHARS_PER_TOKEN)]
 
 
+# How the sim's own answers are cut into tokens (output_tokens): a word with the space before it, the
+# thinking block's markers; anything else a character a token.
+_ANSWER_TOKEN = re.compile(r"<think>\n|\n</think>\n\n| ?[^ \n]+|[\s\S]")
+
+
+_OWN_WORDS = frozenset(_FILLER) | {w + "." for w in _FILLER} | {"<think>\n", "\n</think>\n\n"}
+
+
+def answer_tokens(text: str) -> list[str]:
+    """text tokenized as the sim writes its answers: an answer continued (continue_final_message, or a
+    completion's prompt ending with its own answer so far) counts as many tokens as were generated, as
+    a real engine's tokenizer counts its own text (the same tokens, for most text)."""
+    return _ANSWER_TOKEN.findall(text)
+
+
+def _own_words(text: str) -> bool:
+    """Whether text is made of the sim's answer words alone (its vocabulary has each as one token)."""
+    return bool(text) and all(t.lstrip(" ") in _OWN_WORDS for t in answer_tokens(text))
+
+
 def image_identifier(url: str) -> str:
     """An image's content hash: of a data URL's payload (whatever its declared type), else of its URL."""
     payload = url.split(",", 1)[1] if url.startswith("data:") else url
@@ -122,12 +142,14 @@ def image_identifier(url: str) -> str:
 def _chat_prompt(messages, generation_prompt: bool = True, continue_final: bool = False) -> tuple[list, list[Image], str]:
     """The chat template applied to the messages: tokens, images (placeholder tokens, hashed by
     content) and the messages' text. continue_final: the last message is left open (no `<|im_end|>`), as
-    transformers' apply_chat_template does; generation_prompt: `<|im_start|>assistant\n` closes the prompt."""
+    transformers' apply_chat_template does, its text the answer being continued (answer_tokens);
+    generation_prompt: `<|im_start|>assistant\n` closes the prompt."""
     if not isinstance(messages, list) or not messages:
         raise _validation_error("chat", "messages", "Input should be a non-empty list", messages)
     tokens: list = []
     images: list[Image] = []
     texts: list[str] = []
+    last = len(messages) - 1
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
             raise _validation_error("chat", f"messages.{i}", "Input should be a message with a role", msg)
@@ -140,7 +162,7 @@ def _chat_prompt(messages, generation_prompt: bool = True, continue_final: bool 
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text" and isinstance(part.get("text"), str):
                 texts.append(part["text"])
-                tokens += _text_tokens(part["text"])
+                tokens += (answer_tokens if continue_final and i == last else _text_tokens)(part["text"])
             elif kind == "image_url":
                 url = part.get("image_url")
                 url = url.get("url") if isinstance(url, dict) else url
@@ -189,17 +211,11 @@ def parse(kind: str, body, served_names: list[str], max_model_len: int, adapters
     if asked and asked not in served_names and asked not in adapters:
         raise unknown_model(asked, served_names)
     model = asked if asked in adapters else served_names[0]
-    continued = ""
+    tokens, images, text, continued = _prompt(kind, body)
     if kind == "chat":
-        generation_prompt, continue_final = _template_flags(body)
-        tokens, images, text = _chat_prompt(body.get("messages"), generation_prompt, continue_final)
-        if continue_final:
-            continued, text = _continued(body["messages"], text)
         max_tokens = _int_field(kind, body, "max_completion_tokens") or _int_field(kind, body, "max_tokens")
     else:
-        (tokens, text), images = _completion_prompt(body.get("prompt")), []
         max_tokens = _int_field(kind, body, "max_tokens")
-        text, continued = _own_answer(text)
     prompt_tokens = len(tokens)
     if prompt_tokens >= max_model_len or (max_tokens and prompt_tokens + max_tokens > max_model_len):
         asked = prompt_tokens + (max_tokens or 0)
@@ -217,6 +233,44 @@ def parse(kind: str, body, served_names: list[str], max_model_len: int, adapters
                thinking=isinstance(kwargs, dict) and bool(kwargs.get("enable_thinking")),
                seed=zlib.crc32(text.encode()),
                prompt=Prompt(tokens, images, model if model in adapters else None), continued=continued)
+
+
+def _prompt(kind: str, body: dict) -> tuple[list, list[Image], str, str]:
+    """The prompt's tokens, its images, its text without the answer it continues, and that answer's text
+    ("" when it continues none)."""
+    if kind == "chat":
+        generation_prompt, continue_final = _template_flags(body)
+        tokens, images, text = _chat_prompt(body.get("messages"), generation_prompt, continue_final)
+        continued = ""
+        if continue_final:
+            continued, text = _continued(body["messages"], text)
+        return tokens, images, text, continued
+    tokens, text = _completion_prompt(body.get("prompt"))
+    text, continued = _own_answer(text)
+    if continued:
+        tokens = (_text_tokens(text) or [""]) + answer_tokens(continued)
+    return tokens, [], text, continued
+
+
+def tokenize(body, served_names: list[str], max_model_len: int, adapters=()) -> dict:
+    """vLLM's /tokenize: the prompt a chat (`messages`, the chat template's flags) or a completion
+    (`prompt`) would have, counted (vllm/entrypoints/serve/tokenize/serving.py); a text made of the sim's
+    own answer words alone, a token a word, as it wrote them (the proxy's count of an answer cut after
+    it); raises ApiError."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "The request body must be a JSON object.")
+    asked = body.get("model")
+    if asked is not None and not isinstance(asked, str):
+        raise _validation_error("chat", "model", "Input should be a valid string", asked)
+    if asked and asked not in served_names and asked not in adapters:
+        raise unknown_model(asked, served_names)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) and _own_words(prompt):
+        tokens = answer_tokens(prompt)
+    else:
+        tokens = _prompt("chat" if "messages" in body else "completion", body)[0]
+    return {"count": len(tokens), "max_model_len": max_model_len,
+            "tokens": [zlib.crc32(str(t).encode()) & 0xFFFF for t in tokens], "token_strs": None}
 
 
 def _template_flags(body: dict) -> tuple[bool, bool]:
@@ -333,7 +387,8 @@ def response_body(job: Job, rid: str, created: int, text: str, n_tokens: int, fi
 def chunk(job: Job, rid: str, created: int, text: str | None, finish: str | None = None,
           role: bool = False, tokens: int = 0) -> bytes:
     """One SSE event of a stream; text None with finish None is the chat's opening role chunk. tokens: the
-    answer's so far, this event's included (its usage with continuous_usage_stats, as vLLM 0.32 sends it)."""
+    answer's so far, this event's included (its usage with continuous_usage_stats, as vLLM 0.32 sends it;
+    none otherwise: vLLM writes its events exclude_unset)."""
     if job.kind == "chat":
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
@@ -342,8 +397,8 @@ def chunk(job: Job, rid: str, created: int, text: str | None, finish: str | None
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
         obj = "text_completion"
     body = {"id": rid, "object": obj, "created": created, "model": job.model, "choices": [choice]}
-    if job.include_usage:
-        body["usage"] = usage(job, tokens) if job.continuous_usage else None
+    if job.continuous_usage:
+        body["usage"] = usage(job, tokens)
     return sse(body)
 
 

@@ -262,10 +262,7 @@ async def models(request: web.Request) -> web.Response:
 
 async def _lora_request(request: web.Request) -> dict:
     """The JSON body of a load or unload request, as vLLM's pydantic models read it."""
-    try:
-        body = await request.json()
-    except ValueError as e:
-        raise ApiError(400, f"Invalid JSON in request body: {e}")
+    body = await _json_body(request)
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object.")
     return body
@@ -290,6 +287,21 @@ async def version(request: web.Request) -> web.Response:
     return web.json_response({"version": "0.0.0+fleet.sim"})
 
 
+async def _json_body(request: web.Request):
+    """The request's JSON body; vLLM's 400 when it is not JSON."""
+    try:
+        return await request.json()
+    except ValueError as e:
+        raise ApiError(400, f"Invalid JSON in request body: {e}")
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    cfg = engine.config
+    body = await _json_body(request)
+    return web.json_response(protocol.tokenize(body, cfg.served_model_names, cfg.max_model_len, engine.adapters))
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _completions(request, "chat")
 
@@ -301,10 +313,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _completions(request: web.Request, kind: str) -> web.StreamResponse:
     engine = request.app[ENGINE]
     cfg = engine.config
-    try:
-        body = await request.json()
-    except ValueError as e:
-        raise ApiError(400, f"Invalid JSON in request body: {e}")
+    body = await _json_body(request)
     job = protocol.parse(kind, body, cfg.served_model_names, cfg.max_model_len, engine.adapters)
     job.details = cfg.prompt_tokens_details
     if cfg.log_bytes > 0:
@@ -327,18 +336,25 @@ async def _completions(request: web.Request, kind: str) -> web.StreamResponse:
 
 
 async def _stream(request, engine: Engine, job: Job, tokens, finish, rid, created) -> web.StreamResponse:
-    """SSE: a chunk per token, the finish_reason on the last one, usage if asked, then [DONE]."""
+    """SSE: a chunk per token (per --stream-interval tokens), the finish_reason on the last one, usage if
+    asked, then [DONE]."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     last = len(tokens) - 1
+    interval = engine.config.stream_interval
     sent = 0
+    held: list[str] = []
 
     async def emit(tok: str) -> None:
         nonlocal sent
         if sent == 0:
             await opening()
-        await resp.write(protocol.chunk(job, rid, created, tok, finish if sent == last else None, tokens=sent + 1))
+        held.append(tok)
         sent += 1
+        if len(held) >= interval or sent - 1 == last:
+            await resp.write(protocol.chunk(job, rid, created, "".join(held), finish if sent - 1 == last else None,
+                                            tokens=sent))
+            held.clear()
 
     async def opening() -> None:
         # A chat's role chunk goes out with the first token, not before: vLLM 0.32 sends it on the
@@ -460,6 +476,7 @@ def make_app(config: SimConfig) -> web.Application:
     app.router.add_get("/version", version)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/tokenize", tokenize)
     app.router.add_get("/metrics", metrics)
     if config.runtime_lora:  # as vLLM: without VLLM_ALLOW_RUNTIME_LORA_UPDATING the routes do not exist
         app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
