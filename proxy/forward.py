@@ -279,9 +279,9 @@ def _tenant_settled(ex: Exchange, proxy, out: Outcome) -> None:
 
 def _usage(ex: Exchange, out: Outcome | None) -> tuple[int | None, int]:
     """(prompt tokens or None, output tokens) of an answer, as its usage (or its stream) told; of a resumed
-    stream, the whole answer's: the tokens before the last cut (the engine's count when its events told
-    it, else its content events) and the continuation's own count (its usage counts the text so far as
-    prompt; without usage, the stream's content events)."""
+    stream, the whole answer's: the tokens before the last cut (as counted at the cut: Splice.recount) and
+    the continuation's own count (its usage counts the text so far as prompt; without usage, the stream's
+    content events); of a stream cut, or left, before its closing usage chunk, the tokens it sent."""
     observer = out.observer if out is not None else None
     if observer is None:
         return None, 0
@@ -289,6 +289,8 @@ def _usage(ex: Exchange, out: Outcome | None) -> tuple[int | None, int]:
     if splice is not None and splice.hops:
         after = observer.reported_tokens
         return splice.prompt_tokens, splice.sent if after is None else splice.hops[-1].tokens_before + after
+    if observer.reported_tokens is None and splice is not None and splice.fed:
+        return observer.prompt_tokens, splice.sent   # cut or left before its closing usage: what was sent
     return observer.prompt_tokens, observer.reported_tokens or 0
 
 
@@ -472,11 +474,13 @@ async def _resume(ex: Exchange, proxy, pool: Balancer, out: Outcome, tried: list
             return _not_resumed(ex, proxy, out, "refused" if config.enabled else "off", splice.refused)
         if splice.finished or not budget_left(ex.parsed.request, splice.sent):
             return await _closed(ex, proxy, out)    # the answer was whole (its finish_reason out, its budget spent)
+        # (the policy counts other's pick as sent there, even when the budget then proves spent: rare)
         other = pool.acquire(exclude=tried, over=True, route=ex.route)
         if other is None:
             return _not_resumed(ex, proxy, out, "no_backend", "no other healthy instance in its pool")
         try:        # other's slot is this request's only once held (_hold): until then, given back here
-            counted = splice.recount(await _tokenized(ex, proxy, other) if splice.reported is None else None)
+            ask = splice.reported is None and splice.tokens > 0    # (no text sent: 0 is the count)
+            counted = splice.recount(await _tokenized(ex, proxy, other) if ask else None)
             rest = await _continuation_body(ex, proxy)
         except BaseException:
             pool.release(other)
@@ -507,11 +511,16 @@ def _not_resumed(ex: Exchange, proxy, out: Outcome, outcome: str, why: str) -> O
 
 
 async def _closed(ex: Exchange, proxy, out: Outcome) -> Outcome:
-    """A stream cut when every token of its answer was out already: the proxy ends it (its usage chunk
-    when asked for, the prompt reckoned as admission did when no event told it; [DONE])."""
+    """A stream cut when every token of its answer was out already: the proxy ends it (its finish_reason
+    `length` when its budget was spent, its usage chunk when asked for, the prompt reckoned as admission
+    did when no event told it; [DONE]), seen by the results log as sent (but after a hop: out's observer
+    is the continuation's, whose own count _usage adds to the tokens before the hop)."""
     proxy.metrics.resumes.labels("closed").inc()
+    end = ex.splice.closing(_prompt_tokens(ex))
+    if out.observer is not None and not ex.splice.hops:
+        out.observer.feed(end)
     try:
-        await ex.request["response"].write(ex.splice.closing(_prompt_tokens(ex)))
+        await ex.request["response"].write(end)
     except ConnectionResetError as e:
         raise ClientGone() from e
     await _eof(ex.request["response"])
@@ -538,7 +547,8 @@ async def _tokenized(ex: Exchange, proxy, backend: Backend) -> int | None:
     resume.py tokenize_request); None when it cannot say (an engine without the endpoint, an error, past
     TOKENIZE_S). Costs the cut one small request, where usage on every event (continuous_usage_stats)
     cost the engine's API server 15% more CPU an event on every stream."""
-    body = json.dumps(tokenize_request(ex.parsed.request, "".join(ex.splice.text))).encode()
+    text = "".join(ex.splice.text)
+    body = json.dumps(tokenize_request(ex.parsed.request, text)).encode()
     headers = {"Content-Type": "application/json", "X-Request-Id": ex.request_id}
     try:
         async with proxy.upstream.request("POST", backend.url, "/tokenize", headers, body, TOKENIZE_S,
@@ -548,7 +558,9 @@ async def _tokenized(ex: Exchange, proxy, backend: Backend) -> int | None:
         count = loads(answer).get("count") if status == 200 else None
     except (UpstreamError, asyncio.TimeoutError, ConnectionResetError, ValueError, AttributeError):
         return None
-    return count if isinstance(count, int) and not isinstance(count, bool) and count >= 0 else None
+    if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= len(text.encode()) + 1:
+        return None     # not a count of this text (a token is a byte of it at least; a tokenizer's prefix)
+    return count
 
 
 def _retried(ex: Exchange, proxy, failed: Backend, out: Outcome) -> None:

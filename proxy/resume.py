@@ -471,19 +471,26 @@ class Splice:
 
     def closing(self, prompt_tokens: int) -> bytes:
         """What ends a stream the proxy closes itself (the answer was whole, or its budget spent, when the
-        instance broke off): the usage chunk when one was asked for and none went out (prompt_tokens: the
-        engine's count when an event told it, else the caller's reckoning), then [DONE]; nothing once
-        [DONE] went out."""
+        instance broke off): a finish_reason `length` when none went out (the budget was spent), the usage
+        chunk when one was asked for and none went out (prompt_tokens: the engine's count when an event
+        told it, else the caller's reckoning), then [DONE]; nothing once [DONE] went out."""
         if self.done:
             return b""
         self.done = True
-        if not self.include_usage or self.usage_out or self.ids is None:
+        if self.ids is None:
             return DONE
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        out = b""
+        if not self.finished:
+            choice = {"index": 0, **({"delta": {}} if self.chat else {"text": ""}), "finish_reason": "length"}
+            out = b"data: " + _EVENT.encode({**self.ids, "object": kind, "choices": [choice]}).encode() + b"\n\n"
+            self.finished = True
+        if not self.include_usage or self.usage_out:
+            return out + DONE
         prompt = prompt_tokens if self.prompt_tokens is None else self.prompt_tokens
         usage = {"prompt_tokens": prompt, "completion_tokens": self.sent, "total_tokens": prompt + self.sent}
-        event = {**self.ids, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                 "choices": [], "usage": usage}
-        return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n" + DONE
+        event = {**self.ids, "object": kind, "choices": [], "usage": usage}
+        return out + b"data: " + _EVENT.encode(event).encode() + b"\n\n" + DONE
 
     def log_fields(self) -> dict:
         """The results log's fields of a stream cut by its instance: how it was resumed, or why not."""

@@ -225,7 +225,7 @@ def test_events_of_several_tokens_resume_to_the_budget_exactly(procs, tmp_path):
     port, admin = start_proxy(procs, tmp_path, ports, routing={"policy": "least_conn"})
     url = f"http://127.0.0.1:{port}"
     names = [f"127.0.0.1:{p}" for p in ports]
-    chat = {**ask(5), "stream_options": None, "max_tokens": 40}
+    chat = {**ask(5), "stream_options": None, "max_tokens": 90}     # 1.8 s an answer: time to cut it
 
     async def cut(s, body, path):
         seen = new_seen()
@@ -238,19 +238,19 @@ def test_events_of_several_tokens_resume_to_the_budget_exactly(procs, tmp_path):
     async def run():
         async with aiohttp.ClientSession() as s:
             got = [await cut(s, chat, "/v1/chat/completions"),
-                   await cut(s, {**COMPLETION, "max_tokens": 40}, "/v1/completions")]
+                   await cut(s, {**COMPLETION, "max_tokens": 90}, "/v1/completions")]
             expected = [(await whole(s, url, {**chat, "stream": False}))["choices"][0]["message"]["content"],
-                        (await whole(s, url, {**COMPLETION, "max_tokens": 40, "stream": False}, "/v1/completions"))
+                        (await whole(s, url, {**COMPLETION, "max_tokens": 90, "stream": False}, "/v1/completions"))
                         ["choices"][0]["text"]]
             return got, expected
 
     got, expected = asyncio.run(run())
-    lines = [e for e in results_log(tmp_path) if e.get("final") and e.get("resumed")]
-    assert len(lines) == 2, lines
+    lines = wait_until(lambda: (lambda f: f if len(f) == 2 else None)(
+        [e for e in results_log(tmp_path) if e.get("final") and e.get("resumed")]), what="both resumed lines")
     for (held, seen), text, line in zip(got, expected, lines):
         assert seen["cut"] is None and seen["usage"] is None and seen["text"] == text, (seen, text)
         assert line["backends"][0] == held and line["tokens_counted_by"] == "tokenize"
-        assert line["tokens_before"] % 3 == 0 and line["tokens_before"] + line["tokens_after"] == 40, line
+        assert line["tokens_before"] % 3 == 0 and line["tokens_before"] + line["tokens_after"] == 90, line
 
 
 async def _holder(admin: int) -> str:
@@ -350,23 +350,26 @@ def scripted_backend(servers, tokenize=None, bodies=None) -> int:
 
 
 @pytest.mark.xdist_group("load")
-@pytest.mark.parametrize("tokenizes", [True, False], ids=["tokenize", "no-tokenize"])
-def test_the_count_at_a_cut_is_the_next_engines_tokenizer_or_else_one_an_event(procs, tmp_path, tokenizes):
+@pytest.mark.parametrize("answer", ["words", None, "absurd"], ids=["tokenize", "no-tokenize", "absurd-count"])
+def test_the_count_at_a_cut_is_the_next_engines_tokenizer_or_else_one_an_event(procs, tmp_path, answer):
     """Two scripted backends whose events carry three tokens each; a stream asking no usage is cut after
     two events. 1. The backends answer /tokenize (the text alone, no special tokens: what they are asked):
     the continuation's max_tokens is the budget less the tokenizer's 6, its stream_options ask the closing
     usage chunk alone (not usage on every event), and the results log says `tokenize`. 2. They have no
-    /tokenize (an older engine): the count is one a content event (2), said `events`. The client gets no
-    usage either way, the text of both answers, one [DONE]."""
+    /tokenize (an older engine), or answer a count the text cannot have (more tokens than its bytes): the
+    count is one a content event (2), said `events`. The client gets no usage either way, the text of
+    both answers, one [DONE]."""
     from otlp_helpers import Servers
     asked = []
+    tokenizes = answer == "words"
 
     def tokenize(body):
         asked.append(body)
-        return {"count": len(body["prompt"].split()), "max_model_len": 4096, "tokens": []}   # a word a token
+        count = len(body["prompt"].split()) if tokenizes else 10 ** 9      # a word a token
+        return {"count": count, "max_model_len": 4096, "tokens": []}
     servers, bodies = Servers(), []
     try:
-        ports = [scripted_backend(servers, tokenize if tokenizes else None, bodies) for _ in range(2)]
+        ports = [scripted_backend(servers, tokenize if answer else None, bodies) for _ in range(2)]
         port, _ = start_proxy(procs, tmp_path, [f"127.0.0.1:{p}" for p in ports])
         url = f"http://127.0.0.1:{port}"
 
@@ -382,7 +385,7 @@ def test_the_count_at_a_cut_is_the_next_engines_tokenizer_or_else_one_an_event(p
     assert first["stream_options"] == rest["stream_options"] == {"include_usage": True, "continuous_usage_stats": False}
     assert rest["max_tokens"] == 20 - before and rest["messages"][-1]["content"] == "One two three four five six"
     assert asked == ([{"model": "m", "prompt": "One two three four five six", "add_special_tokens": False}]
-                     if tokenizes else [])
+                     if answer else [])
     line = wait_until(lambda: next((e for e in results_log(tmp_path) if e.get("final")), None),
                       what="the stream's final results-log line")
     assert (line["tokens_before"], line["tokens_counted_by"]) == (before, "tokenize" if tokenizes else "events"), line

@@ -259,6 +259,30 @@ def test_what_was_sent_at_a_cut_is_counted_by_the_next_engines_tokenizer():
     assert not budget_left(chat(max_completion_tokens=4, max_tokens=10), 4) and budget_left(chat(), 10 ** 6)
 
 
+def test_a_stream_cut_before_its_usage_counts_what_it_sent_and_a_spent_budget_ends_with_length():
+    """1. A stream cut (or left by its client) before the closing usage chunk the proxy asked for, and not
+    resumed: its tenant is charged the tokens it sent, not 0. 2. One the proxy closes because its budget is
+    spent ends as an engine's would: a finish_reason `length`, the usage chunk when asked for, [DONE]."""
+    from types import SimpleNamespace
+
+    from proxy.forward import Outcome, _usage
+    s = Splice(CHAT, None)
+    s.feed(sse(event("a", role=True)) + sse(event("a", "One two three")) + sse(event("a", " four")))
+    s.recount(4)
+    unread = Outcome(observer=SimpleNamespace(reported_tokens=None, prompt_tokens=None))
+    assert _usage(SimpleNamespace(splice=s), unread) == (None, 4)
+    for include in (False, True):
+        s = Splice(CHAT, None, include_usage=include)
+        s.feed(sse(event("a", role=True)) + sse(event("a", "Hi")))
+        end = [json.loads(e) for e in events_of(s.closing(7))[:-1]]
+        assert end[0]["choices"] == [{"index": 0, "delta": {}, "finish_reason": "length"}] and end[0]["id"] == "a"
+        assert [e["usage"] for e in end[1:]] == ([{"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8}]
+                                                 if include else [])
+    done = Splice(COMPLETIONS, None)
+    done.feed(sse({"id": "c", "created": 1, "model": "m", "choices": [{"index": 0, "text": "x", "finish_reason": "stop"}]}))
+    assert done.closing(7) == b"data: [DONE]\n\n"      # its finish went out: nothing more but [DONE]
+
+
 def test_the_text_sent_is_counted_alone_as_the_engine_wrote_it():
     """The /tokenize request of a cut: the text alone, no special tokens, the model kept (no template, no
     images, nothing of the sampling). On the sim, as on an engine whose tokenizer reads its own text back,
