@@ -104,6 +104,14 @@ def test_settings_a_deploy_would_switch_off_are_named(tmp_path):
                     "keepalived of an earlier deploy runs here and this inventory sets no vrrp: the deploy leaves "
                     "it running its old config"]
     assert drift.sentences(hv, parse({"proxy": {"config": None}}), {"inventory": None, "keepalived": False}) == []
+    # Deployed from another inventory file: said while any of it runs; once stopped, nothing is undone.
+    other = {"inventory": "/elsewhere/hosts.yml", "keepalived": False}
+    assert drift.sentences(hv, parse({"proxy": {"config": None}}), other) == []
+    for running in ({"proxy": {"alive": True, "config": None}}, {"keeper": {"alive": True}},
+                    {"instances": [{"index": 0, "alive": True}]}):
+        assert drift.sentences(hv, parse(running), other) == [
+            f"t was deployed from /elsewhere/hosts.yml; this run uses {hv.inventory_path} (set FLEET_INVENTORY "
+            "or -i to the first if that is the one you mean)"], running
 
 
 @pytest.mark.process

@@ -33,11 +33,17 @@ def read_deployed(found: HostFacts) -> dict:
     return {"inventory": header.group(1) if header else None, "keepalived": found.keepalived_recorded}
 
 
+def _running(found: HostFacts) -> bool:
+    """Whether any process of the deployment runs (a stopped one leaves its files, and nothing to undo)."""
+    return (found.proxy.alive or found.keeper.alive or found.nginx.alive
+            or any(i.alive for i in [*found.instances, *found.retired]))
+
+
 def sentences(hv: HostVars, found: HostFacts, deployed: dict) -> list[str]:
     """One sentence per thing this run would undo (found: the state probe's; deployed: read_deployed's)."""
     out = []
     was = deployed.get("inventory")
-    if was and hv.inventory_path and not _same_file(was, hv.inventory_path):
+    if was and hv.inventory_path and not _same_file(was, hv.inventory_path) and _running(found):
         out.append(f"{hv.name} was deployed from {was}; this run uses {hv.inventory_path} (set FLEET_INVENTORY "
                    "or -i to the first if that is the one you mean)")
     running = found.proxy.config or {}
