@@ -555,9 +555,10 @@ async def _tokenized(ex: Exchange, proxy, backend: Backend) -> int | None:
                                           min(proxy.config.connect_timeout_s, TOKENIZE_S)) as up:
             answer = await _read_up_to(up, TOKENIZE_BYTES)
             status = up.status
-        count = loads(answer).get("count") if status == 200 else None
-    except (UpstreamError, asyncio.TimeoutError, ConnectionResetError, ValueError, AttributeError):
+        answer = loads(answer) if status == 200 else None
+    except (UpstreamError, asyncio.TimeoutError, ConnectionResetError, ValueError):
         return None
+    count = answer.get("count") if isinstance(answer, dict) else None
     if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= len(text.encode()) + 1:
         return None     # not a count of this text (a token is a byte of it at least; a tokenizer's prefix)
     return count

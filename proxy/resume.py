@@ -27,6 +27,7 @@ COMPLETIONS = "/v1/completions"
 GUIDED = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
           "structured_outputs", "guided_decoding_backend")
 DONE = b"data: [DONE]\n\n"
+BUDGETS = ("max_tokens", "max_completion_tokens")   # a request's token budgets, less what was sent at a cut
 _EVENT = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))   # an event written anew: compact, UTF-8
 _USAGE = b'"usage"'
 _VALUE = json.JSONDecoder()
@@ -140,12 +141,12 @@ def continuation(path: str, request: dict, text: str, tokens: int) -> dict | Non
     messages plus an assistant message of text, continued (vLLM's continue_final_message, no generation
     prompt); completions, the prompt plus text. The token budget is reduced by tokens; sampling settings
     and seed kept. None: the budget is spent (the answer is whole as it is)."""
+    if not budget_left(request, tokens):
+        return None
     body = copy.deepcopy(request)
-    for key in ("max_tokens", "max_completion_tokens"):
-        if isinstance(body.get(key), int) and not isinstance(body.get(key), bool):
+    for key in BUDGETS:
+        if _count(body.get(key)):
             body[key] -= tokens
-            if body[key] <= 0:
-                return None
     if isinstance(body.get("min_tokens"), int):
         body["min_tokens"] = max(0, body["min_tokens"] - tokens)
     if path == CHAT:
@@ -162,9 +163,13 @@ def continuation(path: str, request: dict, text: str, tokens: int) -> dict | Non
 
 
 def budget_left(request: dict, tokens: int) -> bool:
-    """Whether a token budget (max_tokens, max_completion_tokens) leaves room after tokens were sent."""
-    return all(not isinstance(request.get(key), int) or isinstance(request.get(key), bool)
-               or request[key] - tokens > 0 for key in ("max_tokens", "max_completion_tokens"))
+    """Whether the token budgets (BUDGETS) leave room after tokens were sent."""
+    return all(not _count(request.get(key)) or request[key] - tokens > 0 for key in BUDGETS)
+
+
+def _count(value) -> bool:
+    """Whether value is a count of tokens (an int; JSON's true is not one)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def tokenize_request(request: dict, text: str) -> dict:

@@ -205,11 +205,7 @@ def parse(kind: str, body, served_names: list[str], max_model_len: int, adapters
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise _validation_error(kind, "user", "Input should be a valid string", user)
-    asked = body.get("model")
-    if asked is not None and not isinstance(asked, str):
-        raise _validation_error(kind, "model", "Input should be a valid string", asked)
-    if asked and asked not in served_names and asked not in adapters:
-        raise unknown_model(asked, served_names)
+    asked = _model_asked(kind, body, served_names, adapters)
     model = asked if asked in adapters else served_names[0]
     tokens, images, text, continued = _prompt(kind, body)
     if kind == "chat":
@@ -259,11 +255,7 @@ def tokenize(body, served_names: list[str], max_model_len: int, adapters=()) -> 
     it); raises ApiError."""
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object.")
-    asked = body.get("model")
-    if asked is not None and not isinstance(asked, str):
-        raise _validation_error("chat", "model", "Input should be a valid string", asked)
-    if asked and asked not in served_names and asked not in adapters:
-        raise unknown_model(asked, served_names)
+    _model_asked("chat" if "messages" in body else "completion", body, served_names, adapters)
     prompt = body.get("prompt")
     if isinstance(prompt, str) and _own_words(prompt):
         tokens = answer_tokens(prompt)
@@ -271,6 +263,16 @@ def tokenize(body, served_names: list[str], max_model_len: int, adapters=()) -> 
         tokens = _prompt("chat" if "messages" in body else "completion", body)[0]
     return {"count": len(tokens), "max_model_len": max_model_len,
             "tokens": [zlib.crc32(str(t).encode()) & 0xFFFF for t in tokens], "token_strs": None}
+
+
+def _model_asked(kind: str, body: dict, served_names: list[str], adapters) -> str | None:
+    """The body's `model`, checked as vLLM checks it: a string, and a served name or an adapter's."""
+    asked = body.get("model")
+    if asked is not None and not isinstance(asked, str):
+        raise _validation_error(kind, "model", "Input should be a valid string", asked)
+    if asked and asked not in served_names and asked not in adapters:
+        raise unknown_model(asked, served_names)
+    return asked
 
 
 def _template_flags(body: dict) -> tuple[bool, bool]:
